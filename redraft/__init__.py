@@ -1,0 +1,2 @@
+"""redraft: speculative decoding toolkit."""
+__version__ = "0.1.0"

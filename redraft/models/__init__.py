@@ -1,0 +1,19 @@
+"""Target loading and the ReDrafter draft head."""
+
+from redraft.models.target import (
+    DEFAULT_MODEL_ID,
+    DEFAULT_SPEC,
+    Target,
+    check_fingerprint,
+    load_target,
+    tokenizer_fingerprint,
+)
+
+__all__ = [
+    "DEFAULT_MODEL_ID",
+    "DEFAULT_SPEC",
+    "Target",
+    "check_fingerprint",
+    "load_target",
+    "tokenizer_fingerprint",
+]
