@@ -1,0 +1,178 @@
+"""The drafter interface: what every drafter gives the decoder and what it gets back.
+
+A drafter turns the decoding state of a batch into candidate *paths*: token sequences that may
+continue each row after the token the target produced last (the "bonus" token ``y``). The
+decoder merges the paths of all drafters into one tree (shared prefixes stored once), verifies
+the tree with one target forward, accepts the longest verified path per row, and then calls
+every drafter's :meth:`Drafter.observe` with what was accepted, so drafters can learn.
+
+Life cycle for one batch of requests::
+
+    drafter.begin(state)                      # new requests: reset per-request state (B rows)
+    while rows remain:
+        draft = drafter.propose(state)        # Draft(tokens [B, P, L], ...)
+        ... verify ...
+        drafter.observe(state, draft, feedback)
+        drafter.select_rows(keep)             # finished rows left the batch (optional)
+
+Shapes: ``B`` rows, ``P`` paths per row, ``L`` tokens per path, ``V`` target vocab size.
+
+Three kinds of drafters fit this interface without special cases:
+
+* deterministic drafters (n-gram tables, ReDrafter beams, MCTS, greedy draft models) return
+  ``q=None``; verification treats each drafted token as a point mass (q = delta), which is
+  lossless under recursive rejection sampling over sibling candidates however the candidates
+  were chosen.
+* stochastic drafters that *sample* their tokens return ``q [B, P, L, V]``, the distribution each
+  token was sampled from; the verifier then accepts with ``min(1, p/q)`` and continues with the
+  residual ``max(p - q, 0)`` (SpecInfer's multi-step speculative sampling).
+* drafters built from drafters (hierarchies, mixes) hold their children, call their
+  ``propose``/``observe`` and return one ``Draft``; per-request state lives in the drafter,
+  indexed by batch row, and :meth:`select_rows` keeps it aligned when rows finish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD = -1  # "no token" in paths and token buffers
+
+
+@dataclass
+class DecodeState:
+    """What a drafter may look at. Read-only for drafters.
+
+    Attributes:
+        tokens: ``[B, T]`` long: prompt + output so far per row, right-padded with ``PAD``;
+            the last valid token of each row is the bonus token ``y`` (not yet in the KV cache).
+        lengths: ``[B]`` long: valid tokens per row (``tokens[b, lengths[b]-1] == last[b]``).
+        last: ``[B]`` long: the bonus token ``y`` each path continues.
+        hidden: ``[B, H]``: the target's last-layer hidden state (after the final norm) at the
+            position that produced ``y`` (the token before it), or ``None`` before the first
+            verify. ReDrafter and other hidden-state drafters condition on it.
+        prompt_lengths: ``[B]`` long: how many of ``tokens`` are the prompt.
+        step: verify steps done so far in this batch.
+        request_ids: ``[B]`` long: which request of the original batch each row is (rows leave
+            the batch when they finish).
+        temperature: sampling temperature of this batch (0 = greedy).
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    last: torch.Tensor
+    hidden: torch.Tensor | None
+    prompt_lengths: torch.Tensor
+    step: int
+    request_ids: torch.Tensor
+    temperature: float = 0.0
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+
+@dataclass
+class Draft:
+    """Candidate paths of one drafter for every row.
+
+    Attributes:
+        tokens: ``[B, P, L]`` long target-vocab ids; a path ends at its first ``PAD`` (paths may
+            have different lengths, a row may have fewer paths: all-``PAD`` rows of paths).
+            ``tokens[b, p, 0]`` is the token proposed right after ``state.last[b]``.
+        logp: ``[B, P, L]`` float or ``None``: the drafter's log-probability of each token given
+            the path before it. Used to rank nodes when the tree is pruned to the verify budget
+            (higher is kept first); ``None`` ranks by path order.
+        q: ``[B, P, L, V]`` float or ``None``: for drafters that *sampled* their tokens, the
+            distribution each token was sampled from (lossless rejection sampling then uses
+            ``min(1, p/q)``). ``None``: deterministic drafts (q = delta).
+    """
+
+    tokens: torch.Tensor
+    logp: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+
+    @property
+    def num_paths(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def path_length(self) -> int:
+        return int(self.tokens.shape[2])
+
+    @staticmethod
+    def empty(batch_size: int, device=None) -> "Draft":
+        """A draft with no paths (the tree is the root alone)."""
+        return Draft(tokens=torch.full((batch_size, 0, 1), PAD, dtype=torch.long, device=device))
+
+
+@dataclass
+class Feedback:
+    """What verification did with a drafter's paths (given to :meth:`Drafter.observe`).
+
+    Attributes:
+        accepted_prefix: ``[B, P]`` long: how many leading tokens of each of this drafter's
+            paths were accepted (the path's token at that index, if any, was rejected or lies
+            on a branch the verifier did not take).
+        accepted: ``[B, A]`` long: the accepted draft tokens per row, ``PAD``-padded.
+        num_accepted: ``[B]`` long: accepted draft tokens per row (the bonus not counted).
+        bonus: ``[B]`` long: the token the target produced after the accepted ones (the next
+            ``state.last``).
+    """
+
+    accepted_prefix: torch.Tensor
+    accepted: torch.Tensor
+    num_accepted: torch.Tensor
+    bonus: torch.Tensor
+
+
+class Drafter:
+    """Base class of all drafters. Subclasses implement :meth:`propose`; the rest is optional.
+
+    Class attributes:
+        name: short name used in stats and benchmark tables.
+        needs_hidden: ``True`` when :meth:`propose` reads ``state.hidden``.
+    """
+
+    name: str = "drafter"
+    needs_hidden: bool = False
+
+    def begin(self, state: DecodeState) -> None:
+        """A new batch of requests starts (``state.step == 0``): reset per-request state."""
+
+    def propose(self, state: DecodeState) -> Draft:
+        """Return candidate paths continuing ``state.last`` for every row."""
+        raise NotImplementedError
+
+    def observe(self, state: DecodeState, draft: Draft, feedback: Feedback) -> None:
+        """Called after verification with the draft this drafter proposed in this step.
+
+        ``state`` is the state the draft was made from. Adaptive drafters update here (ADED's
+        tri-gram boosts, HSDDW's entropy threshold from rejected tokens).
+        """
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Rows ``keep`` ([B'] long indices into the current batch) stay; drop the others'
+        per-request state. Called when requests finish."""
+
+
+def pad_paths(tokens: torch.Tensor, length: int) -> torch.Tensor:
+    """Right-pad (or cut) ``[..., L]`` paths to ``length`` with ``PAD``."""
+    cur = tokens.shape[-1]
+    if cur == length:
+        return tokens
+    if cur > length:
+        return tokens[..., :length]
+    pad = tokens.new_full((*tokens.shape[:-1], length - cur), PAD)
+    return torch.cat([tokens, pad], dim=-1)
+
+
+def clean_paths(tokens: torch.Tensor) -> torch.Tensor:
+    """Make every token after a path's first ``PAD`` (or negative id) a ``PAD`` too."""
+    valid = (tokens >= 0).long().cumprod(dim=-1).bool()
+    return tokens.masked_fill(~valid, PAD)
