@@ -296,11 +296,22 @@ def _hub_error(repo: str, exc: Exception) -> TargetLoadError:
 
 def _load_hub(repo: str, revision: str | None, torch_dtype):
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.utils import EntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     try:
         adapter_cfg = hf_hub_download(repo, "adapter_config.json", revision=revision)
-    except EntryNotFoundError:
+    except LocalEntryNotFoundError as exc:
+        # offline or unreachable, and not in the cache: fail now rather than retrying the
+        # model download too (LocalEntryNotFoundError subclasses EntryNotFoundError)
+        if _cached_snapshot_has_config(repo, revision):
+            adapter_cfg = None
+        else:
+            raise _hub_error(repo, exc) from exc
+    except EntryNotFoundError:  # the repo exists and is not an adapter
         adapter_cfg = None
     except RepositoryNotFoundError as exc:
         raise TargetLoadError(
@@ -317,6 +328,14 @@ def _load_hub(repo: str, revision: str | None, torch_dtype):
         raise _hub_error(repo, exc) from exc
     model_id = repo if revision is None else f"{repo}@{revision}"
     return model, tok, model_id, {"kind": "hub", "repo": repo, "revision": revision}
+
+
+def _cached_snapshot_has_config(repo: str, revision: str | None) -> bool:
+    """True when the HF cache holds this repo's config.json (an offline load can then work)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    hit = try_to_load_from_cache(repo, "config.json", revision=revision)
+    return isinstance(hit, str)
 
 
 def _load_peft(adapter_dir: Path, torch_dtype, adapter_id: str | None = None):
