@@ -17,11 +17,32 @@ trainer, the n-gram builder and the decoder all call into it.
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import os
 import re
+import shutil
+import struct
+import sys
+import tempfile
+import time
 from pathlib import Path
 
+import yaml
+from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import filter_repo_objects
+
 from redraft.errors import ArtifactError, RedraftError
+
+logger = logging.getLogger(__name__)
 
 # Artifact kinds and the file that marks a finished artifact of that kind.
 KIND_DRAFTER = "drafter"
@@ -49,8 +70,6 @@ RESUME_ONLY_PATTERNS = (
 
 def hub_offline() -> bool:
     """True when ``HF_HUB_OFFLINE`` is set to a true value now (or was at import time)."""
-    from huggingface_hub import constants
-
     value = os.environ.get("HF_HUB_OFFLINE")
     if value is not None:
         return value.strip().lower() in _TRUTHY
@@ -59,8 +78,6 @@ def hub_offline() -> bool:
 
 def hub_cache_dir() -> Path:
     """The Hub cache directory: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else the library default."""
-    from huggingface_hub import constants
-
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
             return Path(os.environ[var]).expanduser()
@@ -128,14 +145,6 @@ def resolve_artifact(spec: str | os.PathLike, *, kind: str | None = None) -> Pat
 
 def _snapshot(repo_id: str, revision: str | None, local: Path | None = None) -> Path:
     """``snapshot_download`` with errors a user can act on."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
     offline = hub_offline()
     cache = hub_cache_dir()
@@ -196,7 +205,6 @@ def _check_kind(path: Path, kind: str | None, spec: str) -> Path:
 
 def artifact_kind(path: str | os.PathLike) -> str | None:
     """``"drafter"``, ``"ngrams"`` or ``None`` from the marker file in directory ``path``."""
-    import json
 
     path = Path(path)
     if (path / "ngrams.json").is_file():
@@ -248,7 +256,6 @@ _TARGET_KEYS = ("target_model", "target", "target_id", "target_model_id", "base_
 
 
 def _read_json(path: Path) -> dict:
-    import json
 
     try:
         data = json.loads(path.read_text())
@@ -259,9 +266,7 @@ def _read_json(path: Path) -> dict:
 
 def _read_recipe(artifact: Path) -> tuple[str | None, dict | None]:
     """(file name, parsed dict) of the resolved training config saved with the run, if any."""
-    import json
 
-    import yaml
 
     for name in RECIPE_FILES:
         path = artifact / name
@@ -335,8 +340,6 @@ def _safetensors_header(path: Path) -> dict:
     Layout: 8 bytes little-endian header length N, N bytes of JSON, then the tensor data; the
     largest ``data_offsets`` end must equal the data size, so a cut-off file is caught here.
     """
-    import json
-    import struct
 
     size = path.stat().st_size
     try:
@@ -361,8 +364,6 @@ def _safetensors_header(path: Path) -> dict:
 
 def upload_files(artifact_dir: str | os.PathLike) -> list[str]:
     """Relative POSIX paths of the files :func:`push_artifact` uploads (resume-only files left out)."""
-    from huggingface_hub.utils import filter_repo_objects
-
     root = Path(artifact_dir)
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     keep = set(filter_repo_objects(files, ignore_patterns=list(RESUME_ONLY_PATTERNS)))
@@ -385,8 +386,6 @@ def check_finished(artifact_dir: str | os.PathLike) -> str:
     if not root.is_dir():
         raise ArtifactError(f"Artifact directory {root} does not exist or is not a directory.")
     all_files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-    from huggingface_hub.utils import filter_repo_objects
-
     resume_only = set(filter_repo_objects(all_files, allow_patterns=["training_state/**",
                                                                     "global_step*/**"]))
     partial = [f for f in all_files if ".tmp" in Path(f).name and f not in resume_only]
@@ -457,7 +456,7 @@ _CONFIG_NOISE = {
 # Filled by :func:`generate_model_card`; {repo} is the repo id (or the local directory).
 USAGE_DRAFTER = """\
 ```bash
-pip install "redraft @ git+https://github.com/<org>/redraft"   # or from a checkout: pip install -e .
+# with redraft installed (pip install -e . in a redraft checkout)
 redraft-bench --target {target} --drafter {repo}
 ```
 
@@ -472,7 +471,7 @@ drafter_dir = resolve_artifact("{repo}", kind="drafter")
 
 USAGE_NGRAMS = """\
 ```bash
-pip install "redraft @ git+https://github.com/<org>/redraft"   # or from a checkout: pip install -e .
+# with redraft installed (pip install -e . in a redraft checkout)
 redraft-bench --target {target} --ngrams {repo}
 ```
 
@@ -490,6 +489,8 @@ def _fmt(value) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, float):
+        if abs(value) >= 100:
+            return f"{value:.1f}"
         return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
     if isinstance(value, (list, tuple)):
         return ", ".join(_fmt(v) for v in value)
@@ -521,7 +522,6 @@ _BENCH_COLUMNS = (("tokens_per_call", "tokens / call"), ("tokens_per_s", "tokens
 
 
 def _bench_section(artifact: Path) -> str | None:
-    import json
 
     for name in BENCH_FILES:
         path = artifact / name
@@ -546,7 +546,17 @@ def _bench_section(artifact: Path) -> str | None:
 
 
 def _metrics_section(metrics: dict) -> str:
-    """Per-position accuracy table (list-valued ``eval_*`` metrics) and the scalar metrics."""
+    """Per-position accuracy table (list-valued metrics) and the scalar metrics.
+
+    Nested dicts are flattened one level (``{"eval": {"top1": [...]}}`` -> ``eval.top1``).
+    """
+    flat = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    metrics = flat
     lists = {k: v for k, v in metrics.items()
              if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)}
     parts = []
@@ -555,13 +565,14 @@ def _metrics_section(metrics: dict) -> str:
         rows = [[i + 1] + [v[i] if i < len(v) else "" for v in lists.values()] for i in range(n)]
         parts.append("Per draft position (position 1 is the first token after the target's own):\n\n"
                      + _table(["position"] + list(lists), rows))
-    tau = metrics.get("eval_tau_est", metrics.get("tau_est"))
+    tau_keys = ("eval_tau_est", "tau_est", "eval.tau_est")
+    tau = next((metrics[k] for k in tau_keys if k in metrics), None)
     if tau is not None:
         parts.append(f"**Estimated acceptance length tau_est = {_fmt(tau)}** tokens per target call "
                      f"(`1 + sum_k chain_acc_k`: the expected tokens per call when each position's "
                      f"chain accuracy is its acceptance rate).")
     scalars = [[k, v] for k, v in metrics.items()
-               if isinstance(v, (int, float, str, bool)) and k not in ("eval_tau_est", "tau_est")]
+               if isinstance(v, (int, float, str, bool)) and k not in tau_keys]
     if scalars:
         parts.append(_table(["metric", "value"], scalars))
     return "\n\n".join(parts)
@@ -585,7 +596,6 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
         Markdown with YAML front matter: ``library_name: redraft``, ``base_model`` (when the
         target is a Hub id), ``tags``, ``license``, ``datasets`` (Hub datasets only).
     """
-    import yaml
 
     root = Path(artifact_dir)
     kind = artifact_kind(root)
@@ -628,7 +638,7 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
     if kind == KIND_DRAFTER:
         out += [f"# {name}: ReDrafter draft head for {target or 'its target'}", "",
                 f"A [ReDrafter](https://arxiv.org/abs/2403.09919) draft head for speculative "
-                f"decoding of {target_text}, trained with [redraft](https://github.com/). It is a "
+                f"decoding of {target_text}, trained with redraft. It is a "
                 f"small recurrent head on the target's last hidden state; it reuses the target's "
                 f"own (frozen) input embeddings, which are not stored here. The target verifies "
                 f"every drafted token, so greedy decoding gives exactly the target's own output, "
@@ -636,7 +646,7 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
     else:
         out += [f"# {name}: n-gram draft tables for {target or 'its target'}", "",
                 f"Learning-free draft tables for speculative decoding of {target_text}, built with "
-                f"[redraft](https://github.com/): model-derived unigram / bigram / extended tables "
+                f"redraft: model-derived unigram / bigram / extended tables "
                 f"([N-Grammys](https://arxiv.org/abs/2411.03786)) computed from the target's own "
                 f"weights, and corpus tri-gram tables ([ADED](https://arxiv.org/abs/2408.08696)). "
                 f"The target verifies every drafted token, so its output does not change."]
@@ -647,7 +657,7 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
         value = _find_key(config, (key,))
         if value is not None:
             rows.append([key, value])
-    out += [_table(["", ""], rows), "",
+    out += [_table(["field", "value"], rows), "",
             "redraft refuses to load this artifact with a target whose tokenizer fingerprint differs."]
 
     if kind == KIND_DRAFTER:
@@ -704,7 +714,6 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
 
 def _atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary file in the same directory and os.replace."""
-    import tempfile
 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -734,7 +743,11 @@ def write_model_card(artifact_dir: str | os.PathLike, **kwargs) -> Path:
 
 # Seconds between attempts on a transient error (HTTP 429/5xx, connection drop): 4 retries.
 RETRY_DELAYS = (2.0, 4.0, 8.0, 16.0)
-_sleep = __import__("time").sleep  # tests replace this
+_sleep = time.sleep  # tests replace this
+
+# A repo holds one artifact: weights of an earlier push that this one does not re-upload (say,
+# shards of a previously sharded head) are deleted in the same commit, so loaders never mix them.
+STALE_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
 
 
 def _status(exc: BaseException) -> int | None:
@@ -766,7 +779,6 @@ def is_transient(exc: BaseException) -> bool:
 
 def _with_retries(step: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, retried after :data:`RETRY_DELAYS` on transient errors."""
-    import logging
 
     for attempt, delay in enumerate((*RETRY_DELAYS, None)):
         try:
@@ -778,7 +790,7 @@ def _with_retries(step: str, fn, *args, **kwargs):
             retry_after = getattr(response, "headers", {}).get("Retry-After") if response else None
             if retry_after and str(retry_after).isdigit():
                 delay = max(delay, float(retry_after))
-            logging.getLogger(__name__).warning(
+            logger.warning(
                 "%s failed (%s); retry %d/%d in %.0f s", step, _first_line(exc), attempt + 1,
                 len(RETRY_DELAYS), delay)
             _sleep(delay)
@@ -804,7 +816,6 @@ def _push_error(step: str, repo_id: str, exc: BaseException, root: Path) -> Arti
 
 def _stage(root: Path, files: list[str], card: str | None, stage: Path) -> None:
     """Lay out the upload in ``stage``: hard links to ``files`` (copies across devices) + card."""
-    import shutil
 
     for rel in files:
         if card is not None and rel == CARD_FILE:
@@ -851,8 +862,6 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
         ArtifactError: the artifact is not finished, or repo creation / branch creation /
             upload failed (the message says which and why); local files are then unchanged.
     """
-    import shutil
-    import tempfile
 
     root = Path(artifact_dir)
     repo_id = str(repo_id)
@@ -870,8 +879,6 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
         raise ArtifactError(f"--keep-card was given but {root / CARD_FILE} does not exist.")
     card = None if keep_card else generate_model_card(root, repo_id=repo_id, license=license)
     if api is None:
-        from huggingface_hub import HfApi
-
         if hub_offline():
             raise ArtifactError(f"Cannot push {root} to {repo_id!r}: HF_HUB_OFFLINE is set, which "
                                 f"blocks every Hub request. Unset it (HF_HUB_OFFLINE=0) to push.")
@@ -900,7 +907,8 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
         try:
             _with_retries("upload", api.upload_folder, repo_id=repo_id, folder_path=str(stage),
                           commit_message=message, revision=revision, repo_type="model",
-                          ignore_patterns=list(RESUME_ONLY_PATTERNS))
+                          ignore_patterns=list(RESUME_ONLY_PATTERNS),
+                          delete_patterns=list(STALE_PATTERNS))
         except Exception as exc:
             raise _push_error("upload", repo_id, exc, root) from exc
     finally:
@@ -913,16 +921,11 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
 
 
 def _endpoint() -> str:
-    from huggingface_hub import constants
-
     return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
 
 
 def push_main(argv: list[str] | None = None) -> int:
     """``redraft-push DIR REPO_ID``: publish a finished drafter or n-gram artifact to the Hub."""
-    import argparse
-    import logging
-    import sys
 
     parser = argparse.ArgumentParser(
         prog="redraft-push",

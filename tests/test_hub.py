@@ -238,6 +238,15 @@ def test_ngram_card_lists_tables(tmp_path):
     assert 'resolve_artifact("org/tables", kind="ngrams")' in card
 
 
+def test_card_reads_nested_metrics(tmp_path):
+    art = make_drafter(tmp_path / "run", metrics=False, recipe=False, bench=False, state=False)
+    (art / "metrics.json").write_text(json.dumps(
+        {"eval": {"top1": [0.5, 0.25], "tau_est": 1.6}, "step": 40}))
+    card = hub.generate_model_card(art)
+    assert "| position | eval.top1 |" in card and "| 2 | 0.25 |" in card
+    assert "tau_est = 1.6" in card and "| step | 40 |" in card
+
+
 def test_card_for_non_artifact_is_an_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ArtifactError, match="neither config.json"):
@@ -309,6 +318,7 @@ def test_push_uploads_artifact_with_card(tmp_path, no_sleep):
     assert up["repo_id"] == "org/head" and up["revision"] == "v1"
     assert up["commit_message"] == "first head"
     assert "training_state/**" in up["ignore_patterns"]
+    assert "*.safetensors" in up["delete_patterns"]  # stale shards of an earlier push go
     # Everything but resume-only state, plus the fresh card; the weights are byte-identical.
     assert set(api.uploaded) == {"config.json", "model.safetensors", "metrics.json",
                                  "resolved_config.yaml", "bench.json", "README.md"}
