@@ -246,10 +246,8 @@ METRICS_FILE = "metrics.json"
 CARD_FILE = "README.md"
 
 # Where a data spec (redraft.data) names a Hub dataset, or the embedded default's source.
-DEFAULT_DATASETS = {
-    "default-chat": "anon8231489123/ShareGPT_Vicuna_unfiltered",
-    "default": "anon8231489123/ShareGPT_Vicuna_unfiltered",
-}
+DEFAULT_DATASETS = {"default-chat": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+HUB_DATA_KINDS = ("sharegpt", "ultrachat", "stack")
 _DATA_KEYS = ("data", "dataset", "datasets", "train_data", "data_spec", "data_specs", "corpus",
               "eval_data", "sources")
 _TARGET_KEYS = ("target_model", "target", "target_id", "target_model_id", "base_model")
@@ -306,29 +304,37 @@ def _hub_id(value) -> str | None:
 
 
 def dataset_ids(specs) -> list[str]:
-    """Hub dataset ids named by redraft data specs (``sharegpt:org/name``, ``default-chat``, ...).
+    """Hub dataset ids named by redraft data specs, for the card's ``datasets`` metadata.
 
-    Local files and folders are left out: the card metadata may only name Hub datasets.
-    ``specs`` is a string (several specs separated by commas or whitespace), a list of them, or a
-    list of ``{"spec": ..., "weight": ...}`` dicts.
+    Understands the :mod:`redraft.data` grammar (``[WEIGHT*]KIND[:ARG][?OPTIONS]``, components
+    joined by ``,``): ``sharegpt:`` / ``ultrachat:`` / ``stack:`` with a hub id give that id,
+    ``default-chat`` gives the ShareGPT dataset it ships; local files and folders, ``code-dir:``
+    and ``default-code`` (the Python standard library) are left out, since the metadata may only
+    name Hub datasets. ``specs`` is a spec string, a list of them, or a list of dicts with a
+    ``spec`` key.
     """
     if specs is None:
         return []
-    items = specs if isinstance(specs, (list, tuple)) else re.split(r"[,\s]+", str(specs))
-    out: list[str] = []
+    items = specs if isinstance(specs, (list, tuple)) else [specs]
+    components = []
     for item in items:
         if isinstance(item, dict):
-            item = item.get("spec") or item.get("path") or item.get("name") or ""
-        item = str(item).strip()
-        if not item:
-            continue
-        if item in DEFAULT_DATASETS:
-            ds = DEFAULT_DATASETS[item]
+            item = item.get("spec") or item.get("data") or ""
+        components += str(item).split(",")
+    out: list[str] = []
+    for comp in components:
+        comp = comp.strip()
+        head, star, rest = comp.partition("*")
+        if star and re.fullmatch(r"[0-9.eE+-]+", head.strip()):
+            comp = rest.strip()  # "0.7*default-chat": drop the weight
+        body = comp.split("?", 1)[0]
+        kind, _, arg = body.partition(":")
+        if kind in DEFAULT_DATASETS:
+            ds = DEFAULT_DATASETS[kind]
+        elif kind in HUB_DATA_KINDS:
+            ds = _hub_id(arg)
         else:
-            # "kind:ID?query" or "kind:ID=weight" / "ID*weight": keep the ID part.
-            body = item.split(":", 1)[1] if ":" in item else item
-            body = re.split(r"[?=*]", body, maxsplit=1)[0]
-            ds = _hub_id(body)
+            ds = None
         if ds and ds not in out:
             out.append(ds)
     return out

@@ -238,6 +238,19 @@ def test_ngram_card_lists_tables(tmp_path):
     assert 'resolve_artifact("org/tables", kind="ngrams")' in card
 
 
+@pytest.mark.parametrize("spec,expected", [
+    ("default-chat", ["anon8231489123/ShareGPT_Vicuna_unfiltered"]),
+    ("0.7*default-chat,0.3*default-code", ["anon8231489123/ShareGPT_Vicuna_unfiltered"]),
+    ("default-chat:0.7,stack:bigcode/the-stack-dedup?lang=python",
+     ["anon8231489123/ShareGPT_Vicuna_unfiltered", "bigcode/the-stack-dedup"]),
+    ("ultrachat:HuggingFaceH4/ultrachat_200k?split=train_sft", ["HuggingFaceH4/ultrachat_200k"]),
+    ("sharegpt:/data/sharegpt.jsonl,code-dir:org/src,/data/chats.jsonl", []),
+    (["sharegpt:a/b", {"spec": "stack:c/d"}, "sharegpt:a/b@main"], ["a/b", "c/d"]),
+])
+def test_dataset_ids_from_data_specs(spec, expected):
+    assert hub.dataset_ids(spec) == expected
+
+
 def test_card_reads_nested_metrics(tmp_path):
     art = make_drafter(tmp_path / "run", metrics=False, recipe=False, bench=False, state=False)
     (art / "metrics.json").write_text(json.dumps(
