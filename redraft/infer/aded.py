@@ -1,0 +1,367 @@
+"""ADED (Liu et al. 2024) as a drafter: MCTS over the corpus tri-gram table, adapted per request.
+
+Pieces, each usable alone:
+
+* :class:`TrigramTable`: a read-only view of the tri-gram table in CSR form (sorted packed
+  context keys ``w1 * V + w2``, offsets, successor ids, probabilities) with a vectorised
+  ``successors`` lookup. :meth:`TrigramTable.from_csr` takes the four arrays, so tests and other
+  tools can build one without the n-gram builder; :func:`as_trigram_table` adapts the builder's
+  ``NGramTables``.
+* :class:`TrigramOverlay`: ADED's adaptive updates (Adjust3Gram) for a batch of requests. After
+  each step the tri-grams of the new output get their probability raised by ``increment`` up to
+  ``cap``; tri-grams the table lacks enter with ``increment``. The overlay is a few sorted numpy
+  arrays next to the table: the loaded table (and its file) never changes, and each request
+  (batch row) sees only its own updates.
+* :func:`redraft.infer.mcts.mcts_search`: the draft maker (PUCT, expansion from the table,
+  simulation by sampling it, backpropagation of the path score, candidates ranked by score).
+* :class:`ADEDDrafter`: the three behind the decoder's :class:`~redraft.infer.drafters.Drafter`
+  interface; its candidate paths join the shared verification tree.
+
+Example::
+
+    table = as_trigram_table(NGramTables.load("checkpoints/ngrams-sharegpt", target))
+    drafter = ADEDDrafter(table)                # paper defaults: 150 iterations, depth 4, 24 paths
+    decoder = SpeculativeDecoder(target, [drafter])
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from redraft.errors import ArtifactError
+from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback
+from redraft.infer.mcts import MCTSConfig, MCTSResult, mcts_search
+
+# ADED's Adjust3Gram defaults: one observation of a tri-gram makes it a strong (not certain)
+# candidate; repeats saturate at ``cap``.
+DEFAULT_INCREMENT = 0.3
+DEFAULT_CAP = 0.95
+
+
+class TrigramTable:
+    """Read-only tri-gram table ``P(w3 | w1, w2)`` in CSR form, on the host (numpy).
+
+    Attributes:
+        keys: ``[C]`` int64, sorted: packed contexts ``w1 * V + w2``.
+        offsets: ``[C + 1]`` int64: successors of ``keys[i]`` are ``ids[offsets[i]:offsets[i+1]]``.
+        ids: ``[E]`` int64 successor ids, each context's sorted by probability (descending).
+        probs: ``[E]`` float32 ``P(w3 | w1, w2)``.
+        vocab_size: ``V`` of the packing.
+    """
+
+    def __init__(self, keys, offsets, ids, probs, vocab_size: int):
+        self.keys = np.ascontiguousarray(keys, np.int64)
+        self.offsets = np.ascontiguousarray(offsets, np.int64)
+        self.ids = np.ascontiguousarray(ids, np.int64)
+        self.probs = np.ascontiguousarray(probs, np.float32)
+        self.vocab_size = int(vocab_size)
+        C = self.keys.size
+        if self.offsets.size != C + 1 or self.ids.size != self.probs.size or (
+                C and self.offsets[-1] != self.ids.size):
+            raise ArtifactError(
+                f"tri-gram CSR arrays disagree: {C} keys, {self.offsets.size} offsets (want {C + 1}), "
+                f"{self.ids.size} ids, {self.probs.size} probs, last offset "
+                f"{self.offsets[-1] if self.offsets.size else None}. Rebuild the n-gram tables.")
+        if C > 1 and not (np.diff(self.keys) > 0).all():
+            raise ArtifactError("tri-gram context keys are not strictly increasing; rebuild the table.")
+        lens = np.diff(self.offsets)
+        self.max_successors = int(lens.max()) if C else 0
+
+    @classmethod
+    def from_csr(cls, keys, offsets, ids, probs, vocab_size: int, sort: bool = True) -> "TrigramTable":
+        """Build from CSR arrays (numpy or torch); ``sort`` orders each context's successors by
+        probability (descending), which :meth:`successors` relies on."""
+        arrs = [a.cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+                for a in (keys, offsets, ids, probs)]
+        keys, offsets, ids, probs = arrs
+        if sort and ids.size:
+            seg = np.repeat(np.arange(keys.size), np.diff(offsets))
+            order = np.lexsort((-probs.astype(np.float64), seg))
+            ids, probs = ids[order], probs[order]
+        return cls(keys, offsets, ids, probs, vocab_size)
+
+    @classmethod
+    def from_trigrams(cls, w1, w2, w3, counts, vocab_size: int, top: int = 12) -> "TrigramTable":
+        """Build from counted tri-grams (any order): ``P = C(w1,w2,w3) / C(w1,w2)``, top-``top``
+        successors per context. For tests and small corpora (the builder does this at scale)."""
+        w1, w2, w3 = (np.asarray(a, np.int64) for a in (w1, w2, w3))
+        counts = np.asarray(counts, np.float64)
+        ctx = w1 * vocab_size + w2
+        order = np.lexsort((-counts, ctx))
+        ctx, w3, counts = ctx[order], w3[order], counts[order]
+        keys, start, n = np.unique(ctx, return_index=True, return_counts=True)
+        total = np.add.reduceat(counts, start)
+        rank = np.arange(ctx.size) - np.repeat(start, n)
+        keep = rank < top
+        probs = counts / np.repeat(total, n)
+        kept = np.minimum(n, top)
+        offsets = np.concatenate([[0], np.cumsum(kept)])
+        return cls(keys, offsets, w3[keep], probs[keep].astype(np.float32), vocab_size)
+
+    def __len__(self) -> int:
+        return int(self.keys.size)
+
+    def rows_of(self, w1: np.ndarray, w2: np.ndarray) -> np.ndarray:
+        """Index of context ``(w1, w2)`` in :attr:`keys` per query ``[N]``, ``-1`` if absent."""
+        ctx = np.asarray(w1, np.int64) * self.vocab_size + np.asarray(w2, np.int64)
+        if self.keys.size == 0:
+            return np.full(ctx.shape, -1, np.int64)
+        pos = np.minimum(np.searchsorted(self.keys, ctx), self.keys.size - 1)
+        hit = (self.keys[pos] == ctx) & (np.asarray(w1) >= 0) & (np.asarray(w2) >= 0)
+        return np.where(hit, pos, -1)
+
+    def successors(self, w1: np.ndarray, w2: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` successors of each context: ``(ids [N, k] int64, probs [N, k] float32)``,
+        ``-1`` / ``0`` padded, sorted by probability (descending)."""
+        row = self.rows_of(w1, w2)
+        start = np.where(row >= 0, self.offsets[np.maximum(row, 0)], 0)
+        end = np.where(row >= 0, self.offsets[np.maximum(row, 0) + 1], 0)
+        idx = start[:, None] + np.arange(k)[None, :]  # [N, k]
+        ok = idx < end[:, None]
+        idx = np.where(ok, idx, 0)
+        if self.ids.size == 0:
+            return np.full(idx.shape, -1, np.int64), np.zeros(idx.shape, np.float32)
+        return np.where(ok, self.ids[idx], -1), np.where(ok, self.probs[idx], 0.0).astype(np.float32)
+
+    def prob(self, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray) -> np.ndarray:
+        """``P(w3 | w1, w2)`` per query ``[N]`` (0 where the table lacks it)."""
+        ids, probs = self.successors(w1, w2, max(self.max_successors, 1))
+        hit = ids == np.asarray(w3, np.int64)[:, None]
+        return (probs * hit).sum(1)
+
+
+def as_trigram_table(tables, vocab_size: int | None = None) -> TrigramTable:
+    """A :class:`TrigramTable` from what the n-gram builder loads.
+
+    Accepts a :class:`TrigramTable`, an object with a ``trigram_table()`` method, or an object
+    holding the CSR tensors as attributes (``trigram_keys``, ``trigram_offsets``, ``trigram_ids``,
+    ``trigram_probs`` and ``vocab_size``), e.g. ``redraft.ngrams.NGramTables``.
+    """
+    if isinstance(tables, TrigramTable):
+        return tables
+    if hasattr(tables, "trigram_table") and callable(tables.trigram_table):
+        out = tables.trigram_table()
+        if isinstance(out, TrigramTable):
+            return out
+        tables = out
+    names = [("trigram_keys", "trigram_offsets", "trigram_ids", "trigram_probs"),
+             ("keys", "offsets", "ids", "probs")]
+    for group in names:
+        if all(getattr(tables, n, None) is not None for n in group):
+            arrs = [getattr(tables, n) for n in group]
+            V = vocab_size or getattr(tables, "vocab_size", None)
+            if V is None:
+                raise ArtifactError("the tri-gram table does not say its vocab size; pass vocab_size=.")
+            return TrigramTable.from_csr(*arrs, vocab_size=int(V), sort=True)
+    raise ArtifactError(
+        f"{type(tables).__name__} holds no tri-gram table (CSR keys/offsets/ids/probs). Build one "
+        f"with `redraft-build-ngrams --kinds trigram ...` and load that directory.")
+
+
+class TrigramOverlay:
+    """ADED's adaptive updates for a batch of requests, on top of a shared :class:`TrigramTable`.
+
+    Boosted probabilities live in two sorted arrays: packed keys ``row * V^3 + (w1 * V + w2) * V
+    + w3`` and the boosted ``P``. An update raises ``P`` of each new tri-gram to
+    ``min(cap, P_now + increment * repeats)`` (never lowers it); a lookup merges the table's
+    successors with the row's boosted ones (a boosted entry replaces the table's), re-sorts, and
+    renormalises rows whose mass exceeds 1. Nothing is written to the table.
+    """
+
+    def __init__(self, table: TrigramTable, batch_size: int, increment: float = DEFAULT_INCREMENT,
+                 cap: float = DEFAULT_CAP):
+        self.table = table
+        self.increment, self.cap = float(increment), float(cap)
+        V = table.vocab_size
+        self._tri = V * V * V  # packed tri-grams per row
+        if (batch_size + 1) * self._tri >= 2 ** 62:
+            raise ValueError(f"vocab {V} x batch {batch_size} does not pack into int64 keys; "
+                             f"decode in smaller batches")
+        self.batch_size = batch_size
+        self.key = np.zeros(0, np.int64)
+        self.prob_ = np.zeros(0, np.float32)
+
+    def __len__(self) -> int:
+        return int(self.key.size)
+
+    def _pack(self, rows, w1, w2, w3=None) -> np.ndarray:
+        V = self.table.vocab_size
+        ctx = np.asarray(rows, np.int64) * self._tri + (np.asarray(w1, np.int64) * V + np.asarray(w2, np.int64)) * V
+        return ctx if w3 is None else ctx + np.asarray(w3, np.int64)
+
+    def update(self, rows, w1, w2, w3) -> None:
+        """Observe tri-grams ``(w1, w2, w3)`` [n] of rows ``rows`` [n] (negative ids are skipped)."""
+        rows, w1, w2, w3 = (np.asarray(a, np.int64).reshape(-1) for a in (rows, w1, w2, w3))
+        ok = (w1 >= 0) & (w2 >= 0) & (w3 >= 0)
+        if not ok.any():
+            return
+        rows, w1, w2, w3 = rows[ok], w1[ok], w2[ok], w3[ok]
+        keys, first, reps = np.unique(self._pack(rows, w1, w2, w3), return_index=True, return_counts=True)
+        pos = np.searchsorted(self.key, keys)
+        present = pos < self.key.size
+        present[present] = self.key[pos[present]] == keys[present]
+        base = self.table.prob(w1[first], w2[first], w3[first])
+        now = np.where(present, self.prob_[np.minimum(pos, max(self.key.size - 1, 0))] if self.key.size else 0.0, base)
+        new = np.maximum(now, np.minimum(self.cap, now + self.increment * reps)).astype(np.float32)
+        self.prob_[pos[present]] = new[present]
+        ins = ~present
+        self.key = np.insert(self.key, pos[ins], keys[ins])
+        self.prob_ = np.insert(self.prob_, pos[ins], new[ins])
+
+    def update_sequences(self, seqs: np.ndarray) -> None:
+        """Observe every tri-gram of ``seqs`` [B, T] (row ``b`` = request row ``b``, ``-1`` padded)."""
+        seqs = np.asarray(seqs, np.int64)
+        if seqs.shape[1] < 3:
+            return
+        rows = np.broadcast_to(np.arange(seqs.shape[0])[:, None], (seqs.shape[0], seqs.shape[1] - 2))
+        self.update(rows, seqs[:, :-2], seqs[:, 1:-1], seqs[:, 2:])
+
+    def select_rows(self, keep) -> None:
+        """Keep the updates of rows ``keep`` [B'] (renumbered 0..B'-1), drop the others."""
+        keep = np.asarray(keep, np.int64)
+        new_row = np.full(self.batch_size, -1, np.int64)
+        new_row[keep] = np.arange(keep.size)
+        row = self.key // self._tri
+        nr = new_row[row]
+        m = nr >= 0
+        key = nr[m] * self._tri + self.key[m] % self._tri
+        order = np.argsort(key, kind="stable")
+        self.key, self.prob_ = key[order], self.prob_[m][order]
+        self.batch_size = keep.size
+
+    def successors(self, rows, w1, w2, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` successors per row and context, table merged with this row's boosts:
+        ``(ids [N, k] int64, probs [N, k] float32)``, ``-1`` / ``0`` padded, sorted descending."""
+        ids, probs = self.table.successors(w1, w2, k)  # [N, k]
+        if self.key.size == 0:
+            return ids, probs
+        lo_key = self._pack(rows, w1, w2)
+        lo = np.searchsorted(self.key, lo_key)
+        hi = np.searchsorted(self.key, lo_key + self.table.vocab_size)
+        idx = lo[:, None] + np.arange(k)[None, :]  # [N, k] overlay entries of each context
+        ok = (idx < hi[:, None]) & (np.asarray(w1)[:, None] >= 0) & (np.asarray(w2)[:, None] >= 0)
+        if not ok.any():
+            return ids, probs
+        idx = np.minimum(idx, self.key.size - 1)
+        o_ids = np.where(ok, self.key[idx] % self.table.vocab_size, -1)
+        o_p = np.where(ok, self.prob_[idx], 0.0)
+        dup = (ids[:, :, None] == o_ids[:, None, :]) & ok[:, None, :]  # [N, k, k]
+        b_p = np.where(dup.any(2), -1.0, probs)  # table entries replaced by boosts drop out
+        all_ids = np.concatenate([ids, o_ids], 1)  # [N, 2k]
+        all_p = np.concatenate([b_p, o_p], 1)
+        top = np.argsort(-all_p, axis=1, kind="stable")[:, :k]
+        ids = np.take_along_axis(all_ids, top, 1)
+        probs = np.take_along_axis(all_p, top, 1)
+        valid = (probs > 0) & (ids >= 0)
+        ids, probs = np.where(valid, ids, -1), np.where(valid, probs, 0.0)
+        mass = probs.sum(1, keepdims=True)
+        probs = np.where(mass > 1.0, probs / np.maximum(mass, 1e-12), probs).astype(np.float32)
+        return ids, probs
+
+
+@dataclass
+class ADEDStats:
+    """Per-batch counters: MCTS calls, rows searched, and seconds spent searching."""
+
+    calls: int = 0
+    rows: int = 0
+    seconds: float = 0.0
+    nodes: int = 0
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000.0 * self.seconds / max(self.calls, 1)
+
+
+class ADEDDrafter(Drafter):
+    """ADED draft maker: MCTS over the tri-gram table with per-request adaptive updates.
+
+    Args:
+        table: the corpus tri-gram table (:class:`TrigramTable`, or what :func:`as_trigram_table`
+            accepts).
+        iterations, c1, c2, depth, candidates, top_k, wave: MCTS settings (paper defaults; see
+            :class:`~redraft.infer.mcts.MCTSConfig`).
+        increment, cap: Adjust3Gram step and ceiling for tri-grams of the output.
+        adapt: apply the adaptive updates at all (``False``: the static table).
+        adapt_prompt: also seed each request's overlay with its prompt's tri-grams (the paper
+            adapts to output only; prompts repeat names, code and phrases the answer reuses).
+        seed: seed of the simulations' random generator (drafts are reproducible).
+    """
+
+    name = "aded"
+
+    def __init__(self, table, iterations: int = 150, c1: float = 32.0, c2: float = 8.0,
+                 depth: int = 4, candidates: int = 24, top_k: int = 12, wave: int = 50,
+                 increment: float = DEFAULT_INCREMENT, cap: float = DEFAULT_CAP, adapt: bool = True,
+                 adapt_prompt: bool = True, complete: bool = True, seed: int = 0):
+        self.table = as_trigram_table(table)
+        self.cfg = MCTSConfig(iterations=iterations, c1=c1, c2=c2, depth=depth,
+                              candidates=candidates, top_k=top_k, wave=wave, complete=complete)
+        self.increment, self.cap = increment, cap
+        self.adapt, self.adapt_prompt = adapt, adapt_prompt
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+        self.overlay = TrigramOverlay(self.table, 1, increment, cap)
+        self.stats = ADEDStats()
+        self.last_result: MCTSResult | None = None
+
+    def _lookup(self, rows, w1, w2, k):
+        return self.overlay.successors(rows, w1, w2, k)
+
+    def begin(self, state: DecodeState) -> None:
+        self.rng = np.random.default_rng(self.seed)
+        self.overlay = TrigramOverlay(self.table, state.batch_size, self.increment, self.cap)
+        self.stats = ADEDStats()
+        if self.adapt and self.adapt_prompt:
+            toks = state.tokens.cpu().numpy()
+            T = toks.shape[1]
+            plen = state.prompt_lengths.cpu().numpy()
+            toks = np.where(np.arange(T)[None, :] < plen[:, None], toks, PAD)
+            self.overlay.update_sequences(toks)
+
+    def propose(self, state: DecodeState) -> Draft:
+        """MCTS from the last two tokens of every row: ``Draft(tokens [B, C, D], logp)``."""
+        t0 = time.perf_counter()
+        toks = state.tokens
+        lengths = state.lengths
+        B = toks.shape[0]
+        ar = torch.arange(B, device=toks.device)
+        w2 = state.last
+        w1 = torch.where(lengths >= 2, toks[ar, (lengths - 2).clamp(min=0)], torch.full_like(w2, PAD))
+        res = mcts_search(w1.cpu().numpy(), w2.cpu().numpy(), self._lookup, self.cfg, self.rng)
+        self.last_result = res
+        self.stats.calls += 1
+        self.stats.rows += B
+        self.stats.nodes += res.num_nodes
+        self.stats.seconds += time.perf_counter() - t0
+        dev = state.device
+        return Draft(tokens=torch.from_numpy(res.tokens).to(dev),
+                     logp=torch.from_numpy(res.logp).to(dev))
+
+    def observe(self, state: DecodeState, draft: Draft, feedback: Feedback) -> None:
+        """Adjust3Gram: raise the tri-grams the new tokens formed with the two before them."""
+        if not self.adapt:
+            return
+        toks, lengths = state.tokens, state.lengths
+        B = toks.shape[0]
+        ar = torch.arange(B, device=toks.device)
+        w1 = torch.where(lengths >= 2, toks[ar, (lengths - 2).clamp(min=0)], torch.full_like(state.last, PAD))
+        A = feedback.accepted.shape[1]
+        acc = feedback.accepted.masked_fill(
+            torch.arange(A, device=toks.device)[None, :] >= feedback.num_accepted[:, None], PAD)
+        # [B, 2 + A + 1]: w1, y, accepted..., bonus; the bonus moves left over the padding
+        seq = torch.cat([w1[:, None], state.last[:, None], acc, torch.full_like(state.last[:, None], PAD)], 1)
+        seq[ar, 2 + feedback.num_accepted] = feedback.bonus
+        self.overlay.update_sequences(seq.cpu().numpy())
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.overlay.select_rows(keep.cpu().numpy())
+
+
+def bench_methods():
+    """Methods this module adds to ``redraft-bench``: filled in once the registry lands."""
+    return {}

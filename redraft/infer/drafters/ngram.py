@@ -1,0 +1,128 @@
+"""Learning-free drafters (N-Grammys, Stewart et al. 2024): context n-grams and model tables.
+
+* :class:`ContextNGramDrafter`: match the last ``q`` tokens of each row (prompt + output so far)
+  and propose what followed earlier matches. Candidates are ranked by how often their first
+  token followed the match (counts), the most recent match winning ties; each candidate
+  continues with the ``w`` tokens after its most recent match.
+* :class:`TableDrafter`: rows of the model-derived tables (``redraft.ngrams.NGramTables``):
+  ``"bigram"`` (top-k next tokens after ``y``), ``"extended"`` (top-k chains of w tokens after
+  ``y``) or ``"unigram"`` (the k most likely tokens anywhere).
+* :class:`NGrammysDrafter`: the paper's mixed strategy: fill k rows from context matches
+  first, the rest from the extended bigram rows of ``y``.
+
+Tables only need ``unigram_topk(k)``, ``bigram_topk(tokens [N], k)`` and
+``extended(tokens [N]) -> [N, k, w]``; everything here is batched tensor code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, pad_paths
+
+
+def context_matches(tokens: torch.Tensor, lengths: torch.Tensor, q: int, k: int, w: int,
+                    vocab_size: int, window: int = 4096) -> torch.Tensor:
+    """Continuations of earlier occurrences of each row's last ``q`` tokens.
+
+    Args:
+        tokens: ``[B, T]`` prompt + output per row, ``PAD`` after ``lengths``.
+        lengths: ``[B]`` valid tokens per row.
+        q: tokens to match; k: candidates per row; w: tokens per candidate.
+        vocab_size: bins for counting first tokens (ids must be below it).
+        window: only matches within the last ``window`` tokens count.
+
+    Returns:
+        ``[B, k, w]`` candidate paths, ``PAD`` where there is nothing (fewer matches, or the
+        continuation runs into the end of the row). Row order: most frequent first token first,
+        ties to the most recent match.
+
+    Example: tokens ``a b c a b d a b`` with q=2 matches ``a b`` at 0 and 3: first tokens
+    ``c`` (pos 2) and ``d`` (pos 5), one count each, ``d`` is more recent -> ``[d a b], [c a b]``.
+    """
+    B, T = tokens.shape
+    dev = tokens.device
+    if T <= q:
+        return torch.full((B, k, w), PAD, dtype=torch.long, device=dev)
+    ar = torch.arange(T, device=dev)
+    suffix = tokens.gather(1, (lengths[:, None] - q + torch.arange(q, device=dev)[None]).clamp_min(0))  # [B, q]
+    win = tokens.unfold(1, q, 1)  # [B, T-q+1, q]: window starting at j
+    starts = ar[: T - q + 1]
+    nxt = starts + q  # first continuation position
+    match = (win == suffix[:, None, :]).all(dim=-1)
+    match &= (nxt[None] < lengths[:, None]) & (starts[None] >= (lengths[:, None] - window))
+    match &= (lengths >= q + 1)[:, None]
+    first = tokens.gather(1, nxt.clamp(max=T - 1)[None].expand(B, -1))  # [B, M]
+    first = torch.where(match & (first >= 0), first, 0)
+    counts = torch.zeros((B, vocab_size), dtype=torch.long, device=dev)
+    counts.scatter_add_(1, first, match.long())
+    recent = torch.full((B, vocab_size), -1, dtype=torch.long, device=dev)
+    recent.scatter_reduce_(1, first, torch.where(match, starts[None].expand(B, -1), -1), reduce="amax")
+    score = torch.where(counts > 0, counts * (T + 1) + recent, -1)
+    kk = min(k, vocab_size)
+    top = score.topk(kk, dim=1)
+    rec = recent.gather(1, top.indices)  # [B, k] start of the most recent match per candidate
+    cont = (rec + q)[:, :, None] + torch.arange(w, device=dev)[None, None]  # [B, k, w]
+    paths = tokens.gather(1, cont.clamp(0, T - 1).reshape(B, -1)).reshape(B, kk, w)
+    ok = (top.values >= 0)[:, :, None] & (cont < lengths[:, None, None])
+    paths = torch.where(ok, paths, PAD)
+    return pad_paths(paths.transpose(1, 2), k).transpose(1, 2) if kk < k else paths
+
+
+class ContextNGramDrafter(Drafter):
+    """Prompt/output n-gram lookup: k candidate rows of w tokens after matches of the last q."""
+
+    def __init__(self, vocab_size: int, q: int = 1, k: int = 8, w: int = 4, window: int = 4096,
+                 name: str = "context"):
+        self.vocab_size, self.q, self.k, self.w, self.window, self.name = vocab_size, q, k, w, window, name
+
+    def propose(self, state: DecodeState) -> Draft:
+        return Draft(tokens=context_matches(state.tokens, state.lengths, self.q, self.k, self.w,
+                                            self.vocab_size, self.window))
+
+
+class TableDrafter(Drafter):
+    """Rows of model-derived n-gram tables: ``kind`` is "bigram", "extended" or "unigram"."""
+
+    KINDS = ("bigram", "extended", "unigram")
+
+    def __init__(self, tables, kind: str = "extended", k: int = 8, w: int | None = None, name: str | None = None):
+        if kind not in self.KINDS:
+            from redraft.errors import ConfigError
+
+            raise ConfigError(f"table drafter kind {kind!r} is unknown; use one of {self.KINDS}.")
+        self.tables, self.kind, self.k, self.w = tables, kind, k, w
+        self.name = name or kind
+
+    def propose(self, state: DecodeState) -> Draft:
+        B, dev = state.batch_size, state.device
+        if self.kind == "unigram":
+            ids, probs = self.tables.unigram_topk(self.k)
+            ids = ids.to(dev).long()[None, :, None].expand(B, -1, -1)
+            return Draft(tokens=ids, logp=probs.to(dev).float().clamp_min(1e-12).log()[None, :, None].expand(B, -1, -1))
+        if self.kind == "bigram":
+            ids, probs = self.tables.bigram_topk(state.last, self.k)
+            return Draft(tokens=ids.to(dev).long()[:, :, None],
+                         logp=probs.to(dev).float().clamp_min(1e-12).log()[:, :, None])
+        ids = self.tables.extended(state.last).to(dev).long()[:, : self.k]  # [B, k, w]
+        if self.w is not None:
+            ids = ids[:, :, : self.w]
+        return Draft(tokens=ids)
+
+
+class NGrammysDrafter(Drafter):
+    """N-Grammys mixed strategy: k rows, context matches first, the rest from the extended bigram."""
+
+    def __init__(self, tables, vocab_size: int, k: int = 8, w: int = 4, q: int = 1, window: int = 4096,
+                 name: str = "ngrammys"):
+        self.tables, self.vocab_size, self.k, self.w, self.q, self.window = tables, vocab_size, k, w, q, window
+        self.name = name
+
+    def propose(self, state: DecodeState) -> Draft:
+        ctx = context_matches(state.tokens, state.lengths, self.q, self.k, self.w, self.vocab_size, self.window)
+        ext = pad_paths(self.tables.extended(state.last).to(state.device).long()[:, : self.k, : self.w], self.w)
+        rows = torch.cat([ctx, ext], dim=1)  # [B, k + k', w]
+        # context rows that exist come first, then table rows; keep the first k
+        empty = (rows[:, :, 0] < 0).long()
+        order = torch.sort(empty, dim=1, stable=True).indices[:, : self.k]
+        return Draft(tokens=rows.gather(1, order[:, :, None].expand(-1, -1, self.w)))

@@ -1,0 +1,80 @@
+"""The ReDrafter drafter: beam search with the recurrent draft head (Zhang et al., Apple 2024).
+
+Beam search, vectorised over batch x beams (Apple's reference does the same)::
+
+    step 0:  s_0, logits = head.step(None, x, y)          x: target hidden [B, H], y: bonus [B]
+             top-W of log_softmax(logits)              -> W beams of one token each
+    step l:  s_l, logits = head.step(s_{l-1}, x, beam's last token)      [B*W, Vd]
+             score[b, w, v] = beam score + log p(v)    -> top-W over W*Vd: (parent beam, token)
+             gather parents' states and tokens
+
+The result is W beams of L tokens ([B, W, L]) sorted by score, and each token's draft
+log-probability. Beams share prefixes; the decoder's tree stores them once. Beams are chosen
+deterministically (top-W, not sampled), so rejection sampling verifies them as point masses
+(q = delta), which keeps the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from redraft.infer.drafters.base import DecodeState, Draft, Drafter
+
+
+@torch.no_grad()
+def beam_search(head, context: torch.Tensor, last: torch.Tensor, width: int, length: int):
+    """ReDrafter beam search.
+
+    Args:
+        head: a :class:`redraft.models.redrafter.ReDrafter` (``step``, ``to_target_ids``).
+        context: ``[B, H]`` target hidden state at the position that produced ``last``.
+        last: ``[B]`` the bonus token (target id).
+        width: beams W; length: tokens per beam L.
+
+    Returns:
+        ``(tokens [B, W, L] target ids, logp [B, W, L] per-token draft log-probs,
+        score [B, W] beam log-probs)``, beams sorted by score.
+    """
+    B = last.shape[0]
+    dtype = next(head.parameters()).dtype
+    ctx = context.to(dtype)
+    state, logits = head.step(None, ctx, last)  # [B, S], [B, Vd]
+    logp = logits.float().log_softmax(dim=-1)
+    Vd = logp.shape[-1]
+    W = min(width, Vd)
+    score, tok = logp.topk(W, dim=-1)  # [B, W]
+    draft_ids = tok[:, :, None]  # [B, W, 1] draft-vocab ids
+    tok_logp = score[:, :, None]
+    state = state.repeat_interleave(W, dim=0)  # [B*W, S]
+    ctx_w = ctx.repeat_interleave(W, dim=0)  # [B*W, H]
+    rows = torch.arange(B, device=last.device)[:, None]
+    for _ in range(1, length):
+        last_t = head.to_target_ids(draft_ids[:, :, -1]).reshape(B * W)
+        state, logits = head.step(state, ctx_w, last_t)
+        lp = logits.float().log_softmax(dim=-1).reshape(B, W, Vd)
+        total = (score[:, :, None] + lp).reshape(B, W * Vd)
+        score, flat = total.topk(W, dim=-1)  # [B, W]
+        parent, tok = flat // Vd, flat % Vd
+        draft_ids = torch.cat([draft_ids[rows, parent], tok[:, :, None]], dim=2)
+        tok_logp = torch.cat([tok_logp[rows, parent], lp[rows, parent, tok][:, :, None]], dim=2)
+        state = state.reshape(B, W, -1)[rows, parent].reshape(B * W, -1)
+    return head.to_target_ids(draft_ids), tok_logp, score
+
+
+class ReDrafterDrafter(Drafter):
+    """Proposes the ``width`` beams of ``length`` tokens of a ReDrafter head.
+
+    Args:
+        head: a loaded :class:`~redraft.models.redrafter.ReDrafter` (``load_drafter``).
+        width: beams per row (Apple's default 4-8). length: tokens per beam (<= the head's
+            training horizon, ``head.config.num_steps``, is where it is accurate).
+    """
+
+    needs_hidden = True
+
+    def __init__(self, head, width: int = 8, length: int = 4, name: str = "redrafter"):
+        self.head, self.width, self.length, self.name = head, width, length, name
+
+    def propose(self, state: DecodeState) -> Draft:
+        tokens, logp, _ = beam_search(self.head, state.hidden, state.last, self.width, self.length)
+        return Draft(tokens=tokens.to(state.device), logp=logp.to(state.device))

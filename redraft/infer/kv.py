@@ -1,0 +1,150 @@
+"""A preallocated KV cache whose rows can hold different numbers of tokens.
+
+All layers' keys and values live in one buffer ``kv [layers, 2, B, kv_heads, capacity, head_dim]``
+so that committing the accepted tree tokens is one gather and one scatter for the whole model.
+
+Row ``b`` holds ``lengths[b]`` valid tokens at columns ``0 .. lengths[b]-1``; the physical length
+``T`` is the longest row; columns ``lengths[b] .. T-1`` of a shorter row are holes that the
+decoder's attention mask hides. A verify forward writes the ``n`` tree tokens at columns
+``T .. T+n-1`` of every row (transformers' ``Cache.update`` contract: append and return
+everything); :meth:`TreeKVCache.commit` then moves each row's accepted tree tokens to
+``lengths[b] ..`` and drops the rest. Rotary embeddings are applied before keys are cached, so
+moving a key does not change its position.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class _BufferLayer(CacheLayerMixin):
+    """One layer's view into the shared buffer (transformers' cache-layer protocol)."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, cache: "TreeKVCache", idx: int):
+        super().__init__()
+        self.cache, self.idx = cache, idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states):  # pragma: no cover - preallocated
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        c = self.cache
+        T, n = c.physical, key_states.shape[-2]
+        c.ensure_capacity(T + n)
+        c.kv[self.idx, 0, :, :, T:T + n] = key_states
+        c.kv[self.idx, 1, :, :, T:T + n] = value_states
+        if self.idx == c.num_layers - 1:
+            c.pending = n  # the forward's tokens are in; commit() decides what stays
+        return c.kv[self.idx, 0, :, :, :T + n], c.kv[self.idx, 1, :, :, :T + n]
+
+    @property
+    def keys(self):
+        return self.cache.kv[self.idx, 0, :, :, :self.cache.physical]
+
+    @keys.setter
+    def keys(self, value):
+        pass
+
+    @property
+    def values(self):
+        return self.cache.kv[self.idx, 1, :, :, :self.cache.physical]
+
+    @values.setter
+    def values(self, value):
+        pass
+
+    def get_mask_sizes(self, query_length: int):
+        return self.cache.physical + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.physical
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class TreeKVCache(Cache):
+    """KV cache for tree verification with per-row lengths.
+
+    Args:
+        model_config: the target's config (layers, kv heads, head dim).
+        batch_size, capacity: initial buffer size (grows by doubling when needed).
+        dtype, device: of the buffer (the model's).
+    """
+
+    def __init__(self, model_config, batch_size: int, capacity: int, dtype, device):
+        cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        self.num_layers = int(cfg.num_hidden_layers)
+        heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.kv = torch.zeros((self.num_layers, 2, batch_size, heads, capacity, head_dim), dtype=dtype, device=device)
+        self.physical = 0  # T: columns in use (longest row)
+        self.pending = 0  # columns appended by the last forward, not yet committed
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        super().__init__(layers=[_BufferLayer(self, i) for i in range(self.num_layers)])
+
+    def ensure_capacity(self, needed: int) -> None:
+        cap = self.kv.shape[4]
+        if needed <= cap:
+            return
+        new = torch.zeros((*self.kv.shape[:4], max(needed, 2 * cap), self.kv.shape[5]),
+                          dtype=self.kv.dtype, device=self.kv.device)
+        new[:, :, :, :, :cap] = self.kv
+        self.kv = new
+
+    def commit(self, keep: torch.Tensor, num_keep: torch.Tensor) -> None:
+        """Keep, per row, tokens of the last forward and drop the others.
+
+        Args:
+            keep: ``[B, A]`` long: indices (0-based within the last forward's tokens) to keep,
+                in order; entries past ``num_keep[b]`` are ignored.
+            num_keep: ``[B]`` long: how many of ``keep[b]`` are real.
+        """
+        T = self.physical
+        B, A = keep.shape
+        L, _, _, H, _, D = self.kv.shape
+        src = (T + keep.clamp_min(0))  # [B, A]
+        dst = self.lengths[:, None] + torch.arange(A, device=keep.device)[None]  # [B, A]
+        # padding entries copy the first kept token onto columns past the row's new length
+        # (holes, masked); the buffer is big enough since dst < T + A <= T + pending.
+        idx_src = src[None, None, :, None, :, None].expand(L, 2, B, H, A, D)
+        idx_dst = dst[None, None, :, None, :, None].expand(L, 2, B, H, A, D)
+        moved = self.kv.gather(4, idx_src)
+        self.kv.scatter_(4, idx_dst, moved)
+        self.lengths = self.lengths + num_keep
+        self.physical = int(self.lengths.max()) if B else 0
+        self.pending = 0
+
+    def set_prefill(self, lengths: torch.Tensor) -> None:
+        """After a prefill forward over right-padded prompts: row b holds ``lengths[b]`` tokens."""
+        self.lengths = lengths.clone()
+        self.physical = int(lengths.max())
+        self.pending = 0
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep batch rows ``rows`` ([B'] long) and drop the others."""
+        self.kv = self.kv.index_select(2, rows)
+        self.lengths = self.lengths.index_select(0, rows)
+        self.physical = int(self.lengths.max()) if rows.numel() else 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.physical
+
+    def attention_bias(self, tree_anc: torch.Tensor, dtype) -> torch.Tensor:
+        """Additive 4D mask ``[B, 1, n, T+n]`` for a forward of ``n`` tree tokens.
+
+        Cache columns: row b sees ``0 .. lengths[b]-1``; tree columns: ``tree_anc [B, n, n]``.
+        """
+        B, n, _ = tree_anc.shape
+        T = self.physical
+        cols = torch.arange(T, device=tree_anc.device)
+        cache_vis = (cols[None, :] < self.lengths[:, None])[:, None, :].expand(B, n, T)
+        vis = torch.cat([cache_vis, tree_anc], dim=2)  # [B, n, T+n]
+        bias = torch.zeros(vis.shape, dtype=dtype, device=vis.device)
+        bias.masked_fill_(~vis, torch.finfo(dtype).min)
+        return bias[:, None]
