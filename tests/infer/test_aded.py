@@ -1,0 +1,178 @@
+"""ADED: MCTS over a tri-gram table, adaptive per-request overlay, the drafter."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from redraft.infer.aded import ADEDDrafter, TrigramOverlay, TrigramTable
+from redraft.infer.drafters.base import DecodeState, Feedback
+from redraft.infer.mcts import MCTSConfig, mcts_search, puct_exploration
+
+V = 50
+
+
+def random_table(fanout: int, seed: int = 0, vocab: int = V, alpha: float = 1.0) -> TrigramTable:
+    """Every context (w1, w2) over the vocab has ``fanout`` successors with distinct random probs."""
+    rng = np.random.default_rng(seed)
+    ctx = np.arange(vocab * vocab)
+    succ = np.stack([rng.choice(vocab, fanout, replace=False) for _ in ctx])  # [C, f]
+    p = rng.dirichlet(np.full(fanout, alpha), size=ctx.size) * 0.9  # mass < 1 like a pruned table
+    w1, w2 = np.repeat(ctx // vocab, fanout), np.repeat(ctx % vocab, fanout)
+    keys = ctx
+    offsets = np.arange(ctx.size + 1) * fanout
+    return TrigramTable.from_csr(keys, offsets, succ.reshape(-1), p.reshape(-1).astype(np.float32), vocab)
+
+
+def brute_force_scores(table: TrigramTable, w1: int, w2: int, depth: int):
+    """Every depth-``depth`` path from (w1, w2) and its probability prod_i p_i."""
+    out = {}
+
+    def walk(a, b, prefix, pp):
+        if len(prefix) == depth:
+            out[tuple(prefix)] = pp
+            return
+        ids, probs = table.successors(np.array([a]), np.array([b]), 64)
+        for t, p in zip(ids[0], probs[0]):
+            if t < 0:
+                break
+            walk(b, int(t), prefix + [int(t)], pp * float(p))
+
+    walk(w1, w2, [], 1.0)
+    return out
+
+
+def lookup_of(table):
+    return lambda rows, w1, w2, k: table.successors(w1, w2, k)
+
+
+def test_table_lookup_and_prob():
+    t = TrigramTable.from_trigrams([1, 1, 1, 2], [2, 2, 2, 3], [5, 6, 7, 9], [1, 3, 2, 4], vocab_size=10)
+    ids, probs = t.successors(np.array([1, 2, 4]), np.array([2, 3, 4]), 2)
+    assert ids.tolist() == [[6, 7], [9, -1], [-1, -1]]
+    np.testing.assert_allclose(probs, [[0.5, 2 / 6], [1.0, 0], [0, 0]], rtol=1e-6)
+    np.testing.assert_allclose(t.prob(np.array([1, 1, 3]), np.array([2, 2, 3]), np.array([5, 8, 1])),
+                               [1 / 6, 0, 0], rtol=1e-6)
+
+
+def test_exploration_weight_formula():
+    n = np.array([0.0, 7.0, 150.0])
+    np.testing.assert_allclose(puct_exploration(n, 32, 8), 32 + np.log((n + 9) / 8))
+
+
+def test_mcts_returns_the_top_paths_of_a_small_table():
+    table = random_table(fanout=3, seed=1)
+    ref = brute_force_scores(table, 3, 4, depth=3)  # 27 paths
+    best = sorted(ref, key=ref.get, reverse=True)
+    cfg = MCTSConfig(iterations=150, depth=3, candidates=5, top_k=3)
+    res = mcts_search(np.array([3]), np.array([4]), lookup_of(table), cfg, np.random.default_rng(0))
+    got = [tuple(p) for p in res.tokens[0].tolist()]
+    assert got == best[:5]
+    np.testing.assert_allclose(res.scores[0], np.log([ref[p] for p in best[:5]]), rtol=1e-5)
+    # log-probs are the table's, token by token
+    ids, probs = table.successors(np.array([3]), np.array([4]), 3)
+    assert res.logp[0, 0, 0] == pytest.approx(np.log(probs[0][list(ids[0]).index(got[0][0])]), rel=1e-5)
+
+
+@pytest.mark.parametrize("wave", [1, 50])
+def test_mcts_defaults_rank_the_best_path_first(wave):
+    table = random_table(fanout=12, seed=2, alpha=0.3)  # peaked, like a real corpus table
+    ref = brute_force_scores(table, 7, 8, depth=4)  # 20736 paths
+    best = max(ref, key=ref.get)
+    res = mcts_search(np.array([7]), np.array([8]), lookup_of(table), MCTSConfig(wave=wave),
+                      np.random.default_rng(0))
+    assert res.tokens.shape == (1, 24, 4)
+    got = [tuple(p) for p in res.tokens[0].tolist()]
+    assert best in got  # the most probable path is among the candidates
+    assert got[0][:2] == best[:2]  # and the first candidate starts like it
+    assert (res.scores[0, :-1] >= res.scores[0, 1:]).all()  # ranked by score
+    paths = {tuple(p) for p in res.tokens[0].tolist()}
+    assert len(paths) == 24  # distinct candidates
+    for p, s in zip(res.tokens[0].tolist(), res.scores[0]):  # every path is a table path
+        assert tuple(p) in ref
+
+
+def test_mcts_batch_rows_are_independent_and_unknown_contexts_give_nothing():
+    table = random_table(fanout=4, seed=3)
+    cfg = MCTSConfig(iterations=60, depth=3, candidates=6, top_k=4)
+    solo = mcts_search(np.array([1]), np.array([2]), lookup_of(table), cfg, np.random.default_rng(0))
+    both = mcts_search(np.array([-1, 1]), np.array([-1, 2]), lookup_of(table), cfg, np.random.default_rng(0))
+    assert (both.tokens[0] == -1).all() and np.isneginf(both.scores[0]).all()
+    assert both.tokens[1, 0].tolist() == solo.tokens[0, 0].tolist()
+
+
+def test_overlay_raises_up_to_cap_adds_new_and_keeps_rows_apart():
+    table = TrigramTable.from_trigrams([1, 1], [2, 2], [5, 6], [3, 1], vocab_size=10)
+    saved = [a.copy() for a in (table.keys, table.offsets, table.ids, table.probs)]
+    ov = TrigramOverlay(table, batch_size=2, increment=0.2, cap=0.9)
+    ov.update([0], [1], [2], [6])  # 0.25 -> 0.45
+    ov.update([0, 0], [1, 1], [2, 2], [6, 6])  # two repeats: 0.45 -> 0.85
+    ov.update([0], [1], [2], [7])  # new tri-gram: 0.2
+    ids, probs = ov.successors(np.array([0, 1]), np.array([1, 1]), np.array([2, 2]), 3)
+    assert ids[0].tolist() == [6, 5, 7] and ids[1].tolist() == [5, 6, -1]
+    mass = 0.85 + 0.75 + 0.2
+    np.testing.assert_allclose(probs[0], np.array([0.85, 0.75, 0.2]) / mass, rtol=1e-5)
+    np.testing.assert_allclose(probs[1], [0.75, 0.25, 0], rtol=1e-6)  # row 1 sees the table
+    ov.update([0] * 5, [1] * 5, [2] * 5, [6] * 5)
+    assert ov.prob_[ov.key == ov._pack(0, 1, 2, 6)][0] == pytest.approx(0.9)  # capped
+    for a, b in zip(saved, (table.keys, table.offsets, table.ids, table.probs)):
+        np.testing.assert_array_equal(a, b)  # the shared table never changes
+    ov.select_rows(np.array([0]))  # row 0 stays (as row 0), row 1 leaves
+    assert ov.successors(np.array([0]), np.array([1]), np.array([2]), 3)[0][0].tolist() == [6, 5, 7]
+
+
+def _state(rows, prompt_len=None):
+    T = max(len(r) for r in rows)
+    toks = torch.full((len(rows), T), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        toks[i, : len(r)] = torch.tensor(r)
+    lengths = torch.tensor([len(r) for r in rows])
+    return DecodeState(tokens=toks, lengths=lengths, last=toks[torch.arange(len(rows)), lengths - 1],
+                       hidden=None, prompt_lengths=torch.tensor(prompt_len or [len(r) for r in rows]),
+                       step=0, request_ids=torch.arange(len(rows)))
+
+
+def test_adaptive_updates_change_later_drafts_and_not_the_artifact(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    table = random_table(fanout=3, seed=4, vocab=20)
+    path = tmp_path / "trigrams.safetensors"
+    save_file({"keys": table.keys, "offsets": table.offsets, "ids": table.ids, "probs": table.probs}, str(path))
+    before = path.read_bytes()
+    arrs = load_file(str(path))
+    table = TrigramTable.from_csr(arrs["keys"], arrs["offsets"], arrs["ids"], arrs["probs"], 20)
+    ids, _ = table.successors(np.array([4]), np.array([5]), 20)
+    novel = int(next(t for t in range(20) if t not in ids[0]))  # (4, 5) -> novel: not in the table
+    kw = dict(iterations=40, depth=3, candidates=4, top_k=3, increment=0.9, adapt_prompt=False)
+    drafter, other = ADEDDrafter(table, **kw), ADEDDrafter(table, **kw)
+    s0 = _state([[1, 2, 4], [1, 2, 4]])
+    drafter.begin(s0)
+    other.begin(s0)
+    d0 = drafter.propose(s0)
+    assert novel not in d0.tokens[0, :, 1].tolist()
+    # row 0 accepted [5] and the target's bonus was ``novel``: tri-gram (4, 5, novel) observed
+    fb = Feedback(accepted_prefix=torch.zeros(2, 4, dtype=torch.long), accepted=torch.tensor([[5, -1], [-1, -1]]),
+                  num_accepted=torch.tensor([1, 0]), bonus=torch.tensor([novel, 9]))
+    drafter.observe(s0, d0, fb)
+    s1 = _state([[1, 2, 4, 5, novel], [1, 2, 4, 5]])
+    s1b = _state([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]])  # both rows at context (4, 5)
+    d1 = drafter.propose(s1b)
+    assert d1.tokens[0, 0, 0].item() == novel  # row 0 learned (4, 5) -> novel (P 0.9)
+    assert novel not in d1.tokens[1, :, 0].tolist()  # row 1 did not
+    d_other = other.propose(s1b)
+    assert novel not in d_other.tokens[0, :, 0].tolist()  # another drafter / request: unchanged
+    assert path.read_bytes() == before
+    assert s1.tokens.shape[0] == 2
+
+
+def test_prompt_trigrams_seed_the_overlay():
+    table = random_table(fanout=2, seed=5, vocab=20)
+    ids, _ = table.successors(np.array([7]), np.array([8]), 20)
+    novel = int(next(t for t in range(20) if t not in ids[0]))
+    drafter = ADEDDrafter(table, iterations=30, depth=2, candidates=3, top_k=2, increment=0.9)
+    s = _state([[7, 8, novel, 1, 7, 8]])
+    drafter.begin(s)
+    d = drafter.propose(s)
+    assert d.tokens[0, 0, 0].item() == novel
+    assert d.logp is not None and d.logp.shape == d.tokens.shape
