@@ -145,7 +145,6 @@ def resolve_artifact(spec: str | os.PathLike, *, kind: str | None = None) -> Pat
 
 def _snapshot(repo_id: str, revision: str | None, local: Path | None = None) -> Path:
     """``snapshot_download`` with errors a user can act on."""
-
     offline = hub_offline()
     cache = hub_cache_dir()
     at = f"{repo_id}@{revision}" if revision else repo_id
@@ -205,7 +204,6 @@ def _check_kind(path: Path, kind: str | None, spec: str) -> Path:
 
 def artifact_kind(path: str | os.PathLike) -> str | None:
     """``"drafter"``, ``"ngrams"`` or ``None`` from the marker file in directory ``path``."""
-
     path = Path(path)
     if (path / "ngrams.json").is_file():
         return KIND_NGRAMS
@@ -720,7 +718,6 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
 
 def _atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temporary file in the same directory and os.replace."""
-
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
@@ -785,7 +782,6 @@ def is_transient(exc: BaseException) -> bool:
 
 def _with_retries(step: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, retried after :data:`RETRY_DELAYS` on transient errors."""
-
     for attempt, delay in enumerate((*RETRY_DELAYS, None)):
         try:
             return fn(*args, **kwargs)
@@ -821,17 +817,21 @@ def _push_error(step: str, repo_id: str, exc: BaseException, root: Path) -> Arti
 
 
 def _stage(root: Path, files: list[str], card: str | None, stage: Path) -> None:
-    """Lay out the upload in ``stage``: hard links to ``files`` (copies across devices) + card."""
+    """Lay out the upload in ``stage``: links to ``files`` (never copies of the weights) + card.
 
+    A hard link pins the file as it is now (a later save into ``root`` replaces the name, not
+    this inode); across filesystems, where hard links fail, a symlink to the resolved file.
+    ``upload_folder`` reads through both. Nothing under ``root`` is written.
+    """
     for rel in files:
         if card is not None and rel == CARD_FILE:
             continue
-        dst = stage / rel
+        src, dst = (root / rel).resolve(), stage / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.link(root / rel, dst)  # no copy of multi-GB weights; the original is never written
+            os.link(src, dst)
         except OSError:
-            shutil.copy2(root / rel, dst)
+            dst.symlink_to(src)
     if card is not None:
         (stage / CARD_FILE).write_text(card)
 
@@ -846,7 +846,7 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
     (:func:`generate_model_card`; ``keep_card=True`` uploads the existing README.md as is),
     creates the repo if needed (and the branch ``revision``), and uploads the files of
     :func:`upload_files` (``training_state/`` and other resume-only files left out). The upload
-    is staged in a temporary folder of hard links, so the artifact directory is only written
+    is staged in a temporary folder of links (:func:`_stage`), so the artifact directory is only written
     after the upload succeeded, and then only its README.md (atomically). Transient Hub errors
     are retried with backoff (:data:`RETRY_DELAYS`).
 
@@ -902,11 +902,7 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
         except Exception as exc:
             raise _push_error(f"branch creation ({revision!r})", repo_id, exc, root) from exc
 
-    # Stage beside the artifact (same filesystem: hard links work), else in the system tmp.
-    try:
-        stage = Path(tempfile.mkdtemp(prefix=f".{root.resolve().name}.push-", dir=root.resolve().parent))
-    except OSError:
-        stage = Path(tempfile.mkdtemp(prefix="redraft-push-"))
+    stage = Path(tempfile.mkdtemp(prefix="redraft-push-"))
     try:
         _stage(root, files, card, stage)
         message = commit_message or f"Upload redraft {kind} artifact"
@@ -932,7 +928,6 @@ def _endpoint() -> str:
 
 def push_main(argv: list[str] | None = None) -> int:
     """``redraft-push DIR REPO_ID``: publish a finished drafter or n-gram artifact to the Hub."""
-
     parser = argparse.ArgumentParser(
         prog="redraft-push",
         description="Publish a finished redraft artifact (a ReDrafter head or n-gram tables) to the "

@@ -93,6 +93,22 @@ def snapshot_dir(cache: Path, repo_id: str, sha: str, refs: dict[str, str] | Non
     return snap
 
 
+def publish_to_cache(cache: Path, repo_id: str, sha: str, files: dict[str, bytes],
+                     refs: dict[str, str]) -> Path:
+    """What ``hf download`` leaves behind: content-addressed blobs, and a snapshot of symlinks."""
+    import hashlib
+
+    snap = snapshot_dir(cache, repo_id, sha, refs)
+    blobs = snap.parents[1] / "blobs"
+    blobs.mkdir(exist_ok=True)
+    for rel, data in files.items():
+        blob = blobs / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snap / rel).parent.mkdir(parents=True, exist_ok=True)
+        (snap / rel).symlink_to(os.path.relpath(blob, (snap / rel).parent))
+    return snap
+
+
 @pytest.fixture
 def offline_cache(tmp_path, monkeypatch):
     """An empty Hub cache in tmp and offline mode, both in the env and in the import-time constants."""
@@ -131,6 +147,32 @@ def test_snapshot_round_trip_main_and_revisions(offline_cache):
     assert ReDrafter.from_pretrained(got).config.target_model == TARGET
     assert hub.resolve_artifact("org/head@v1", kind="ngrams") == v1       # a branch / tag ref
     assert hub.resolve_artifact(f"org/head@{sha_v1}") == v1                # a commit sha
+
+
+def test_push_then_load_round_trip_through_hub_cache(tmp_path, offline_cache, no_sleep):
+    """Push to a fake Hub, lay the uploaded files out as `hf download` would, load them back."""
+    from redraft.models.redrafter import ReDrafter
+
+    art = make_drafter(tmp_path / "run")
+    api = FakeApi()
+    hub.push_artifact(art, "org/head", revision="v1", api=api)
+    sha = "e" * 40
+    snap = publish_to_cache(offline_cache, "org/head", sha, api.uploaded, refs={"v1": sha})
+
+    got = hub.resolve_artifact("org/head@v1", kind="drafter")
+    assert got == snap and (got / "model.safetensors").is_symlink()
+    assert not (got / "training_state").exists()
+    loaded, original = ReDrafter.from_pretrained(got), ReDrafter.from_pretrained(art)
+    for (name, a), (_, b) in zip(sorted(loaded.state_dict().items()),
+                                 sorted(original.state_dict().items())):
+        assert torch.equal(a, b), name
+    assert front_matter((got / "README.md").read_text())["base_model"] == TARGET
+    # A snapshot is itself a finished artifact: it can be re-pushed elsewhere as is.
+    api2 = FakeApi()
+    hub.push_artifact(got, "other/head", keep_card=True, api=api2)
+    assert api2.uploaded == api.uploaded
+    with pytest.raises(ArtifactError, match="not in the local Hugging Face cache"):
+        hub.resolve_artifact("org/head")  # only v1 was downloaded; main is not cached
 
 
 def test_snapshot_of_wrong_kind_is_rejected(offline_cache):
@@ -317,7 +359,18 @@ def no_sleep(monkeypatch):
     return sleeps
 
 
-def test_push_uploads_artifact_with_card(tmp_path, no_sleep):
+@pytest.fixture
+def sys_tmp(tmp_path, monkeypatch):
+    """The system temp dir (where pushes stage their upload), redirected to see what is left."""
+    import tempfile
+
+    path = tmp_path / "sys-tmp"
+    path.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    return path
+
+
+def test_push_uploads_artifact_with_card(tmp_path, no_sleep, sys_tmp):
     art = make_drafter(tmp_path / "run")
     api = FakeApi()
     url = hub.push_artifact(art, "org/head", private=True, revision="v1",
@@ -339,7 +392,7 @@ def test_push_uploads_artifact_with_card(tmp_path, no_sleep):
     assert front_matter(api.uploaded["README.md"].decode())["base_model"] == TARGET
     # After success the local card is the published one, and the staging folder is gone.
     assert (art / "README.md").read_bytes() == api.uploaded["README.md"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert list(sys_tmp.iterdir()) == []
     assert no_sleep == []
 
 
@@ -387,8 +440,8 @@ def test_push_gives_up_after_retries(tmp_path, no_sleep):
     ("upload_folder", http_error(400), r"failed at upload: the Hub refused it"),
     ("upload_folder", OfflineModeIsEnabled("offline"), r"failed at upload: HF_HUB_OFFLINE is set"),
 ])
-def test_push_permanent_error_says_what_failed_and_keeps_files(tmp_path, no_sleep, method, exc,
-                                                               expected):
+def test_push_permanent_error_says_what_failed_and_keeps_files(tmp_path, no_sleep, sys_tmp,
+                                                               method, exc, expected):
     art = make_drafter(tmp_path / "run")
     (art / "README.md").write_text("my hand-written notes\n")
     before = tree_state(art)
@@ -399,7 +452,7 @@ def test_push_permanent_error_says_what_failed_and_keeps_files(tmp_path, no_slee
     assert [c[0] for c in api.calls].count(method) == 1  # not retried
     assert no_sleep == []
     assert tree_state(art) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no staging left behind
+    assert list(sys_tmp.iterdir()) == []  # no staging left behind
 
 
 def test_push_refuses_unfinished_artifacts(tmp_path, no_sleep):
@@ -427,6 +480,28 @@ def test_push_refuses_unfinished_artifacts(tmp_path, no_sleep):
     with pytest.raises(ArtifactError, match="not a finished redraft artifact"):
         hub.push_artifact(empty, "org/x", api=api)
     assert api.calls == []
+
+
+def test_push_across_filesystems_links_instead_of_copying(tmp_path, no_sleep, monkeypatch):
+    art = make_drafter(tmp_path / "run", state=False)
+    api = FakeApi()
+    staged = {}
+    upload = api.upload_folder
+
+    def record(**kw):
+        root = Path(kw["folder_path"])
+        staged.update({p.name: p.is_symlink() for p in root.iterdir()})
+        upload(**kw)
+
+    api.upload_folder = record
+
+    def no_hard_links(src, dst, *a, **kw):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(hub.os, "link", no_hard_links)
+    hub.push_artifact(art, "org/head", api=api)
+    assert staged["model.safetensors"] is True and staged["README.md"] is False
+    assert api.uploaded["model.safetensors"] == (art / "model.safetensors").read_bytes()
 
 
 def test_push_keep_card_uploads_existing_readme(tmp_path, no_sleep):
