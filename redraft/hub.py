@@ -136,8 +136,8 @@ def resolve_artifact(spec: str | os.PathLike, *, kind: str | None = None) -> Pat
         )
     if isinstance(spec, os.PathLike) or not looks_like_repo_id(text):
         raise ArtifactError(
-            f"Artifact directory {path.absolute()} does not exist. Pass an existing artifact directory or a "
-            f"Hugging Face Hub repo id such as 'org/name' or 'org/name@revision'."
+            f"Artifact directory {path.absolute()} does not exist. Pass an existing artifact "
+            f"directory or a Hugging Face Hub repo id such as 'org/name' or 'org/name@revision'."
         )
     repo_id, revision = split_repo_spec(text)
     return _check_kind(_snapshot(repo_id, revision, local=path.absolute()), kind, text)
@@ -179,8 +179,7 @@ def _snapshot(repo_id: str, revision: str | None, local: Path | None = None) -> 
     except (RepositoryNotFoundError, GatedRepoError) as exc:
         raise ArtifactError(
             f"Hub repo {repo_id!r} was not found or you have no access to it{nolocal}. Check the "
-            f"id or path; for a "
-            f"private or gated repo, log in with `hf auth login` or set HF_TOKEN."
+            f"id or path; for a private or gated repo, log in with `hf auth login` or set HF_TOKEN."
         ) from exc
     except HfHubHTTPError as exc:
         raise ArtifactError(f"Downloading {at!r} from the Hub failed: {_first_line(exc)}") from exc
@@ -252,7 +251,6 @@ _TARGET_KEYS = ("target_model", "target", "target_id", "target_model_id", "base_
 
 
 def _read_json(path: Path) -> dict:
-
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -262,8 +260,6 @@ def _read_json(path: Path) -> dict:
 
 def _read_recipe(artifact: Path) -> tuple[str | None, dict | None]:
     """(file name, parsed dict) of the resolved training config saved with the run, if any."""
-
-
     for name in RECIPE_FILES:
         path = artifact / name
         if path.is_file():
@@ -344,7 +340,6 @@ def _safetensors_header(path: Path) -> dict:
     Layout: 8 bytes little-endian header length N, N bytes of JSON, then the tensor data; the
     largest ``data_offsets`` end must equal the data size, so a cut-off file is caught here.
     """
-
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -422,12 +417,15 @@ def check_finished(artifact_dir: str | os.PathLike) -> str:
     else:
         weights = [root / f for f in all_files
                    if f.endswith(".safetensors") and f not in resume_only]
-        named = {v for v in _walk_strings(_read_json(root / "ngrams.json")) if v.endswith(".safetensors")}
+        # Table files ngrams.json names (relative paths; build args may hold absolute ones).
+        named = {v for v in _walk_strings(_read_json(root / "ngrams.json"))
+                 if v.endswith(".safetensors") and not os.path.isabs(v)}
         missing = sorted(n for n in named if not (root / n).is_file())
         if not weights or missing:
+            lack = ", ".join(missing) if missing else "*.safetensors tables"
             raise ArtifactError(
-                f"{root} has ngrams.json but {'no *.safetensors tables' if not weights else 'not ' + ', '.join(missing)}: "
-                f"the build did not finish. Re-run redraft-build-ngrams into this directory."
+                f"{root} has ngrams.json but no {lack}: the build did not finish. Re-run "
+                f"redraft-build-ngrams into this directory."
             )
     for w in weights:
         _safetensors_header(w)
@@ -526,7 +524,6 @@ _BENCH_COLUMNS = (("tokens_per_call", "tokens / call"), ("tokens_per_s", "tokens
 
 
 def _bench_section(artifact: Path) -> str | None:
-
     for name in BENCH_FILES:
         path = artifact / name
         if not path.is_file():
