@@ -528,7 +528,7 @@ def _bench_section(artifact: Path) -> str | None:
         path = artifact / name
         if not path.is_file():
             continue
-        bench = json.loads(path.read_text())
+        bench = _read_json(path)
         rows = _bench_rows(bench)
         if not rows:
             continue
@@ -597,7 +597,6 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
         Markdown with YAML front matter: ``library_name: redraft``, ``base_model`` (when the
         target is a Hub id), ``tags``, ``license``, ``datasets`` (Hub datasets only).
     """
-
     root = Path(artifact_dir)
     kind = artifact_kind(root)
     if kind is None:
@@ -690,7 +689,7 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
         if datasets:
             out += ["", "Hub datasets: " + ", ".join(f"[{d}](https://huggingface.co/datasets/{d})"
                                                      for d in datasets)]
-    elif kind == KIND_NGRAMS:
+    elif kind == KIND_NGRAMS and "aded" not in tags:
         out.append("Model-derived tables use no data: they come from the target's weights alone.")
     else:
         out.append("Not recorded with this artifact.")
@@ -786,7 +785,8 @@ def _with_retries(step: str, fn, *args, **kwargs):
             if delay is None or not is_transient(exc):
                 raise
             response = getattr(exc, "response", None)
-            retry_after = getattr(response, "headers", {}).get("Retry-After") if response else None
+            headers = getattr(response, "headers", None) if response is not None else None
+            retry_after = headers.get("Retry-After") if headers is not None else None
             if retry_after and str(retry_after).isdigit():
                 delay = max(delay, float(retry_after))
             logger.warning(
@@ -798,7 +798,8 @@ def _with_retries(step: str, fn, *args, **kwargs):
 def _push_error(step: str, repo_id: str, exc: BaseException, root: Path) -> ArtifactError:
     status = _status(exc)
     if type(exc).__name__ == "OfflineModeIsEnabled":
-        how = "HF_HUB_OFFLINE is set, which blocks every Hub request: unset it (HF_HUB_OFFLINE=0) to push"
+        how = ("HF_HUB_OFFLINE is set, which blocks every Hub request: unset it "
+               "(HF_HUB_OFFLINE=0) to push")
     elif status in (401, 403) or type(exc).__name__ in ("LocalTokenNotFoundError",):
         how = ("authentication failed: log in with `hf auth login`, set HF_TOKEN, or pass --token "
                "with a token that has write access to " + repo_id.split("/")[0])
@@ -842,10 +843,10 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
     Checks the artifact is finished (:func:`check_finished`), renders a fresh model card
     (:func:`generate_model_card`; ``keep_card=True`` uploads the existing README.md as is),
     creates the repo if needed (and the branch ``revision``), and uploads the files of
-    :func:`upload_files` (``training_state/`` and other resume-only files left out). The upload
-    is staged in a temporary folder of links (:func:`_stage`), so the artifact directory is only written
-    after the upload succeeded, and then only its README.md (atomically). Transient Hub errors
-    are retried with backoff (:data:`RETRY_DELAYS`).
+    :func:`upload_files` (``training_state/`` and other resume-only files left out). The
+    upload is staged in a temporary folder of links (:func:`_stage`), so the artifact directory
+    is only written after the upload succeeded, and then only its README.md (atomically).
+    Transient Hub errors are retried with backoff (:data:`RETRY_DELAYS`).
 
     Args:
         artifact_dir: the artifact directory.
@@ -865,7 +866,6 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
         ArtifactError: the artifact is not finished, or repo creation / branch creation /
             upload failed (the message says which and why); local files are then unchanged.
     """
-
     root = Path(artifact_dir)
     repo_id = str(repo_id)
     if "@" in repo_id:  # "org/name@branch" is accepted like everywhere else

@@ -423,6 +423,15 @@ def test_push_retries_transient_errors(tmp_path, no_sleep):
     assert "model.safetensors" in api.uploaded
 
 
+def test_push_honours_retry_after(tmp_path, no_sleep):
+    art = make_drafter(tmp_path / "run", state=False)
+    request = httpx2.Request("POST", "https://huggingface.co/api/repos/create")
+    busy = HfHubHTTPError("429", response=httpx2.Response(429, request=request,
+                                                           headers={"Retry-After": "30"}))
+    hub.push_artifact(art, "org/head", api=FakeApi(fail={"create_repo": [busy]}))
+    assert no_sleep == [30.0]
+
+
 def test_push_gives_up_after_retries(tmp_path, no_sleep):
     art = make_drafter(tmp_path / "run", state=False)
     api = FakeApi(fail={"upload_folder": [http_error(502)] * (len(hub.RETRY_DELAYS) + 1)})
