@@ -571,3 +571,10 @@ def test_hub_module_imports_no_other_stage():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert {m for m in imported if m.startswith("redraft")} == {"redraft.errors"}
+
+
+def test_console_script_points_at_push_main():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "redraft-push"]
+    assert ep.load() is hub.push_main
