@@ -1,0 +1,286 @@
+"""Self-distillation: regenerate every assistant turn of a chat dataset with the target.
+
+A drafter is accepted most often when it learned the *target's* replies, not another model's.
+``redraft-distill-data`` keeps each conversation's system and user turns, and replaces each
+assistant turn with the target's own reply to the conversation so far (its earlier replies
+included), in batches (left-padded ``model.generate``), greedy or sampled. The output is
+ShareGPT-format JSONL, readable by every CLI as ``--data sharegpt:FILE.jsonl``::
+
+    redraft-distill-data --target default --data default-chat --output checkpoints/distilled.jsonl \\
+        --max-new-tokens 256 --batch-size 8 --limit 2000
+
+Records are appended (and flushed) as soon as their conversation is done; running the same
+command again skips every id already in the file, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from redraft.data.records import DataStats, Record, is_heldout, record_to_sharegpt
+from redraft.data.sources import iter_records
+from redraft.errors import DataError, RedraftError
+
+logger = logging.getLogger(__name__)
+
+
+def read_done_ids(path: Path) -> set[str]:
+    """Ids already written to ``path``. A last line cut by a crash is removed from the file."""
+    done: set[str] = set()
+    if not path.exists():
+        return done
+    good_end = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                break  # cut mid-write: drop it below
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} line {lineno} is not JSON ({exc}); it is not an output of "
+                                f"redraft-distill-data. Pass a new --output file.") from exc
+            done.add(str(obj["id"]))
+            good_end += len(line)
+    if good_end < path.stat().st_size:
+        logger.warning("%s ends with an incomplete line (an interrupted run); removing it and resuming", path)
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return done
+
+
+def _prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)
+
+
+def generate_replies(target, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                     top_p: float) -> list[tuple[list[int], bool]]:
+    """One batched ``generate`` over left-padded prompts.
+
+    Returns, per prompt, the new token ids up to (not including) the first end-of-sequence token,
+    and whether it stopped by itself (False: it ran into ``max_new_tokens``).
+    """
+    import torch
+
+    tok, model = target.tokenizer, target.model
+    eos = target.eos_token_ids
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    width = max(len(p) for p in prompts)
+    # [B, width]: left padding so every prompt's last token sits in the last column
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        attention[i, width - len(p):] = 1
+    sample = temperature > 0
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
+            max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
+            top_p=top_p if sample else None, top_k=None, pad_token_id=pad, eos_token_id=eos,
+        )
+    new = out[:, width:].cpu()  # [B, <= max_new_tokens]
+    is_eos = torch.isin(new, torch.tensor(eos))
+    has_eos = is_eos.any(dim=1)
+    # first eos position per row (the row length when there is none), vectorised
+    stop = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, new.shape[1], dtype=torch.long))
+    return [(new[i, : int(stop[i])].tolist(), bool(has_eos[i])) for i in range(len(prompts))]
+
+
+def distill_batch(target, records: list[Record], *, max_new_tokens: int, temperature: float, top_p: float,
+                  max_prompt_tokens: int, counts: dict) -> list[Record]:
+    """Regenerate the assistant turns of a batch of conversations, turn by turn.
+
+    At step ``t`` every conversation that has a ``t``-th user turn (and is still going) gets one
+    reply in the same ``generate`` call. A conversation ends early when its prompt would exceed
+    ``max_prompt_tokens``, its reply is empty, or its reply ran into ``max_new_tokens``.
+    Conversations with no reply at all are not returned.
+    """
+    tok = target.tokenizer
+    convs = []
+    for r in records:
+        head = [dict(m) for m in r.messages[:1] if m["role"] == "system"]
+        users = [m["content"] for m in r.messages if m["role"] == "user"]
+        convs.append({"record": r, "messages": head, "users": users, "open": True})
+    for t in range(max((len(c["users"]) for c in convs), default=0)):
+        active, prompts = [], []
+        for c in convs:
+            if not c["open"] or t >= len(c["users"]):
+                continue
+            ids = _prompt_ids(tok, c["messages"] + [{"role": "user", "content": c["users"][t]}])
+            if len(ids) > max_prompt_tokens:
+                c["open"] = False
+                counts["prompt_too_long"] += 1
+                continue
+            active.append(c)
+            prompts.append(ids)
+        if not active:
+            break
+        for c, (reply, stopped) in zip(active, generate_replies(target, prompts, max_new_tokens=max_new_tokens,
+                                                                   temperature=temperature, top_p=top_p)):
+            counts["new_tokens"] += len(reply)
+            text = tok.decode(reply, skip_special_tokens=True)
+            if not text.strip():
+                c["open"] = False
+                counts["empty_reply"] += 1
+                continue
+            c["messages"] += [{"role": "user", "content": c["users"][t]}, {"role": "assistant", "content": text}]
+            if not stopped:
+                c["open"] = False
+                counts["hit_max_new_tokens"] += 1
+    out = []
+    for c in convs:
+        if any(m["role"] == "assistant" for m in c["messages"]):
+            out.append(Record(id=c["record"].id, kind="chat", messages=c["messages"], source=c["record"].source))
+        else:
+            counts["no_reply"] += 1
+    return out
+
+
+def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size: int = 8,
+            temperature: float = 0.0, top_p: float = 1.0, limit: int | None = None, split: str = "all",
+            heldout_fraction: float = 0.02, max_prompt_tokens: int = 2048, seed: int = 0,
+            progress: bool = True) -> dict:
+    """Write the target's own replies for the chats of ``spec`` to ``output`` (ShareGPT JSONL).
+
+    Args:
+        target: a :class:`redraft.models.Target`.
+        spec: a chat data spec, e.g. ``"default-chat"``.
+        output: the JSONL file; created, or appended to (ids already in it are skipped).
+        max_new_tokens: longest reply; a reply that hits it ends its conversation.
+        batch_size: conversations generated together.
+        temperature: 0 = greedy; otherwise sampling with ``top_p``.
+        limit: at most this many source conversations (counting those already done).
+        split: ``"all"``, ``"train"`` or ``"heldout"`` records of the source.
+        max_prompt_tokens: a conversation ends before a turn whose prompt is longer.
+        seed: torch seed for sampling.
+
+    Returns:
+        Counts: written, skipped_done, new_tokens, seconds and why conversations ended early.
+    """
+    import torch
+    from collections import Counter
+
+    from tqdm.auto import tqdm
+
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = read_done_ids(output)
+    torch.manual_seed(seed)
+    stats = DataStats()
+    counts: Counter = Counter()
+    records = iter_records(spec, stats=stats)
+    bar = tqdm(total=limit, desc="distilling", unit=" conv", disable=not progress, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    seen = 0
+
+    def todo():
+        nonlocal seen
+        for r in records:
+            if r.kind != "chat" or (split != "all" and is_heldout(r.id, heldout_fraction) != (split == "heldout")):
+                continue
+            if limit is not None and seen >= limit:
+                return
+            seen += 1
+            if r.id in done:
+                counts["skipped_done"] += 1
+                bar.update(1)
+                continue
+            yield r
+
+    with open(output, "a", encoding="utf-8") as f:
+        batch: list[Record] = []
+        pending = todo()
+        while True:
+            batch = [r for _, r in zip(range(batch_size), pending)]
+            if not batch:
+                break
+            for r in distill_batch(target, batch, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p, max_prompt_tokens=max_prompt_tokens, counts=counts):
+                obj = record_to_sharegpt(r)
+                obj["source"] = r.source
+                obj["distilled_with"] = {"target": target.model_id, "temperature": temperature,
+                                         "top_p": top_p, "max_new_tokens": max_new_tokens}
+                f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+                f.flush()
+                done.add(r.id)
+                counts["written"] += 1
+            bar.update(len(batch))
+            rate = counts["new_tokens"] / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(f"{rate:,.1f} tok/s", refresh=False)
+    bar.close()
+    counts["seconds"] = round(time.perf_counter() - t0, 2)
+    result = dict(counts)
+    result["source"] = stats.summary()
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="redraft-distill-data",
+        description="Regenerate every assistant turn of a chat dataset with the target model and write "
+                    "ShareGPT JSONL (resumable: ids already in --output are skipped).",
+    )
+    p.add_argument("--target", default="default", help="target model: 'default', a .gguf file, a local HF "
+                   "directory, a PEFT adapter or a hub id (default: %(default)s)")
+    p.add_argument("--data", default="default-chat", help="chat data spec, e.g. default-chat, "
+                   "sharegpt:FILE.jsonl, ultrachat:HuggingFaceH4/ultrachat_200k?split=train_sft (default: %(default)s)")
+    p.add_argument("--output", required=True, help="output JSONL file; appended to when it exists")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply in tokens (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="conversations generated together (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else sampling temperature "
+                   "(default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold when sampling "
+                   "(default: %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many source conversations, done ones "
+                   "included (default: all)")
+    p.add_argument("--split", choices=["all", "train", "heldout"], default="all",
+                   help="which split of the source to distill (default: %(default)s)")
+    p.add_argument("--heldout-fraction", type=float, default=0.02, help="held-out share for --split "
+                   "(default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=2048, help="end a conversation before a turn whose "
+                   "prompt is longer (default: %(default)s)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, "
+                   "bfloat16 on CUDA)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.max_new_tokens < 1 or args.batch_size < 1:
+            raise DataError("--max-new-tokens and --batch-size must be at least 1.")
+        from redraft.models import load_target
+
+        target = load_target(args.target, dtype=args.dtype, device=args.device)
+        result = distill(target, args.data, args.output, max_new_tokens=args.max_new_tokens,
+                         batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
+                         limit=args.limit, split=args.split, heldout_fraction=args.heldout_fraction,
+                         max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                         progress=not args.no_progress)
+    except RedraftError as exc:
+        print(f"redraft-distill-data: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {result.get('written', 0)} conversations to {args.output} "
+          f"({result.get('skipped_done', 0)} already there; {result.get('new_tokens', 0)} new tokens in "
+          f"{result['seconds']} s); source: {result['source']}", file=sys.stderr)
+    ended = {k: v for k, v in result.items() if k in ("prompt_too_long", "empty_reply", "hit_max_new_tokens", "no_reply")}
+    if ended:
+        print(f"ended early: {ended}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

