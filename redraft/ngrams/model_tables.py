@@ -1,0 +1,289 @@
+"""Model-derived draft tables (N-Grammys, Stewart et al. 2024), from the target's weights alone.
+
+* unigram: ``p(x) ∝ exp(-d(x))``, ``d(x) = ||u_x - ū||_V`` with ``<a, b>_V = aᵀ VᵀV b``
+  (V the input embeddings ``[vocab, H]``, U the output embeddings, ū their mean). Since
+  ``||a||_V = ||V a||_2``, ``d(x)² = (u_x - ū)ᵀ G (u_x - ū)`` with the ``[H, H]`` Gram matrix
+  ``G = VᵀV``: one ``[vocab, H] @ [H, H]`` product instead of a ``[vocab, vocab]`` one.
+* bigram: ``p_M(· | x)`` for every token x, the target's next-token distribution on the
+  one-token sequence ``[x]`` at position 0, or on ``[BOS, x]`` when the tokenizer prepends a BOS
+  token to every encoding (Llama-2 style). :func:`bigram_context` is the one place that decides,
+  and the artifact records it (``ngrams.json: bigram.bos_prefix``).
+* extended bigram: each of x's top-k successors chained to w tokens, greedily through the
+  bigram table (:func:`build_extended`) or through the target itself
+  (:func:`build_extended_with_model`, costly: for GPUs).
+
+Fast bigram path. With a single token and no cache, attention attends to exactly one key: the
+softmax is 1, RoPE at position 0 is the identity, and a decoder layer reduces to
+``h += o_proj(repeat_kv(v_proj(norm1(h)))); h += mlp(norm2(h))``. q and k projections, rotary
+embeddings, masks and SDPA are skipped. The fast path runs only for Llama-like architectures and
+is checked against the model's own forward on a few tokens before it is used; otherwise (or with
+a BOS prefix) the builder runs the model's ordinary forward.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+# Architectures whose decoder layer is exactly norm → attention → residual → norm → MLP →
+# residual with the attributes used by the fast path (checked numerically anyway).
+FAST_PATH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"bf16"``, ``"float32"``...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        from redraft.errors import ConfigError
+
+        raise ConfigError(f"Unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}.")
+    return _DTYPES[dtype]
+
+
+# --------------------------------------------------------------------------------------------
+# unigram
+
+
+@torch.no_grad()
+def unigram_probs(target) -> torch.Tensor:
+    """The full model unigram ``p(x) ∝ exp(-||u_x - ū||_V)``, float64 ``[vocab]`` (sums to 1)."""
+    V = target.input_embedding.weight.detach().to("cpu", torch.float64)  # [vocab_in, H]
+    U = target.output_head.weight.detach().to("cpu", torch.float64)  # [vocab, H]
+    G = V.T @ V  # [H, H]: <a, b>_V = aᵀ G b
+    D = U - U.mean(dim=0, keepdim=True)  # [vocab, H]
+    d2 = ((D @ G) * D).sum(dim=-1).clamp_min(0.0)  # [vocab]; clamp: rounding can give -1e-12
+    return torch.softmax(-d2.sqrt(), dim=-1)
+
+
+def build_unigram(target, k: int = 25) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of the model unigram.
+
+    Returns:
+        ``(ids int32 [k], probs float32 [k])``, most probable first; probabilities are normalised
+        over the whole vocabulary (they sum to less than 1).
+    """
+    p = unigram_probs(target)
+    k = min(int(k), p.numel())
+    probs, ids = torch.topk(p, k)
+    return ids.to(torch.int32), probs.to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# bigram
+
+
+def bigram_context(tokenizer) -> int | None:
+    """The BOS id a bigram row is conditioned on, or None when rows use ``[x]`` alone.
+
+    A row is ``p_M(· | [BOS, x])`` exactly when the tokenizer prepends its BOS token to an
+    ordinary encoding (Llama-2, Mistral); ChatML tokenizers such as SmolLM2's do not, and a row is
+    then ``p_M(· | [x])`` at position 0. The decoder consults the same rule through the artifact.
+    """
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    try:
+        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    except Exception:  # a tokenizer that cannot encode plain text: be conservative
+        return None
+    return int(bos) if len(ids) > 0 and int(ids[0]) == int(bos) else None
+
+
+def _fast_path_ok(model) -> bool:
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in FAST_PATH_MODEL_TYPES:
+        return False
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
+        return False
+    layer = inner.layers[0]
+    needed = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
+    return all(hasattr(layer, a) for a in needed) and all(
+        hasattr(layer.self_attn, a) for a in ("v_proj", "o_proj"))
+
+
+def _single_token_hidden(model, ids: torch.Tensor) -> torch.Tensor:
+    """Last hidden state (after the final norm) of each one-token sequence ``ids`` [B] → [B, H].
+
+    Attention over one key at position 0 is the identity on the value vector (see module doc).
+    """
+    cfg = model.config
+    n_heads = int(cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    rep = n_heads // n_kv
+    inner = model.model
+    h = inner.embed_tokens(ids)  # [B, H]
+    for layer in inner.layers:
+        attn = layer.self_attn
+        v = attn.v_proj(layer.input_layernorm(h))  # [B, n_kv * head_dim]
+        if rep > 1:  # GQA: kv head j serves query heads j*rep .. (j+1)*rep-1 (HF repeat_kv)
+            B = v.shape[0]
+            v = v.view(B, n_kv, 1, -1).expand(B, n_kv, rep, v.shape[-1] // n_kv).reshape(B, -1)
+        h = h + attn.o_proj(v)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return inner.norm(h)
+
+
+def _model_last_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The model's ordinary forward, logits of the last position only: [B, T] → [B, vocab]."""
+    try:
+        out = model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+    except TypeError:  # models without logits_to_keep
+        out = model(input_ids=input_ids, use_cache=False)
+    return out.logits[:, -1]
+
+
+@torch.no_grad()
+def build_bigram(target, k: int = 25, batch_size: int = 1024, dtype="bfloat16",
+                 bos: int | None | str = "auto", fast_path: bool = True, progress: bool = True,
+                 tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of ``p_M(· | x)`` for every token x (or for ``tokens``), batched.
+
+    Args:
+        target: a :class:`redraft.models.Target`.
+        k: successors kept per token.
+        batch_size: tokens per forward.
+        dtype: compute dtype (``"bfloat16"`` uses AMX on recent Xeons and tensor cores on GPUs;
+            ``"float32"`` reproduces the float32 model exactly). Softmax and top-k run in float32.
+        bos: ``"auto"`` (:func:`bigram_context`), a BOS id to prefix, or None for none.
+        fast_path: use the single-token shortcut (module doc) when the architecture allows.
+        tokens: build rows only for these ids (LongTensor [N]); default every id in the vocab.
+
+    Returns:
+        ``(ids int32 [N, k], probs float32 [N, k])`` on CPU; row i belongs to token ``tokens[i]``
+        (row x to token x by default), successors most probable first.
+    """
+    dtype = resolve_dtype(dtype)
+    model = target.model
+    device = target.device
+    if target.dtype != dtype:  # a private copy: the caller's target is left as it was
+        model = copy.deepcopy(model).to(dtype)
+    bos_id = bigram_context(target.tokenizer) if bos == "auto" else bos
+    V = target.vocab_size
+    k = min(int(k), V)
+    if tokens is None:
+        tokens = torch.arange(V)
+    tokens = tokens.to(torch.long).cpu()
+
+    use_fast = fast_path and bos_id is None and _fast_path_ok(model)
+    if use_fast:  # check the shortcut against the real forward before trusting it
+        probe = tokens[: min(8, len(tokens))].to(device)
+        ref = _model_last_logits(model, probe[:, None]).float()
+        got = model.get_output_embeddings()(_single_token_hidden(model, probe)).float()
+        tol = 1e-3 if dtype == torch.float32 else 0.1
+        err = (ref - got).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+        if not err <= tol:
+            logger.warning("single-token fast path differs from the model forward (rel err %.3g); "
+                           "using the model forward", err)
+            use_fast = False
+
+    ids_out = torch.empty(len(tokens), k, dtype=torch.int32)
+    probs_out = torch.empty(len(tokens), k, dtype=torch.float32)
+    head = model.get_output_embeddings()
+    bar = tqdm(total=len(tokens), desc=f"bigram top-{k}", unit="tok", unit_scale=True,
+               disable=not progress)
+    for start in range(0, len(tokens), batch_size):
+        x = tokens[start:start + batch_size].to(device)  # [B]
+        if use_fast:
+            logits = head(_single_token_hidden(model, x))  # [B, vocab]
+        else:
+            seq = x[:, None] if bos_id is None else torch.stack([torch.full_like(x, bos_id), x], 1)
+            logits = _model_last_logits(model, seq)
+        logits = logits.float()  # softmax/top-k in float32: bf16 logits tie too often
+        top, idx = torch.topk(logits, k, dim=-1)  # [B, k]
+        probs = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
+        ids_out[start:start + len(x)] = idx.to("cpu", torch.int32)
+        probs_out[start:start + len(x)] = probs.cpu()
+        bar.update(len(x))
+    bar.close()
+    return ids_out, probs_out
+
+
+# --------------------------------------------------------------------------------------------
+# extended bigram
+
+
+def build_extended(bigram_ids: torch.Tensor, w: int = 10, k: int | None = None) -> torch.Tensor:
+    """Chain each top-k successor greedily through the bigram table to ``w`` tokens.
+
+    ``ext[x, j, 0] = bigram[x, j]`` and ``ext[x, j, i] = bigram[ext[x, j, i-1], 0]``.
+    Example: with top-1 successors a→b, b→c, c→a and ``bigram[x] = [a, c]``, ``w=3`` gives
+    ``ext[x] = [[a, b, c], [c, a, b]]``.
+
+    Args:
+        bigram_ids: ``[vocab, k0]`` top successors (int), row x belonging to token x.
+        w: chain length (tokens per row, the successor itself included).
+        k: successors extended per token (default all k0).
+
+    Returns:
+        ``int32 [vocab, k, w]``.
+    """
+    k = bigram_ids.shape[1] if k is None else min(int(k), bigram_ids.shape[1])
+    top1 = bigram_ids[:, 0].to(torch.long)  # [vocab]
+    cur = bigram_ids[:, :k].to(torch.long)  # [vocab, k]
+    cols = [cur]
+    for _ in range(1, int(w)):  # w steps of a vocab-wide gather, no per-token Python
+        cur = top1[cur]
+        cols.append(cur)
+    return torch.stack(cols, dim=-1).to(torch.int32)  # [vocab, k, w]
+
+
+@torch.no_grad()
+def build_extended_with_model(target, bigram_ids: torch.Tensor, w: int = 10, k: int | None = None,
+                              batch_size: int = 512, dtype="bfloat16", bos: int | None | str = "auto",
+                              progress: bool = True) -> torch.Tensor:
+    """Like :func:`build_extended`, but each chain is decoded greedily by the target itself.
+
+    Row ``[x, j]`` is ``y = bigram[x, j]`` followed by the target's greedy continuation of
+    ``[BOS?, x, y]`` for ``w - 1`` tokens. Costs ``vocab * k`` short generations: meant for GPUs.
+
+    Returns:
+        ``int32 [vocab, k, w]``.
+    """
+    from transformers import DynamicCache
+
+    dtype = resolve_dtype(dtype)
+    model = target.model if target.dtype == dtype else copy.deepcopy(target.model).to(dtype)
+    device = target.device
+    bos_id = bigram_context(target.tokenizer) if bos == "auto" else bos
+    Vn, k0 = bigram_ids.shape
+    k = k0 if k is None else min(int(k), k0)
+    firsts = torch.arange(Vn)[:, None].expand(Vn, k).reshape(-1)  # [vocab*k]
+    seconds = bigram_ids[:, :k].reshape(-1).to(torch.long)  # [vocab*k]
+    out = torch.empty(Vn * k, int(w), dtype=torch.int32)
+    out[:, 0] = seconds.to(torch.int32)
+    bar = tqdm(total=Vn * k, desc=f"extended w={w} (model)", unit="seq", unit_scale=True,
+               disable=not progress)
+    for s in range(0, Vn * k, batch_size):
+        x, y = firsts[s:s + batch_size].to(device), seconds[s:s + batch_size].to(device)
+        seq = torch.stack([x, y], 1) if bos_id is None else torch.stack(
+            [torch.full_like(x, bos_id), x, y], 1)
+        cache = DynamicCache()
+        step = seq
+        for i in range(1, int(w)):
+            logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1]
+            step = logits.float().argmax(-1, keepdim=True)  # [B, 1]
+            out[s:s + len(x), i] = step[:, 0].to("cpu", torch.int32)
+        bar.update(len(x))
+    bar.close()
+    return out.view(Vn, k, int(w))
+
+
+__all__ = [
+    "FAST_PATH_MODEL_TYPES",
+    "bigram_context",
+    "build_bigram",
+    "build_extended",
+    "build_extended_with_model",
+    "build_unigram",
+    "unigram_probs",
+]

@@ -1,0 +1,504 @@
+"""Corpus tri-gram counts and the pruned ADED table ``P(w3 | w1, w2) = C(w1,w2,w3) / C(w1,w2)``.
+
+Counting is vectorised: each chunk of records (``chunk_tokens`` tokens) becomes one int64 array
+of packed keys ``(w1 * V + w2) * V + w3``, ``np.sort`` sorts it, and a ``!=`` against the shifted
+array finds the runs of equal keys: one sorted run of ``(key, count)`` per chunk. Runs are merged
+with a stable argsort (timsort merges pre-sorted runs in linear passes) and ``np.add.reduceat``.
+A tri-gram never spans two records (chats, files): positions that would cross a record end are
+masked out.
+
+Memory stays bounded for corpora larger than RAM: when the merged in-memory run exceeds
+``memory_mb``, it is spilled to disk (raw int64 files) and counting goes on; at the end the
+spilled runs are merged range by range (key ranges aligned to contexts, each run sliced with
+``searchsorted`` on a memory map), so only one range is in memory at a time. The same range merge
+combines the partial counts of sharded builds (:func:`merge_counts`): a merged result equals a
+single build.
+
+Vocabularies with ``V**3 >= 2**63`` cannot be packed into one int64: their keys become a
+structured ``(context int64, w3 int64)`` record that numpy sorts field by field — slower, never
+wrong (:func:`key_dtype`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from redraft.errors import ArtifactError, ConfigError, DataError
+
+COUNTS_FORMAT = "redraft-trigram-counts"
+COUNTS_FORMAT_VERSION = 1
+_WIDE = np.dtype([("c", "<i8"), ("w", "<i8")])  # (w1 * V + w2, w3) for vocabularies too large
+
+
+def packable(vocab_size: int) -> bool:
+    """True when every key ``(w1 * V + w2) * V + w3`` fits in an int64 (``V**3 <= 2**63 - 1``).
+
+    True up to V = 2,097,151 (2**21 - 1): every current LLM vocabulary.
+    """
+    return int(vocab_size) ** 3 <= 2**63 - 1
+
+
+def key_dtype(vocab_size: int) -> np.dtype:
+    """int64 packed keys, or the structured ``(context, w3)`` dtype when V is too large."""
+    if int(vocab_size) * int(vocab_size) > 2**63 - 1:
+        raise ConfigError(f"vocab size {vocab_size} is too large even for (w1*V + w2) context keys; "
+                          f"the tri-gram table supports vocabularies below 3e9.")
+    return np.dtype(np.int64) if packable(vocab_size) else _WIDE
+
+
+def split_keys(keys: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keys → ``(context = w1 * V + w2, w3)``, both int64."""
+    if keys.dtype == _WIDE:
+        return np.asarray(keys["c"]), np.asarray(keys["w"])
+    return np.divmod(keys, np.int64(vocab_size))
+
+
+def _make_keys(ctx: np.ndarray, w3: np.ndarray, vocab_size: int) -> np.ndarray:
+    if key_dtype(vocab_size) == _WIDE:
+        out = np.empty(len(ctx), _WIDE)
+        out["c"], out["w"] = ctx, w3
+        return out
+    return ctx * np.int64(vocab_size) + w3
+
+
+def _context_floor(keys: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The smallest key of each key's context (range boundaries must not split a context)."""
+    ctx, _ = split_keys(keys, vocab_size)
+    return _make_keys(ctx, np.zeros_like(ctx), vocab_size)
+
+
+def trigram_keys(tokens: np.ndarray, ends: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Keys of every tri-gram inside records laid end to end in ``tokens``.
+
+    Args:
+        tokens: int ``[n]``, records concatenated.
+        ends: int ``[r]``, exclusive end offset of each record in ``tokens`` (ascending).
+        vocab_size: V.
+
+    Returns:
+        ``[m]`` keys (int64 or the wide dtype), one per position i with i, i+1, i+2 in one record.
+    """
+    n = len(tokens)
+    if n < 3:
+        return np.empty(0, key_dtype(vocab_size))
+    t = tokens.astype(np.int64, copy=False)
+    V = np.int64(vocab_size)
+    valid = np.ones(n - 2, dtype=bool)
+    # The last two positions of every record start a tri-gram that crosses its end. For a record
+    # of length < 2 these indices fall into the previous record's last positions: masked anyway.
+    for off in (1, 2):
+        idx = ends - off
+        valid[idx[(idx >= 0) & (idx < n - 2)]] = False
+    if key_dtype(vocab_size) == _WIDE:
+        return _make_keys((t[:-2] * V + t[1:-1])[valid], t[2:][valid], vocab_size)
+    keys = (t[:-2] * V + t[1:-1]) * V + t[2:]  # [n-2]
+    return keys[valid]
+
+
+def sorted_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique keys (ascending) and how often each occurs: a run. Sorts ``keys`` in place."""
+    if len(keys) == 0:
+        return keys, np.empty(0, np.int64)
+    keys.sort()
+    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+    counts = np.diff(np.append(starts, len(keys))).astype(np.int64)
+    return keys[starts], counts
+
+
+def merge_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Merge sorted ``(keys, counts)`` runs into one sorted run, summing counts of equal keys."""
+    runs = [r for r in runs if len(r[0])]
+    if not runs:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    if len(runs) == 1:
+        return np.asarray(runs[0][0]), np.asarray(runs[0][1])
+    keys = np.concatenate([r[0] for r in runs])
+    counts = np.concatenate([r[1] for r in runs])
+    order = np.argsort(keys, kind="stable")  # timsort: linear passes over the pre-sorted runs
+    keys, counts = keys[order], counts[order]
+    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+    return keys[starts], np.add.reduceat(counts, starts)
+
+
+# --------------------------------------------------------------------------------------------
+# runs on disk: raw little-endian arrays + meta.json (memory-mappable, truncation detectable)
+
+
+def _write_run(directory: Path, keys: np.ndarray, counts: np.ndarray, meta: dict) -> Path:
+    """Write one sorted run atomically as ``directory/{keys,counts}.bin`` + ``meta.json``."""
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    np.ascontiguousarray(keys).tofile(tmp / "keys.bin")
+    np.ascontiguousarray(counts, dtype=np.int64).tofile(tmp / "counts.bin")
+    meta = dict(meta, format=COUNTS_FORMAT, format_version=COUNTS_FORMAT_VERSION,
+                entries=int(len(keys)), key_dtype="int64" if keys.dtype != _WIDE else "wide")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    return directory
+
+
+def _open_run(directory: Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Memory-map a run written by :func:`_write_run`; ArtifactError when missing or truncated."""
+    directory = Path(directory)
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+    except FileNotFoundError as exc:
+        raise ArtifactError(f"{directory} holds no meta.json: not a tri-gram count directory "
+                            f"(written by redraft-build-ngrams --num-shards).") from exc
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{directory / 'meta.json'} is not valid JSON ({exc}); the shard "
+                            f"was not written completely: rerun that shard.") from exc
+    if meta.get("format") != COUNTS_FORMAT:
+        raise ArtifactError(f"{directory / 'meta.json'} is not a tri-gram count file "
+                            f"(format {meta.get('format')!r}).")
+    kd = np.dtype(np.int64) if meta.get("key_dtype") == "int64" else _WIDE
+    n = int(meta["entries"])
+    arrays = []
+    for name, dt in (("keys.bin", kd), ("counts.bin", np.dtype(np.int64))):
+        path = directory / name
+        size = path.stat().st_size if path.exists() else -1
+        if size != n * dt.itemsize:
+            raise ArtifactError(f"{path} has {size} bytes, expected {n * dt.itemsize} "
+                                f"({n} entries): truncated or missing. Rerun the shard that wrote it.")
+        arrays.append(np.memmap(path, dtype=dt, mode="r", shape=(n,)) if n else np.empty(0, dt))
+    return arrays[0], arrays[1], meta
+
+
+# --------------------------------------------------------------------------------------------
+# counting
+
+
+@dataclass
+class TrigramCounts:
+    """Sorted tri-gram counts: in memory (``runs``) or spilled to disk (``spilled`` dirs).
+
+    Iterate them in key order, a context range at a time, with :meth:`iter_ranges`.
+    """
+
+    vocab_size: int
+    runs: list = field(default_factory=list)  # [(keys, counts)] sorted runs in memory
+    spilled: list = field(default_factory=list)  # [Path] run directories
+    stats: dict = field(default_factory=dict)  # records, tokens, trigrams
+    memory_mb: int = 4096
+    _tmpdir: object = None  # keeps a TemporaryDirectory alive as long as the counts
+
+    @property
+    def num_entries_upper(self) -> int:
+        """Distinct tri-grams, exactly when there is a single run, else an upper bound."""
+        return sum(len(k) for k, _ in self.runs) + sum(
+            json.loads((Path(d) / "meta.json").read_text())["entries"] for d in self.spilled)
+
+    def iter_ranges(self, progress: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield sorted ``(keys, counts)`` blocks covering all tri-grams in ascending key order.
+
+        Block boundaries fall on context starts, so every context lies in exactly one block.
+        Memory: one block at a time (about ``memory_mb / 4`` of keys and counts).
+        """
+        sources = [r for r in self.runs if len(r[0])]
+        sources += [_open_run(d)[:2] for d in self.spilled]
+        sources = [s for s in sources if len(s[0])]
+        if not sources:
+            return
+        total = sum(len(k) for k, _ in sources)
+        per_block = max(1, (self.memory_mb * 2**20 // 4) // 48)  # 16 B/entry, ~3 copies
+        n_blocks = max(1, -(-total // per_block))
+        if n_blocks == 1:
+            yield merge_runs([(np.asarray(k), np.asarray(c)) for k, c in sources])
+            return
+        # Boundaries: evenly spaced keys of the largest run, floored to their context's start.
+        big = max(sources, key=lambda s: len(s[0]))[0]
+        picks = big[np.linspace(0, len(big) - 1, n_blocks + 1).astype(np.int64)[1:-1]]
+        bounds = np.unique(_context_floor(np.asarray(picks), self.vocab_size))
+        cuts = [np.concatenate(([0], np.searchsorted(k, bounds), [len(k)])) for k, _ in sources]
+        bar = tqdm(total=total, desc="merge tri-gram counts", unit="entry", unit_scale=True,
+                   disable=not progress)
+        for b in range(len(bounds) + 1):
+            parts = [(np.asarray(k[c[b]:c[b + 1]]), np.asarray(v[c[b]:c[b + 1]]))
+                     for (k, v), c in zip(sources, cuts)]
+            bar.update(sum(len(p[0]) for p in parts))
+            yield merge_runs(parts)
+        bar.close()
+
+    def save(self, directory, meta: dict | None = None) -> Path:
+        """Write the counts as one sorted run (``keys.bin``, ``counts.bin``, ``meta.json``).
+
+        These are a shard's partial counts; :func:`merge_counts` combines shards.
+        """
+        directory = Path(directory)
+        tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        n = 0
+        wide = key_dtype(self.vocab_size) == _WIDE
+        with open(tmp / "keys.bin", "wb") as fk, open(tmp / "counts.bin", "wb") as fc:
+            for keys, counts in self.iter_ranges():  # streamed: bounded memory
+                fk.write(np.ascontiguousarray(keys).tobytes())
+                fc.write(np.ascontiguousarray(counts, dtype=np.int64).tobytes())
+                n += len(keys)
+        info = dict(meta or {}, vocab_size=self.vocab_size, stats=self.stats,
+                    format=COUNTS_FORMAT, format_version=COUNTS_FORMAT_VERSION, entries=n,
+                    key_dtype="wide" if wide else "int64")
+        (tmp / "meta.json").write_text(json.dumps(info, indent=2))
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(tmp, directory)
+        return directory
+
+
+class TrigramCounter:
+    """Streaming, vectorised tri-gram counter. ``add`` records, then ``finish``.
+
+    Args:
+        vocab_size: V; every token must be in ``[0, V)``.
+        chunk_tokens: tokens gathered before one sort (memory ≈ 24 bytes per token).
+        memory_mb: in-memory budget for merged counts; beyond it they are spilled to ``spill_dir``.
+        spill_dir: where spilled runs go (default: a temporary directory).
+    """
+
+    def __init__(self, vocab_size: int, chunk_tokens: int = 1 << 24, memory_mb: int = 4096,
+                 spill_dir=None, progress: bool = False, desc: str = "count tri-grams"):
+        self.vocab_size = int(vocab_size)
+        key_dtype(self.vocab_size)  # raises for impossible vocabularies
+        self.chunk_tokens = int(chunk_tokens)
+        self.memory_mb = int(memory_mb)
+        self._spill_root = Path(spill_dir) if spill_dir is not None else None
+        self._tmp = None
+        self._pending: list[np.ndarray] = []
+        self._pending_tokens = 0
+        self._runs: list[tuple[np.ndarray, np.ndarray]] = []
+        self._spilled: list[Path] = []
+        self.records = 0
+        self.tokens = 0
+        self.trigrams = 0
+        self._bar = tqdm(desc=desc, unit="tok", unit_scale=True, disable=not progress)
+
+    def add(self, tokens) -> None:
+        """Count one record (a 1-D int array of token ids)."""
+        a = np.asarray(tokens)
+        if not a.flags.writeable:  # a view into a reader's memory map: own it until the flush
+            a = a.copy()
+        if a.ndim != 1:
+            raise DataError(f"record {self.records} is an array of shape {a.shape}; expected a "
+                            f"1-D array of token ids (one record = one chat or one document).")
+        self._pending.append(a)
+        self._pending_tokens += len(a)
+        self.records += 1
+        if self._pending_tokens >= self.chunk_tokens:
+            self._flush()
+
+    def add_many(self, arrays: Iterable) -> "TrigramCounter":
+        for a in arrays:
+            self.add(a)
+        return self
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        lengths = np.fromiter((len(a) for a in self._pending), np.int64, len(self._pending))
+        tokens = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        first_record = self.records - len(self._pending)
+        self._pending, self._pending_tokens = [], 0
+        if len(tokens):
+            lo, hi = tokens.min(), tokens.max()
+            if lo < 0 or hi >= self.vocab_size:
+                bad = int(np.flatnonzero((tokens < 0) | (tokens >= self.vocab_size))[0])
+                rec = first_record + int(np.searchsorted(np.cumsum(lengths), bad, side="right"))
+                raise DataError(
+                    f"record {rec} holds token id {int(tokens[bad])}, outside the vocabulary "
+                    f"[0, {self.vocab_size}). Tokenize the corpus with the target's tokenizer.")
+        keys = trigram_keys(tokens, np.cumsum(lengths), self.vocab_size)
+        self.tokens += len(tokens)
+        self.trigrams += len(keys)
+        self._runs.append(sorted_counts(keys))
+        self._bar.update(len(tokens))
+        entries = sum(len(k) for k, _ in self._runs)
+        if len(self._runs) >= 8 or entries * 16 > self.memory_mb * 2**20 // 2:
+            self._runs = [merge_runs(self._runs)]
+            if len(self._runs[0][0]) * 16 > self.memory_mb * 2**20 // 2:
+                self._spill()
+
+    def _spill(self) -> None:
+        if self._spill_root is None:
+            self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="redraft-trigrams-")
+            root = Path(self._tmp.name)
+        else:
+            root = self._spill_root
+        root.mkdir(parents=True, exist_ok=True)
+        keys, counts = self._runs.pop()
+        self._spilled.append(_write_run(root / f"run-{len(self._spilled):05d}", keys, counts,
+                                        {"vocab_size": self.vocab_size}))
+
+    def finish(self) -> TrigramCounts:
+        """Count what is pending and return the :class:`TrigramCounts`."""
+        self._flush()
+        self._bar.close()
+        runs = [merge_runs(self._runs)] if self._runs else []
+        return TrigramCounts(self.vocab_size, runs=runs, spilled=list(self._spilled),
+                             stats={"records": self.records, "tokens": self.tokens,
+                                    "trigrams": self.trigrams},
+                             memory_mb=self.memory_mb, _tmpdir=self._tmp)
+
+
+def count_trigrams(arrays: Iterable, vocab_size: int, *, chunk_tokens: int = 1 << 24,
+                   memory_mb: int = 4096, spill_dir=None, progress: bool = False) -> TrigramCounts:
+    """Count the tri-grams of every record in ``arrays`` (1-D int arrays, one per record).
+
+    Returns:
+        :class:`TrigramCounts` (``stats``: records, tokens, trigrams).
+
+    Raises:
+        DataError: a token id outside ``[0, vocab_size)`` (names the record).
+    """
+    counter = TrigramCounter(vocab_size, chunk_tokens=chunk_tokens, memory_mb=memory_mb,
+                             spill_dir=spill_dir, progress=progress)
+    return counter.add_many(arrays).finish()
+
+
+def load_counts(directories: Iterable, memory_mb: int = 4096, check_complete: bool = True) -> TrigramCounts:
+    """Open shard counts written by :meth:`TrigramCounts.save` as one :class:`TrigramCounts`.
+
+    Checks that all shards share one vocabulary and tokenizer fingerprint and, when the shards
+    record ``num_shards``, that every shard id is present exactly once.
+    """
+    dirs = [Path(d) for d in directories]
+    if not dirs:
+        raise ConfigError("no shard count directories given to merge.")
+    metas = [_open_run(d)[2] for d in dirs]
+    for key in ("vocab_size", "tokenizer_fingerprint", "num_shards", "data"):
+        values = {json.dumps(m.get(key)) for m in metas}
+        if len(values) > 1:
+            listing = ", ".join(f"{d}: {m.get(key)}" for d, m in zip(dirs, metas))
+            raise ArtifactError(f"shards disagree on {key}: {listing}. Merge only the shards of one build.")
+    n = metas[0].get("num_shards")
+    if check_complete and n:
+        ids = sorted(int(m.get("shard_id", -1)) for m in metas)
+        if ids != list(range(int(n))):
+            missing = sorted(set(range(int(n))) - set(ids))
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            raise ArtifactError(f"expected shards 0..{int(n) - 1} of {n} exactly once; missing {missing}"
+                                f"{f', duplicated {dup}' if dup else ''}. Run the missing shards, "
+                                f"or pass only the shards of one build.")
+    stats = {k: sum(int(m.get("stats", {}).get(k, 0)) for m in metas)
+             for k in ("records", "tokens", "trigrams")}
+    return TrigramCounts(int(metas[0]["vocab_size"]), spilled=dirs, stats=stats, memory_mb=memory_mb)
+
+
+def merge_counts(directories: Iterable, out_dir=None, memory_mb: int = 4096) -> TrigramCounts:
+    """Combine shard counts; with ``out_dir`` also write the combined counts there."""
+    counts = load_counts(directories, memory_mb=memory_mb)
+    if out_dir is not None:
+        counts.save(out_dir, meta={k: v for k, v in _open_run(counts.spilled[0])[2].items()
+                                   if k in ("tokenizer_fingerprint", "data")})
+        counts = load_counts([out_dir], memory_mb=memory_mb, check_complete=False)
+    return counts
+
+
+# --------------------------------------------------------------------------------------------
+# the pruned table
+
+
+@dataclass
+class TrigramTable:
+    """Top-t successors per context in CSR form.
+
+    Attributes:
+        context_keys: int64 ``[C]`` sorted ``w1 * V + w2``.
+        offsets: int64 ``[C + 1]``; context i's successors are ``ids[offsets[i]:offsets[i+1]]``.
+        ids: int32 ``[nnz]`` successor ids, most probable first (ties: smaller id first).
+        probs: float32 ``[nnz]`` ``C(w1,w2,w3) / C(w1,w2)`` (``C(w1,w2)`` counts the context's
+            tri-grams before pruning, so a row sums to at most 1).
+        context_counts: int64 ``[C]`` ``C(w1, w2)``.
+    """
+
+    vocab_size: int
+    t: int
+    min_count: int
+    context_keys: np.ndarray
+    offsets: np.ndarray
+    ids: np.ndarray
+    probs: np.ndarray
+    context_counts: np.ndarray
+    stats: dict = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in (self.context_keys, self.offsets, self.ids,
+                                          self.context_counts)) + self.probs.size * 2)  # f16 on disk
+
+
+def _prune_block(keys: np.ndarray, counts: np.ndarray, V: int, t: int, min_count: int):
+    """One context-aligned block of sorted counts → its part of the CSR table."""
+    ctx, w3 = split_keys(keys, V)
+    starts = np.flatnonzero(np.concatenate(([True], ctx[1:] != ctx[:-1])))
+    ctx_total = np.add.reduceat(counts, starts)  # [G] C(w1, w2)
+    gid = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(ctx))))  # [n]
+    keep = counts >= min_count
+    gid, w3, counts = gid[keep], w3[keep], counts[keep]
+    # By group, then count descending; lexsort is stable, so ties keep ascending w3 order.
+    order = np.lexsort((-counts, gid))
+    gid, w3, counts = gid[order], w3[order], counts[order]
+    first = np.flatnonzero(np.concatenate(([True], gid[1:] != gid[:-1]))) if len(gid) else gid
+    rank = np.arange(len(gid)) - np.repeat(first, np.diff(np.append(first, len(gid))))
+    top = rank < t
+    gid, w3, counts = gid[top], w3[top], counts[top]
+    groups, per_group = np.unique(gid, return_counts=True)  # contexts that keep ≥ 1 successor
+    return (ctx[starts][groups], per_group, w3.astype(np.int32),
+            (counts / ctx_total[gid]).astype(np.float32), ctx_total[groups])
+
+
+def build_trigram_table(counts: TrigramCounts, t: int = 12, min_count: int = 1,
+                        progress: bool = False) -> TrigramTable:
+    """Prune counts to the top-``t`` successors (count ≥ ``min_count``) of every context.
+
+    Raises:
+        DataError: the counts hold no tri-gram at all (empty corpus, records shorter than 3), or
+            none reaches ``min_count``.
+    """
+    if t < 1 or min_count < 1:
+        raise ConfigError(f"t and min_count must be at least 1 (got t={t}, min_count={min_count}).")
+    V = counts.vocab_size
+    parts = [_prune_block(k, c, V, int(t), int(min_count))
+             for k, c in counts.iter_ranges(progress=progress) if len(k)]
+    stats = dict(counts.stats)
+    if not parts:
+        raise DataError(f"the corpus holds no tri-gram ({stats.get('records', 0)} records, "
+                        f"{stats.get('tokens', 0)} tokens): every record needs at least 3 tokens. "
+                        f"Check the --data spec.")
+    ctx = np.concatenate([p[0] for p in parts])
+    if len(ctx) == 0:
+        raise DataError(f"no tri-gram occurs at least --min-count={min_count} times in the corpus "
+                        f"({stats.get('trigrams', 0)} tri-grams); lower --min-count.")
+    offsets = np.zeros(len(ctx) + 1, np.int64)
+    np.cumsum(np.concatenate([p[1] for p in parts]), out=offsets[1:])
+    stats.update(contexts=int(len(ctx)), entries=int(offsets[-1]))
+    return TrigramTable(vocab_size=V, t=int(t), min_count=int(min_count), context_keys=ctx,
+                        offsets=offsets, ids=np.concatenate([p[2] for p in parts]),
+                        probs=np.concatenate([p[3] for p in parts]),
+                        context_counts=np.concatenate([p[4] for p in parts]), stats=stats)
+
+
+__all__ = [
+    "TrigramCounter",
+    "TrigramCounts",
+    "TrigramTable",
+    "build_trigram_table",
+    "count_trigrams",
+    "load_counts",
+    "merge_counts",
+    "merge_runs",
+    "packable",
+    "sorted_counts",
+    "trigram_keys",
+]
+
+
