@@ -219,11 +219,12 @@ class _Encoder:
 
     def __call__(self, records: list[Record]) -> _Chunk:
         stats = DataStats()
-        chat_ids, chat_texts, chat_spans, doc_ids, doc_texts = [], [], [], [], []
-        for r in records:
+        # rows[i]: the (id, ids, mask) rows of records[i]; filled by kind, emitted in record order
+        rows: list[list] = [[] for _ in records]
+        chats, docs = [], []  # (record index, text, spans)
+        for i, r in enumerate(records):
             if r.kind == "doc":
-                doc_ids.append(r.id)
-                doc_texts.append(r.text)
+                docs.append((i, r.text, None))
                 continue
             if self.renderer is None:
                 raise DataError("The tokenizer has no chat template, so chat data cannot be rendered.")
@@ -235,17 +236,13 @@ class _Encoder:
             except Skip as skip:
                 stats.skip(skip.reason)
                 continue
-            chat_ids.append(r.id)
-            chat_texts.append(text)
-            chat_spans.append(spans)
-        rows_id, rows_ids, rows_mask = [], [], []
-        if chat_texts:
-            for rid, enc, spans in zip(chat_ids, self.backend.encode_batch(chat_texts, add_special_tokens=False),
-                                       chat_spans):
+            chats.append((i, text, spans))
+        if chats:
+            encodings = self.backend.encode_batch([t for _, t, _ in chats], add_special_tokens=False)
+            for (i, _, spans), enc in zip(chats, encodings):
                 ids = np.asarray(enc.ids, dtype=np.int32)
                 if self.mode == "arrays":
-                    rows_id.append(rid)
-                    rows_ids.append(ids)
+                    rows[i].append((records[i].id, ids, None))
                     continue
                 mask = span_token_mask(enc, spans, self.eot_ids)
                 if not self.pack and self.max_length is not None:
@@ -253,30 +250,27 @@ class _Encoder:
                 if not mask.any():
                     stats.skip("no_loss_tokens")
                     continue
-                rows_id.append(rid)
-                rows_ids.append(ids)
-                rows_mask.append(mask)
-        if doc_texts:
-            for rid, enc in zip(doc_ids, self.backend.encode_batch(doc_texts, add_special_tokens=True)):
-                ids = np.asarray(enc.ids, dtype=np.int32)
+                rows[i].append((records[i].id, ids, mask))
+        if docs:
+            encodings = self.backend.encode_batch([t for _, t, _ in docs], add_special_tokens=True)
+            for (i, _, _), enc in zip(docs, encodings):
+                rid, ids = records[i].id, np.asarray(enc.ids, dtype=np.int32)
                 if self.mode == "arrays" or self.pack or self.max_length is None or len(ids) <= self.max_length:
                     windows = [(rid, ids)]
                 else:  # a long document becomes consecutive windows, each a row of its own
                     windows = [(f"{rid}#{w}", ids[s:s + self.max_length])
                                for w, s in enumerate(range(0, len(ids), self.max_length))]
                 for wid, w in windows:
-                    if len(w) < 2:
-                        continue
-                    rows_id.append(wid)
-                    rows_ids.append(w)
-                    if self.mode == "mask":
-                        rows_mask.append(np.ones(len(w), dtype=np.int8))
-        lengths = np.fromiter((len(x) for x in rows_ids), dtype=np.int64, count=len(rows_ids))
-        flat = np.concatenate(rows_ids) if rows_ids else np.zeros(0, np.int32)
+                    if len(w) >= 2:
+                        mask = np.ones(len(w), dtype=np.int8) if self.mode == "mask" else None
+                        rows[i].append((wid, w, mask))
+        flat_rows = [row for per_record in rows for row in per_record]
+        lengths = np.fromiter((len(r[1]) for r in flat_rows), dtype=np.int64, count=len(flat_rows))
+        flat = np.concatenate([r[1] for r in flat_rows]) if flat_rows else np.zeros(0, np.int32)
         flat_mask = None
         if self.mode == "mask":
-            flat_mask = np.concatenate(rows_mask) if rows_mask else np.zeros(0, np.int8)
-        return _Chunk(rows_id, lengths, flat, flat_mask, stats.to_dict())
+            flat_mask = np.concatenate([r[2] for r in flat_rows]) if flat_rows else np.zeros(0, np.int8)
+        return _Chunk([r[0] for r in flat_rows], lengths, flat, flat_mask, stats.to_dict())
 
 
 _WORKER_ENCODER: _Encoder | None = None
