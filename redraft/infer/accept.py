@@ -200,3 +200,13 @@ def accepted_tokens(tree: Tree, acc: Acceptance) -> torch.Tensor:
     path = acc.path[:, 1:]
     tok = tree.tokens.gather(1, path.clamp_min(0))
     return torch.where(path >= 0, tok, PAD)
+
+
+def emitted_tokens(tree: Tree, acc: Acceptance) -> torch.Tensor:
+    """``[B, D+1]`` tokens a step emits: the accepted draft tokens then the bonus, ``PAD``-padded."""
+    toks = accepted_tokens(tree, acc)
+    D = toks.shape[1]
+    ar = torch.arange(D + 1, device=toks.device)[None]
+    out = torch.cat([toks, toks.new_full((toks.shape[0], 1), PAD)], dim=1)
+    out = torch.where(ar == acc.num_accepted[:, None], acc.bonus[:, None], out)
+    return torch.where(ar <= acc.num_accepted[:, None], out, PAD)

@@ -362,6 +362,292 @@ class ADEDDrafter(Drafter):
         self.overlay.select_rows(keep.cpu().numpy())
 
 
-def bench_methods():
-    """Methods this module adds to ``redraft-bench``: filled in once the registry lands."""
-    return {}
+# ---------------------------------------------------------------------------------- corpus tables
+
+
+def trigram_table_from_docs(docs, vocab_size: int, top: int = 12) -> TrigramTable:
+    """Count the tri-grams inside each token sequence of ``docs`` (never across two documents)
+    and keep the top-``top`` successors per context. Vectorised: one ``np.unique`` over packed
+    keys. A stand-in for the n-gram builder (``redraft-build-ngrams``) when no table is built."""
+    parts = []
+    for d in docs:
+        d = np.asarray(d, np.int64)
+        if d.size >= 3:
+            parts.append(d)
+            parts.append(np.full(2, -1, np.int64))  # two separators: no window spans two docs
+    if not parts:
+        return TrigramTable(np.zeros(0), np.zeros(1), np.zeros(0), np.zeros(0), vocab_size)
+    s = np.concatenate(parts)
+    a, b, c = s[:-2], s[1:-1], s[2:]
+    ok = (a >= 0) & (b >= 0) & (c >= 0)
+    V = vocab_size
+    keys, counts = np.unique(((a[ok] * V + b[ok]) * V + c[ok]), return_counts=True)
+    return TrigramTable.from_trigrams(keys // (V * V), (keys // V) % V, keys % V, counts, V, top)
+
+
+def corpus_docs(kind: str, tokenizer, max_docs: int = 20000, max_chars: int = 200_000_000):
+    """Token ids of the default corpora, as documents (list of int lists).
+
+    ``kind="chat"``: the training split of the default ShareGPT data (held-out conversations are
+    skipped: benchmark prompts come from them), each conversation rendered with the target's chat
+    template; ``kind="code"``: the Python standard library's ``.py`` files.
+    """
+    from redraft.data.records import DataStats, is_heldout
+    from redraft.data.sources import default_code_dir, iter_records
+
+    texts, total = [], 0
+    if kind == "chat":
+        for r in iter_records("default-chat", stats=DataStats()):
+            if r.kind != "chat" or is_heldout(r.id, 0.02):
+                continue
+            try:
+                t = tokenizer.apply_chat_template(r.messages, tokenize=False)
+            except Exception:  # a template that rejects this conversation: plain text instead
+                t = "\n".join(m["content"] for m in r.messages)
+            texts.append(t)
+            total += len(t)
+            if len(texts) >= max_docs or total >= max_chars:
+                break
+    elif kind == "code":
+        for f in sorted(default_code_dir().rglob("*.py")):
+            if "site-packages" in f.parts or "test" in f.parts or "tests" in f.parts:
+                continue
+            try:
+                t = f.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            texts.append(t)
+            total += len(t)
+            if len(texts) >= max_docs or total >= max_chars:
+                break
+    else:
+        raise ValueError(f"corpus kind {kind!r}: use 'chat' or 'code'")
+    enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return enc
+
+
+class DraftRetrieverDrafter(Drafter):
+    """REST / ADED's published retriever (``draftretriever`` on PyPI) as a drafter: the longest
+    suffix of the row (``max_q`` down to ``min_q`` tokens) found in the corpus index proposes the
+    continuations the index returns (``choices`` tree nodes at most, REST's default 64).
+
+    Build the index with :func:`build_retriever_index` from the same token documents as the
+    tri-gram table, so both methods see the same corpus.
+    """
+
+    name = "draftretriever"
+
+    def __init__(self, index_path, choices: int = 64, max_q: int = 16, min_q: int = 2, depth: int = 8):
+        import draftretriever
+
+        self.reader = draftretriever.Reader(str(index_path))
+        self.choices, self.max_q, self.min_q, self.depth = choices, max_q, min_q, depth
+
+    def propose(self, state: DecodeState) -> Draft:
+        toks, lens = state.tokens.tolist(), state.lengths.tolist()
+        rows = []
+        for r in range(len(toks)):
+            seq, found = toks[r][: lens[r]], []
+            for q in range(min(self.max_q, len(seq)), self.min_q - 1, -1):
+                out = self.reader.search(seq[-q:], choices=self.choices)
+                if out[0]:
+                    found = [[t if t >= 0 else PAD for t in path[: self.depth]] for path in out[0]]
+                    break
+            rows.append(found)
+        P = max(1, max(len(f) for f in rows))
+        L = max([len(p) for f in rows for p in f] + [1])
+        out = torch.full((len(rows), P, L), PAD, dtype=torch.long)
+        for r, f in enumerate(rows):
+            for i, p in enumerate(f):
+                out[r, i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        return Draft(tokens=out.to(state.device))
+
+
+def build_retriever_index(docs, path, vocab_size: int) -> str:
+    """Write a ``draftretriever`` index of the token documents ``docs`` to ``path``."""
+    import draftretriever
+
+    w = draftretriever.Writer(str(path), vocab_size=vocab_size)
+    for d in docs:
+        if len(d):
+            w.add_entry([int(t) for t in d])
+    w.finalize()
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------- benchmark
+
+
+def bench_methods(target, table=None, mix=()):
+    """Decoder drafter lists this module adds to a benchmark: ``{name: [drafters]}``.
+
+    ``table``: the tri-gram table (:class:`TrigramTable` or an ``NGramTables``); ``mix``: the
+    other drafters of the unified mix, to which ADED is added as ``"mix+aded"``.
+    """
+    if table is None:
+        return {}
+    out = {"aded": [ADEDDrafter(table)]}
+    if mix:
+        out["mix+aded"] = list(mix) + [ADEDDrafter(table)]
+    return out
+
+
+def _load_or_build_corpus(kind: str, target, max_docs: int, cache_dir):
+    """Token documents of corpus ``kind``, cached as ``.npy`` (flat ids + offsets) under ``cache_dir``."""
+    from pathlib import Path
+
+    cache = Path(cache_dir) / f"{kind}-{max_docs}-{target.fingerprint.replace(':', '_')}"
+    if (cache / "offsets.npy").is_file():
+        flat, off = np.load(cache / "ids.npy"), np.load(cache / "offsets.npy")
+        return [flat[off[i]:off[i + 1]] for i in range(off.size - 1)]
+    docs = corpus_docs(kind, target.tokenizer, max_docs=max_docs)
+    off = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+    flat = np.concatenate([np.asarray(d, np.int32) for d in docs]) if docs else np.zeros(0, np.int32)
+    tmp = cache.with_name(cache.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    np.save(tmp / "ids.npy", flat)
+    np.save(tmp / "offsets.npy", off)
+    import os
+    import shutil
+    shutil.rmtree(cache, ignore_errors=True)
+    os.replace(tmp, cache)
+    return [flat[off[i]:off[i + 1]] for i in range(off.size - 1)]
+
+
+def main(argv=None) -> int:
+    """``python -m redraft.infer.aded``: ADED vs draftretriever (same corpus), HSDDW vs greedy,
+    each alone and added to the mix, in one run on the default target. Prints a Markdown table
+    and writes JSON."""
+    import argparse
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from redraft.errors import RedraftError
+
+    ap = argparse.ArgumentParser(prog="python -m redraft.infer.aded", description=main.__doc__)
+    ap.add_argument("--target", default="default", help="target spec (load_target); default SmolLM2-135M")
+    ap.add_argument("--dtype", default="float32", help="target dtype: float32 or bfloat16")
+    ap.add_argument("--datasets", default="chat,code", help="comma list: chat (held-out ShareGPT) and/or code (HumanEval)")
+    ap.add_argument("--prompts", type=int, default=10, help="prompts per dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
+    ap.add_argument("--methods", default="greedy,aded,draftretriever,context,context+aded,hsddw,context+hsddw",
+                    help="comma list of methods (greedy, aded, aded-static, draftretriever, context, "
+                         "context+aded, context+draftretriever, hsddw, hsddw-m1, context+hsddw)")
+    ap.add_argument("--corpus-docs", type=int, default=20000, help="documents of the corpus for the tables/index")
+    ap.add_argument("--table", default=None, help="an n-gram tables directory (redraft-build-ngrams) to use "
+                                                  "instead of counting the corpus here (applies to every dataset)")
+    ap.add_argument("--ee-layers", default="4,12", help="early-exit layers of HSDDW's M1,M2 (one number: M1 only)")
+    ap.add_argument("--cache-dir", default="checkpoints/bench-aded", help="where corpus tokens and indexes are cached")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        return _bench(args)
+    except RedraftError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _bench(args) -> int:
+    import json
+    from pathlib import Path
+
+    from redraft.data.prompts import heldout_prompts, humaneval_prompts
+    from redraft.infer.decoder import SpeculativeDecoder
+    from redraft.infer.drafters.ngram import ContextNGramDrafter
+    from redraft.infer.hsddw import CausalLMModel, HSDDWDrafter, early_exit_model
+    from redraft.models.target import load_target
+
+    target = load_target(args.target, dtype=args.dtype, device="cpu")
+    V = target.vocab_size
+    cache_dir = Path(args.cache_dir)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    ee = [int(x) for x in args.ee_layers.split(",")]
+    results = {}
+    curve = None
+    for ds in [d.strip() for d in args.datasets.split(",")]:
+        prompts = heldout_prompts(n=args.prompts) if ds == "chat" else humaneval_prompts(args.prompts)
+        t0 = time.perf_counter()
+        if args.table:
+            from redraft.ngrams import NGramTables
+
+            table = as_trigram_table(NGramTables.load(args.table, target))
+            docs = None
+        else:
+            docs = _load_or_build_corpus(ds, target, args.corpus_docs, cache_dir)
+            table = trigram_table_from_docs(docs, V)
+        idx = cache_dir / f"{ds}-{args.corpus_docs}.idx"
+        if any("draftretriever" in m for m in methods) and not idx.is_file():
+            if docs is None:
+                docs = _load_or_build_corpus(ds, target, args.corpus_docs, cache_dir)
+            build_retriever_index(docs, idx, V)
+        print(f"[{ds}] {len(prompts)} prompts; tri-gram table {len(table)} contexts "
+              f"({time.perf_counter() - t0:.1f}s to load/build)", flush=True)
+
+        def drafters(name):
+            parts = []
+            for part in name.split("+"):
+                if part == "greedy":
+                    continue
+                if part == "aded":
+                    parts.append(ADEDDrafter(table))
+                elif part == "aded-static":
+                    parts.append(ADEDDrafter(table, adapt=False))
+                elif part == "draftretriever":
+                    parts.append(DraftRetrieverDrafter(idx))
+                elif part == "context":
+                    parts.append(ContextNGramDrafter(V))
+                elif part == "hsddw":
+                    m2 = CausalLMModel(early_exit_model(target.model, ee[1]), f"ee{ee[1]}") if len(ee) > 1 else None
+                    parts.append(HSDDWDrafter(CausalLMModel(early_exit_model(target.model, ee[0]), f"ee{ee[0]}"), m2))
+                elif part == "hsddw-m1":
+                    parts.append(HSDDWDrafter(CausalLMModel(early_exit_model(target.model, ee[0]), f"ee{ee[0]}")))
+                else:
+                    raise ValueError(f"unknown method part {part!r}")
+            return parts
+
+        ref = None
+        for m in methods:
+            ds_list = drafters(m)
+            dec = SpeculativeDecoder(target, ds_list, budget="auto" if ds_list else 0, cost_curve=curve)
+            if ds_list and curve is None:
+                curve = dec.measure_cost()
+            new = calls = 0
+            t = time.perf_counter()
+            outs = []
+            for p in prompts:
+                g = dec.generate(p, max_new_tokens=args.max_new_tokens)[0]
+                outs.append(g.tokens)
+                new += g.stats.new_tokens
+                calls += g.stats.target_calls
+            dt = time.perf_counter() - t
+            if m == "greedy":
+                ref = outs
+            row = {"tokens_per_s": new / dt, "tokens_per_call": new / max(calls, 1), "new_tokens": new,
+                   "seconds": dt, "identical_to_ar": None if ref is None else sum(a == b for a, b in zip(outs, ref)) / len(ref)}
+            for d in ds_list:
+                if isinstance(d, ADEDDrafter):
+                    row["mcts_ms_per_step"] = d.stats.ms_per_step
+                if isinstance(d, HSDDWDrafter):
+                    row["hsddw"] = d.stats.to_dict()
+            results.setdefault(ds, {})[m] = row
+            base = results[ds].get("greedy", {}).get("tokens_per_s")
+            row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
+            print(f"[{ds}] {m:24s} tau {row['tokens_per_call']:.2f}  {row['tokens_per_s']:.2f} tok/s  "
+                  f"x{row['speedup_vs_ar'] or 0:.2f}  identical {row['identical_to_ar']}"
+                  + (f"  mcts {row['mcts_ms_per_step']:.2f} ms/step" if 'mcts_ms_per_step' in row else ""),
+                  flush=True)
+    print("\n| dataset | method | tau (tokens/call) | tokens/s | speedup | identical to greedy |")
+    print("|---|---|---|---|---|---|")
+    for ds, rows in results.items():
+        for m, r in rows.items():
+            print(f"| {ds} | {m} | {r['tokens_per_call']:.2f} | {r['tokens_per_s']:.2f} | "
+                  f"{(r['speedup_vs_ar'] or 0):.2f} | {r['identical_to_ar']} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -32,9 +32,9 @@ import torch
 from redraft.errors import ConfigError
 from redraft.infer import accept as acc_mod
 from redraft.infer.budget import AcceptanceStats, CostCurve, best_budget, measure_cost_curve
-from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback, pad_paths
+from redraft.infer.drafters.base import PAD, DecodeState, Drafter, Feedback, pad_paths
 from redraft.infer.kv import TreeKVCache
-from redraft.infer.tree import Tree, build_tree, prune_paths
+from redraft.infer.tree import build_tree, prune_paths
 
 ACCEPTANCE = ("greedy", "rejection", "typical")
 
@@ -232,36 +232,31 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ drafting
 
-    def _draft(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor, list, torch.Tensor | None]:
-        """All drafters' paths in one ``[B, P, L]`` tensor, their values, and per-drafter slices."""
+    def _draft(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """All drafters' paths in one ``[B, P, L]`` tensor, their values, and per-drafter slices.
+
+        Draft distributions ``q`` are not used here: the merged tree stores a token proposed by
+        several paths once, which breaks the independence that ``min(1, p/q)`` acceptance needs,
+        while verifying every candidate as a point mass is lossless whatever proposed it.
+        """
         B = state.batch_size
-        drafts, owners = [], []
-        for i, d in enumerate(self.drafters):
-            dr = d.propose(state)
-            drafts.append(dr)
-            owners.append(i)
+        drafts = [d.propose(state) for d in self.drafters]
         if not drafts:
-            return torch.full((B, 0, 1), PAD, dtype=torch.long, device=state.device), torch.zeros(B, 0, 1), [], None
+            empty = torch.full((B, 0, 1), PAD, dtype=torch.long, device=state.device)
+            return empty, torch.zeros((B, 0, 1), device=state.device), []
         L = max(dr.path_length for dr in drafts)
-        toks, vals, slices, qs = [], [], [], []
-        start = 0
-        any_q = any(dr.q is not None for dr in drafts)
-        for i, dr in zip(owners, drafts):
+        toks, vals, slices, start = [], [], [], 0
+        for i, dr in enumerate(drafts):
             t = pad_paths(dr.tokens.to(state.device), L)
             toks.append(t)
-            v = self.stats.values(i, tuple(t.shape)).to(state.device)
-            if self.budget != "auto" and dr.logp is not None:  # fixed budget: rank by draft prob
-                v = pad_paths(dr.logp.float().cumsum(-1).exp(), L) if dr.logp.shape[-1] == L else v
+            if self.budget == "auto" or dr.logp is None:
+                v = self.stats.values(i, tuple(t.shape)).to(state.device)
+            else:  # fixed budget: rank by the drafter's own path probability
+                v = pad_paths(dr.logp.float().cumsum(-1).exp().to(state.device), L).clamp_min(0)
             vals.append(v)
             slices.append((i, start, start + t.shape[1], dr))
             start += t.shape[1]
-            if any_q:
-                V = self.target.vocab_size
-                q = dr.q if dr.q is not None else torch.zeros((*dr.tokens.shape, V), device=state.device)
-                if q.shape[2] < L:
-                    q = torch.cat([q, q.new_zeros((*q.shape[:2], L - q.shape[2], V))], dim=2)
-                qs.append(q)
-        return torch.cat(toks, 1), torch.cat(vals, 1), slices, (torch.cat(qs, 1) if any_q else None)
+        return torch.cat(toks, 1), torch.cat(vals, 1), slices
 
     def _choose_budget(self, paths: torch.Tensor, values: torch.Tensor) -> torch.Tensor | int:
         if self.budget != "auto":
@@ -407,7 +402,7 @@ class SpeculativeDecoder:
 
             # ---- draft
             td = time.perf_counter()
-            paths, values, slices, q = self._draft(state)
+            paths, values, slices = self._draft(state)
             n_raw = (paths >= 0).sum(dim=(1, 2))
             if paths.shape[1]:
                 budget = self._choose_budget(paths, values)
@@ -416,14 +411,6 @@ class SpeculativeDecoder:
                 pruned = paths
             tree = build_tree(pruned)
             tree.tokens[:, 0] = state.last
-            node_q = None
-            if q is not None:  # q of each node = q of the entry that created it
-                P, L = pruned.shape[1:]
-                node_q = torch.zeros((B, tree.size, q.shape[-1]), dtype=q.dtype, device=dev)
-                pn = tree.path_node.reshape(B, P * L)
-                node_q.scatter_(1, pn.clamp_min(0)[:, :, None].expand(-1, -1, q.shape[-1]),
-                                q.reshape(B, P * L, -1) * (pn >= 0)[:, :, None])
-                node_q[:, 0] = 0
             t_draft = time.perf_counter() - td
 
             # ---- verify
@@ -437,7 +424,7 @@ class SpeculativeDecoder:
             elif self.acceptance == "typical":
                 acc = acc_mod.accept_typical(tree, logits, temperature, *self.typical, generator=gen)
             else:
-                acc = acc_mod.accept_rejection(tree, logits, temperature, top_p, node_q=node_q, generator=gen)
+                acc = acc_mod.accept_rejection(tree, logits, temperature, top_p, generator=gen)
             cache.commit(acc.path, acc.num_accepted + 1)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -466,17 +453,14 @@ class SpeculativeDecoder:
             old_state = state
             n_acc = acc.num_accepted
             new_len = state.lengths + n_acc + 1
-            k = acc_toks.shape[1]
-            new_toks = torch.cat([acc_toks, acc.bonus[:, None]], dim=1)  # [B, k+1]
-            ar = torch.arange(k + 1, device=dev)[None]
-            new_toks = torch.where(ar < n_acc[:, None], new_toks,
-                                   torch.where(ar == n_acc[:, None], acc.bonus[:, None], PAD))
+            new_toks = acc_mod.emitted_tokens(tree, acc)  # [B, D+1]
             buf = state.tokens
             need = int(new_len.max()) + 1
             if need > buf.shape[1]:
                 buf = torch.cat([buf, buf.new_full((B, need - buf.shape[1] + 64), PAD)], dim=1)
+            ar = torch.arange(new_toks.shape[1], device=dev)[None]
             pos = (state.lengths[:, None] + ar).clamp(max=buf.shape[1] - 1)
-            buf = buf.scatter(1, pos, torch.where(ar <= n_acc[:, None], new_toks, buf.gather(1, pos)))
+            buf = buf.scatter(1, pos, torch.where(new_toks >= 0, new_toks, buf.gather(1, pos)))
             h_next = hid[rows, acc.last_node]
             state = DecodeState(tokens=buf, lengths=new_len, last=acc.bonus, hidden=h_next,
                                 prompt_lengths=state.prompt_lengths, step=state.step + 1,
