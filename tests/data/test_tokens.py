@@ -217,3 +217,9 @@ def test_default_target_masks_on_default_sharegpt(default_target, tmp_path):
         assert [tok.decode(r) for r in runs(full, ref)] == [r + "<|im_end|>" for r in replies]
         checked += 1
     assert checked >= 15
+
+
+def test_an_empty_split_is_an_empty_dataset_not_an_error(tmp_path, chats_file, chatml_tokenizer):
+    ds = build_token_dataset(f"sharegpt:{chats_file}", chatml_tokenizer, split="heldout", heldout_fraction=0.0,
+                             cache_dir=tmp_path, num_proc=1, progress=False)
+    assert len(ds) == 0 and ds.column_names == ["id", "input_ids", "loss_mask"]
