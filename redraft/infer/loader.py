@@ -1,0 +1,85 @@
+"""Build a :class:`SpeculativeDecoder` from a target spec and artifact directories.
+
+    from redraft.infer import load_decoder
+    dec = load_decoder("default", drafters=["checkpoints/redrafter-smollm2"],
+                       ngrams=["checkpoints/ngrams-smollm2"])
+    print(dec.generate([{"role": "user", "content": "Hi!"}])[0].text)
+
+Artifacts are local directories or hub ids ``REPO_ID[@rev]`` (``redraft.hub.resolve_artifact``);
+each is checked against the target's tokenizer fingerprint when loaded.
+"""
+
+from __future__ import annotations
+
+from redraft.errors import ConfigError
+from redraft.infer.decoder import SpeculativeDecoder
+from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
+from redraft.infer.drafters.redrafter import ReDrafterDrafter
+
+DECODER_SETTINGS = ("acceptance", "budget", "max_nodes", "cost_curve", "fp32_logits", "typical_eps",
+                    "typical_delta", "adapt")
+
+
+def load_redrafter(path, target, width: int = 8, length: int | None = None, name: str = "redrafter"):
+    """A :class:`ReDrafterDrafter` from a drafter artifact (``length`` defaults to the head's
+    training horizon ``num_steps``)."""
+    from redraft.models.redrafter import load_drafter
+
+    head = load_drafter(path, target)
+    return ReDrafterDrafter(head, width=width, length=length or int(head.config.num_steps), name=name)
+
+
+def load_ngram_tables(path, target):
+    """``redraft.ngrams.NGramTables`` for ``target`` (fingerprint checked), on its device."""
+    from redraft.ngrams import NGramTables
+
+    return NGramTables.load(path, target=target, device=target.device)
+
+
+def ngram_drafters(tables, target, k: int = 8, w: int = 4, q: int = 1, name_prefix: str = "") -> list:
+    """The N-Grammys drafters the tables allow: the mixed strategy (context matches, then extended
+    bigram rows) when extended chains exist, else bigram rows plus context matches."""
+    kinds = set(getattr(tables, "kinds", ["extended"]))
+    V = target.vocab_size
+    if "extended" in kinds:
+        return [NGrammysDrafter(tables, V, k=k, w=w, q=q, name=f"{name_prefix}ngrammys")]
+    out = [ContextNGramDrafter(V, q=q, k=k, w=w, name=f"{name_prefix}context")]
+    if "bigram" in kinds:
+        out.append(TableDrafter(tables, "bigram", k=k, name=f"{name_prefix}bigram"))
+    return out
+
+
+def load_decoder(target="default", drafters=(), ngrams=(), *, context: bool | None = None,
+                 dtype=None, device=None, redrafter_width: int = 8, redrafter_length: int | None = None,
+                 ngram_k: int = 8, ngram_w: int = 4, context_q: int = 1, **settings) -> SpeculativeDecoder:
+    """The unified decoder over every given artifact.
+
+    Args:
+        target: a target spec for ``load_target`` ("default", hub id, path) or a loaded Target.
+        drafters: ReDrafter artifact directories / hub ids (one drafter each).
+        ngrams: n-gram table directories / hub ids (``redraft-build-ngrams`` outputs).
+        context: add a prompt/output n-gram lookup drafter; default: only when no n-gram tables
+            are given (N-Grammys already includes context matches).
+        dtype, device: for ``load_target`` when ``target`` is a spec.
+        redrafter_width, redrafter_length: ReDrafter beam search settings.
+        ngram_k, ngram_w, context_q: rows, tokens per row and match length of n-gram drafts.
+        **settings: :class:`SpeculativeDecoder` keyword arguments (acceptance, budget, ...).
+    """
+    unknown = sorted(set(settings) - set(DECODER_SETTINGS))
+    if unknown:
+        raise ConfigError(f"unknown decoder settings {unknown}; valid: {list(DECODER_SETTINGS)}.")
+    if isinstance(target, str):
+        from redraft.models import load_target
+
+        target = load_target(target, dtype=dtype, device=device)
+    ds = []
+    for i, path in enumerate(drafters):
+        ds.append(load_redrafter(path, target, redrafter_width, redrafter_length,
+                                 name="redrafter" if len(drafters) == 1 else f"redrafter{i}"))
+    for i, path in enumerate(ngrams):
+        tables = load_ngram_tables(path, target)
+        ds += ngram_drafters(tables, target, ngram_k, ngram_w, context_q,
+                             name_prefix="" if len(ngrams) == 1 else f"t{i}-")
+    if context if context is not None else not ngrams:
+        ds.append(ContextNGramDrafter(target.vocab_size, q=context_q, k=ngram_k, w=ngram_w))
+    return SpeculativeDecoder(target, ds, **settings)
