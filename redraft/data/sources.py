@@ -318,7 +318,9 @@ def data_files(path: Path) -> list[Path]:
 
 
 def _looks_local(arg: str) -> bool:
-    return os.path.exists(os.path.expanduser(arg)) or arg.startswith(("/", ".", "~")) or arg.count("/") != 1
+    """A path (existing, absolute, relative with ./, or named like a data file) rather than org/name."""
+    return (os.path.exists(os.path.expanduser(arg)) or arg.startswith(("/", ".", "~")) or arg.count("/") != 1
+            or arg.endswith(DATA_SUFFIXES))
 
 
 def _iter_hub(src: SourceSpec, stats: DataStats | None) -> Iterator[dict]:

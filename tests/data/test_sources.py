@@ -279,3 +279,17 @@ def test_default_code_is_the_stdlib_without_site_packages():
     ids = {r.id for r in recs}
     assert "os.py" in ids and "json/decoder.py" in ids
     assert not any(i.startswith(("site-packages/", "__pycache__")) for i in ids)
+
+
+def test_repo_manifest_specs_parse_and_sample_fixture_reads():
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[2] / "data"
+    manifest = yaml.safe_load((root / "sources.yaml").read_text())
+    for group in manifest.values():
+        for spec in group.values():
+            assert parse_spec(spec)
+    recs, stats = _records(f"sharegpt:{root / 'fixtures' / 'sample-sharegpt.jsonl'}")
+    assert [r.id for r in recs] == [f"sample-{i}" for i in range(5)] and not stats.skipped
