@@ -200,6 +200,7 @@ class _Chunk:
     input_ids: np.ndarray  # [sum(lengths)] int32
     loss_mask: np.ndarray | None  # [sum(lengths)] int8, None in "arrays" mode
     stats: dict
+    n_records: int = 0  # input records this chunk came from
 
 
 class _Encoder:
@@ -270,7 +271,7 @@ class _Encoder:
         flat_mask = None
         if self.mode == "mask":
             flat_mask = np.concatenate([r[2] for r in flat_rows]) if flat_rows else np.zeros(0, np.int8)
-        return _Chunk([r[0] for r in flat_rows], lengths, flat, flat_mask, stats.to_dict())
+        return _Chunk([r[0] for r in flat_rows], lengths, flat, flat_mask, stats.to_dict(), len(records))
 
 
 _WORKER_ENCODER: _Encoder | None = None
@@ -450,25 +451,23 @@ def _build(kind: str, spec: str, tokenizer, *, split: str, heldout_fraction: flo
     bar = tqdm(desc=f"tokenizing {spec}", unit=" rec", disable=not progress, dynamic_ncols=True)
     try:
         with pa.OSFile(str(tmp / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            for in_chunk, chunk in _map_chunks_counted(encoder, _batched(records, CHUNK_RECORDS), num_proc):
-                n_records += in_chunk
-                worker_stats.update(chunk.stats)
-                out = packer.add(chunk) if packer else chunk
-                for c in (out,):
-                    if len(c.ids):
-                        writer.write_batch(_arrow_batch(c, schema))
-                        n_rows += len(c.ids)
-                        n_tokens += int(c.lengths.sum())
-                        n_loss += int(c.loss_mask.sum()) if c.loss_mask is not None else 0
-                bar.update(in_chunk)
-                bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
-            if packer:
-                c = packer.finish()
+
+            def write(c: _Chunk) -> None:
+                nonlocal n_rows, n_tokens, n_loss
                 if len(c.ids):
                     writer.write_batch(_arrow_batch(c, schema))
                     n_rows += len(c.ids)
                     n_tokens += int(c.lengths.sum())
-                    n_loss += int(c.loss_mask.sum())
+                    n_loss += int(c.loss_mask.sum()) if c.loss_mask is not None else 0
+
+            for chunk in _map_chunks(encoder, _batched(records, CHUNK_RECORDS), num_proc):
+                n_records += chunk.n_records
+                worker_stats.update(chunk.stats)
+                write(packer.add(chunk) if packer else chunk)
+                bar.update(chunk.n_records)
+                bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
+            if packer:
+                write(packer.finish())
         bar.close()
         seconds = time.perf_counter() - t0
         dropped = ", ".join(f"{k} {v:,}" for k, v in worker_stats.skipped.most_common()) or "none"
@@ -493,19 +492,6 @@ def _build(kind: str, spec: str, tokenizer, *, split: str, heldout_fraction: flo
         print(f"{spec}: {summary}; {seconds:.1f} s ({n_records / max(seconds, 1e-9):,.0f} records/s, "
               f"{n_tokens / max(seconds, 1e-9):,.0f} tokens/s)", file=sys.stderr)
     return entry
-
-
-def _map_chunks_counted(encoder, chunks, num_proc):
-    """Like _map_chunks, also yielding how many input records each output came from."""
-    sizes: deque = deque()
-
-    def counted():
-        for c in chunks:
-            sizes.append(len(c))
-            yield c
-
-    for out in _map_chunks(encoder, counted(), num_proc):
-        yield sizes.popleft(), out
 
 
 def cache_meta(path: Path) -> dict:
