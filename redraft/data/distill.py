@@ -145,10 +145,23 @@ def distill_batch(target, records: list[Record], *, max_new_tokens: int, tempera
     return out
 
 
+def _length_sorted_batches(records, batch_size: int, window: int):
+    """Batches of ``batch_size`` from windows of ``window`` batches sorted by prompt length
+    (characters of the user turns), so that a batch pads little; output order follows the batches."""
+    while True:
+        pool = [r for _, r in zip(range(batch_size * max(window, 1)), records)]
+        if not pool:
+            return
+        if window > 1:
+            pool.sort(key=lambda r: sum(len(m["content"]) for m in r.messages if m["role"] != "assistant"))
+        for i in range(0, len(pool), batch_size):
+            yield pool[i:i + batch_size]
+
+
 def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size: int = 8,
             temperature: float = 0.0, top_p: float = 1.0, limit: int | None = None, split: str = "all",
             heldout_fraction: float = 0.02, max_prompt_tokens: int = 2048, seed: int = 0,
-            progress: bool = True) -> dict:
+            sort_window: int = 8, progress: bool = True) -> dict:
     """Write the target's own replies for the chats of ``spec`` to ``output`` (ShareGPT JSONL).
 
     Args:
@@ -162,6 +175,8 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
         split: ``"all"``, ``"train"`` or ``"heldout"`` records of the source.
         max_prompt_tokens: a conversation ends before a turn whose prompt is longer.
         seed: torch seed for sampling.
+        sort_window: batches read ahead and sorted by prompt length (less padding); 1 keeps the
+            source order.
 
     Returns:
         Counts: written, skipped_done, new_tokens, seconds and why conversations ended early.
@@ -197,12 +212,7 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
             yield r
 
     with open(output, "a", encoding="utf-8") as f:
-        batch: list[Record] = []
-        pending = todo()
-        while True:
-            batch = [r for _, r in zip(range(batch_size), pending)]
-            if not batch:
-                break
+        for batch in _length_sorted_batches(todo(), batch_size, sort_window):
             for r in distill_batch(target, batch, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_p=top_p, max_prompt_tokens=max_prompt_tokens, counts=counts):
                 obj = record_to_sharegpt(r)
@@ -252,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "bfloat16 on CUDA)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
+    p.add_argument("--sort-window", type=int, default=8, help="read this many batches ahead and sort them by "
+                   "prompt length to pad less; 1 keeps the source order (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -269,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                          batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
                          limit=args.limit, split=args.split, heldout_fraction=args.heldout_fraction,
                          max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                         progress=not args.no_progress)
+                         sort_window=args.sort_window, progress=not args.no_progress)
     except RedraftError as exc:
         print(f"redraft-distill-data: error: {exc}", file=sys.stderr)
         return 1
