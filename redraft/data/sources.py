@@ -56,7 +56,7 @@ KINDS = ("sharegpt", "ultrachat", "stack", "code-dir", "default-chat", "default-
 OPTIONS = {"lang", "ext", "glob", "split", "name", "data_dir", "file", "revision"}
 DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet")
 # Folders of the stdlib that are not the stdlib's own source.
-_CODE_EXCLUDES = {"site-packages", "dist-packages", "__pycache__", "lib2to3"}
+_CODE_EXCLUDES = {"site-packages", "dist-packages", "__pycache__"}
 
 _warned_truncated: set = set()
 
