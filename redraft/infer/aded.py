@@ -80,8 +80,10 @@ class TrigramTable:
         keys, offsets, ids, probs = arrs
         if sort and ids.size:
             seg = np.repeat(np.arange(keys.size), np.diff(offsets))
-            order = np.lexsort((-probs.astype(np.float64), seg))
-            ids, probs = ids[order], probs[order]
+            p = probs.astype(np.float32)
+            if not ((np.diff(p) <= 0) | (seg[1:] != seg[:-1])).all():  # not yet sorted per context
+                order = np.lexsort((-p, seg))
+                ids, probs = ids[order], probs[order]
         return cls(keys, offsets, ids, probs, vocab_size)
 
     @classmethod
@@ -135,31 +137,31 @@ class TrigramTable:
 
 
 def as_trigram_table(tables, vocab_size: int | None = None) -> TrigramTable:
-    """A :class:`TrigramTable` from what the n-gram builder loads.
+    """A :class:`TrigramTable` from what the n-gram builder gives.
 
-    Accepts a :class:`TrigramTable`, an object with a ``trigram_table()`` method, or an object
-    holding the CSR tensors as attributes (``trigram_keys``, ``trigram_offsets``, ``trigram_ids``,
-    ``trigram_probs`` and ``vocab_size``), e.g. ``redraft.ngrams.NGramTables``.
+    Accepts a :class:`TrigramTable`; a loaded ``redraft.ngrams.NGramTables`` holding the
+    ``trigram`` kind; the builder's ``redraft.ngrams.trigrams.TrigramTable`` (``context_keys``,
+    ``offsets``, ``ids``, ``probs``, ``vocab_size``); or any object with CSR arrays named
+    ``keys/offsets/ids/probs``. The arrays are shared, not copied, when they are already numpy on
+    the host and sorted.
     """
     if isinstance(tables, TrigramTable):
         return tables
-    if hasattr(tables, "trigram_table") and callable(tables.trigram_table):
-        out = tables.trigram_table()
-        if isinstance(out, TrigramTable):
-            return out
-        tables = out
-    names = [("trigram_keys", "trigram_offsets", "trigram_ids", "trigram_probs"),
-             ("keys", "offsets", "ids", "probs")]
-    for group in names:
+    V = vocab_size or getattr(tables, "vocab_size", None)
+    if "trigram" in getattr(tables, "kinds", ()) and hasattr(tables, "_need"):
+        # TODO(ngrams): a public accessor for the CSR tensors (e.g. NGramTables.trigram_csr()).
+        tg = tables._need("trigram")
+        return TrigramTable.from_csr(tg["context_keys"], tg["offsets"], tg["ids"], tg["probs"], int(V))
+    for group in (("context_keys", "offsets", "ids", "probs"), ("keys", "offsets", "ids", "probs")):
         if all(getattr(tables, n, None) is not None for n in group):
-            arrs = [getattr(tables, n) for n in group]
-            V = vocab_size or getattr(tables, "vocab_size", None)
             if V is None:
                 raise ArtifactError("the tri-gram table does not say its vocab size; pass vocab_size=.")
-            return TrigramTable.from_csr(*arrs, vocab_size=int(V), sort=True)
+            return TrigramTable.from_csr(*(getattr(tables, n) for n in group), vocab_size=int(V))
+    where = getattr(tables, "path", None)
     raise ArtifactError(
-        f"{type(tables).__name__} holds no tri-gram table (CSR keys/offsets/ids/probs). Build one "
-        f"with `redraft-build-ngrams --kinds trigram ...` and load that directory.")
+        f"{where or type(tables).__name__} holds no tri-gram table (kinds: "
+        f"{getattr(tables, 'kinds', '?')}). Build one with `redraft-build-ngrams --kinds trigram "
+        f"--data default-chat --output-dir DIR` and pass that directory.")
 
 
 class TrigramOverlay:
@@ -478,17 +480,22 @@ def build_retriever_index(docs, path, vocab_size: int) -> str:
 # ---------------------------------------------------------------------------------- benchmark
 
 
-def bench_methods(target, table=None, mix=()):
-    """Decoder drafter lists this module adds to a benchmark: ``{name: [drafters]}``.
+def bench_methods(target=None, table=None, mix=()):
+    """Methods this module adds to ``redraft-bench``: ``{name: [drafters]}``.
 
-    ``table``: the tri-gram table (:class:`TrigramTable` or an ``NGramTables``); ``mix``: the
-    other drafters of the unified mix, to which ADED is added as ``"mix+aded"``.
+    ``table``: the loaded n-gram tables (or a :class:`TrigramTable`); nothing is added when they
+    hold no tri-gram kind. ``mix``: the drafters of the unified mix; ADED joins them as
+    ``"mix+aded"``.
     """
     if table is None:
         return {}
-    out = {"aded": [ADEDDrafter(table)]}
+    try:
+        tri = as_trigram_table(table)
+    except ArtifactError:
+        return {}
+    out = {"aded": [ADEDDrafter(tri)]}
     if mix:
-        out["mix+aded"] = list(mix) + [ADEDDrafter(table)]
+        out["mix+aded"] = list(mix) + [ADEDDrafter(tri)]
     return out
 
 

@@ -419,6 +419,25 @@ class HSDDWDrafter(Drafter):
         self.stats.output_tokens += int((feedback.num_accepted + 1).sum())
 
 
-def bench_methods():
-    """Methods this module adds to ``redraft-bench``: filled in once the registry lands."""
-    return {}
+def default_hierarchy(target, m1_layers: int | None = None, m2_layers: int | None = None,
+                      **kw) -> HSDDWDrafter:
+    """The no-training hierarchy of any target: early-exit(~L/8) -> early-exit(~L/2.5) -> target
+    (4 and 12 layers for a 30-layer SmolLM2), sharing the target's weights."""
+    n = int(target.model.config.num_hidden_layers)
+    l1 = m1_layers or max(1, round(n / 8))
+    l2 = m2_layers or max(l1 + 1, round(n / 2.5))
+    m2 = None if l2 >= n else CausalLMModel(early_exit_model(target.model, l2), f"ee{l2}", target.vocab_size)
+    return HSDDWDrafter(CausalLMModel(early_exit_model(target.model, l1), f"ee{l1}", target.vocab_size), m2, **kw)
+
+
+def bench_methods(target=None, mix=()):
+    """Methods this module adds to ``redraft-bench``: the early-exit hierarchy alone
+    (``"hsddw"``), M1 with self-verify alone (``"hsddw-m1"``), and the hierarchy added to the
+    unified mix (``"mix+hsddw"``)."""
+    if target is None:
+        return {}
+    out = {"hsddw": [default_hierarchy(target)],
+           "hsddw-m1": [default_hierarchy(target, m2_layers=10 ** 6)]}
+    if mix:
+        out["mix+hsddw"] = list(mix) + [default_hierarchy(target)]
+    return out

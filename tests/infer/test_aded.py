@@ -176,3 +176,59 @@ def test_prompt_trigrams_seed_the_overlay():
     d = drafter.propose(s)
     assert d.tokens[0, 0, 0].item() == novel
     assert d.logp is not None and d.logp.shape == d.tokens.shape
+
+
+def _tiny_corpus_table(tiny_target):
+    """A tri-gram table of the tiny target's own greedy continuations (so drafts often hit)."""
+    from redraft.infer.decoder import plain_greedy
+
+    docs = [g.tokens for g in plain_greedy(tiny_target, ["Hello", "def add(a, b):", "The quick"],
+                                           max_new_tokens=48)]
+    from redraft.infer.aded import trigram_table_from_docs
+
+    return trigram_table_from_docs(docs, tiny_target.vocab_size)
+
+
+def test_aded_greedy_equals_plain_greedy_alone_and_in_a_mix(tiny_target, tiny_prompts):
+    from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
+    from redraft.infer.drafters.ngram import ContextNGramDrafter
+
+    table = _tiny_corpus_table(tiny_target)
+    assert len(table) > 10
+    ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=32)
+    aded = ADEDDrafter(table, iterations=60)
+    for drafters in ([aded], [ContextNGramDrafter(tiny_target.vocab_size), ADEDDrafter(table)]):
+        out = SpeculativeDecoder(tiny_target, drafters, budget=24).generate(tiny_prompts, max_new_tokens=32)
+        for r, o in zip(ref, out):
+            assert o.tokens == r.tokens
+    assert aded.stats.calls > 0 and len(aded.overlay) > 0  # it searched and adapted
+    # the drafts are good on text the table was counted from: more than one token per call
+    out = SpeculativeDecoder(tiny_target, [ADEDDrafter(table)], budget=24).generate("Hello", max_new_tokens=32)
+    assert out[0].stats.tokens_per_call > 1.5
+
+
+def test_aded_reads_the_ngram_builders_artifact(tmp_path, tiny_target):
+    ng = pytest.importorskip("redraft.ngrams")
+    from redraft.ngrams.tables import save_tables
+    from redraft.ngrams.trigrams import build_trigram_table, count_trigrams
+
+    from redraft.infer.aded import as_trigram_table, bench_methods, trigram_table_from_docs
+
+    rng = np.random.default_rng(0)
+    V = tiny_target.vocab_size
+    docs = [rng.integers(0, 20, size=200) for _ in range(5)]
+    built = build_trigram_table(count_trigrams(docs, V), t=12)
+    meta = dict(tiny_target.artifact_metadata(), vocab_size=V, trigram={"t": 12})
+    save_tables(tmp_path, meta, trigram=built)
+    loaded = ng.NGramTables.load(tmp_path, tiny_target)
+    table = as_trigram_table(loaded)
+    ours = trigram_table_from_docs(docs, V)
+    np.testing.assert_array_equal(table.keys, ours.keys)
+    np.testing.assert_array_equal(table.offsets, ours.offsets)
+    w1, w2 = ours.keys // V, ours.keys % V
+    a_ids, a_p = table.successors(w1, w2, 12)
+    b_ids, b_p = ours.successors(w1, w2, 12)
+    np.testing.assert_allclose(a_p, b_p, atol=1e-3)  # float16 on disk
+    ref_ids, _ = loaded.trigram_successors(torch.from_numpy(w1), torch.from_numpy(w2), 12)
+    assert (a_ids == ref_ids.numpy()).all()
+    assert set(bench_methods(tiny_target, loaded, mix=[])) == {"aded"}
