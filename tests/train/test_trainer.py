@@ -1,0 +1,133 @@
+"""The training loop on the tiny target: learning, resume, artifacts, multi-process equivalence."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from redraft.errors import ConfigError
+from redraft.models.redrafter import ReDrafter, ReDrafterConfig, load_drafter
+from redraft.train.config import make_config
+from redraft.train.trainer import DistEnv, evaluate, train
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(tmp_path, name="run", **over):
+    base = {"output_dir": str(tmp_path / name), "tensorboard": False}
+    base.update({k: str(v) for k, v in over.items()})
+    return make_config("tiny", base)
+
+
+def _run(cfg, tiny_target, tiny_data, **kw):
+    return train(cfg, target=tiny_target, train_dataset=tiny_data[0], eval_dataset=tiny_data[1], **kw)
+
+
+def _weights(run_dir):
+    return load_file(str(Path(run_dir) / "model.safetensors"))
+
+
+def test_tiny_run_lowers_heldout_loss_and_writes_the_artifact(tmp_path, tiny_target, tiny_data):
+    cfg = _cfg(tmp_path, max_steps=40, lr=0.01)
+    torch.manual_seed(cfg.seed)  # the same init the trainer draws
+    untrained = ReDrafter(ReDrafterConfig.for_target(tiny_target, num_layers=cfg.num_layers,
+                                                     num_steps=cfg.num_steps)).attach_target(tiny_target)
+    env = DistEnv(0, 1, 0, torch.device("cpu"))
+    before = evaluate(untrained, untrained, tiny_target, tiny_data[1], cfg, env, "fp32")
+
+    m = _run(cfg, tiny_target, tiny_data)
+    assert m["status"] == "completed" and m["global_step"] == 40
+    assert m["eval_loss"] < 0.8 * before["eval_loss"]
+    assert sum(m["eval_top1"]) > sum(before["eval_top1"]) + 0.3
+    assert m["train_tokens_per_s"] > 0 and len(m["eval_top1"]) == cfg.num_steps
+    assert m["eval_tau_est"] == pytest.approx(1 + sum(m["eval_chain_acc"]))
+
+    out = Path(cfg.output_dir)
+    for f in ("config.json", "model.safetensors", "README.md", "metrics.json", "run_config.yaml"):
+        assert (out / f).is_file(), f
+    assert json.loads((out / "metrics.json").read_text())["eval_top1"] == m["eval_top1"]
+    drafter = load_drafter(out, tiny_target)
+    assert drafter.config.tokenizer_fingerprint == tiny_target.fingerprint
+    again = evaluate(drafter, drafter, tiny_target, tiny_data[1], cfg, env, "fp32")
+    assert again["eval_top1"] == pytest.approx(m["eval_top1"])
+
+
+def test_existing_run_needs_resume_or_overwrite(tmp_path, tiny_target, tiny_data):
+    cfg = _cfg(tmp_path, max_steps=2)
+    _run(cfg, tiny_target, tiny_data)
+    with pytest.raises(ConfigError, match="--resume.*--overwrite"):
+        _run(cfg, tiny_target, tiny_data)
+    assert _run(cfg, tiny_target, tiny_data, overwrite=True)["global_step"] == 2
+
+
+def test_resume_after_sigterm_gives_the_same_weights(tmp_path, tiny_target, tiny_data):
+    over = dict(max_steps=8, lr=0.01, grad_accum=2)
+    straight = _run(_cfg(tmp_path, "straight", **over), tiny_target, tiny_data)
+
+    cfg = _cfg(tmp_path, "killed", **over)
+
+    def kill_at_3(state):
+        if state["global_step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the real handler: finish the step, checkpoint, stop
+
+    first = _run(cfg, tiny_target, tiny_data, on_step=kill_at_3)
+    assert first["status"] == "interrupted" and first["global_step"] == 3
+    assert (Path(cfg.output_dir) / "training_state" / "step-3" / "redraft_state.json").is_file()
+    with pytest.raises(ConfigError, match="lr"):  # resuming with other settings is refused
+        _run(_cfg(tmp_path, "killed", **{**over, "lr": 0.02}), tiny_target, tiny_data, resume=True)
+    resumed = _run(cfg, tiny_target, tiny_data, resume=True)
+    assert resumed["status"] == "completed" and resumed["global_step"] == 8
+
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "killed")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    assert resumed["eval_top1"] == pytest.approx(straight["eval_top1"])
+
+
+def test_reduced_vocab_and_kd_loss_train_and_round_trip(tmp_path, tiny_target, tiny_data):
+    cfg = _cfg(tmp_path, max_steps=4, draft_vocab_size=64, loss="ce+kd")
+    m = _run(cfg, tiny_target, tiny_data)
+    assert m["status"] == "completed"
+    d = load_drafter(cfg.output_dir, tiny_target)
+    assert d.config.draft_vocab_size == 64 and d.lm_head.weight.shape[0] == 64
+    # the reduced vocabulary is the assistant tokens of the data: every one is covered here
+    import pyarrow.compute as pc
+
+    tbl = tiny_data[0].with_format("arrow")
+    ids = pc.list_flatten(tbl["input_ids"]).to_numpy()[pc.list_flatten(tbl["loss_mask"]).to_numpy() == 1]
+    assert set(ids.tolist()) <= set(d.draft_to_target.tolist())
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumulation(
+        tmp_path, tiny_target_dir, chat_file, stage):
+    common = ["--recipe", "tiny", "--target", str(tiny_target_dir), "--data", f"sharegpt:{chat_file}",
+              "--num-proc", "1", "--max-steps", "4", "--lr", "0.01", "--zero-stage", str(stage),
+              "--tensorboard", "false", "--data-cache-dir", str(tmp_path / "cache")]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    bin_dir = Path(sys.executable).parent
+    one = subprocess.run([sys.executable, "-m", "redraft.train.cli", *common, "--grad-accum", "4",
+                          "--output-dir", str(tmp_path / "one")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(29600 + os.getpid() % 300),
+                          "--module", "redraft.train.cli", *common, "--grad-accum", "2",
+                          "--output-dir", str(tmp_path / "two")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert m1["world_size"] == 1 and m2["world_size"] == 2
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    assert m1["global_step"] == m2["global_step"] == 4
+    torch.manual_seed(0)  # the trainer's init (seed 0): training moved away from it
+    init = ReDrafter(ReDrafterConfig(**json.loads((tmp_path / "one" / "config.json").read_text()))).state_dict()
+    assert (a["lm_head.weight"] - init["lm_head.weight"]).abs().max() > 1e-3
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
