@@ -255,9 +255,9 @@ class ReDrafter(PreTrainedModel):
         ``state`` [..., S], ``e`` [..., E] -> [..., S]."""
         if not self.config.rnn:
             return e if state is None else state + e
-        pre = self.rnn_w(e)
-        pre = pre + (self.rnn_u.bias if state is None else self.rnn_u(state))  # U @ 0 + b = b
-        return self.act(pre)
+        we = self.rnn_w(e)
+        # U @ 0 + b = b; the module is called (not .bias read) so ZeRO-3 gathers its weights.
+        return self.act(we + self.rnn_u(torch.zeros_like(we) if state is None else state))
 
     def head(self, state: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """``[s, x]`` -> ResNet blocks -> output layer. ``state`` [..., S], ``context`` [..., H]
@@ -277,8 +277,7 @@ class ReDrafter(PreTrainedModel):
         we = self.rnn_w(e)  # [..., L, S]: one matmul for all steps; only U s is sequential
         out, s = [], None
         for i in range(tokens.shape[-1]):  # L <= num_steps (5): a loop over steps, not positions
-            pre = we[..., i, :] + (self.rnn_u.bias if s is None else self.rnn_u(s))
-            s = self.act(pre)
+            s = self.act(we[..., i, :] + self.rnn_u(torch.zeros_like(we[..., i, :]) if s is None else s))
             out.append(s)
         return torch.stack(out, dim=-2)
 
