@@ -540,12 +540,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=10, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--methods", default="greedy,aded,draftretriever,context,context+aded,hsddw,context+hsddw",
-                    help="comma list of methods (greedy, aded, aded-static, draftretriever, context, "
-                         "context+aded, context+draftretriever, hsddw, hsddw-m1, context+hsddw)")
+                    help="comma list of methods; '+' joins drafters into one decoder. Parts: greedy, "
+                         "aded, aded-static, draftretriever, context, hsddw, hsddw-m1, hsddw-tri")
     ap.add_argument("--corpus-docs", type=int, default=20000, help="documents of the corpus for the tables/index")
     ap.add_argument("--table", default=None, help="an n-gram tables directory (redraft-build-ngrams) to use "
                                                   "instead of counting the corpus here (applies to every dataset)")
     ap.add_argument("--ee-layers", default="4,12", help="early-exit layers of HSDDW's M1,M2 (one number: M1 only)")
+    ap.add_argument("--draft-vocab", type=int, default=8192,
+                    help="early-exit draft heads score only the N most frequent corpus tokens (0: all)")
     ap.add_argument("--cache-dir", default="checkpoints/bench-aded", help="where corpus tokens and indexes are cached")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -563,7 +565,8 @@ def _bench(args) -> int:
     from redraft.data.prompts import heldout_prompts, humaneval_prompts
     from redraft.infer.decoder import SpeculativeDecoder
     from redraft.infer.drafters.ngram import ContextNGramDrafter
-    from redraft.infer.hsddw import CausalLMModel, HSDDWDrafter, early_exit_model
+    from redraft.infer.hsddw import (CausalLMModel, HSDDWDrafter, TrigramModel, default_hierarchy,
+                                     early_exit_model, frequent_tokens)
     from redraft.models.target import load_target
 
     target = load_target(args.target, dtype=args.dtype, device="cpu")
@@ -589,6 +592,7 @@ def _bench(args) -> int:
             if docs is None:
                 docs = _load_or_build_corpus(ds, target, args.corpus_docs, cache_dir)
             build_retriever_index(docs, idx, V)
+        subset = frequent_tokens(docs, V, args.draft_vocab) if docs is not None and args.draft_vocab else None
         print(f"[{ds}] {len(prompts)} prompts; tri-gram table {len(table)} contexts "
               f"({time.perf_counter() - t0:.1f}s to load/build)", flush=True)
 
@@ -605,11 +609,14 @@ def _bench(args) -> int:
                     parts.append(DraftRetrieverDrafter(idx))
                 elif part == "context":
                     parts.append(ContextNGramDrafter(V))
-                elif part == "hsddw":
-                    m2 = CausalLMModel(early_exit_model(target.model, ee[1]), f"ee{ee[1]}") if len(ee) > 1 else None
-                    parts.append(HSDDWDrafter(CausalLMModel(early_exit_model(target.model, ee[0]), f"ee{ee[0]}"), m2))
-                elif part == "hsddw-m1":
-                    parts.append(HSDDWDrafter(CausalLMModel(early_exit_model(target.model, ee[0]), f"ee{ee[0]}")))
+                elif part == "hsddw":  # early-exit(M1) -> early-exit(M2) -> target
+                    parts.append(default_hierarchy(target, ee[0], ee[1] if len(ee) > 1 else 10 ** 6,
+                                                   vocab_subset=subset))
+                elif part == "hsddw-m1":  # early-exit M1 with self-verify alone
+                    parts.append(default_hierarchy(target, ee[0], 10 ** 6, vocab_subset=subset))
+                elif part == "hsddw-tri":  # tri-gram table (M1) -> early-exit (M2) -> target
+                    m2 = CausalLMModel(early_exit_model(target.model, ee[-1]), f"ee{ee[-1]}", V, subset)
+                    parts.append(HSDDWDrafter(TrigramModel(table, V), m2, name="hsddw-tri"))
                 else:
                     raise ValueError(f"unknown method part {part!r}")
             return parts

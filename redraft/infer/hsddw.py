@@ -139,15 +139,33 @@ class CausalLMModel(ProbModel):
 
     Keeps one ``DynamicCache`` per row holding the tokens it has seen; each call crops it to the
     prefix it shares with the new context and feeds only the rest.
+
+    Args:
+        model: the causal LM.
+        name: stats label.
+        vocab_size: pad (or cut) its logits to this many ids (the target's vocab).
+        vocab_subset: ``[S]`` token ids: compute the head over these rows only (the head of a
+            small model is most of its cost: 49152 x 576 for SmolLM2, 8 decoder layers' worth of
+            weights), every other token gets probability 0. Its distribution stays a valid
+            ``q`` for lossless rejection sampling. Costs a copy of ``S`` head rows.
     """
 
-    def __init__(self, model: nn.Module, name: str = "lm", vocab_size: int | None = None):
+    def __init__(self, model: nn.Module, name: str = "lm", vocab_size: int | None = None,
+                 vocab_subset: torch.Tensor | None = None):
         self.model = model.eval()
         self.name = name
         self.vocab_size = vocab_size
         self.caches: list = []
         self.seen: list[list[int]] = []
         self.forwards = 0
+        self.subset = None
+        if vocab_subset is not None:
+            head = model.get_output_embeddings()
+            self.subset = torch.as_tensor(vocab_subset, dtype=torch.long, device=head.weight.device)
+            self.sub_w = head.weight.detach()[self.subset].contiguous()  # [S, H]
+            self.sub_b = None if head.bias is None else head.bias.detach()[self.subset]
+            self.base = getattr(model, model.base_model_prefix)
+            self.full_v = vocab_size or head.weight.shape[0]
 
     def reset(self, batch_size: int) -> None:
         self.caches = [None] * batch_size
@@ -173,16 +191,34 @@ class CausalLMModel(ProbModel):
         dev = next(self.model.parameters()).device
         ids = torch.tensor([full[common:]], dtype=torch.long, device=dev)
         pos = torch.arange(common, len(full), device=dev)[None]
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        first = len(context) - 1 - common  # fed position of the context's last token
         self.forwards += 1
+        if self.subset is not None:
+            h = self.base(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
+            sub = h[0, first:] @ self.sub_w.T  # [len(extra)+1, S]
+            if self.sub_b is not None:
+                sub = sub + self.sub_b
+            logits = sub.new_full((sub.shape[0], self.full_v), float("-inf"))
+            logits[:, self.subset] = sub
+        else:
+            out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            logits = out.logits[0, first:]  # [len(extra)+1, V']
         self.caches[row], self.seen[row] = cache, full
-        logits = out.logits[0, len(context) - 1 - common:].float()  # [len(extra)+1, V']
+        logits = logits.float()
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             pad = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             m = min(self.vocab_size, logits.shape[-1])
             pad[:, :m] = logits[:, :m]
             logits = pad
         return logits
+
+
+def frequent_tokens(docs, vocab_size: int, n: int) -> torch.Tensor:
+    """The ``n`` most frequent token ids of ``docs`` (token id lists), for ``vocab_subset``."""
+    counts = np.zeros(vocab_size, np.int64)
+    for d in docs:
+        counts += np.bincount(np.asarray(d, np.int64), minlength=vocab_size)[:vocab_size]
+    return torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[:n]))
 
 
 class TrigramModel(ProbModel):
@@ -420,14 +456,16 @@ class HSDDWDrafter(Drafter):
 
 
 def default_hierarchy(target, m1_layers: int | None = None, m2_layers: int | None = None,
-                      **kw) -> HSDDWDrafter:
+                      vocab_subset: torch.Tensor | None = None, **kw) -> HSDDWDrafter:
     """The no-training hierarchy of any target: early-exit(~L/8) -> early-exit(~L/2.5) -> target
-    (4 and 12 layers for a 30-layer SmolLM2), sharing the target's weights."""
+    (4 and 12 layers for a 30-layer SmolLM2), sharing the target's weights. ``vocab_subset``:
+    compute both draft heads over these token ids only (see :class:`CausalLMModel`)."""
     n = int(target.model.config.num_hidden_layers)
     l1 = m1_layers or max(1, round(n / 8))
     l2 = m2_layers or max(l1 + 1, round(n / 2.5))
-    m2 = None if l2 >= n else CausalLMModel(early_exit_model(target.model, l2), f"ee{l2}", target.vocab_size)
-    return HSDDWDrafter(CausalLMModel(early_exit_model(target.model, l1), f"ee{l1}", target.vocab_size), m2, **kw)
+    V = target.vocab_size
+    m2 = None if l2 >= n else CausalLMModel(early_exit_model(target.model, l2), f"ee{l2}", V, vocab_subset)
+    return HSDDWDrafter(CausalLMModel(early_exit_model(target.model, l1), f"ee{l1}", V, vocab_subset), m2, **kw)
 
 
 def bench_methods(target=None, mix=()):

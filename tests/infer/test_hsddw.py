@@ -192,3 +192,36 @@ def test_hierarchy_sampling_runs_with_rejection(tiny_target, tiny_prompts):
     assert all(0 < len(o.tokens) <= 20 for o in out)
     # M2 is the target itself: its drafts follow the target's distribution, so most are accepted
     assert d.stats.eta < 0.8
+
+
+def test_reduced_vocab_head_matches_the_full_head_on_its_tokens(tiny_target):
+    ee = early_exit_model(tiny_target.model, 1)
+    subset = torch.tensor([2, 5, 9, 40, 41, 100, 300])
+    full, sub = CausalLMModel(ee, vocab_size=tiny_target.vocab_size), CausalLMModel(ee, vocab_size=tiny_target.vocab_size, vocab_subset=subset)
+    full.reset(1)
+    sub.reset(1)
+    a = full.logits(0, [3, 8, 21], [9, 40])
+    b = sub.logits(0, [3, 8, 21], [9, 40])
+    torch.testing.assert_close(b[:, subset], a[:, subset], rtol=1e-5, atol=1e-5)
+    out = torch.ones(tiny_target.vocab_size, dtype=torch.bool)
+    out[subset] = False
+    assert torch.isinf(b[:, out]).all() and (b[:, out] < 0).all()
+    assert float(b.softmax(-1)[:, subset].sum(-1).min()) == pytest.approx(1.0)
+
+
+def test_trigram_m1_early_exit_m2_hierarchy_is_exact(tiny_target, tiny_prompts):
+    """n-gram -> early exit -> target: M1 costs no forward, M2 checks its chain in one."""
+    from redraft.infer.aded import trigram_table_from_docs
+    from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
+    from redraft.infer.hsddw import TrigramModel
+
+    ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=24)
+    table = trigram_table_from_docs([r.tokens for r in ref], tiny_target.vocab_size)
+    tri = TrigramModel(table, tiny_target.vocab_size)
+    lg = tri.logits(0, list(ref[0].tokens[:2]), [])  # the table's distribution after 2 tokens
+    assert int(lg[0].argmax()) == ref[0].tokens[2] and float(lg[0].softmax(-1).max()) > 0.5
+    d = HSDDWDrafter(tri, CausalLMModel(early_exit_model(tiny_target.model, 1), "ee1"), max_len=6, tau_init=2.0)
+    out = SpeculativeDecoder(tiny_target, [d], budget=16).generate(tiny_prompts, max_new_tokens=24)
+    for r, o in zip(ref, out):
+        assert o.tokens == r.tokens
+    assert d.stats.levels["trigram"].drafted > 0
