@@ -157,13 +157,13 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     return ids
 
 
-def span_token_mask(encoding, spans: list[tuple[int, int]], eot_ids: set[int]) -> np.ndarray:
+def span_token_mask(encoding, ids: np.ndarray, spans: list[tuple[int, int]], eot_ids: set[int]) -> np.ndarray:
     """Loss mask ``[T]`` (int8) of one tokenized rendering from its assistant character spans.
 
-    ``encoding`` is a ``tokenizers.Encoding`` of the full text. A token that overlaps a span is
-    in the mask; tokens after the span's last end-of-turn token are not.
+    ``encoding`` is the ``tokenizers.Encoding`` of the full text and ``ids`` its ids ``[T]``. A
+    token that overlaps a span is in the mask; tokens after the span's last end-of-turn token are
+    not. Python work is per span (a few ``char_to_token`` calls), never per token.
     """
-    ids = encoding.ids
     mask = np.zeros(len(ids), dtype=np.int8)
     for start, end in spans:
         t0 = _char_token(encoding, start, end, +1)
@@ -172,7 +172,7 @@ def span_token_mask(encoding, spans: list[tuple[int, int]], eot_ids: set[int]) -
             continue
         # drop a tail after the end-of-turn token (at most a few tokens: "\n" in ChatML)
         for t in range(t1, max(t0, t1 - 8) - 1, -1):
-            if ids[t] in eot_ids:
+            if int(ids[t]) in eot_ids:
                 t1 = t
                 break
         mask[t0:t1 + 1] = 1
@@ -245,7 +245,7 @@ class _Encoder:
                 if self.mode == "arrays":
                     rows[i].append((records[i].id, ids, None))
                     continue
-                mask = span_token_mask(enc, spans, self.eot_ids)
+                mask = span_token_mask(enc, ids, spans, self.eot_ids)
                 if not self.pack and self.max_length is not None:
                     ids, mask = ids[: self.max_length], mask[: self.max_length]
                 if not mask.any():
