@@ -82,10 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-id", type=int, default=0, help="this job's shard, 0..num-shards-1")
     p.add_argument("--memory-mb", type=int, default=4096,
                    help="memory budget for tri-gram counts; beyond it sorted runs spill to disk")
-    p.add_argument("--chunk-tokens", type=int, default=1 << 24, help="tokens sorted at a time")
+    p.add_argument("--chunk-tokens", type=int, default=1 << 25,
+                   help="tokens sorted at a time (about 24 bytes of memory each)")
     p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (redraft.data)")
     p.add_argument("--overwrite", action="store_true",
                    help="rebuild kinds already present in --output-dir (default: skip them)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the bigram build (default: torch's choice, one per "
+                        "core; on a machine shared with other jobs 1 can be faster)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -143,6 +147,8 @@ def run_build(args) -> dict:
             logger.warning("%s: %s table exists, skipped (pass --overwrite to rebuild it)", out, k)
     if not todo:
         return {}
+    if args.threads:
+        torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype="float32", device=args.device)
     base = dict(target.artifact_metadata(), vocab_size=target.vocab_size)
     # The flags that shaped each kind, recorded in ngrams.json beside it.

@@ -49,6 +49,21 @@ def resolve_dtype(dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model`` whose floating parameters and buffers are in ``dtype``.
+
+    Like ``copy.deepcopy(model).to(dtype)`` without the intermediate full-precision copy: the
+    converted tensors are put in deepcopy's memo, so tied weights stay tied.
+    """
+    memo = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point() and id(t) not in memo:
+            new = t.detach().to(dtype)
+            memo[id(t)] = torch.nn.Parameter(new, requires_grad=False) if isinstance(
+                t, torch.nn.Parameter) else new
+    return copy.deepcopy(model, memo)
+
+
 # --------------------------------------------------------------------------------------------
 # unigram
 
@@ -166,7 +181,7 @@ def build_bigram(target, k: int = 25, batch_size: int = 1024, dtype="bfloat16",
     model = target.model
     device = target.device
     if target.dtype != dtype:  # a private copy: the caller's target is left as it was
-        model = copy.deepcopy(model).to(dtype)
+        model = cast_copy(model, dtype)
     bos_id = bigram_context(target.tokenizer) if bos == "auto" else bos
     V = target.vocab_size
     k = min(int(k), V)
@@ -198,9 +213,13 @@ def build_bigram(target, k: int = 25, batch_size: int = 1024, dtype="bfloat16",
         else:
             seq = x[:, None] if bos_id is None else torch.stack([torch.full_like(x, bos_id), x], 1)
             logits = _model_last_logits(model, seq)
-        logits = logits.float()  # softmax/top-k in float32: bf16 logits tie too often
+        # Top-k on the logits as computed (a bf16 value is exact in float32, so the ranking is
+        # the same); the normaliser in float32, 64 rows at a time so the float32 copy
+        # ([64, vocab]) stays in cache instead of streaming a [B, vocab] one through memory.
         top, idx = torch.topk(logits, k, dim=-1)  # [B, k]
-        probs = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
+        lse = torch.cat([torch.logsumexp(logits[r:r + 64].float(), dim=-1, keepdim=True)
+                         for r in range(0, len(logits), 64)])  # [B, 1]
+        probs = torch.exp(top.float() - lse)
         ids_out[start:start + len(x)] = idx.to("cpu", torch.int32)
         probs_out[start:start + len(x)] = probs.cpu()
         bar.update(len(x))
@@ -252,7 +271,7 @@ def build_extended_with_model(target, bigram_ids: torch.Tensor, w: int = 10, k: 
     from transformers import DynamicCache
 
     dtype = resolve_dtype(dtype)
-    model = target.model if target.dtype == dtype else copy.deepcopy(target.model).to(dtype)
+    model = target.model if target.dtype == dtype else cast_copy(target.model, dtype)
     device = target.device
     bos_id = bigram_context(target.tokenizer) if bos == "auto" else bos
     Vn, k0 = bigram_ids.shape

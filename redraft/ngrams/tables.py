@@ -165,6 +165,7 @@ class NGramTables:
         stored_t = meta.get("trigram", {}).get("t")
         self.t = int(stored_t) if "trigram" in tensors and stored_t else None
         self.bos_prefix = meta.get("bigram", {}).get("bos_prefix")
+        self._dense = None  # padded tri-gram rows, made at the first lookup
 
     # ---------------------------------------------------------------- loading
 
@@ -239,6 +240,7 @@ class NGramTables:
     def to(self, device) -> "NGramTables":
         """Move every table to ``device`` (in place); returns self."""
         self._t = {kind: {n: v.to(device) for n, v in d.items()} for kind, d in self._t.items()}
+        self._dense = None  # rebuilt on the new device at the next lookup
         return self
 
     @property
@@ -284,6 +286,35 @@ class NGramTables:
         w = self._cols(w, e.shape[2], "w")
         return e[tokens.to(e.device, torch.long), :k, :w].long()
 
+    # Above this many bytes the padded [C + 1, t] copy of the tri-gram table is not made and
+    # lookups gather straight from the CSR arrays (slower, no extra memory).
+    DENSE_TRIGRAM_MAX_BYTES = 1 << 30
+
+    def _trigram_rows(self):
+        """The tri-gram table padded to dense rows ``ids int32 [C + 1, t]``, ``probs f16 [C + 1, t]``.
+
+        Row ``C`` is all ``-1`` / ``0``: the row of contexts that never occurred. One contiguous
+        row gather per lookup replaces a ``[N, t]`` index computation, gather and mask. Built on
+        first use (vectorised scatter), None when it would exceed ``DENSE_TRIGRAM_MAX_BYTES``.
+        """
+        if self._dense is not None:
+            return self._dense
+        tg = self._need("trigram")
+        offsets, t = tg["offsets"], int(self.t or 1)
+        C = len(tg["context_keys"])
+        if (C + 1) * t * 6 > self.DENSE_TRIGRAM_MAX_BYTES:
+            return None
+        dev = offsets.device
+        lengths = offsets[1:] - offsets[:-1]  # [C]
+        row = torch.repeat_interleave(torch.arange(C, device=dev), lengths)  # [nnz]
+        col = torch.arange(len(row), device=dev) - offsets[:-1][row]  # rank within its row
+        ids = torch.full((C + 1, t), -1, dtype=torch.int32, device=dev)
+        probs = torch.zeros((C + 1, t), dtype=tg["probs"].dtype, device=dev)
+        ids[row, col] = tg["ids"]
+        probs[row, col] = tg["probs"]
+        self._dense = (ids, probs)
+        return self._dense
+
     def trigram_successors(self, w1: torch.Tensor, w2: torch.Tensor,
                            t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-t successors of each context ``(w1[i], w2[i])``.
@@ -296,16 +327,21 @@ class NGramTables:
         keys, offsets = tg["context_keys"], tg["offsets"]
         t = self._cols(t, int(self.t or 1), "t")
         dev = keys.device
+        C = len(keys)
         ctx = w1.to(dev, torch.long) * self.vocab_size + w2.to(dev, torch.long)  # [N]
-        pos = torch.searchsorted(keys, ctx).clamp_(max=max(len(keys) - 1, 0))  # [N]
-        found = keys[pos] == ctx if len(keys) else torch.zeros_like(ctx, dtype=torch.bool)
+        pos = torch.searchsorted(keys, ctx).clamp_(max=max(C - 1, 0))  # [N]
+        found = keys[pos] == ctx if C else torch.zeros_like(ctx, dtype=torch.bool)
+        dense = self._trigram_rows()
+        if dense is not None:
+            row = torch.where(found, pos, C)  # unseen contexts read the empty row C
+            return dense[0][row, :t].long(), dense[1][row, :t].float()
         start = offsets[pos]  # [N]
         length = torch.where(found, offsets[pos + 1] - start, 0)  # [N]
         col = torch.arange(t, device=dev)  # [t]
-        valid = col < length[:, None]  # [N, t]
+        invalid = col >= length[:, None]  # [N, t]
         idx = (start[:, None] + col).clamp_(max=max(len(tg["ids"]) - 1, 0))  # [N, t]
-        ids = torch.where(valid, tg["ids"][idx].long(), -1)
-        probs = torch.where(valid, tg["probs"][idx].float(), 0.0)
+        ids = tg["ids"][idx].long().masked_fill_(invalid, -1)
+        probs = tg["probs"][idx].float().masked_fill_(invalid, 0.0)
         return ids, probs
 
     def __repr__(self) -> str:

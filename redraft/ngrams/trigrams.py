@@ -77,7 +77,7 @@ def _context_floor(keys: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 def trigram_keys(tokens: np.ndarray, ends: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Keys of every tri-gram inside records laid end to end in ``tokens``.
+    """Keys of every tri-gram start position in records laid end to end in ``tokens``.
 
     Args:
         tokens: int ``[n]``, records concatenated.
@@ -85,32 +85,49 @@ def trigram_keys(tokens: np.ndarray, ends: np.ndarray, vocab_size: int) -> np.nd
         vocab_size: V.
 
     Returns:
-        ``[m]`` keys (int64 or the wide dtype), one per position i with i, i+1, i+2 in one record.
+        int64 packed keys ``[n - 2]`` where a position whose tri-gram would cross a record end
+        holds ``-1`` (a sentinel that sorts first; :func:`sorted_counts` drops it), or, for the
+        wide dtype, only the valid keys.
     """
     n = len(tokens)
     if n < 3:
         return np.empty(0, key_dtype(vocab_size))
-    t = tokens.astype(np.int64, copy=False)
-    V = np.int64(vocab_size)
-    valid = np.ones(n - 2, dtype=bool)
     # The last two positions of every record start a tri-gram that crosses its end. For a record
     # of length < 2 these indices fall into the previous record's last positions: masked anyway.
-    for off in (1, 2):
-        idx = ends - off
-        valid[idx[(idx >= 0) & (idx < n - 2)]] = False
+    cross = np.concatenate([ends - 1, ends - 2])
+    cross = cross[(cross >= 0) & (cross < n - 2)]
+    V = np.int64(vocab_size)
     if key_dtype(vocab_size) == _WIDE:
+        t = tokens.astype(np.int64, copy=False)
+        valid = np.ones(n - 2, dtype=bool)
+        valid[cross] = False
         return _make_keys((t[:-2] * V + t[1:-1])[valid], t[2:][valid], vocab_size)
-    keys = (t[:-2] * V + t[1:-1]) * V + t[2:]  # [n-2]
-    return keys[valid]
+    # (w1 * V + w2) * V + w3 in place: one [n-2] int64 buffer, no temporaries.
+    keys = np.multiply(tokens[:-2], V, dtype=np.int64)
+    keys += tokens[1:-1]
+    keys *= V
+    keys += tokens[2:]
+    keys[cross] = -1
+    return keys
 
 
 def sorted_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique keys (ascending) and how often each occurs: a run. Sorts ``keys`` in place."""
+    """Unique keys (ascending) and how often each occurs: a run. Sorts ``keys`` in place.
+
+    Negative (sentinel) keys of :func:`trigram_keys` are dropped.
+    """
     if len(keys) == 0:
         return keys, np.empty(0, np.int64)
     keys.sort()
-    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
-    counts = np.diff(np.append(starts, len(keys))).astype(np.int64)
+    if keys.dtype != _WIDE:
+        keys = keys[np.searchsorted(keys, 0):]  # drop the -1 sentinels (they sort first)
+        if len(keys) == 0:
+            return keys, np.empty(0, np.int64)
+    change = np.empty(len(keys), dtype=bool)
+    change[0] = True
+    change[1:] = keys[1:] != keys[:-1]
+    starts = np.flatnonzero(change)
+    counts = np.diff(starts, append=len(keys))
     return keys[starts], counts
 
 
@@ -266,7 +283,7 @@ class TrigramCounter:
         spill_dir: where spilled runs go (default: a temporary directory).
     """
 
-    def __init__(self, vocab_size: int, chunk_tokens: int = 1 << 24, memory_mb: int = 4096,
+    def __init__(self, vocab_size: int, chunk_tokens: int = 1 << 25, memory_mb: int = 4096,
                  spill_dir=None, progress: bool = False, desc: str = "count tri-grams"):
         self.vocab_size = int(vocab_size)
         key_dtype(self.vocab_size)  # raises for impossible vocabularies
@@ -317,10 +334,10 @@ class TrigramCounter:
                 raise DataError(
                     f"record {rec} holds token id {int(tokens[bad])}, outside the vocabulary "
                     f"[0, {self.vocab_size}). Tokenize the corpus with the target's tokenizer.")
-        keys = trigram_keys(tokens, np.cumsum(lengths), self.vocab_size)
+        keys, counts = sorted_counts(trigram_keys(tokens, np.cumsum(lengths), self.vocab_size))
         self.tokens += len(tokens)
-        self.trigrams += len(keys)
-        self._runs.append(sorted_counts(keys))
+        self.trigrams += int(counts.sum())
+        self._runs.append((keys, counts))
         self._bar.update(len(tokens))
         entries = sum(len(k) for k, _ in self._runs)
         if len(self._runs) >= 8 or entries * 16 > self.memory_mb * 2**20 // 2:
@@ -350,7 +367,7 @@ class TrigramCounter:
                              memory_mb=self.memory_mb, _tmpdir=self._tmp)
 
 
-def count_trigrams(arrays: Iterable, vocab_size: int, *, chunk_tokens: int = 1 << 24,
+def count_trigrams(arrays: Iterable, vocab_size: int, *, chunk_tokens: int = 1 << 25,
                    memory_mb: int = 4096, spill_dir=None, progress: bool = False) -> TrigramCounts:
     """Count the tri-grams of every record in ``arrays`` (1-D int arrays, one per record).
 

@@ -54,7 +54,10 @@ def test_round_trip_and_lookups(parts, tmp_path):
     assert tables.extended(x, k=2, w=2).shape == (4, 2, 2)
 
 
-def test_trigram_successors_fill_missing_with_minus_one(parts, tmp_path):
+@pytest.mark.parametrize("dense", [True, False], ids=["padded-rows", "csr-gather"])
+def test_trigram_successors_fill_missing_with_minus_one(parts, tmp_path, dense, monkeypatch):
+    if not dense:
+        monkeypatch.setattr(NGramTables, "DENSE_TRIGRAM_MAX_BYTES", 0)
     tables = NGramTables.load(_save(tmp_path / "t", parts))
     table = parts["trigram"]
     key = int(table.context_keys[0])
