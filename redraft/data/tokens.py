@@ -442,6 +442,7 @@ def _build(kind: str, spec: str, tokenizer, *, split: str, heldout_fraction: flo
     packer = _Packer(max_length) if pack and mode == "mask" else None
 
     entry.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(entry)
     tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -492,6 +493,17 @@ def _build(kind: str, spec: str, tokenizer, *, split: str, heldout_fraction: flo
         print(f"{spec}: {summary}; {seconds:.1f} s ({n_records / max(seconds, 1e-9):,.0f} records/s, "
               f"{n_tokens / max(seconds, 1e-9):,.0f} tokens/s)", file=sys.stderr)
     return entry
+
+
+def _remove_stale_tmp(entry: Path) -> None:
+    """Delete half-written folders of this entry left by processes that no longer run."""
+    for old in entry.parent.glob(entry.name + ".tmp*"):
+        try:
+            os.kill(int(old.name.rsplit(".tmp", 1)[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
 
 
 def cache_meta(path: Path) -> dict:

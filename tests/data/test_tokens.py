@@ -223,3 +223,19 @@ def test_an_empty_split_is_an_empty_dataset_not_an_error(tmp_path, chats_file, c
     ds = build_token_dataset(f"sharegpt:{chats_file}", chatml_tokenizer, split="heldout", heldout_fraction=0.0,
                              cache_dir=tmp_path, num_proc=1, progress=False)
     assert len(ds) == 0 and ds.column_names == ["id", "input_ids", "loss_mask"]
+
+
+def test_a_crashed_build_leaves_nothing_that_is_reused(tmp_path, chats_file, chatml_tokenizer):
+    spec = f"sharegpt:{chats_file}"
+    ds = build_token_dataset(spec, chatml_tokenizer, split="all", cache_dir=tmp_path / "cache", num_proc=1, progress=False)
+    (entry,) = (tmp_path / "cache").glob("tokens-*")
+    stale = entry.with_name(entry.name + ".tmp999999999")  # a pid that cannot exist
+    stale.mkdir()
+    (stale / "data.arrow").write_bytes(b"half")
+    import shutil
+
+    shutil.rmtree(entry)
+    again = build_token_dataset(spec, chatml_tokenizer, split="all", cache_dir=tmp_path / "cache", num_proc=1,
+                                progress=False)
+    assert again["input_ids"] == ds["input_ids"]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [entry.name]
