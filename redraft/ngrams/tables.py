@@ -264,6 +264,16 @@ class NGramTables:
             raise ConfigError(f"{name}={k} but the table stores {have} columns; rebuild with a larger {name}.")
         return int(k)
 
+    def table(self, kind: str) -> dict[str, torch.Tensor]:
+        """The stored tensors of one kind, as on disk (module doc), on the tables' device."""
+        return dict(self._need(kind))
+
+    def trigram_csr(self) -> dict[str, torch.Tensor]:
+        """The tri-gram table in CSR form: ``context_keys int64 [C]`` (sorted ``w1 * V + w2``),
+        ``offsets int64 [C + 1]``, ``ids int32 [nnz]``, ``probs float16 [nnz]``,
+        ``context_counts int64 [C]``. For decoders that keep their own copy (ADED overlays)."""
+        return self.table("trigram")
+
     # ---------------------------------------------------------------- lookups
 
     def unigram_topk(self, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,6 +78,8 @@ def test_trigram_successors_fill_missing_with_minus_one(parts, tmp_path, dense, 
 def test_every_stored_context_is_found(parts, tmp_path):
     tables = NGramTables.load(_save(tmp_path / "t", parts))
     table = parts["trigram"]
+    csr = tables.trigram_csr()
+    assert csr["offsets"].tolist() == table.offsets.tolist() and csr["ids"].dtype == torch.int32
     keys = torch.from_numpy(table.context_keys)
     ids, _ = tables.trigram_successors(keys // V, keys % V)
     lengths = (ids >= 0).sum(-1).numpy()
