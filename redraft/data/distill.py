@@ -85,7 +85,8 @@ def generate_replies(target, prompts: list[list[int]], *, max_new_tokens: int, t
         out = model.generate(
             input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
             max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
-            top_p=top_p if sample else None, top_k=None, pad_token_id=pad, eos_token_id=eos,
+            top_p=top_p if sample else None, top_k=0 if sample else None,  # no hidden top-k cut
+            pad_token_id=pad, eos_token_id=eos,
         )
     new = out[:, width:].cpu()  # [B, <= max_new_tokens]
     is_eos = torch.isin(new, torch.tensor(eos))

@@ -88,3 +88,14 @@ def test_cli_help(flag, capsys):
         main([flag])
     assert exc.value.code == 0
     assert "--max-new-tokens" in capsys.readouterr().out
+
+
+def test_sampled_distillation_is_seeded(tiny_target_dir, tmp_path):
+    data = f"sharegpt:{write_jsonl(tmp_path / 'src.jsonl', CHATS)}"
+    a, b, c = (tmp_path / f"{x}.jsonl" for x in "abc")
+    for path in (a, b):
+        assert run(tiny_target_dir, data, path, "--limit", "2", "--temperature", "1.0", "--seed", "3") == 0
+    assert run(tiny_target_dir, data, c, "--limit", "2") == 0
+    assert a.read_text() == b.read_text()
+    replies = lambda path: [m["value"] for r in lines(path) for m in r["conversations"] if m["from"] == "gpt"]  # noqa: E731
+    assert replies(a) != replies(c)  # sampling at temperature 1 is not greedy
