@@ -89,6 +89,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  build_token_dataset num_proc={procs}: {secs:.2f} s, {n / secs:,.0f} records/s "
                   f"-> {base_s / secs:.1f}x the baseline")
         if not args.skip_full:
+            stats = DataStats()
+            t0 = time.perf_counter()
+            n_read = sum(1 for _ in iter_records(args.data, stats=stats))
+            secs = time.perf_counter() - t0
+            results["iter_records"] = {"records": n_read, "seconds": round(secs, 2),
+                                       "records_per_s": round(n_read / secs), "summary": stats.summary()}
+            print(f"iter_records on all of {args.data}: {n_read:,} records in {secs:.2f} s "
+                  f"({n_read / secs:,.0f} records/s; streaming JSON parse + validation)")
             for name, fn, kw in (
                 ("build_token_dataset", build_token_dataset, dict(split="all", max_length=args.max_length)),
                 ("iter_token_arrays", lambda **k: sum(len(a) for a in iter_token_arrays(**k)), dict(split="all")),
