@@ -1,5 +1,6 @@
 """Target loading and the ReDrafter draft head."""
 
+from redraft.models.redrafter import ReDrafter, ReDrafterConfig, load_drafter
 from redraft.models.target import (
     DEFAULT_MODEL_ID,
     DEFAULT_SPEC,
@@ -12,8 +13,11 @@ from redraft.models.target import (
 __all__ = [
     "DEFAULT_MODEL_ID",
     "DEFAULT_SPEC",
+    "ReDrafter",
+    "ReDrafterConfig",
     "Target",
     "check_fingerprint",
+    "load_drafter",
     "load_target",
     "tokenizer_fingerprint",
 ]
