@@ -19,8 +19,11 @@ Examples::
     0.7*default-chat,0.3*default-code           a mixture (default-chat:0.7,default-code:0.3 also works)
     /data/chats.jsonl                           a bare path: the format is detected per record
 
-A mixture interleaves its components deterministically in proportion to the weights (by
-records) and stops when the first component runs out, so the proportions hold exactly.
+Without weights (``a,b``), the components are interleaved one record each in turn until every
+one is exhausted: every record of every component is read once. With weights
+(``0.7*a,0.3*b``), they are interleaved deterministically in proportion to the weights (by
+records) and the mixture stops when the first component runs out, so the proportions hold
+exactly. Paths containing ``,`` cannot be used in a spec.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class SourceSpec:
     arg: str | None = None
     options: dict = field(default_factory=dict)
     weight: float = 1.0
+    weighted: bool = False  # the spec gave a weight explicitly
     text: str = ""
 
     @property
@@ -115,10 +119,10 @@ def _parse_component(text: str) -> SourceSpec:
     if not raw:
         raise DataError("Empty data spec component; write e.g. --data default-chat or "
                         "--data 0.7*default-chat,0.3*default-code.")
-    weight = 1.0
+    weight, weighted = 1.0, False
     head, star, rest = raw.partition("*")
     if star and _is_number(head):
-        weight, raw = float(head), rest.strip()
+        weight, weighted, raw = float(head), True, rest.strip()
     body, _, query = raw.partition("?")
     options = dict(parse_qsl(query, keep_blank_values=True)) if query else {}
     unknown = set(options) - OPTIONS
@@ -126,7 +130,7 @@ def _parse_component(text: str) -> SourceSpec:
         raise DataError(f"Unknown option(s) {sorted(unknown)} in data spec {text!r}; known: {sorted(OPTIONS)}.")
     kind, colon, arg = body.partition(":")
     if kind in ("default-chat", "default-code") and colon and _is_number(arg):
-        weight, arg = float(arg), ""  # default-chat:0.7 is a weight, not a path
+        weight, weighted, arg = float(arg), True, ""  # default-chat:0.7 is a weight, not a path
     if kind not in KINDS:
         if os.path.exists(os.path.expanduser(body)):
             kind, arg = "auto", body
@@ -140,7 +144,8 @@ def _parse_component(text: str) -> SourceSpec:
         raise DataError(f"Data spec {text!r} needs a path or hub id after '{kind}:'.")
     if weight <= 0:
         raise DataError(f"Weight {weight} in data spec {text!r} must be positive.")
-    return SourceSpec(kind=kind, arg=arg or None, options=options, weight=weight, text=text.strip())
+    return SourceSpec(kind=kind, arg=arg or None, options=options, weight=weight, weighted=weighted,
+                      text=text.strip())
 
 
 def _is_number(s: str) -> bool:
@@ -423,6 +428,18 @@ def _iter_component(src: SourceSpec, stats: DataStats) -> Iterator[Record]:
         yield record
 
 
+def _round_robin(streams: list[Iterator[Record]]) -> Iterator[Record]:
+    """One record from each stream in turn, dropping streams as they run out, until none is left."""
+    live = list(streams)
+    while live:
+        for s in list(live):
+            record = next(s, None)
+            if record is None:
+                live.remove(s)
+            else:
+                yield record
+
+
 def _interleave(streams: list[Iterator[Record]], weights: list[float]) -> Iterator[Record]:
     """Smooth weighted round robin: emit from the stream furthest behind its share; stop when
     the chosen stream is exhausted. Deterministic, and exact proportions at every prefix."""
@@ -446,7 +463,7 @@ def iter_records(spec: str, *, limit: int | None = None, stats: DataStats | None
             None, the summary is logged at the end.
 
     Yields:
-        :class:`Record` objects in file order (mixtures: interleaved by weight).
+        :class:`Record` objects in file order (mixtures: interleaved, see the module docstring).
 
     Raises:
         DataError: unknown spec, missing file, a file that is not JSON, an unreachable hub dataset.
@@ -457,7 +474,11 @@ def iter_records(spec: str, *, limit: int | None = None, stats: DataStats | None
     if len(components) == 1:
         stream = _iter_component(components[0], stats)
     else:
-        stream = _interleave([_iter_component(c, stats) for c in components], [c.weight for c in components])
+        streams = [_iter_component(c, stats) for c in components]
+        if any(c.weighted for c in components):
+            stream = _interleave(streams, [c.weight for c in components])
+        else:
+            stream = _round_robin(streams)
     n = 0
     for record in stream:
         if limit is not None and n >= limit:
@@ -477,7 +498,7 @@ def source_state(spec: str) -> str:
     """
     h = hashlib.sha256()
     for src in parse_spec(spec):
-        h.update(f"{src.kind}|{src.arg}|{sorted(src.options.items())}|{src.weight}\n".encode())
+        h.update(f"{src.kind}|{src.arg}|{sorted(src.options.items())}|{src.weight}|{src.weighted}\n".encode())
         if src.kind == "default-chat":
             paths = [default_chat_path()]
         elif src.kind == "default-code":

@@ -233,6 +233,13 @@ def test_mixture_interleaves_by_weight_and_stops_at_first_exhausted(tmp_path):
     assert [r.id for r in recs if r.id[3] == "b"] == [f"sg-b{i}" for i in range(5)]  # file order kept
 
 
+def test_unweighted_mixture_reads_every_record_of_every_component(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [sharegpt(f"a{i}", [("human", "q"), ("gpt", "a")]) for i in range(5)])
+    b = write_jsonl(tmp_path / "b.jsonl", [sharegpt(f"b{i}", [("human", "q"), ("gpt", "b")]) for i in range(2)])
+    recs, _ = _records(f"sharegpt:{a},sharegpt:{b}")
+    assert [r.id for r in recs] == ["sg-a0", "sg-b0", "sg-a1", "sg-b1", "sg-a2", "sg-a3", "sg-a4"]
+
+
 def test_spec_grammar_weights():
     comps = parse_spec("default-chat:0.7,default-code:0.3")
     assert [(c.kind, c.weight, c.arg) for c in comps] == [("default-chat", 0.7, None), ("default-code", 0.3, None)]

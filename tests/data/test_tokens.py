@@ -188,11 +188,11 @@ def test_token_arrays_are_full_renderings(tmp_path, chats_file, chatml_tokenizer
     arrays = list(iter_token_arrays(spec, chatml_tokenizer, cache_dir=tmp_path / "cache", num_proc=1,
                                     progress=False))
     recs = list(iter_records(spec))
-    # chat, doc, chat: then code-dir (1 file) runs out and the mixture stops
-    assert [r.kind for r in recs] == ["chat", "doc", "chat"] and len(arrays) == 3
+    # unweighted: one record of each in turn, then the rest of the chats when code-dir (1 file) runs out
+    assert [r.kind for r in recs] == ["chat", "doc", "chat", "chat", "chat"] and len(arrays) == 5
     assert all(a.dtype == np.int32 for a in arrays)
-    assert arrays[0].tolist() == chat_ids(chatml_tokenizer, recs[0].messages)
-    assert arrays[2].tolist() == chat_ids(chatml_tokenizer, recs[2].messages)
+    for i in (0, 2, 3, 4):
+        assert arrays[i].tolist() == chat_ids(chatml_tokenizer, recs[i].messages)
     assert arrays[1].tolist() == chatml_tokenizer(recs[1].text)["input_ids"]  # not cut at any max_length
     assert len(arrays[1]) > 300
 
