@@ -32,7 +32,7 @@ def _time(fn, repeats: int) -> float:
 
 
 def run(target_spec: str, data: str, records: int, max_length: int, repeats: int, vocab_sizes: list[int],
-        precisions: list[str], micro_batch: int) -> dict:
+        precisions: list[str], micro_batch: int, report=None) -> dict:
     from redraft.data import build_token_dataset
     from redraft.models import load_target
     from redraft.models.redrafter import ReDrafter, ReDrafterConfig
@@ -57,6 +57,8 @@ def run(target_spec: str, data: str, records: int, max_length: int, repeats: int
         t = _time(lambda: fwd(precision), repeats)
         out["rows"].append({"what": "target forward", "precision": precision, "draft_vocab": None,
                             "seconds": t, "tokens_per_s": n_tokens / t})
+        if report:
+            report(out["rows"][-1])
     for vocab in vocab_sizes:
         torch.manual_seed(0)
         dcfg = ReDrafterConfig.for_target(target, draft_vocab_size=vocab or None)
@@ -76,6 +78,8 @@ def run(target_spec: str, data: str, records: int, max_length: int, repeats: int
             t = _time(step, repeats)
             out["rows"].append({"what": "train step", "precision": precision, "draft_vocab": vocab or "full",
                                 "seconds": t, "tokens_per_s": n_tokens / t})
+            if report:
+                report(out["rows"][-1])
     base = {r["what"]: r["tokens_per_s"] for r in reversed(out["rows"])}  # first row of each kind
     for r in out["rows"]:
         r["speedup"] = r["tokens_per_s"] / base[r["what"]]
@@ -98,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         res = run(args.target, args.data, args.records, args.max_length, args.repeats, args.draft_vocab,
-                  args.precision, args.micro_batch)
+                  args.precision, args.micro_batch,
+                  report=lambda r: print(f"  measured: {r['what']} {r['precision']} vocab={r['draft_vocab']}: "
+                                         f"{r['tokens_per_s']:.1f} tokens/s", flush=True))
     except RedraftError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2

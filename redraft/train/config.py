@@ -52,6 +52,8 @@ class TrainConfig:
     draft_vocab_size: int | None = _f(None, "Reduced draft vocabulary: the N most frequent target tokens "
                                       "(assistant tokens of the training data); none = full vocabulary.")
     init_from: str | None = _f(None, "Start from the weights of this drafter artifact (fine-tuning).")
+    init_head: str = _f("random", "'random' (paper) or 'target': the output layer starts as the target's LM head "
+                        "on x (zeros on s) and the ResNet blocks as identity (Medusa-style warm start).")
 
     # ---- objective
     loss: str = _f("ce", "'ce' (cross-entropy on the data), 'kd' (KL to the target's distribution) or 'ce+kd'.")
@@ -118,6 +120,8 @@ class TrainConfig:
 
         if self.loss not in ("ce", "kd", "ce+kd"):
             bad("loss", "use 'ce', 'kd' or 'ce+kd'.")
+        if self.init_head not in ("random", "target"):
+            bad("init_head", "use 'random' or 'target'.")
         if self.precision not in ("auto", "bf16", "fp16", "fp32", "amp-bf16"):
             bad("precision", "use auto, bf16, fp16, fp32 or amp-bf16.")
         if self.zero_stage not in (0, 1, 2, 3):

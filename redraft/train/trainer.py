@@ -332,6 +332,22 @@ def target_greedy(target, hidden: torch.Tensor, precision: str, chunk: int = 512
     return torch.cat(out).view(hidden.shape[:-1])
 
 
+@torch.no_grad()
+def warm_start_from_target(model: ReDrafter, target) -> None:
+    """Output layer = the target's LM head on the x half (zeros on the state half), ResNet blocks =
+    identity (zero weights: ``h + silu(0) = h``), so the untrained head starts from the target's
+    own vocabulary geometry instead of a random projection (as Medusa initialises its heads)."""
+    S = model.config.state_size
+    W = target.output_head.weight.detach().float()  # [V, H]
+    if model.config.draft_vocab_size is not None:
+        W = W[model.draft_to_target.to(W.device)]
+    model.lm_head.weight.zero_()
+    model.lm_head.weight[:, S:] = W.to(model.lm_head.weight)
+    for block in model.blocks:
+        block.linear.weight.zero_()
+        block.linear.bias.zero_()
+
+
 def batch_loss(model: ReDrafter, forward, target, ids, mask, cfg: TrainConfig, precision: str):
     """Loss of one micro batch. ``forward`` is the DeepSpeed engine (or the module in eval).
 
@@ -535,8 +551,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
             raise ConfigError(f"init_from {cfg.init_from} has draft_vocab_size {src.config.draft_vocab_size}, "
                               f"this run {dcfg.draft_vocab_size}; make them equal.")
         model.load_state_dict(src.state_dict())
-    elif cfg.draft_vocab_size:
-        model.set_draft_vocab(draft_vocab_from_data(train_dataset, dcfg.vocab_size, cfg.draft_vocab_size))
+    else:
+        if cfg.draft_vocab_size:
+            model.set_draft_vocab(draft_vocab_from_data(train_dataset, dcfg.vocab_size, cfg.draft_vocab_size))
+        if cfg.init_head == "target":
+            warm_start_from_target(model, target)
     model.attach_target(target).to(env.device).train()
 
     # ---- optimizer, schedule, DeepSpeed

@@ -104,6 +104,15 @@ def test_reduced_vocab_and_kd_loss_train_and_round_trip(tmp_path, tiny_target, t
     assert set(ids.tolist()) <= set(d.draft_to_target.tolist())
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_stages_save_a_loadable_head(tmp_path, tiny_target, tiny_data, stage):
+    cfg = _cfg(tmp_path, max_steps=2, zero_stage=stage)
+    m = _run(cfg, tiny_target, tiny_data)
+    assert m["status"] == "completed"
+    d = load_drafter(cfg.output_dir, tiny_target)
+    assert all(p.numel() > 0 for p in d.parameters())  # gathered, not ZeRO-3 partitions
+
+
 @pytest.mark.parametrize("stage", [2])
 def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumulation(
         tmp_path, tiny_target_dir, chat_file, stage):
@@ -131,3 +140,18 @@ def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumu
     assert (a["lm_head.weight"] - init["lm_head.weight"]).abs().max() > 1e-3
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_default_target_trains_in_amp_bf16(tmp_path, default_target):
+    """The real pipeline: default target, default ShareGPT, bf16 autocast on CPU, a few steps."""
+    cfg = make_config("default", {"output_dir": str(tmp_path / "run"), "tensorboard": "false", "max_length": "256",
+                                  "train_limit": "16", "eval_limit": "4", "max_steps": "3", "grad_accum": "2",
+                                  "draft_vocab_size": "4096", "init_head": "target", "num_proc": "1",
+                                  "data_cache_dir": str(tmp_path / "cache")})
+    m = train(cfg, target=default_target)
+    assert m["status"] == "completed" and m["precision"] == "amp-bf16"
+    assert len(m["eval_top1"]) == 5 and all(0 <= a <= 1 for a in m["eval_top1"])
+    assert m["eval_positions"] > 50
+    d = load_drafter(tmp_path / "run", default_target)
+    assert d.config.hidden_size == 576 and d.config.draft_vocab_size == 4096
