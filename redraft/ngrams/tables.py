@@ -47,6 +47,9 @@ def _atomic_save(tensors: dict, path: Path) -> dict:
 
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # the writer creates 0600 files; tables are meant to be shared
     os.replace(tmp, path)
     return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
 
