@@ -43,6 +43,14 @@ def _baseline(tokenizer, records) -> tuple[float, int]:
     return time.perf_counter() - t0, n_tokens
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process and its reaped children (the tokenizer workers)."""
+    import resource
+
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
 def _timed_build(fn, **kw) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = fn(**kw)
@@ -102,18 +110,23 @@ def main(argv: list[str] | None = None) -> int:
                 ("iter_token_arrays", lambda **k: sum(len(a) for a in iter_token_arrays(**k)), dict(split="all")),
             ):
                 cache = root / name
+                cpu0 = _cpu_seconds()
                 cold, out = _timed_build(fn, spec=args.data, tokenizer=tok, num_proc=num_proc, cache_dir=cache,
                                          progress=False, **kw)
+                cpu = _cpu_seconds() - cpu0
                 warm, out2 = _timed_build(fn, spec=args.data, tokenizer=tok, num_proc=num_proc, cache_dir=cache,
                                           progress=False, **kw)
                 meta = json.loads(next(cache.glob("*/meta.json")).read_text())
                 rec, toks = meta["records"], meta["tokens"]
                 results[name] = {"records": rec, "rows": meta["rows"], "tokens": toks, "cold_s": round(cold, 2),
                                  "cached_s": round(warm, 2), "cold_records_per_s": round(rec / cold, 1),
+                                 "cold_cpu_s": round(cpu, 1), "load_average": os.getloadavg()[0],
                                  "cold_tokens_per_s": round(toks / cold), "summary": meta["summary"]}
                 print(f"{name} on all of {args.data}: {rec:,} records, {toks:,} tokens; cold {cold:.1f} s "
                       f"({rec / cold:,.0f} records/s, {toks / cold:,.0f} tokens/s); cached {warm:.2f} s "
                       f"({cold / warm:.0f}x faster)")
+                print(f"  cold build used {cpu:.1f} CPU-seconds (all processes) = {cpu / num_proc:.1f} s on "
+                      f"{num_proc} otherwise idle cores; load average now {os.getloadavg()[0]:.1f}")
                 print(f"  {meta['summary']}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
