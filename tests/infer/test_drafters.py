@@ -1,0 +1,94 @@
+"""Drafters against brute-force references; the budget model."""
+
+import torch
+
+from redraft.infer.budget import AcceptanceStats, CostCurve, best_budget
+from redraft.infer.drafters.base import DecodeState
+from redraft.infer.drafters.ngram import NGrammysDrafter, context_matches
+from redraft.infer.drafters.redrafter import beam_search
+
+
+def brute_context(seq, q, k, w):
+    """Reference: candidates after earlier matches of seq[-q:], ranked by (count of first token,
+    most recent match), each continued from its most recent match."""
+    suffix = seq[-q:]
+    by_first = {}
+    for j in range(len(seq) - q):
+        if seq[j:j + q] == suffix:
+            f = seq[j + q]
+            c, _ = by_first.get(f, (0, -1))
+            by_first[f] = (c + 1, j)
+    ranked = sorted(by_first.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:k]
+    out = []
+    for f, (_, j) in ranked:
+        cont = seq[j + q: j + q + w]
+        out.append(cont + [-1] * (w - len(cont)))
+    return out + [[-1] * w] * (k - len(out))
+
+
+def test_context_matches_equal_brute_force():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        B, T, V = 3, 40, 5
+        toks = torch.randint(0, V, (B, T), generator=g)
+        lengths = torch.randint(2, T + 1, (B,), generator=g)
+        toks = torch.where(torch.arange(T)[None] < lengths[:, None], toks, -1)
+        for q in (1, 2, 3):
+            got = context_matches(toks, lengths, q=q, k=4, w=3, vocab_size=V)
+            for b in range(B):
+                seq = toks[b, : lengths[b]].tolist()
+                assert got[b].tolist() == brute_context(seq, q, 4, 3), (seq, q)
+
+
+def test_ngrammys_fills_rows_with_context_first(tiny_tables):
+    toks = torch.tensor([[5, 9, 7, 5, 9, 8, 5, -1]])
+    state = DecodeState(tokens=toks, lengths=torch.tensor([7]), last=torch.tensor([5]), hidden=None,
+                        prompt_lengths=torch.tensor([3]), step=0, request_ids=torch.tensor([0]))
+    d = NGrammysDrafter(tiny_tables, vocab_size=384, k=4, w=3).propose(state)
+    assert d.tokens.shape == (1, 4, 3)
+    # "5" was followed by 9 twice: one context row (distinct first tokens), continued from the
+    # most recent match; the other rows are the extended bigram chains of 5
+    assert d.tokens[0, 0].tolist() == [9, 8, 5]
+    assert d.tokens[0, 1:].tolist() == tiny_tables.extended(torch.tensor([5]))[0, :3, :3].tolist()
+
+
+@torch.no_grad()
+def test_beam_search_matches_reference(tiny_head):
+    ctx = torch.randn(2, tiny_head.config.hidden_size)
+    last = torch.tensor([3, 17])
+    W = 3
+    toks, logp, score = beam_search(tiny_head, ctx, last, width=W, length=2)
+    for b in range(2):
+        s0, lg0 = tiny_head.step(None, ctx[b:b + 1], last[b:b + 1])
+        lp0 = lg0.float().log_softmax(-1)[0]
+        first = lp0.topk(W).indices
+        cands = []
+        for t in first.tolist():
+            _, lg1 = tiny_head.step(s0, ctx[b:b + 1], torch.tensor([t]))
+            lp1 = lg1.float().log_softmax(-1)[0]
+            for v in range(lp1.shape[0]):
+                cands.append((float(lp0[t] + lp1[v]), t, v, float(lp1[v])))
+        best = sorted(cands, key=lambda c: -c[0])[:W]
+        assert toks[b].tolist() == [[t, v] for _, t, v, _ in best]
+        torch.testing.assert_close(score[b], torch.tensor([c[0] for c in best]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(logp[b, :, 1], torch.tensor([c[3] for c in best]), atol=1e-5, rtol=0)
+
+
+def test_best_budget_maximises_tokens_per_second():
+    cost = CostCurve([1, 2, 4, 8], [1.0, 1.1, 1.3, 2.0])
+    values = torch.tensor([[0.9, 0.8, 0.1, 0.05, 0.01, 0.0, 0.0], [0.0] * 7])
+    k = best_budget(values, cost, max_nodes=7)
+    # row 0: K=2 gives 2.7/1.2=2.25 (c(3)=1.2); K=3: 2.8/1.3; K=1: 1.9/1.1 -> K=2 is best
+    assert k.tolist() == [2, 0]
+    assert best_budget(values, CostCurve.flat(), max_nodes=7)[0] >= 5
+
+
+def test_acceptance_stats_learn_rates_per_depth():
+    st = AcceptanceStats(1, decay=1.0, prior_weight=0.0)
+    toks = torch.tensor([[[1, 2, 3], [4, 5, -1]]])
+    st.update(0, toks, torch.tensor([[2, 0]]))  # path 0: 2 of 3 accepted; path 1: none
+    r = st.rates()[0]
+    assert r[0, 0] == 1.0 and r[0, 1] == 1.0 and r[0, 2] == 0.0
+    assert r[1, 0] == 0.0
+    v = st.values(0, (1, 2, 3))
+    assert v[0, 0].tolist() == [1.0, 1.0, 0.0]
