@@ -7,6 +7,6 @@ Public API::
 """
 
 from redraft.infer.decoder import Generation, RequestStats, SpeculativeDecoder, StreamEvent, plain_greedy
-from redraft.infer.loader import load_decoder
+from redraft.infer.loader import load_decoder, load_preset
 
-__all__ = ["Generation", "RequestStats", "SpeculativeDecoder", "StreamEvent", "load_decoder", "plain_greedy"]
+__all__ = ["Generation", "RequestStats", "SpeculativeDecoder", "StreamEvent", "load_decoder", "load_preset", "plain_greedy"]

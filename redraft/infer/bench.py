@@ -179,7 +179,9 @@ def build_methods(target, cfg) -> dict:
         fn = getattr(mod, "bench_methods", None)
         if fn is None:
             continue
-        offered = {"target": target, "table": table, "mix": mix(), "tables": tables, "cfg": cfg}
+        # `table`: the first n-gram tables holding tri-grams (what ADED drafts from), else None
+        tri = next((t for t in tables if "trigram" in getattr(t, "kinds", [])), None)
+        offered = {"target": target, "table": tri, "mix": mix(), "tables": tables, "cfg": cfg}
         params = inspect.signature(fn).parameters
         kwargs = {k: v for k, v in offered.items() if k in params}
         try:

@@ -83,3 +83,30 @@ def load_decoder(target="default", drafters=(), ngrams=(), *, context: bool | No
     if context if context is not None else not ngrams:
         ds.append(ContextNGramDrafter(target.vocab_size, q=context_q, k=ngram_k, w=ngram_w))
     return SpeculativeDecoder(target, ds, **settings)
+
+
+def load_preset(path, **overrides) -> SpeculativeDecoder:
+    """:func:`load_decoder` with the arguments of a YAML preset (``infer/decode-*.yaml``);
+    keyword ``overrides`` win. Artifacts the preset names that do not exist are skipped with a
+    warning (build them first with redraft-train / redraft-build-ngrams)."""
+    import logging
+    from pathlib import Path
+
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"decoding preset {p} does not exist (see infer/decode-default.yaml).")
+    cfg = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{p} must be a YAML mapping of load_decoder arguments.")
+    cfg.update(overrides)
+    for key in ("drafters", "ngrams"):
+        present = []
+        for a in cfg.get(key) or []:
+            if Path(a).exists() or not str(a).startswith(("checkpoints", ".", "/")):
+                present.append(a)
+            else:
+                logging.getLogger(__name__).warning("%s: %s %s not found; skipped", p, key[:-1], a)
+        cfg[key] = present
+    return load_decoder(**cfg)
