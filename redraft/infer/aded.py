@@ -70,6 +70,13 @@ class TrigramTable:
             raise ArtifactError("tri-gram context keys are not strictly increasing; rebuild the table.")
         lens = np.diff(self.offsets)
         self.max_successors = int(lens.max()) if C else 0
+        # sentinel-padded copies for branch-free lookups: a miss maps to context C, whose range
+        # [E, E) is empty, and entry E is (-1, 0)
+        E = self.ids.size
+        self._keys_pad = np.append(self.keys, np.iinfo(np.int64).max)  # stays sorted, never a context
+        self._off_pad = np.append(self.offsets if C else np.zeros(1, np.int64), np.int64(E))
+        self._ids_pad = np.append(self.ids, np.int64(-1))
+        self._probs_pad = np.append(self.probs, np.float32(0.0))
 
     @classmethod
     def from_csr(cls, keys, offsets, ids, probs, vocab_size: int, sort: bool = True) -> "TrigramTable":
@@ -108,26 +115,21 @@ class TrigramTable:
         return int(self.keys.size)
 
     def rows_of(self, w1: np.ndarray, w2: np.ndarray) -> np.ndarray:
-        """Index of context ``(w1, w2)`` in :attr:`keys` per query ``[N]``, ``-1`` if absent."""
-        ctx = np.asarray(w1, np.int64) * self.vocab_size + np.asarray(w2, np.int64)
-        if self.keys.size == 0:
-            return np.full(ctx.shape, -1, np.int64)
-        pos = np.minimum(np.searchsorted(self.keys, ctx), self.keys.size - 1)
-        hit = (self.keys[pos] == ctx) & (np.asarray(w1) >= 0) & (np.asarray(w2) >= 0)
-        return np.where(hit, pos, -1)
+        """Index of context ``(w1, w2)`` in :attr:`keys` per query ``[N]``, ``C`` (one past the
+        last context, an empty range) if absent or if either token is negative."""
+        w1, w2 = np.asarray(w1, np.int64), np.asarray(w2, np.int64)
+        ctx = np.where((w1 | w2) < 0, -1, w1 * self.vocab_size + w2)
+        pos = self._keys_pad.searchsorted(ctx)  # in [0, C]
+        return np.where(self._keys_pad[pos] == ctx, pos, self.keys.size)
 
     def successors(self, w1: np.ndarray, w2: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` successors of each context: ``(ids [N, k] int64, probs [N, k] float32)``,
         ``-1`` / ``0`` padded, sorted by probability (descending)."""
         row = self.rows_of(w1, w2)
-        start = np.where(row >= 0, self.offsets[np.maximum(row, 0)], 0)
-        end = np.where(row >= 0, self.offsets[np.maximum(row, 0) + 1], 0)
-        idx = start[:, None] + np.arange(k)[None, :]  # [N, k]
-        ok = idx < end[:, None]
-        idx = np.where(ok, idx, 0)
-        if self.ids.size == 0:
-            return np.full(idx.shape, -1, np.int64), np.zeros(idx.shape, np.float32)
-        return np.where(ok, self.ids[idx], -1), np.where(ok, self.probs[idx], 0.0).astype(np.float32)
+        start, end = self._off_pad[row], self._off_pad[row + 1]  # [N]; a miss: the empty [E, E)
+        idx = start[:, None] + np.arange(k)  # [N, k]
+        idx = np.where(idx < end[:, None], idx, self.ids.size)  # past the end -> the (-1, 0) entry
+        return self._ids_pad[idx], self._probs_pad[idx]
 
     def prob(self, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray) -> np.ndarray:
         """``P(w3 | w1, w2)`` per query ``[N]`` (0 where the table lacks it)."""
@@ -171,12 +173,15 @@ class TrigramOverlay:
     + w3`` and the boosted ``P``. An update raises ``P`` of each new tri-gram to
     ``min(cap, P_now + increment * repeats)`` (never lowers it); a lookup merges the table's
     successors with the row's boosted ones (a boosted entry replaces the table's), re-sorts, and
-    renormalises rows whose mass exceeds 1. Nothing is written to the table.
+    renormalises rows whose mass exceeds 1; the merged rows of every boosted context are
+    precomputed after each update (``patch_k`` columns), so a lookup during the search is the
+    table lookup plus one ``searchsorted``. Nothing is written to the table.
     """
 
     def __init__(self, table: TrigramTable, batch_size: int, increment: float = DEFAULT_INCREMENT,
-                 cap: float = DEFAULT_CAP):
+                 cap: float = DEFAULT_CAP, patch_k: int = 16):
         self.table = table
+        self.patch_k = patch_k  # lookups up to this k read precomputed merged rows
         self.increment, self.cap = float(increment), float(cap)
         V = table.vocab_size
         self._tri = V * V * V  # packed tri-grams per row
@@ -213,6 +218,7 @@ class TrigramOverlay:
         ins = ~present
         self.key = np.insert(self.key, pos[ins], keys[ins])
         self.prob_ = np.insert(self.prob_, pos[ins], new[ins])
+        self._build_patch()
 
     def update_sequences(self, seqs: np.ndarray) -> None:
         """Observe every tri-gram of ``seqs`` [B, T] (row ``b`` = request row ``b``, ``-1`` padded)."""
@@ -234,34 +240,64 @@ class TrigramOverlay:
         order = np.argsort(key, kind="stable")
         self.key, self.prob_ = key[order], self.prob_[m][order]
         self.batch_size = keep.size
+        self._build_patch()
+
+    def _merge(self, rows, w1, w2, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Table successors merged with the row's boosts (the slow path: sorts ``[N, 2k]``)."""
+        ids, probs = self.table.successors(w1, w2, k)  # [N, k]
+        if self.key.size == 0:
+            return ids, probs
+        w1, w2 = np.asarray(w1, np.int64), np.asarray(w2, np.int64)
+        lo_key = self._pack(rows, w1, w2)
+        lo = np.searchsorted(self.key, lo_key)
+        hi = np.searchsorted(self.key, lo_key + self.table.vocab_size)
+        at = np.nonzero((hi > lo) & (w1 >= 0) & (w2 >= 0))[0]  # queries with boosted entries
+        if at.size == 0:
+            return ids, probs
+        idx = lo[at, None] + np.arange(k)[None, :]  # [n, k] overlay entries of each context
+        ok = idx < hi[at, None]
+        idx = np.minimum(idx, self.key.size - 1)
+        o_ids = np.where(ok, self.key[idx] % self.table.vocab_size, -1)
+        o_p = np.where(ok, self.prob_[idx], 0.0)
+        b_ids, b_p = ids[at], probs[at]
+        dup = (b_ids[:, :, None] == o_ids[:, None, :]) & ok[:, None, :]  # [n, k, k]
+        b_p = np.where(dup.any(2), -1.0, b_p)  # table entries replaced by boosts drop out
+        all_ids = np.concatenate([b_ids, o_ids], 1)  # [n, 2k]
+        all_p = np.concatenate([b_p, o_p], 1)
+        top = np.argsort(-all_p, axis=1, kind="stable")[:, :k]
+        m_ids = np.take_along_axis(all_ids, top, 1)
+        m_p = np.take_along_axis(all_p, top, 1)
+        valid = (m_p > 0) & (m_ids >= 0)
+        m_ids, m_p = np.where(valid, m_ids, -1), np.where(valid, m_p, 0.0)
+        mass = m_p.sum(1, keepdims=True)
+        m_p = np.where(mass > 1.0, m_p / np.maximum(mass, 1e-12), m_p)
+        ids, probs = ids.copy(), probs.copy()
+        ids[at], probs[at] = m_ids, m_p.astype(np.float32)
+        return ids, probs
+
+    def _build_patch(self) -> None:
+        """Merged successor rows of every boosted context, so lookups need no sort."""
+        ctx = np.unique(self.key // self.table.vocab_size)  # [M] packed (row, w1, w2)
+        row, rest = np.divmod(ctx, self._tri // self.table.vocab_size)
+        w1, w2 = np.divmod(rest, self.table.vocab_size)
+        ids, probs = self._merge(row, w1, w2, self.patch_k)  # [M, patch_k]
+        self._patch_key = np.append(ctx * self.table.vocab_size, np.iinfo(np.int64).max)  # as _pack
+        self._patch_ids, self._patch_probs = ids, probs
 
     def successors(self, rows, w1, w2, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` successors per row and context, table merged with this row's boosts:
         ``(ids [N, k] int64, probs [N, k] float32)``, ``-1`` / ``0`` padded, sorted descending."""
+        if k > self.patch_k:
+            return self._merge(rows, w1, w2, k)
         ids, probs = self.table.successors(w1, w2, k)  # [N, k]
         if self.key.size == 0:
             return ids, probs
-        lo_key = self._pack(rows, w1, w2)
-        lo = np.searchsorted(self.key, lo_key)
-        hi = np.searchsorted(self.key, lo_key + self.table.vocab_size)
-        idx = lo[:, None] + np.arange(k)[None, :]  # [N, k] overlay entries of each context
-        ok = (idx < hi[:, None]) & (np.asarray(w1)[:, None] >= 0) & (np.asarray(w2)[:, None] >= 0)
-        if not ok.any():
-            return ids, probs
-        idx = np.minimum(idx, self.key.size - 1)
-        o_ids = np.where(ok, self.key[idx] % self.table.vocab_size, -1)
-        o_p = np.where(ok, self.prob_[idx], 0.0)
-        dup = (ids[:, :, None] == o_ids[:, None, :]) & ok[:, None, :]  # [N, k, k]
-        b_p = np.where(dup.any(2), -1.0, probs)  # table entries replaced by boosts drop out
-        all_ids = np.concatenate([ids, o_ids], 1)  # [N, 2k]
-        all_p = np.concatenate([b_p, o_p], 1)
-        top = np.argsort(-all_p, axis=1, kind="stable")[:, :k]
-        ids = np.take_along_axis(all_ids, top, 1)
-        probs = np.take_along_axis(all_p, top, 1)
-        valid = (probs > 0) & (ids >= 0)
-        ids, probs = np.where(valid, ids, -1), np.where(valid, probs, 0.0)
-        mass = probs.sum(1, keepdims=True)
-        probs = np.where(mass > 1.0, probs / np.maximum(mass, 1e-12), probs).astype(np.float32)
+        q = self._pack(rows, w1, w2)
+        pos = self._patch_key.searchsorted(q)
+        hit = np.nonzero((self._patch_key[pos] == q) & ((np.asarray(w1) | np.asarray(w2)) >= 0))[0]
+        if hit.size:
+            ids[hit] = self._patch_ids[pos[hit], :k]
+            probs[hit] = self._patch_probs[pos[hit], :k]
         return ids, probs
 
 
@@ -272,11 +308,16 @@ class ADEDStats:
     calls: int = 0
     rows: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # process CPU time: robust to other processes on a shared machine
     nodes: int = 0
 
     @property
     def ms_per_step(self) -> float:
         return 1000.0 * self.seconds / max(self.calls, 1)
+
+    @property
+    def cpu_ms_per_step(self) -> float:
+        return 1000.0 * self.cpu_seconds / max(self.calls, 1)
 
 
 class ADEDDrafter(Drafter):
@@ -327,7 +368,7 @@ class ADEDDrafter(Drafter):
 
     def propose(self, state: DecodeState) -> Draft:
         """MCTS from the last two tokens of every row: ``Draft(tokens [B, C, D], logp)``."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         toks = state.tokens
         lengths = state.lengths
         B = toks.shape[0]
@@ -340,6 +381,7 @@ class ADEDDrafter(Drafter):
         self.stats.rows += B
         self.stats.nodes += res.num_nodes
         self.stats.seconds += time.perf_counter() - t0
+        self.stats.cpu_seconds += time.process_time() - c0
         dev = state.device
         return Draft(tokens=torch.from_numpy(res.tokens).to(dev),
                      logp=torch.from_numpy(res.logp).to(dev))
@@ -549,8 +591,15 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=8192,
                     help="early-exit draft heads score only the N most frequent corpus tokens (0: all)")
     ap.add_argument("--cache-dir", default="checkpoints/bench-aded", help="where corpus tokens and indexes are cached")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads (0: torch's default). On a shared, oversubscribed CPU "
+                         "use 1: spinning thread pools make every forward many times slower")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    if args.threads:
+        import torch as _torch
+
+        _torch.set_num_threads(args.threads)
     try:
         return _bench(args)
     except RedraftError as exc:
@@ -628,36 +677,43 @@ def _bench(args) -> int:
             if ds_list and curve is None:
                 curve = dec.measure_cost()
             new = calls = 0
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             outs = []
             for p in prompts:
                 g = dec.generate(p, max_new_tokens=args.max_new_tokens)[0]
                 outs.append(g.tokens)
                 new += g.stats.new_tokens
                 calls += g.stats.target_calls
-            dt = time.perf_counter() - t
+            dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
             if m == "greedy":
                 ref = outs
-            row = {"tokens_per_s": new / dt, "tokens_per_call": new / max(calls, 1), "new_tokens": new,
-                   "seconds": dt, "identical_to_ar": None if ref is None else sum(a == b for a, b in zip(outs, ref)) / len(ref)}
+            row = {"tokens_per_s": new / dt, "tokens_per_cpu_s": new / max(dcpu, 1e-9),
+                   "tokens_per_call": new / max(calls, 1), "new_tokens": new, "seconds": dt, "cpu_seconds": dcpu, "identical_to_ar": None if ref is None else sum(a == b for a, b in zip(outs, ref)) / len(ref)}
             for d in ds_list:
                 if isinstance(d, ADEDDrafter):
                     row["mcts_ms_per_step"] = d.stats.ms_per_step
+                    row["mcts_cpu_ms_per_step"] = d.stats.cpu_ms_per_step
                 if isinstance(d, HSDDWDrafter):
                     row["hsddw"] = d.stats.to_dict()
             results.setdefault(ds, {})[m] = row
-            base = results[ds].get("greedy", {}).get("tokens_per_s")
-            row["speedup_vs_ar"] = row["tokens_per_s"] / base if base else None
+            base = results[ds].get("greedy", {})
+            row["speedup_vs_ar"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+            row["cpu_speedup_vs_ar"] = row["tokens_per_cpu_s"] / base["tokens_per_cpu_s"] if base else None
             print(f"[{ds}] {m:24s} tau {row['tokens_per_call']:.2f}  {row['tokens_per_s']:.2f} tok/s  "
-                  f"x{row['speedup_vs_ar'] or 0:.2f}  identical {row['identical_to_ar']}"
-                  + (f"  mcts {row['mcts_ms_per_step']:.2f} ms/step" if 'mcts_ms_per_step' in row else ""),
+                  f"x{row['speedup_vs_ar'] or 0:.2f}  cpu x{row['cpu_speedup_vs_ar'] or 0:.2f}  "
+                  f"identical {row['identical_to_ar']}"
+                  + (f"  mcts {row['mcts_ms_per_step']:.2f} ms/step ({row['mcts_cpu_ms_per_step']:.2f} CPU)"
+                     if 'mcts_ms_per_step' in row else ""),
                   flush=True)
-    print("\n| dataset | method | tau (tokens/call) | tokens/s | speedup | identical to greedy |")
-    print("|---|---|---|---|---|---|")
+    print("\n| dataset | method | tau (tokens/call) | tokens/s (wall) | speedup (wall) | speedup (CPU time) "
+          "| identical to greedy | MCTS CPU ms/step |")
+    print("|---|---|---|---|---|---|---|---|")
     for ds, rows in results.items():
         for m, r in rows.items():
+            mc = f"{r['mcts_cpu_ms_per_step']:.2f}" if "mcts_ms_per_step" in r else ""
             print(f"| {ds} | {m} | {r['tokens_per_call']:.2f} | {r['tokens_per_s']:.2f} | "
-                  f"{(r['speedup_vs_ar'] or 0):.2f} | {r['identical_to_ar']} |")
+                  f"{(r['speedup_vs_ar'] or 0):.2f} | {(r['cpu_speedup_vs_ar'] or 0):.2f} | "
+                  f"{r['identical_to_ar']} | {mc} |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

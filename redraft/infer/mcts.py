@@ -244,7 +244,8 @@ def mcts_search(root_w1: np.ndarray, root_w2: np.ndarray, lookup: Lookup,
             path[idx, level + 1] = cur[idx]
         fresh = (tree.first_child[cur] < 0) & (tree.depth[cur] < D)
         if fresh.any():
-            _expand(tree, np.unique(cur[fresh]), lookup, cfg)
+            fn = np.sort(cur[fresh])
+            _expand(tree, fn[np.append(True, fn[1:] != fn[:-1])], lookup, cfg)  # unique nodes
             idx = np.nonzero(fresh & (tree.nchild[cur] > 0))[0]
             if idx.size:
                 cur[idx] = _select_children(tree, cur[idx], cfg)
