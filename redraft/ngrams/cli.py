@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-id", type=int, default=0, help="this job's shard, 0..num-shards-1")
     p.add_argument("--memory-mb", type=int, default=4096,
                    help="memory budget for tri-gram counts; beyond it sorted runs spill to disk")
+    p.add_argument("--spill-dir", default=None,
+                   help="where tri-gram counts beyond --memory-mb go (default: the system temp dir)")
     p.add_argument("--chunk-tokens", type=int, default=1 << 25,
                    help="tokens sorted at a time (about 24 bytes of memory each)")
     p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (redraft.data)")
@@ -206,17 +208,13 @@ def run_build(args) -> dict:
         if args.num_shards > 1:
             arrays = itertools.islice(arrays, args.shard_id, None, args.num_shards)
         counts = count_trigrams(arrays, target.vocab_size, chunk_tokens=args.chunk_tokens,
-                                memory_mb=args.memory_mb, spill_dir=out / ".spill" if args.num_shards > 1 else None,
-                                progress=progress)
+                                memory_mb=args.memory_mb, spill_dir=args.spill_dir, progress=progress)
         t_count = time.perf_counter() - t0
         if args.num_shards > 1:
             d = counts.save(shard_dir(out, args.shard_id, args.num_shards), meta={
                 "tokenizer_fingerprint": target.fingerprint, "target_model": target.model_id,
                 "data": args.data, "split": args.split, "num_shards": args.num_shards,
                 "shard_id": args.shard_id, "count_seconds": round(t_count, 2)})
-            import shutil
-
-            shutil.rmtree(out / ".spill", ignore_errors=True)
             logger.warning("shard %d/%d: %s tokens counted in %.1f s → %s; run `redraft-build-ngrams "
                            "merge --output-dir %s` when all shards are done", args.shard_id,
                            args.num_shards, f"{counts.stats['tokens']:,}", t_count, d, out)

@@ -346,12 +346,11 @@ class TrigramCounter:
                 self._spill()
 
     def _spill(self) -> None:
-        if self._spill_root is None:
-            self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="redraft-trigrams-")
-            root = Path(self._tmp.name)
-        else:
-            root = self._spill_root
-        root.mkdir(parents=True, exist_ok=True)
+        if self._tmp is None:  # a private directory: concurrent counters never collide
+            if self._spill_root is not None:
+                self._spill_root.mkdir(parents=True, exist_ok=True)
+            self._tmp = tempfile.TemporaryDirectory(prefix="redraft-trigrams-", dir=self._spill_root)
+        root = Path(self._tmp.name)
         keys, counts = self._runs.pop()
         self._spilled.append(_write_run(root / f"run-{len(self._spilled):05d}", keys, counts,
                                         {"vocab_size": self.vocab_size}))

@@ -18,8 +18,9 @@ def test_unigram_equals_formula(tiny_target):
     V = tiny_target.input_embedding.weight.double()  # [vocab, H]
     U = tiny_target.output_head.weight.double()
     u_bar = U.mean(0)
-    # d(x)² = (u_x - ū)ᵀ VᵀV (u_x - ū), written directly as ||V (u_x - ū)||₂ per token.
-    d = torch.stack([torch.linalg.vector_norm(V @ (U[x] - u_bar)) for x in range(U.shape[0])])
+    # d(x) = ||u_x - ū||_V = ||V (u_x - ū)||₂, straight from the definition (no Gram matrix):
+    # row x of (U - ū) Vᵀ is V (u_x - ū).
+    d = torch.linalg.vector_norm((U - u_bar) @ V.T, dim=1)
     expected = torch.exp(-d) / torch.exp(-d).sum()
     torch.testing.assert_close(unigram_probs(tiny_target), expected, rtol=1e-9, atol=1e-12)
     ids, probs = build_unigram(tiny_target, k=7)
