@@ -94,11 +94,16 @@ def test_self_verify_follows_the_rule_on_a_scripted_sequence():
     # the target accepts 2: the third token (drafted at H=0.4) is rejected -> tau = (1.0 + 0.4) / 2
     d.observe(s, dr, Feedback(torch.tensor([[2]]), torch.tensor([[5, 6]]), torch.tensor([2]), torch.tensor([1])))
     assert d.tau1.tau.item() == pytest.approx(0.7, abs=1e-3)
+    # a token the decoder's budget cut is not a rejection: the bonus equals it
+    m1.i = 4
+    dr = d.propose(s)
+    d.observe(s, dr, Feedback(torch.tensor([[1]]), torch.tensor([[5]]), torch.tensor([1]), torch.tensor([6])))
+    assert d.tau1.tau.item() == pytest.approx(0.7, abs=1e-3)
     st = d.stats
-    assert st.levels["m1"].drafted == 6 and st.levels["m1"].accepted == 3
-    assert st.levels["m1"].sigma == pytest.approx(0.5)
-    assert st.target_calls == 3 and st.output_tokens == 1 + 2 + 3
-    assert st.eta == pytest.approx(3 / 6)
+    assert st.levels["m1"].drafted == 10 and st.levels["m1"].accepted == 4
+    assert st.levels["m1"].sigma == pytest.approx(0.6)
+    assert st.target_calls == 4 and st.output_tokens == 1 + 2 + 3 + 2
+    assert st.eta == pytest.approx(4 / 8)
 
 
 def test_early_exit_shares_weights_and_matches_its_layers(tiny_target):
