@@ -186,7 +186,7 @@ def run_build(args) -> dict:
         if bigram is None:
             from redraft.ngrams.tables import NGramTables
 
-            ids = NGramTables.load(out, target=target, kinds=["bigram"])._t["bigram"]["ids"]
+            ids = NGramTables.load(out, target=target, kinds=["bigram"]).table("bigram")["ids"]
         else:
             ids = bigram[0]
         t0 = time.perf_counter()

@@ -63,8 +63,8 @@ def test_sharded_build_then_merge_equals_single(tiny_target_dir, code_dir, tmp_p
         assert main(_args(tiny_target_dir, code_dir, sharded, "--kinds", "trigram",
                           "--num-shards", "2", "--shard-id", str(i))) == 0
     assert main(["merge", "--output-dir", str(sharded), "--min-count", "1", "--quiet"]) == 0
-    a = NGramTables.load(single)._t["trigram"]
-    b = NGramTables.load(sharded)._t["trigram"]
+    a = NGramTables.load(single).trigram_csr()
+    b = NGramTables.load(sharded).trigram_csr()
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -88,3 +88,15 @@ def test_help_lists_every_flag(capsys):
     for flag in ("--target", "--kinds", "--data", "--output-dir", "--min-count", "--num-shards",
                  "--shard-id", "--extend-with-model", "--memory-mb"):
         assert flag in text
+
+
+def test_extended_added_later_chains_the_stored_bigram(tiny_target_dir, code_dir, tmp_path):
+    out = tmp_path / "ngrams"
+    assert main(_args(tiny_target_dir, code_dir, out, "--kinds", "bigram", "-k", "3")) == 0
+    assert main(_args(tiny_target_dir, code_dir, out, "--kinds", "extended", "-w", "4")) == 0
+    tables = NGramTables.load(out)
+    assert tables.kinds == ["bigram", "extended"] and (tables.k, tables.w) == (3, 4)
+    x = torch.arange(tables.vocab_size)
+    ext, (ids, _) = tables.extended(x), tables.bigram_topk(x)
+    assert torch.equal(ext[:, :, 0], ids)
+    assert torch.equal(ext[:, :, 1], ids[:, 0][ids])  # the top-1 successor of each successor
