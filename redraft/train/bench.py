@@ -21,8 +21,8 @@ import torch
 from redraft.errors import RedraftError
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up (one-time kernel selection, allocator)
+def _time(fn, repeats: int, warmup=None) -> float:
+    (warmup or fn)()  # warm-up (one-time kernel selection, allocator)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -49,12 +49,12 @@ def run(target_spec: str, data: str, records: int, max_length: int, repeats: int
     out = {"device": str(device), "threads": torch.get_num_threads(), "records": len(ds), "tokens": n_tokens,
            "max_length": max_length, "micro_batch": micro_batch, "target": target.model_id, "rows": []}
 
-    def fwd(precision):
-        for ids, _ in batches:
+    def fwd(precision, bs=batches):
+        for ids, _ in bs:
             target_hidden(target, ids, precision)
 
     for precision in precisions:
-        t = _time(lambda: fwd(precision), repeats)
+        t = _time(lambda: fwd(precision), repeats, warmup=lambda: fwd(precision, batches[:1]))
         out["rows"].append({"what": "target forward", "precision": precision, "draft_vocab": None,
                             "seconds": t, "tokens_per_s": n_tokens / t})
         if report:
@@ -68,14 +68,14 @@ def run(target_spec: str, data: str, records: int, max_length: int, repeats: int
         model.attach_target(target).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for precision in precisions:
-            def step():
-                for ids, mask in batches:
+            def step(bs=batches):
+                for ids, mask in bs:
                     loss, *_ = batch_loss(model, model, target, ids, mask, cfg, precision)
                     loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
 
-            t = _time(step, repeats)
+            t = _time(step, repeats, warmup=lambda: step(batches[:1]))
             out["rows"].append({"what": "train step", "precision": precision, "draft_vocab": vocab or "full",
                                 "seconds": t, "tokens_per_s": n_tokens / t})
             if report:

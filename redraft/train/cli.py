@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="set_", action="append", default=[], metavar="KEY=VALUE",
                    help="Override any recipe key (repeatable).")
     p.add_argument("--print-config", action="store_true", help="Print the resolved config and exit.")
+    p.add_argument("--eval-only", action="store_true",
+                   help="Only evaluate the artifact given by --init-from on the held-out data (prints "
+                        "per-position accuracy and tau_est as JSON); trains and writes nothing.")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     grp = p.add_argument_group("recipe keys (each overrides the recipe)")
     for f in fields(TrainConfig):
@@ -70,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
             import yaml
 
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            return 0
+        if args.eval_only:
+            import json
+
+            from redraft.train.trainer import evaluate_artifact
+
+            print(json.dumps(evaluate_artifact(cfg), indent=2))
             return 0
         from redraft.train.trainer import train
 

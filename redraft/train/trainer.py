@@ -217,8 +217,9 @@ class WarmupCosine:
 # ------------------------------------------------------------------------------ data
 
 
-def load_datasets(cfg: TrainConfig, tokenizer, env: DistEnv):
-    """(train, heldout) token datasets from redraft.data; rank 0 tokenizes first (the cache)."""
+def load_datasets(cfg: TrainConfig, tokenizer, env: DistEnv, train: bool = True):
+    """(train, heldout) token datasets from redraft.data; rank 0 tokenizes first (the cache).
+    With ``train=False`` only the held-out set is built (train is None)."""
     try:
         from redraft.data import build_token_dataset
     except ImportError as exc:
@@ -228,12 +229,13 @@ def load_datasets(cfg: TrainConfig, tokenizer, env: DistEnv):
                   num_proc=cfg.num_proc, cache_dir=cfg.data_cache_dir)
 
     def build():
-        train = build_token_dataset(cfg.data, tokenizer, split="train", limit=cfg.train_limit, **common)
+        tr = build_token_dataset(cfg.data, tokenizer, split="train", limit=cfg.train_limit, **common) \
+            if train else None
         if cfg.eval_data:
             held = build_token_dataset(cfg.eval_data, tokenizer, split="all", limit=cfg.eval_limit, **common)
         else:
             held = build_token_dataset(cfg.data, tokenizer, split="heldout", limit=cfg.eval_limit, **common)
-        return train, held
+        return tr, held
 
     if not env.is_main:
         env.barrier()
@@ -722,6 +724,31 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
         _say(env, f"redraft-train: pushed to {url}")
     env.barrier()
     return metrics
+
+
+def evaluate_artifact(cfg: TrainConfig, path=None, target=None, eval_dataset=None) -> dict:
+    """Held-out metrics of a finished drafter artifact (``path`` or ``cfg.init_from``) on
+    ``cfg.eval_data`` / the held-out split of ``cfg.data``; no training, nothing written."""
+    from redraft.models.redrafter import load_drafter
+
+    path = path or cfg.init_from
+    if not path:
+        raise ConfigError("Evaluation needs a drafter artifact: pass --init-from DIR (or REPO_ID).")
+    env = setup_distributed(cfg)
+    precision = resolve_precision(cfg, env.device)
+    if target is None:
+        from redraft.models import load_target
+
+        target = load_target(cfg.target, dtype=target_dtype(precision, env.device), device=env.device)
+    if eval_dataset is None:
+        _, eval_dataset = load_datasets(cfg, target.tokenizer, env, train=False)
+    _check_dataset(eval_dataset, "held-out")
+    drafter = load_drafter(path, target, dtype=torch.float32)
+    cfg = TrainConfig(**{**cfg.to_dict(), "num_steps": drafter.config.num_steps,
+                         "adam_betas": tuple(cfg.adam_betas)})
+    m = evaluate(drafter, drafter, target, eval_dataset, cfg, env, precision)
+    _say(env, _eval_line(0, m).replace("[eval @ step 0]", f"[eval {path}]"))
+    return m
 
 
 def _eval_line(step: int, m: dict) -> str:

@@ -155,3 +155,15 @@ def test_default_target_trains_in_amp_bf16(tmp_path, default_target):
     assert m["eval_positions"] > 50
     d = load_drafter(tmp_path / "run", default_target)
     assert d.config.hidden_size == 576 and d.config.draft_vocab_size == 4096
+
+
+def test_eval_only_reproduces_the_final_metrics(tmp_path, tiny_target, tiny_data, capsys):
+    from redraft.train.trainer import evaluate_artifact
+
+    cfg = _cfg(tmp_path, max_steps=3, lr=0.01)
+    m = _run(cfg, tiny_target, tiny_data)
+    again = evaluate_artifact(cfg, path=cfg.output_dir, target=tiny_target, eval_dataset=tiny_data[1])
+    assert again["eval_top1"] == pytest.approx(m["eval_top1"])
+    assert again["eval_tau_est"] == pytest.approx(m["eval_tau_est"])
+    with pytest.raises(ConfigError, match="init-from"):
+        evaluate_artifact(cfg, target=tiny_target, eval_dataset=tiny_data[1])
