@@ -168,7 +168,8 @@ def build_bigram(target, k: int = 25, batch_size: int = 1024, dtype="bfloat16",
         k: successors kept per token.
         batch_size: tokens per forward.
         dtype: compute dtype (``"bfloat16"`` uses AMX on recent Xeons and tensor cores on GPUs;
-            ``"float32"`` reproduces the float32 model exactly). Softmax and top-k run in float32.
+            ``"float32"`` reproduces the float32 model). Top-k is taken on the logits as
+            computed, the softmax normaliser in float32.
         bos: ``"auto"`` (:func:`bigram_context`), a BOS id to prefix, or None for none.
         fast_path: use the single-token shortcut (module doc) when the architecture allows.
         tokens: build rows only for these ids (LongTensor [N]); default every id in the vocab.
