@@ -46,7 +46,7 @@ DEFAULTS = {
                                        "redrafter", "mix"],
     "drafters": [], "ngrams": [], "budget": "auto", "max_nodes": 64, "fp32_logits": False,
     "prompt_lookup_num_tokens": 10, "out": None, "markdown": None, "threads": None, "warmup": True,
-    "chat_spec": "default-chat", "redrafter_width": 8, "redrafter_length": None, "ngram_k": 8, "ngram_w": 4,
+    "chat_spec": "default-chat", "cost_curve_ms": None, "redrafter_width": 8, "redrafter_length": None, "ngram_k": 8, "ngram_w": 4,
 }
 
 
@@ -294,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-nodes", type=int, help="upper bound on tree nodes for auto budget (default 64)")
     p.add_argument("--fp32-logits", action="store_true", default=None,
                    help="compute verify logits with a float32 LM head (for bf16 targets)")
+    p.add_argument("--cost-curve", dest="cost_curve_ms",
+                   help="verify cost curve to use instead of measuring one, 'tokens:ms,...' (e.g. "
+                        "'1:63,8:116,16:146,64:245'); use it when the machine is too busy to measure")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up decode of each method")
     p.add_argument("--out", help="write the results as JSON here")
@@ -316,7 +319,8 @@ def resolve_config(args) -> dict:
         cfg.update(rec)
     flags = {"target": args.target, "dtype": args.dtype, "device": args.device, "prompts": args.prompts,
              "max_new_tokens": args.max_new_tokens, "max_nodes": args.max_nodes, "fp32_logits": args.fp32_logits,
-             "threads": args.threads, "out": args.out, "markdown": args.markdown}
+             "threads": args.threads, "out": args.out, "markdown": args.markdown,
+             "cost_curve_ms": args.cost_curve_ms}
     cfg.update({k: v for k, v in flags.items() if v is not None})
     if args.datasets:
         cfg["datasets"] = args.datasets.split(",")
@@ -367,6 +371,13 @@ def main(argv=None) -> int:
         device = (torch.cuda.get_device_name(0) if target.device.type == "cuda"
                   else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
         results, costs = {}, {}
+        if cfg["cost_curve_ms"]:
+            try:
+                pts = [tuple(float(x) for x in kv.split(":")) for kv in str(cfg["cost_curve_ms"]).split(",")]
+                costs = {"sizes": [int(n) for n, _ in pts], "ms": [ms for _, ms in pts], "given": True}
+            except ValueError:
+                raise ConfigError(f"cost curve {cfg['cost_curve_ms']!r}: write 'tokens:ms,...', "
+                                  f"e.g. '1:63,8:116,16:146,64:245'.") from None
         for m in methods.values():
             if m.decoder is not None and m.decoder.drafters and m.decoder.budget == "auto":
                 if not costs:
