@@ -98,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", type=int, nargs="+", default=[0, 16384],
                    help="Draft vocabulary sizes to compare (0 = full).")
     p.add_argument("--precision", nargs="+", default=["fp32", "amp-bf16"], help="Precisions to compare.")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
     p.add_argument("--json", default=None, help="Also write the results to this JSON file.")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         res = run(args.target, args.data, args.records, args.max_length, args.repeats, args.draft_vocab,
                   args.precision, args.micro_batch,

@@ -94,7 +94,7 @@ def setup_distributed(cfg: TrainConfig) -> DistEnv:
     else:
         device = torch.device("cpu")
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // max(1, local_world)))
     return DistEnv(rank, world, local_rank, device)
 
 
