@@ -129,25 +129,23 @@ def test_stop_strings_cut_the_text(tiny_target, tiny_prompts):
     assert g.text == text[: text.index(stop)]
 
 
-def test_eos_ends_a_row(tiny_target):
-    eos = tiny_target.eos_token_ids[0]
-
-    class EosDrafter(Drafter):
-        name = "eos"
-
-        def propose(self, state):
-            return Draft(tokens=torch.full((state.batch_size, 1, 1), eos))
-
-    # a prompt whose greedy continuation we extend with eos by forcing: use typical acceptance
-    # with an eos draft and a model whose eos probability is not tiny is not available; instead
-    # check that an eos emitted by plain decoding ends the request in both decoders
-    ref = plain_greedy(tiny_target, ["The quick"], max_new_tokens=200)[0]
-    dec = SpeculativeDecoder(tiny_target, [EosDrafter(), ContextNGramDrafter(tiny_target.vocab_size)])
-    g = dec.generate(["The quick"], max_new_tokens=200)[0]
-    assert g.tokens == ref.tokens
-    assert g.finish_reason == ref.finish_reason
-    if ref.finish_reason == "eos":
-        assert g.tokens[-1] == eos
+def test_eos_ends_a_row_even_inside_an_accepted_draft(tiny_target, tiny_prompts):
+    ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=30)
+    stop_tok = ref[1].tokens[7]  # pretend this token is an end-of-sequence id
+    futures = {i: r.tokens for i, r in enumerate(ref)}
+    ar = SpeculativeDecoder(tiny_target, [])
+    sd = SpeculativeDecoder(tiny_target, [OracleDrafter(futures, L=4)], budget=8)
+    ar.eos = sd.eos = {stop_tok}
+    a = ar.generate(tiny_prompts, max_new_tokens=30)
+    b = sd.generate(tiny_prompts, max_new_tokens=30)
+    assert [x.tokens for x in a] == [x.tokens for x in b]
+    first = ref[1].tokens.index(stop_tok)
+    assert b[1].tokens == ref[1].tokens[: first + 1] and b[1].finish_reason == "eos"
+    for x, r in zip(b, ref):  # other rows stop at their own first occurrence, or run to the end
+        if stop_tok in r.tokens:
+            assert x.tokens == r.tokens[: r.tokens.index(stop_tok) + 1]
+        else:
+            assert x.tokens == r.tokens and x.finish_reason == "length"
 
 
 def test_sampling_is_reproducible_and_uses_the_drafts(tiny_target, tiny_tables, tiny_prompts):
