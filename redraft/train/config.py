@@ -77,7 +77,7 @@ class TrainConfig:
 
     # ---- precision and DeepSpeed
     precision: str = _f("auto", "'bf16', 'fp16', 'fp32' (DeepSpeed weights/optimizer precision) or "
-                        "'amp-bf16' (fp32 weights, bf16 autocast compute). auto: bf16 on GPU, amp-bf16 on CPU.")
+                        "'amp-bf16' (fp32 weights, bf16 autocast compute). auto: bf16 on GPU with ZeRO>=1, else amp-bf16.")
     zero_stage: int = _f(0, "ZeRO stage 0-3 (picks train/ds_zero<stage>.json).")
     deepspeed_config: str | None = _f(None, "A DeepSpeed JSON config; 'auto' values are filled from this config.")
     device: str = _f("auto", "'auto', 'cpu' or 'cuda'.")

@@ -102,9 +102,15 @@ def setup_distributed(cfg: TrainConfig) -> DistEnv:
 
 
 def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
+    """``auto``: DeepSpeed bf16 (bf16 weights, fp32 master weights in the ZeRO optimizer) on GPUs
+    with ZeRO >= 1; otherwise ``amp-bf16`` (fp32 weights, bf16 autocast), because DeepSpeed's
+    bf16 without ZeRO keeps no fp32 master weights and small updates would be rounded away."""
     if cfg.precision != "auto":
+        if cfg.precision == "bf16" and cfg.zero_stage == 0 and not cfg.deepspeed_config:
+            logger.warning("precision bf16 with ZeRO stage 0 trains pure bf16 weights (no fp32 master "
+                           "copy); prefer amp-bf16 or zero_stage >= 1")
         return cfg.precision
-    return "bf16" if device.type == "cuda" else "amp-bf16"
+    return "bf16" if device.type == "cuda" and cfg.zero_stage >= 1 else "amp-bf16"
 
 
 def autocast(device: torch.device, precision: str):
