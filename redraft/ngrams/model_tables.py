@@ -96,21 +96,35 @@ def build_unigram(target, k: int = 25) -> tuple[torch.Tensor, torch.Tensor]:
 # bigram
 
 
-def bigram_context(tokenizer) -> int | None:
-    """The BOS id a bigram row is conditioned on, or None when rows use ``[x]`` alone.
+# GPT-2-style byte-level BPE vocabularies (SmolLM, Qwen, StarCoder, GPT-2) separate pretraining
+# documents with this token: the natural "start of text" context for a model without a BOS.
+DOCUMENT_SEPARATOR = "<|endoftext|>"
 
-    A row is ``p_M(· | [BOS, x])`` exactly when the tokenizer prepends its BOS token to an
-    ordinary encoding (Llama-2, Mistral); ChatML tokenizers such as SmolLM2's do not, and a row is
-    then ``p_M(· | [x])`` at position 0. The decoder consults the same rule through the artifact.
+
+def bigram_context(tokenizer) -> int | None:
+    """The token a bigram row is conditioned on: row x is ``p_M(· | [c, x])`` with c this id.
+
+    Position 0 is an attention sink in most LMs: the next-token distribution of a lone token is
+    degenerate (SmolLM2 on ShareGPT: the top-1 of ``p(· | [x])`` is the actual next token 0.55%
+    of the time, of ``p(· | [<|endoftext|>, x])`` 9.8%, top-10 20% vs 30%). So rows are built after
+    one start-of-text token, chosen as: the BOS the tokenizer prepends to every encoding
+    (Llama-2, Mistral); else ``<|endoftext|>`` when the vocabulary has it (the document separator
+    of GPT-2-style vocabularies, SmolLM2's included); else the tokenizer's ``bos_token``; else its
+    ``eos_token``; else None (rows of the lone token). ``ngrams.json: bigram.bos_prefix`` records it.
     """
     bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return None
-    try:
-        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    except Exception:  # a tokenizer that cannot encode plain text: be conservative
-        return None
-    return int(bos) if len(ids) > 0 and int(ids[0]) == int(bos) else None
+    if bos is not None:
+        try:
+            ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+        except Exception:  # a tokenizer that cannot encode plain text
+            ids = []
+        if len(ids) > 0 and int(ids[0]) == int(bos):
+            return int(bos)
+    sep = tokenizer.get_vocab().get(DOCUMENT_SEPARATOR) if hasattr(tokenizer, "get_vocab") else None
+    for candidate in (sep, bos, getattr(tokenizer, "eos_token_id", None)):
+        if candidate is not None:
+            return int(candidate)
+    return None
 
 
 def _fast_path_ok(model) -> bool:
@@ -144,6 +158,77 @@ def _single_token_hidden(model, ids: torch.Tensor) -> torch.Tensor:
             B = v.shape[0]
             v = v.view(B, n_kv, 1, -1).expand(B, n_kv, rep, v.shape[-1] // n_kv).reshape(B, -1)
         h = h + attn.o_proj(v)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return inner.norm(h)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _prefix_state(model, prefix: int, device) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """What every row shares when rows are ``[prefix, x]``.
+
+    Returns:
+        ``kv``: per layer ``(k0, v0)``, each ``[n_kv, head_dim]``: the prefix's key (RoPE at
+        position 0 is the identity) and value; ``cos, sin``: ``[head_dim]`` RoPE at position 1.
+    """
+    cfg = model.config
+    n_heads = int(cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    inner = model.model
+    h = inner.embed_tokens(torch.tensor([prefix], device=device))  # [1, H]
+    kv = []
+    for layer in inner.layers:
+        attn = layer.self_attn
+        hn = layer.input_layernorm(h)
+        k0 = attn.k_proj(hn).view(n_kv, -1)  # [n_kv, d]
+        if hasattr(attn, "k_norm"):  # qwen3: per-head norm before RoPE
+            k0 = attn.k_norm(k0)
+        v = attn.v_proj(hn)  # [1, n_kv * d]
+        kv.append((k0, v.view(n_kv, -1)))
+        rep = n_heads // n_kv  # the prefix attends to itself only: output = its value
+        v_rep = v.view(1, n_kv, 1, -1).expand(1, n_kv, rep, v.shape[-1] // n_kv).reshape(1, -1)
+        h = h + attn.o_proj(v_rep)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    cos, sin = inner.rotary_emb(h[:, None], torch.tensor([[1]], device=device))  # [1, 1, d]
+    return kv, cos.view(-1), sin.view(-1)
+
+
+def _prefixed_hidden(model, ids: torch.Tensor, state) -> torch.Tensor:
+    """Last hidden state (after the final norm) of each sequence ``[prefix, ids[i]]`` → [B, H].
+
+    The prefix's keys and values are computed once (:func:`_prefix_state`); each row's token at
+    position 1 attends to two keys, so attention is two dot products and a 2-way softmax per
+    head: no masks, no SDPA, no cache objects.
+    """
+    kv, cos, sin = state
+    cfg = model.config
+    n_heads = int(cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    rep = n_heads // n_kv
+    inner = model.model
+    h = inner.embed_tokens(ids)  # [B, H]
+    B = h.shape[0]
+    for layer, (k0, v0) in zip(inner.layers, kv):
+        attn = layer.self_attn
+        hn = layer.input_layernorm(h)
+        q = attn.q_proj(hn).view(B, n_heads, -1)  # [B, heads, d]
+        k = attn.k_proj(hn).view(B, n_kv, -1)  # [B, n_kv, d]
+        v = attn.v_proj(hn).view(B, n_kv, -1)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        d = q.shape[-1]
+        scale = float(getattr(attn, "scaling", d ** -0.5))
+        qg = q.view(B, n_kv, rep, d).float()  # query heads grouped by their kv head (GQA)
+        s0 = (qg * k0.float()[None, :, None, :]).sum(-1)  # [B, n_kv, rep] score vs the prefix
+        s1 = (qg * k.float()[:, :, None, :]).sum(-1)  # [B, n_kv, rep] score vs itself
+        a = torch.softmax(torch.stack([s0, s1], -1) * scale, dim=-1).to(v.dtype)  # [B, n_kv, rep, 2]
+        out = a[..., :1] * v0[None, :, None, :] + a[..., 1:] * v[:, :, None, :]  # [B, n_kv, rep, d]
+        h = h + attn.o_proj(out.reshape(B, n_heads * d))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return inner.norm(h)
 
@@ -190,11 +275,20 @@ def build_bigram(target, k: int = 25, batch_size: int = 1024, dtype="bfloat16",
         tokens = torch.arange(V)
     tokens = tokens.to(torch.long).cpu()
 
-    use_fast = fast_path and bos_id is None and _fast_path_ok(model)
-    if use_fast:  # check the shortcut against the real forward before trusting it
+    use_fast = fast_path and _fast_path_ok(model)
+    if use_fast and bos_id is not None:
+        use_fast = hasattr(model.model, "rotary_emb")
+    if use_fast:
+        state = _prefix_state(model, bos_id, device) if bos_id is not None else None
+
+        def hidden(x):
+            return _single_token_hidden(model, x) if state is None else _prefixed_hidden(model, x, state)
+
+        # Check the shortcut against the model's own forward before trusting it.
         probe = tokens[: min(8, len(tokens))].to(device)
-        ref = _model_last_logits(model, probe[:, None]).float()
-        got = model.get_output_embeddings()(_single_token_hidden(model, probe)).float()
+        seq = probe[:, None] if bos_id is None else torch.stack([torch.full_like(probe, bos_id), probe], 1)
+        ref = _model_last_logits(model, seq).float()
+        got = model.get_output_embeddings()(hidden(probe)).float()
         tol = 1e-3 if dtype == torch.float32 else 0.1
         err = (ref - got).abs().max().item() / max(ref.abs().max().item(), 1e-6)
         if not err <= tol:
@@ -210,7 +304,7 @@ def build_bigram(target, k: int = 25, batch_size: int = 1024, dtype="bfloat16",
     for start in range(0, len(tokens), batch_size):
         x = tokens[start:start + batch_size].to(device)  # [B]
         if use_fast:
-            logits = head(_single_token_hidden(model, x))  # [B, vocab]
+            logits = head(hidden(x))  # [B, vocab]
         else:
             seq = x[:, None] if bos_id is None else torch.stack([torch.full_like(x, bos_id), x], 1)
             logits = _model_last_logits(model, seq)

@@ -44,7 +44,7 @@ def test_build_all_kinds_and_load(tiny_target_dir, tiny_target, code_dir, tmp_pa
     meta = json.loads((out / "ngrams.json").read_text())
     assert meta["tokenizer_fingerprint"] == tiny_target.fingerprint
     assert set(meta["build_seconds"]) == {"unigram", "bigram", "extended", "trigram"}
-    assert meta["bigram"]["bos_prefix"] is None
+    assert meta["bigram"]["bos_prefix"] == 0  # <|endoftext|>: rows are p(· | [<|endoftext|>, x])
     n_tokens = sum(len(tiny_target.tokenizer(t)["input_ids"]) for t in CODE)
     assert meta["trigram"]["corpus"]["tokens"] == n_tokens
     # The most frequent successor of "print(" style contexts is what the corpus says it is.

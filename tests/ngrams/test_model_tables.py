@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from redraft.ngrams.model_tables import (
+    _prefix_state,
+    _prefixed_hidden,
     _single_token_hidden,
     bigram_context,
     build_bigram,
@@ -35,12 +37,20 @@ def _reference_rows(target, prefix=()):
         return torch.softmax(target.model(input_ids=seqs).logits[:, -1].double(), -1)  # [V, V]
 
 
-@pytest.mark.parametrize("fast_path", [True, False], ids=["single-token-path", "model-forward"])
+def test_bigram_context_is_the_start_of_text_token(tiny_target, llama2_target_dir):
+    from transformers import AutoTokenizer
+
+    tok = tiny_target.tokenizer  # ChatML, no BOS added: the <|endoftext|> document separator
+    assert bigram_context(tok) == tok.convert_tokens_to_ids("<|endoftext|>") == 0
+    llama2 = AutoTokenizer.from_pretrained(str(llama2_target_dir))  # no separator: its bos_token
+    assert bigram_context(llama2) == llama2.bos_token_id
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["shortcut", "model-forward"])
 def test_bigram_rows_equal_model_softmax_topk(tiny_target, fast_path):
-    assert bigram_context(tiny_target.tokenizer) is None  # ChatML: rows are p(· | [x])
     ids, probs = build_bigram(tiny_target, k=6, batch_size=100, dtype="float32",
                               fast_path=fast_path, progress=False)
-    ref = torch.topk(_reference_rows(tiny_target), 6)
+    ref = torch.topk(_reference_rows(tiny_target, prefix=(0,)), 6)  # rows are p(· | [<|endoftext|>, x])
     assert ids.shape == (tiny_target.vocab_size, 6) and ids.dtype == torch.int32
     torch.testing.assert_close(probs.double(), ref.values, rtol=1e-4, atol=1e-6)
     # Ids equal wherever the reference has no near-tie that rounding could flip.
@@ -50,20 +60,23 @@ def test_bigram_rows_equal_model_softmax_topk(tiny_target, fast_path):
     assert torch.equal(ids[clear].long(), ref.indices[clear])
 
 
-def test_fast_path_hidden_equals_model_forward(tiny_target):
-    x = torch.arange(0, tiny_target.vocab_size, 7)
+def test_shortcuts_equal_model_forward_hidden_states(tiny_target):
+    model, x = tiny_target.model, torch.arange(0, tiny_target.vocab_size, 7)
     with torch.no_grad():
-        ref = tiny_target.model.model(input_ids=x[:, None]).last_hidden_state[:, -1]
-        torch.testing.assert_close(_single_token_hidden(tiny_target.model, x), ref, rtol=1e-5, atol=1e-5)
+        ref = model.model(input_ids=x[:, None]).last_hidden_state[:, -1]
+        torch.testing.assert_close(_single_token_hidden(model, x), ref, rtol=1e-5, atol=1e-5)
+        seq = torch.stack([torch.full_like(x, 5), x], 1)  # [prefix, x]
+        ref = model.model(input_ids=seq).last_hidden_state[:, -1]
+        got = _prefixed_hidden(model, x, _prefix_state(model, 5, x.device))
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_bigram_with_bos_prefix_conditions_on_bos(tiny_target):
-    bos = 1
-    ids, probs = build_bigram(tiny_target, k=4, dtype="float32", bos=bos, progress=False)
-    ref = torch.topk(_reference_rows(tiny_target, prefix=(bos,)), 4)
+def test_bigram_without_prefix_uses_the_lone_token(tiny_target):
+    ids, probs = build_bigram(tiny_target, k=4, dtype="float32", bos=None, progress=False)
+    ref = torch.topk(_reference_rows(tiny_target), 4)
     torch.testing.assert_close(probs.double(), ref.values, rtol=1e-4, atol=1e-6)
-    plain, _ = build_bigram(tiny_target, k=4, dtype="float32", bos=None, progress=False)
-    assert not torch.equal(ids, plain)  # the prefix changes the rows
+    prefixed, _ = build_bigram(tiny_target, k=4, dtype="float32", progress=False)
+    assert not torch.equal(ids, prefixed)  # the prefix changes the rows
 
 
 def test_bigram_bf16_keeps_fp32_ranking_mostly(tiny_target):
@@ -95,21 +108,23 @@ def test_extended_with_model_equals_greedy_decoding(tiny_target):
     assert ext.shape == (tiny_target.vocab_size, 2, 4)
     assert torch.equal(ext[:, :, 0], bigram)
     for x, j in [(0, 0), (5, 1), (100, 0), (383, 1)]:
-        seq = [x, int(bigram[x, j])]
+        seq = [0, x, int(bigram[x, j])]  # after the same start-of-text token as the rows
         for _ in range(3):  # greedy, full forward each step (no cache)
             with torch.no_grad():
                 seq.append(int(tiny_target.model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-        assert ext[x, j].tolist() == seq[1:]
+        assert ext[x, j].tolist() == seq[2:]
 
 
 @pytest.mark.slow
 def test_default_target_bigram_rows_equal_model_softmax(default_target):
     tokens = torch.tensor([0, 2, 28, 198, 1000, 4321, 30000, 49151])
     ids, probs = build_bigram(default_target, k=10, dtype="float32", tokens=tokens, progress=False)
+    assert bigram_context(default_target.tokenizer) == 0  # SmolLM2's <|endoftext|>
     with torch.no_grad():
-        logits = default_target.model(input_ids=tokens[:, None]).logits[:, -1]
+        seq = torch.stack([torch.zeros_like(tokens), tokens], 1)
+        logits = default_target.model(input_ids=seq).logits[:, -1]
     ref = torch.topk(torch.softmax(logits.double(), -1), 10)
-    torch.testing.assert_close(probs.double(), ref.values, rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(probs.double(), ref.values, rtol=1e-3, atol=1e-4)  # summation order
     assert torch.equal(ids[:, :3].long(), ref.indices[:, :3])
     ids16, _ = build_bigram(default_target, k=10, dtype="bfloat16", tokens=tokens, progress=False)
     assert (ids16[:, 0].long() == ref.indices[:, 0]).float().mean() >= 0.75
