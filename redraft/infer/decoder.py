@@ -345,8 +345,8 @@ class SpeculativeDecoder:
                             step=0, request_ids=req, temperature=temperature)
         for d in self.drafters:
             d.begin(state)
-        if self.adapt:
-            self.stats.reset()
+        # acceptance rates carry over between requests (decayed): what a drafter achieves on one
+        # prompt is the best prior for the next; call decoder.stats.reset() to forget them
         if self.drafters and self.budget == "auto" and self.cost_curve is None:
             self.measure_cost()
         pending = [[int(t)] for t in y.tolist()]  # tokens to emit per current row
