@@ -149,9 +149,11 @@ def test_eos_ends_a_row_even_inside_an_accepted_draft(tiny_target, tiny_prompts)
 
 
 def test_sampling_is_reproducible_and_uses_the_drafts(tiny_target, tiny_tables, tiny_prompts):
-    dec = SpeculativeDecoder(tiny_target, [TableDrafter(tiny_tables, "extended")], acceptance="rejection")
-    a = dec.generate(tiny_prompts, max_new_tokens=20, temperature=0.8, seed=1)
-    b = dec.generate(tiny_prompts, max_new_tokens=20, temperature=0.8, seed=1)
+    def fresh():  # the tree adapts across requests, so reproducibility is per fresh decoder
+        return SpeculativeDecoder(tiny_target, [TableDrafter(tiny_tables, "extended")], acceptance="rejection")
+
+    a = fresh().generate(tiny_prompts, max_new_tokens=20, temperature=0.8, seed=1)
+    b = fresh().generate(tiny_prompts, max_new_tokens=20, temperature=0.8, seed=1)
     assert [x.tokens for x in a] == [x.tokens for x in b]
     assert sum(x.stats.drafter_accepted["extended"] for x in a) > 0
     typ = SpeculativeDecoder(tiny_target, [TableDrafter(tiny_tables, "extended")], acceptance="typical")
