@@ -119,7 +119,10 @@ def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumu
     common = ["--recipe", "tiny", "--target", str(tiny_target_dir), "--data", f"sharegpt:{chat_file}",
               "--num-proc", "1", "--max-steps", "4", "--lr", "0.01", "--zero-stage", str(stage),
               "--tensorboard", "false", "--data-cache-dir", str(tmp_path / "cache")]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    # in-process runs of this session set RANK/MASTER_PORT...: the children must not inherit them
+    dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
     bin_dir = Path(sys.executable).parent
     one = subprocess.run([sys.executable, "-m", "redraft.train.cli", *common, "--grad-accum", "4",
                           "--output-dir", str(tmp_path / "one")], env=env, capture_output=True, text=True,
