@@ -46,9 +46,7 @@ def _banner(text: str) -> None:
 def build_ngrams(target_spec: str, out: Path) -> Path:
     from redraft.ngrams.cli import main as ngrams_main
 
-    if (out / "ngrams.json").is_file():
-        print(f"n-gram tables found in {out} (delete the directory to rebuild)")
-        return out
+    # the builder skips kinds already in `out`, so an interrupted demo resumes where it stopped
     rc = ngrams_main(["--target", target_spec, "--kinds", "unigram,bigram,extended,trigram",
                       "--data", "default-chat", "--output-dir", str(out)])
     if rc:
