@@ -723,6 +723,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
         if "eval_top1" in metrics:
             _say(env, _eval_line(state["global_step"], metrics))
         _say(env, f"redraft-train: {status} at step {state['global_step']}; artifact in {out}")
+        _say(env, f"redraft-train: use it with  load_drafter({str(out)!r}, load_target({cfg.target!r}))  "
+                  f"(redraft.models.redrafter), or benchmark it: redraft-bench --methods greedy,redrafter --drafter {out}")
     if cfg.push_to_hub and env.is_main and status != "interrupted":
         from redraft.hub import push_artifact
 
