@@ -170,3 +170,14 @@ def test_eval_only_reproduces_the_final_metrics(tmp_path, tiny_target, tiny_data
     assert again["eval_tau_est"] == pytest.approx(m["eval_tau_est"])
     with pytest.raises(ConfigError, match="init-from"):
         evaluate_artifact(cfg, target=tiny_target, eval_dataset=tiny_data[1])
+
+
+def test_warm_start_makes_the_head_the_targets_lm_head_on_x(tiny_target):
+    from redraft.train.trainer import warm_start_from_target
+
+    d = ReDrafter(ReDrafterConfig.for_target(tiny_target, draft_vocab_size=16)).attach_target(tiny_target)
+    d.set_draft_vocab(torch.arange(100, 116))
+    warm_start_from_target(d, tiny_target)
+    x = torch.randn(3, d.config.hidden_size)
+    expect = tiny_target.output_head(x)[:, 100:116]
+    torch.testing.assert_close(d(x, torch.tensor([[1, 2], [3, 4], [5, 6]]))[:, 1], expect)
