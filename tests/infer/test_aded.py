@@ -232,3 +232,20 @@ def test_aded_reads_the_ngram_builders_artifact(tmp_path, tiny_target):
     ref_ids, _ = loaded.trigram_successors(torch.from_numpy(w1), torch.from_numpy(w2), 12)
     assert (a_ids == ref_ids.numpy()).all()
     assert set(bench_methods(tiny_target, loaded, mix=[])) == {"aded"}
+
+
+@pytest.mark.slow
+def test_default_target_aded_is_exact_and_drafts_hit(default_target):
+    """SmolLM2-135M with a tri-gram table counted from 300 ShareGPT training conversations."""
+    from redraft.infer.aded import corpus_docs, trigram_table_from_docs
+    from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
+
+    table = trigram_table_from_docs(corpus_docs("chat", default_target.tokenizer, max_docs=300),
+                                    default_target.vocab_size)
+    prompts = [[{"role": "user", "content": "Write a short email asking for a meeting on Monday."}]]
+    aded = ADEDDrafter(table)
+    ref = plain_greedy(default_target, prompts, max_new_tokens=32)
+    out = SpeculativeDecoder(default_target, [aded], budget=16).generate(prompts, max_new_tokens=32)
+    assert out[0].tokens == ref[0].tokens
+    assert out[0].stats.tokens_per_call > 1.0  # some drafts were accepted
+    assert aded.stats.calls == out[0].stats.target_calls - 1

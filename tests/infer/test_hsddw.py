@@ -230,3 +230,21 @@ def test_trigram_m1_early_exit_m2_hierarchy_is_exact(tiny_target, tiny_prompts):
     for r, o in zip(ref, out):
         assert o.tokens == r.tokens
     assert d.stats.levels["trigram"].drafted > 0
+
+
+@pytest.mark.slow
+def test_default_target_early_exit_hierarchy_is_exact(default_target):
+    """SmolLM2-135M: early-exit(4) -> early-exit(12) -> target, reduced-vocab heads, greedy."""
+    from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
+    from redraft.infer.hsddw import default_hierarchy
+
+    prompts = [[{"role": "user", "content": "List three primary colors."}], "def fibonacci(n):"]
+    subset = torch.arange(8192)  # low ids: the BPE merges learnt first, the most frequent tokens
+    d = default_hierarchy(default_target, 4, 12, vocab_subset=subset, tau_init=1.0)
+    ref = plain_greedy(default_target, prompts, max_new_tokens=24)
+    out = SpeculativeDecoder(default_target, [d], budget=8).generate(prompts, max_new_tokens=24)
+    for r, o in zip(ref, out):
+        assert o.tokens == r.tokens
+    st = d.stats.to_dict()
+    assert st["levels"]["ee12"]["accepted"] > 0  # the target accepted some of M2's tokens
+    assert st["eta"] < 1.0
