@@ -2,8 +2,8 @@
 
 1. n-gram tables for the target (model unigram/bigram/extended + ShareGPT tri-grams), built
    once into ``checkpoints/ngrams-default`` and reused when present;
-2. a ReDrafter head trained on the default ShareGPT for a bounded time (default 8 minutes of
-   training on CPU), written to ``checkpoints/redrafter-default`` and reused when present
+2. a ReDrafter head trained on the default ShareGPT for a bounded time (recipe ``demo``, default
+   8 minutes of training on CPU), written to ``checkpoints/redrafter-default`` and reused when present
    (``--retrain`` trains again);
 3. a few held-out ShareGPT prompts decoded with plain greedy decoding and with the unified
    speculative decoder (every drafter in one tree): it prints tokens per target call (tau),
@@ -61,7 +61,9 @@ def train_head(target_spec: str, out: Path, minutes: float, retrain: bool) -> Pa
     if (out / "model.safetensors").is_file() and (out / "metrics.json").is_file() and not retrain:
         print(f"trained head found in {out} (pass --retrain to train again)")
         return out
-    cfg = make_config("default", {"target": target_spec, "output_dir": str(out),
+    # train/recipes/demo.yaml: the default recipe bounded for a CPU (reduced draft vocabulary,
+    # schedule over the time budget)
+    cfg = make_config("demo", {"target": target_spec, "output_dir": str(out),
                                   "max_time_minutes": minutes})
     metrics = train(cfg, resume=False, overwrite=True)
     if metrics.get("status") == "interrupted":
