@@ -150,9 +150,8 @@ def as_trigram_table(tables, vocab_size: int | None = None) -> TrigramTable:
     if isinstance(tables, TrigramTable):
         return tables
     V = vocab_size or getattr(tables, "vocab_size", None)
-    if "trigram" in getattr(tables, "kinds", ()) and hasattr(tables, "_need"):
-        # TODO(ngrams): a public accessor for the CSR tensors (e.g. NGramTables.trigram_csr()).
-        tg = tables._need("trigram")
+    if "trigram" in getattr(tables, "kinds", ()) and hasattr(tables, "trigram_csr"):
+        tg = tables.trigram_csr()
         return TrigramTable.from_csr(tg["context_keys"], tg["offsets"], tg["ids"], tg["probs"], int(V))
     for group in (("context_keys", "offsets", "ids", "probs"), ("keys", "offsets", "ids", "probs")):
         if all(getattr(tables, n, None) is not None for n in group):
