@@ -1,9 +1,9 @@
 """``make demo`` / ``redraft-demo``: the whole pipeline on the embedded default, offline.
 
 1. n-gram tables for the target (model unigram/bigram/extended + ShareGPT tri-grams), built
-   once into ``checkpoints/ngrams-default`` and reused when present;
+   once into ``checkpoints/ngrams-smollm2`` and reused when present;
 2. a ReDrafter head trained on the default ShareGPT for a bounded time (recipe ``demo``, default
-   8 minutes of training on CPU), written to ``checkpoints/redrafter-default`` and reused when present
+   8 minutes of training on CPU), written to ``checkpoints/redrafter-smollm2`` and reused when present
    (``--retrain`` trains again);
 3. a few held-out ShareGPT prompts decoded with plain greedy decoding and with the unified
    speculative decoder (every drafter in one tree): it prints tokens per target call (tau),
@@ -140,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
 
         t0 = time.perf_counter()
         _banner("1/3 n-gram tables (model unigram/bigram/extended + ShareGPT tri-grams)")
-        ngrams = build_ngrams(args.target, root / "ngrams-default")
+        ngrams = build_ngrams(args.target, root / "ngrams-smollm2")
         drafters = []
         if not args.skip_train:
             _banner(f"2/3 ReDrafter head on ShareGPT ({args.train_minutes:g} min of training)")
-            run = train_head(args.target, root / "redrafter-default", args.train_minutes, args.retrain)
+            run = train_head(args.target, root / "redrafter-smollm2", args.train_minutes, args.retrain)
             print_head_metrics(run)
             drafters = [str(run)]
         _banner(f"3/3 decoding {args.prompts} held-out ShareGPT prompts ({args.dtype})")
