@@ -34,8 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-train", action="store_true", help="use only the n-gram drafters")
     p.add_argument("--prompts", type=int, default=4, help="held-out ShareGPT prompts to decode")
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype of the target while decoding (baseline in the same dtype)")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="comma list of target dtypes to decode in (float32: output identical to "
+                        "plain greedy; bfloat16: AMX/tensor-core speed, may differ at near-ties); "
+                        "the baseline runs in the same dtype")
     return p
 
 
@@ -147,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
             run = train_head(args.target, root / "redrafter-smollm2", args.train_minutes, args.retrain)
             print_head_metrics(run)
             drafters = [str(run)]
-        _banner(f"3/3 decoding {args.prompts} held-out ShareGPT prompts ({args.dtype})")
-        target = load_target(args.target, dtype=args.dtype, device="cpu")
-        compare(target, drafters, [str(ngrams)], args.prompts, args.max_new_tokens)
+        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        for i, dtype in enumerate(dtypes):
+            _banner(f"3/3 decoding {args.prompts} held-out ShareGPT prompts in {dtype} "
+                    f"({i + 1}/{len(dtypes)})")
+            target = load_target(args.target, dtype=dtype, device="cpu")
+            compare(target, drafters, [str(ngrams)], args.prompts, args.max_new_tokens)
         print(f"\nartifacts: {ngrams}" + (f", {drafters[0]}" if drafters else ""))
         print("use them from your own code:\n"
               "    from redraft.infer import load_decoder\n"
