@@ -126,12 +126,18 @@ class SpeculativeDecoder:
             fewer argmax flips at near-ties).
         typical_eps, typical_delta: typical-acceptance thresholds.
         adapt: update per-drafter acceptance rates during decoding (node values for pruning).
+        gate: with several drafters and budget "auto", skip calling a drafter while the tokens
+            only it gets accepted are worth less time than its drafting costs (pruning drops a
+            weak drafter's nodes, but its drafting time is paid before pruning); every
+            ``gate_explore`` steps a skipped drafter runs again to refresh its estimate.
+            Skipping a drafter never changes the output, only the speed.
     """
 
     def __init__(self, target, drafters: Sequence[Drafter] = (), acceptance: str = "greedy",
                  budget: int | str = "auto", max_nodes: int = 64, cost_curve: CostCurve | None = None,
                  fp32_logits: bool = False, typical_eps: float = acc_mod.TYPICAL_EPS,
-                 typical_delta: float = acc_mod.TYPICAL_DELTA, adapt: bool = True):
+                 typical_delta: float = acc_mod.TYPICAL_DELTA, adapt: bool = True,
+                 gate: bool = True, gate_explore: int = 8):
         if acceptance not in ACCEPTANCE:
             raise ConfigError(f"acceptance={acceptance!r} is unknown; use one of {ACCEPTANCE}.")
         if not (budget == "auto" or (isinstance(budget, int) and budget >= 0)):
@@ -156,6 +162,15 @@ class SpeculativeDecoder:
         self._head_w = head.weight.detach().float() if fp32_logits else head.weight.detach()
         self._head_b = None if head.bias is None else head.bias.detach().to(self._head_w.dtype)
         self._draft_overhead = 0.0
+        # drafter gating (see `gate`): EMAs of each drafter's drafting seconds and of the accepted
+        # tokens per step that no other drafter proposed; seconds one output token costs
+        n = len(self.drafters)
+        self.gate = gate and n > 1 and budget == "auto"
+        self.gate_explore = max(int(gate_explore), 1)
+        self._gate_secs = [0.0] * n
+        self._gate_gain: list[float | None] = [None] * n
+        self._gate_idle = [0] * n
+        self._sec_per_token: float | None = None
 
     # ------------------------------------------------------------------ inputs and outputs
 
@@ -240,13 +255,18 @@ class SpeculativeDecoder:
         while verifying every candidate as a point mass is lossless whatever proposed it.
         """
         B = state.batch_size
-        drafts = [d.propose(state) for d in self.drafters]
+        drafts = []
+        for i in self._active_drafters():
+            t = time.perf_counter()
+            drafts.append((i, self.drafters[i].propose(state)))
+            self._gate_secs[i] = 0.8 * self._gate_secs[i] + 0.2 * (time.perf_counter() - t) \
+                if self._gate_secs[i] else time.perf_counter() - t
         if not drafts:
             empty = torch.full((B, 0, 1), PAD, dtype=torch.long, device=state.device)
             return empty, torch.zeros((B, 0, 1), device=state.device), []
-        L = max(dr.path_length for dr in drafts)
+        L = max(dr.path_length for _, dr in drafts)
         toks, vals, slices, start = [], [], [], 0
-        for i, dr in enumerate(drafts):
+        for i, dr in drafts:
             t = pad_paths(dr.tokens.to(state.device), L)
             toks.append(t)
             if self.budget == "auto" or dr.logp is None:
@@ -257,6 +277,38 @@ class SpeculativeDecoder:
             slices.append((i, start, start + t.shape[1], dr))
             start += t.shape[1]
         return torch.cat(toks, 1), torch.cat(vals, 1), slices
+
+    def _active_drafters(self) -> list[int]:
+        """Indices of the drafters to call this step (all of them unless gating is on)."""
+        n = len(self.drafters)
+        if not self.gate or self._sec_per_token is None:
+            return list(range(n))
+        # net seconds a drafter saves per step: its exclusive accepted tokens times the cost of
+        # one output token, minus its own drafting time; unknown gains count as worth it
+        net = [float("inf") if g is None else g * self._sec_per_token - self._gate_secs[i]
+               for i, g in enumerate(self._gate_gain)]
+        active = [i for i in range(n) if net[i] >= 0 or self._gate_idle[i] + 1 >= self.gate_explore]
+        if not active:
+            active = [max(range(n), key=lambda i: net[i])]
+        for i in range(n):
+            self._gate_idle[i] = 0 if i in active else self._gate_idle[i] + 1
+        return active
+
+    def _update_gate(self, counts: dict, n_acc: torch.Tensor, step_secs: float) -> None:
+        """``counts[i]`` [B] accepted draft tokens drafter i had proposed this step."""
+        tokens = float(n_acc.float().mean()) + 1.0
+        spt = step_secs / tokens
+        self._sec_per_token = spt if self._sec_per_token is None else 0.8 * self._sec_per_token + 0.2 * spt
+        if not self.gate:
+            return
+        for i, c in counts.items():
+            # tokens on the accepted path only drafter i proposed: paths start at the root, so
+            # every drafter's credited on-path nodes form a prefix and the others reach the max
+            others = [counts[j] for j in counts if j != i]
+            covered = torch.stack(others).max(dim=0).values if others else torch.zeros_like(c)
+            gain = float((n_acc - covered).clamp_min(0).float().mean())
+            g = self._gate_gain[i]
+            self._gate_gain[i] = gain if g is None else 0.7 * g + 0.3 * gain
 
     def _choose_budget(self, paths: torch.Tensor, values: torch.Tensor) -> torch.Tensor | int:
         if self.budget != "auto":
@@ -443,13 +495,16 @@ class SpeculativeDecoder:
                 if self.adapt:
                     self.stats.update(i, pruned[:, a:b_], prefix)
             # drafter credit: a drafter gets an accepted token when one of its paths holds it
+            per_drafter = {}
             for (i, dr, fb, pn, hit) in feedback_all:
                 credited = torch.zeros_like(on_path)
                 credited.scatter_(1, pn.clamp_min(0).reshape(B, -1), hit.reshape(B, -1))
                 credited[:, 0] = False
-                counts = (credited & on_path).sum(dim=1).tolist()
+                per_drafter[i] = (credited & on_path).sum(dim=1)  # [B]
+                counts = per_drafter[i].tolist()
                 for r in range(B):
                     stats[int(state.request_ids[r])].drafter_accepted[self.drafters[i].name] += counts[r]
+            self._update_gate(per_drafter, acc.num_accepted, t_draft + t_verify)
             old_state = state
             n_acc = acc.num_accepted
             new_len = state.lengths + n_acc + 1

@@ -205,3 +205,41 @@ def test_drafters_observe_what_was_accepted(tiny_target, tiny_prompts):
         assert int(prefix[0, 0]) == int((toks[0, 0] >= 0).sum())
         assert int(prefix[0, 1]) == 0
         assert int(num[0]) == int(prefix[0, 0])
+
+
+class SlowWrongDrafter(Drafter):
+    """Costs time every call and never proposes an accepted token."""
+
+    name = "slow-wrong"
+
+    def __init__(self, delay=0.02):
+        self.delay, self.calls = delay, 0
+
+    def propose(self, state: DecodeState) -> Draft:
+        import time
+
+        self.calls += 1
+        time.sleep(self.delay)
+        # token 0 (a special token) is never the tiny target's greedy choice after a prompt
+        return Draft(tokens=torch.zeros((state.batch_size, 1, 2), dtype=torch.long))
+
+
+def test_gating_stops_calling_a_costly_useless_drafter_and_keeps_the_output(tiny_target, tiny_prompts):
+    prompt = tiny_prompts[1]
+    ref = plain_greedy(tiny_target, prompt, max_new_tokens=48)[0].tokens
+    # the oracle proposes the target's own continuation: accepted, and cheap
+    futures = {0: hf_greedy(tiny_target, SpeculativeDecoder(tiny_target).encode(prompt)[0], 60)}
+    curve = CostCurve(sizes=[1, 8, 64], seconds=[0.001, 0.0012, 0.002])
+    for gate, explore in ((True, 8), (False, 8)):
+        slow = SlowWrongDrafter()
+        dec = SpeculativeDecoder(tiny_target, [OracleDrafter(futures), slow], cost_curve=curve,
+                                 gate=gate, gate_explore=explore)
+        out = dec.generate(prompt, max_new_tokens=48)[0]
+        assert out.tokens == ref
+        steps = out.stats.target_calls - 1
+        if gate:
+            # called on the first steps (no estimate yet), then about once every `explore` steps
+            assert slow.calls <= 2 + steps // explore + 1 < steps
+            assert dec._gate_gain[1] == 0.0 and dec._gate_gain[0] > 0
+        else:
+            assert slow.calls == steps
