@@ -51,7 +51,8 @@ def ngram_drafters(tables, target, k: int = 8, w: int = 4, q: int = 1, name_pref
 
 def load_decoder(target="default", drafters=(), ngrams=(), *, context: bool | None = None,
                  dtype=None, device=None, redrafter_width: int = 8, redrafter_length: int | None = None,
-                 ngram_k: int = 8, ngram_w: int = 4, context_q: int = 1, **settings) -> SpeculativeDecoder:
+                 ngram_k: int = 8, ngram_w: int = 4, context_q: int = 1, aded: bool = False,
+                 **settings) -> SpeculativeDecoder:
     """The unified decoder over every given artifact.
 
     Args:
@@ -63,6 +64,9 @@ def load_decoder(target="default", drafters=(), ngrams=(), *, context: bool | No
         dtype, device: for ``load_target`` when ``target`` is a spec.
         redrafter_width, redrafter_length: ReDrafter beam search settings.
         ngram_k, ngram_w, context_q: rows, tokens per row and match length of n-gram drafts.
+        aded: also draft with ADED's MCTS over each table that holds a tri-gram table (off by
+            default: on the 2-core CPU it raised tau but lowered tokens/s of the mix, see
+            docs/infer.md).
         **settings: :class:`SpeculativeDecoder` keyword arguments (acceptance, budget, ...).
     """
     unknown = sorted(set(settings) - set(DECODER_SETTINGS))
@@ -78,8 +82,14 @@ def load_decoder(target="default", drafters=(), ngrams=(), *, context: bool | No
                                  name="redrafter" if len(drafters) == 1 else f"redrafter{i}"))
     for i, path in enumerate(ngrams):
         tables = load_ngram_tables(path, target)
-        ds += ngram_drafters(tables, target, ngram_k, ngram_w, context_q,
-                             name_prefix="" if len(ngrams) == 1 else f"t{i}-")
+        prefix = "" if len(ngrams) == 1 else f"t{i}-"
+        ds += ngram_drafters(tables, target, ngram_k, ngram_w, context_q, name_prefix=prefix)
+        if aded and "trigram" in getattr(tables, "kinds", ()):
+            from redraft.infer.aded import ADEDDrafter
+
+            d = ADEDDrafter(tables)
+            d.name = f"{prefix}aded"
+            ds.append(d)
     if context if context is not None else not ngrams:
         ds.append(ContextNGramDrafter(target.vocab_size, q=context_q, k=ngram_k, w=ngram_w))
     return SpeculativeDecoder(target, ds, **settings)

@@ -35,3 +35,24 @@ def test_preset_skips_missing_artifacts(tiny_target_dir, tmp_path):
     preset.write_text(f"target: {tiny_target_dir}\ndtype: float32\ndrafters: [checkpoints/nope]\nbudget: 4\n")
     dec = load_preset(preset)
     assert [d.name for d in dec.drafters] == ["context"] and dec.budget == 4
+
+
+def test_load_decoder_adds_aded_for_a_trigram_table(tiny_target, tmp_path, tiny_prompts):
+    import numpy as np
+
+    from redraft.models import load_target  # noqa: F401  (tiny_target is already loaded)
+    from redraft.ngrams import build_trigram_table, count_trigrams, save_tables
+
+    ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=16)
+    # a tri-gram table counted over the target's own greedy outputs: ADED's drafts then hit
+    docs = [np.asarray(r.tokens, dtype=np.int32) for r in ref]
+    table = build_trigram_table(count_trigrams(docs, tiny_target.vocab_size), t=4, min_count=1)
+    save_tables(tmp_path, dict(tiny_target.artifact_metadata(), vocab_size=tiny_target.vocab_size),
+                trigram=table)
+    plain = load_decoder(tiny_target, ngrams=[str(tmp_path)], budget=8)
+    assert "aded" not in [d.name for d in plain.drafters]
+    dec = load_decoder(tiny_target, ngrams=[str(tmp_path)], budget=8, aded=True)
+    assert [d.name for d in dec.drafters][-1] == "aded"
+    outs = dec.generate(tiny_prompts, max_new_tokens=16)
+    assert [g.tokens for g in outs] == [r.tokens for r in ref]
+    assert sum(g.stats.drafter_accepted["aded"] for g in outs) > 0
