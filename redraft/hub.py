@@ -455,36 +455,26 @@ _CONFIG_NOISE = {
     "tokenizer_fingerprint", "target_model", "auto_map", "id2label", "label2id",
 }
 
-# Filled by :func:`generate_model_card`; {repo} is the repo id (or the local directory).
-USAGE_DRAFTER = """\
+# Filled by :func:`generate_model_card`; {repo} is the repo id (or the local directory), {flag}
+# the redraft-bench flag, {kind} the resolve_artifact kind and {what} what the directory holds.
+USAGE = """\
 ```bash
 # with redraft installed (pip install -e . in a redraft checkout)
-redraft-bench --target {target} --drafter {repo}
+redraft-bench --target {target} --{flag} {repo}
 ```
 
 ```python
 from redraft.hub import resolve_artifact
 
 # Downloads once into the Hugging Face cache (HF_HUB_OFFLINE=1 then loads from the cache).
-drafter_dir = resolve_artifact("{repo}", kind="drafter")
-# Every redraft API and CLI that takes a drafter directory also takes "{repo}" directly.
+{var} = resolve_artifact("{repo}", kind="{kind}")
+# Every redraft API and CLI that takes {what} also takes "{repo}" directly.
 ```
 """
-
-USAGE_NGRAMS = """\
-```bash
-# with redraft installed (pip install -e . in a redraft checkout)
-redraft-bench --target {target} --ngrams {repo}
-```
-
-```python
-from redraft.hub import resolve_artifact
-
-# Downloads once into the Hugging Face cache (HF_HUB_OFFLINE=1 then loads from the cache).
-tables_dir = resolve_artifact("{repo}", kind="ngrams")
-# Every redraft API and CLI that takes an n-gram table directory also takes "{repo}" directly.
-```
-"""
+USAGE_FIELDS = {
+    "drafter": dict(flag="drafter", var="drafter_dir", what="a drafter directory"),
+    "ngrams": dict(flag="ngrams", var="tables_dir", what="an n-gram table directory"),
+}
 
 
 def _fmt(value) -> str:
@@ -707,8 +697,10 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
     if bench:
         out += ["", "## Benchmark", "", bench]
 
-    usage = USAGE_DRAFTER if kind == KIND_DRAFTER else USAGE_NGRAMS
-    out += ["", "## Usage", "", usage.format(repo=repo_id or str(root), target=target or "TARGET")]
+    fields = USAGE_FIELDS["drafter" if kind == KIND_DRAFTER else "ngrams"]
+    kind_name = "drafter" if kind == KIND_DRAFTER else "ngrams"
+    out += ["", "## Usage", "", USAGE.format(repo=repo_id or str(root), target=target or "TARGET",
+                                             kind=kind_name, **fields)]
     return "\n".join(out).rstrip() + "\n"
 
 

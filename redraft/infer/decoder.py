@@ -259,8 +259,8 @@ class SpeculativeDecoder:
         for i in self._active_drafters():
             t = time.perf_counter()
             drafts.append((i, self.drafters[i].propose(state)))
-            self._gate_secs[i] = 0.8 * self._gate_secs[i] + 0.2 * (time.perf_counter() - t) \
-                if self._gate_secs[i] else time.perf_counter() - t
+            secs = time.perf_counter() - t
+            self._gate_secs[i] = 0.8 * self._gate_secs[i] + 0.2 * secs if self._gate_secs[i] else secs
         if not drafts:
             empty = torch.full((B, 0, 1), PAD, dtype=torch.long, device=state.device)
             return empty, torch.zeros((B, 0, 1), device=state.device), []

@@ -140,23 +140,33 @@ def _fast_path_ok(model) -> bool:
         hasattr(layer.self_attn, a) for a in ("v_proj", "o_proj"))
 
 
+def _heads(cfg) -> tuple[int, int, int]:
+    """``(n_heads, n_kv, rep)``: query heads, key/value heads, query heads per kv head."""
+    n_heads = int(cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    return n_heads, n_kv, n_heads // n_kv
+
+
+def _repeat_kv_flat(v: torch.Tensor, n_kv: int, rep: int) -> torch.Tensor:
+    """``[B, n_kv * d]`` → ``[B, n_kv * rep * d]``: kv head j serves query heads j*rep..(j+1)*rep-1
+    (HF ``repeat_kv``)."""
+    B = v.shape[0]
+    return v.view(B, n_kv, 1, -1).expand(B, n_kv, rep, v.shape[-1] // n_kv).reshape(B, -1)
+
+
 def _single_token_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     """Last hidden state (after the final norm) of each one-token sequence ``ids`` [B] → [B, H].
 
     Attention over one key at position 0 is the identity on the value vector (see module doc).
     """
-    cfg = model.config
-    n_heads = int(cfg.num_attention_heads)
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
-    rep = n_heads // n_kv
+    n_heads, n_kv, rep = _heads(model.config)
     inner = model.model
     h = inner.embed_tokens(ids)  # [B, H]
     for layer in inner.layers:
         attn = layer.self_attn
         v = attn.v_proj(layer.input_layernorm(h))  # [B, n_kv * head_dim]
-        if rep > 1:  # GQA: kv head j serves query heads j*rep .. (j+1)*rep-1 (HF repeat_kv)
-            B = v.shape[0]
-            v = v.view(B, n_kv, 1, -1).expand(B, n_kv, rep, v.shape[-1] // n_kv).reshape(B, -1)
+        if rep > 1:  # GQA
+            v = _repeat_kv_flat(v, n_kv, rep)
         h = h + attn.o_proj(v)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return inner.norm(h)
@@ -174,9 +184,7 @@ def _prefix_state(model, prefix: int, device) -> tuple[list, torch.Tensor, torch
         ``kv``: per layer ``(k0, v0)``, each ``[n_kv, head_dim]``: the prefix's key (RoPE at
         position 0 is the identity) and value; ``cos, sin``: ``[head_dim]`` RoPE at position 1.
     """
-    cfg = model.config
-    n_heads = int(cfg.num_attention_heads)
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    n_heads, n_kv, rep = _heads(model.config)
     inner = model.model
     h = inner.embed_tokens(torch.tensor([prefix], device=device))  # [1, H]
     kv = []
@@ -188,9 +196,8 @@ def _prefix_state(model, prefix: int, device) -> tuple[list, torch.Tensor, torch
             k0 = attn.k_norm(k0)
         v = attn.v_proj(hn)  # [1, n_kv * d]
         kv.append((k0, v.view(n_kv, -1)))
-        rep = n_heads // n_kv  # the prefix attends to itself only: output = its value
-        v_rep = v.view(1, n_kv, 1, -1).expand(1, n_kv, rep, v.shape[-1] // n_kv).reshape(1, -1)
-        h = h + attn.o_proj(v_rep)
+        # the prefix attends to itself only: its attention output is its value
+        h = h + attn.o_proj(_repeat_kv_flat(v, n_kv, rep))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     cos, sin = inner.rotary_emb(h[:, None], torch.tensor([[1]], device=device))  # [1, 1, d]
     return kv, cos.view(-1), sin.view(-1)
@@ -204,10 +211,7 @@ def _prefixed_hidden(model, ids: torch.Tensor, state) -> torch.Tensor:
     head: no masks, no SDPA, no cache objects.
     """
     kv, cos, sin = state
-    cfg = model.config
-    n_heads = int(cfg.num_attention_heads)
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
-    rep = n_heads // n_kv
+    n_heads, n_kv, rep = _heads(model.config)
     inner = model.model
     h = inner.embed_tokens(ids)  # [B, H]
     B = h.shape[0]
