@@ -17,7 +17,7 @@ from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, T
 from redraft.infer.drafters.redrafter import ReDrafterDrafter
 
 DECODER_SETTINGS = ("acceptance", "budget", "max_nodes", "cost_curve", "fp32_logits", "typical_eps",
-                    "typical_delta", "adapt", "gate", "gate_explore")
+                    "typical_delta", "adapt", "gate", "gate_explore", "cpu_pack")
 
 
 def load_redrafter(path, target, width: int = 8, length: int | None = None, name: str = "redrafter"):

@@ -1,0 +1,52 @@
+"""oneDNN-packed float32 linears for multi-token CPU forwards (redraft.models.cpu)."""
+
+import pytest
+import torch
+
+from redraft.models import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.packing_available(), reason="torch built without oneDNN")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.Linear(96, 32, bias=False))
+
+
+@torch.no_grad()
+def test_packed_forwards_match_and_the_model_is_left_as_it_was():
+    m = _model()
+    packs = cpu.pack_linears(m)
+    assert len(packs) == 2
+    x = torch.randn(2, 5, 48)  # 10 rows: the packed path
+    ref = m(x)
+    with cpu.use_packed(packs):
+        got = m(x)
+        one = m(x[:1, :1])  # one row: the default kernel, bit for bit
+        assert "forward" in m[0].__dict__
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(one, m(x[:1, :1]))
+    # the packed path really ran: a packed weight that differs changes the output
+    bad = {layer: cpu.pack_weight(layer.weight * 2) for layer in packs}
+    with cpu.use_packed(bad):
+        assert not torch.allclose(m(x), ref, atol=1e-3)
+    assert "forward" not in m[0].__dict__ and "forward" not in m[2].__dict__
+    torch.testing.assert_close(m(x), ref, atol=0, rtol=0)
+
+
+def test_use_packed_restores_instance_forwards_and_leaves_training_alone():
+    m = _model()
+    packs = cpu.pack_linears(m)
+    hooked = m[0].forward = lambda x: torch.zeros(x.shape[:-1] + (96,))  # e.g. an accelerate hook
+    with cpu.use_packed(packs):
+        pass
+    assert m[0].forward is hooked
+    del m[0].forward
+    x = torch.randn(6, 48, requires_grad=True)
+    with cpu.use_packed(packs):
+        m(x).sum().backward()  # inputs that need grad take the default kernel: gradients flow
+    assert x.grad is not None and m[0].weight.grad is not None
+
+
+def test_nothing_to_pack_in_bfloat16():
+    assert cpu.pack_linears(_model().to(torch.bfloat16)) == {}
