@@ -86,16 +86,18 @@ def best_budget(values: torch.Tensor, cost: CostCurve, max_nodes: int, overhead_
 
 
 class AcceptanceStats:
-    """Running acceptance rate per (drafter, path rank, depth), with a Beta prior.
+    """Running acceptance rate per (drafter, path group, depth), with a Beta prior.
 
-    ``rate[d, r, l]`` estimates P(the entry at depth l of drafter d's r-th path is accepted |
-    its parent was). Counts decay (``decay`` per update) so the estimate follows the request.
+    ``rate[d, g, l]`` estimates P(the entry at depth l of a drafter-d path of group g is
+    accepted | its parent was). A path's group is what its drafter says it is
+    (``Draft.group``, e.g. the length of the context match behind it), else its rank. Counts
+    decay (``decay`` per update) so the estimate follows the request.
     """
 
-    def __init__(self, num_drafters: int, max_rank: int = 16, max_depth: int = 16,
+    def __init__(self, num_drafters: int, max_groups: int = 32, max_depth: int = 16,
                  prior_rate: float = 0.3, prior_weight: float = 2.0, decay: float = 0.98):
-        shape = (num_drafters, max_rank, max_depth)
-        self.max_rank, self.max_depth, self.decay = max_rank, max_depth, decay
+        shape = (num_drafters, max_groups, max_depth)
+        self.max_groups, self.max_depth, self.decay = max_groups, max_depth, decay
         self.prior = (prior_rate * prior_weight, prior_weight)
         self.hits = torch.zeros(shape, dtype=torch.float64)
         self.tries = torch.zeros(shape, dtype=torch.float64)
@@ -107,26 +109,36 @@ class AcceptanceStats:
     def rates(self) -> torch.Tensor:
         return (self.hits + self.prior[0]) / (self.tries + self.prior[1])
 
-    def values(self, drafter: int, lengths: tuple[int, int, int]) -> torch.Tensor:
-        """``[B, P, L]`` path-product of rates for a drafter's paths of shape ``lengths``."""
-        B, P, L = lengths
-        r = self.rates()[drafter]  # [R, Dm]
-        ranks = torch.arange(P).clamp(max=self.max_rank - 1)
-        depths = torch.arange(L).clamp(max=self.max_depth - 1)
-        per = r[ranks][:, depths]  # [P, L]
-        return per.cumprod(dim=1).float()[None].expand(B, P, L)
+    def _groups(self, shape: tuple[int, int, int], group: torch.Tensor | None) -> torch.Tensor:
+        B, P, _ = shape
+        g = torch.arange(P)[None].expand(B, P) if group is None else group.cpu().long()
+        return g.clamp(0, self.max_groups - 1)
 
-    def update(self, drafter: int, tokens: torch.Tensor, accepted_prefix: torch.Tensor) -> None:
-        """``tokens [B, P, L]`` the drafter's paths, ``accepted_prefix [B, P]`` tokens accepted."""
+    def values(self, drafter: int, shape: tuple[int, int, int], group: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, P, L]`` path-product of rates for a drafter's paths of ``shape`` (groups
+        ``group [B, P]``, default the path rank)."""
+        B, P, L = shape
+        r = self.rates()[drafter].float()  # [G, Dm]
+        depths = torch.arange(L).clamp(max=self.max_depth - 1)
+        per = r[self._groups(shape, group)][:, :, depths]  # [B, P, L]
+        return per.cumprod(dim=2)
+
+    def update(self, drafter: int, tokens: torch.Tensor, accepted_prefix: torch.Tensor,
+               group: torch.Tensor | None = None) -> None:
+        """``tokens [B, P, L]`` the drafter's paths, ``accepted_prefix [B, P]`` tokens accepted,
+        ``group [B, P]`` their groups (default: rank)."""
         B, P, L = tokens.shape
         if P == 0:
             return
         depth = torch.arange(L, device=tokens.device)
         valid = tokens >= 0
-        tried = valid & (depth[None, None] <= accepted_prefix[:, :, None])  # parent accepted
-        hit = valid & (depth[None, None] < accepted_prefix[:, :, None])
-        P_, L_ = min(P, self.max_rank), min(L, self.max_depth)
+        tried = (valid & (depth[None, None] <= accepted_prefix[:, :, None])).cpu()  # parent accepted
+        hit = (valid & (depth[None, None] < accepted_prefix[:, :, None])).cpu()
+        L_ = min(L, self.max_depth)
+        g = self._groups(tokens.shape, group)[:, :, None].expand(B, P, L_).reshape(-1)
+        d = depth.cpu()[:L_][None, None].expand(B, P, L_).reshape(-1)
+        flat = g * self.max_depth + d
         self.hits[drafter] *= self.decay
         self.tries[drafter] *= self.decay
-        self.hits[drafter, :P_, :L_] += hit[:, :P_, :L_].sum(0).double().cpu()
-        self.tries[drafter, :P_, :L_] += tried[:, :P_, :L_].sum(0).double().cpu()
+        self.hits[drafter].view(-1).index_add_(0, flat, hit[:, :, :L_].reshape(-1).double())
+        self.tries[drafter].view(-1).index_add_(0, flat, tried[:, :, :L_].reshape(-1).double())

@@ -4,7 +4,7 @@ import torch
 
 from redraft.infer.budget import AcceptanceStats, CostCurve, best_budget
 from redraft.infer.drafters.base import DecodeState
-from redraft.infer.drafters.ngram import NGrammysDrafter, context_matches
+from redraft.infer.drafters.ngram import GROUPS_PER_CLASS, NGrammysDrafter, context_matches, context_matches_multi
 from redraft.infer.drafters.redrafter import beam_search
 
 
@@ -38,6 +38,36 @@ def test_context_matches_equal_brute_force():
             for b in range(B):
                 seq = toks[b, : lengths[b]].tolist()
                 assert got[b].tolist() == brute_context(seq, q, 4, 3), (seq, q)
+
+
+def brute_context_multi(seq, q_min, q_max, k, w):
+    """Reference: rows of every match length, longest first, a first token only once."""
+    rows, groups, seen = [], [], set()
+    for c, q in enumerate(range(q_max, q_min - 1, -1)):
+        rank = 0
+        for r in brute_context(seq, q, k, w) if len(seq) > q else []:
+            if r[0] < 0 or r[0] in seen:
+                continue
+            seen.add(r[0])
+            rows.append(r)
+            groups.append(c * GROUPS_PER_CLASS + min(rank, GROUPS_PER_CLASS - 1))
+            rank += 1
+    rows, groups = rows[:k], groups[:k]
+    return rows + [[-1] * w] * (k - len(rows)), groups
+
+
+def test_context_matches_multi_equal_brute_force():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        B, T, V = 3, 40, 4
+        toks = torch.randint(0, V, (B, T), generator=g)
+        lengths = torch.randint(2, T + 1, (B,), generator=g)
+        toks = torch.where(torch.arange(T)[None] < lengths[:, None], toks, -1)
+        paths, group = context_matches_multi(toks, lengths, q_min=1, q_max=3, k=5, w=3, vocab_size=V)
+        for b in range(B):
+            rows, groups = brute_context_multi(toks[b, : lengths[b]].tolist(), 1, 3, 5, 3)
+            assert paths[b].tolist() == rows
+            assert group[b, : len(groups)].tolist() == groups
 
 
 def test_ngrammys_fills_rows_with_context_first(tiny_tables):
@@ -92,3 +122,15 @@ def test_acceptance_stats_learn_rates_per_depth():
     assert r[1, 0] == 0.0
     v = st.values(0, (1, 2, 3))
     assert v[0, 0].tolist() == [1.0, 1.0, 0.0]
+
+
+def test_acceptance_stats_learn_rates_per_group():
+    st = AcceptanceStats(1, decay=1.0, prior_weight=0.0)
+    toks = torch.tensor([[[1, 2], [3, 4], [5, 6]]])
+    # paths 0 and 2 are group 7 (0 fully accepted, 2 not at all), path 1 is group 2
+    st.update(0, toks, torch.tensor([[2, 1, 0]]), group=torch.tensor([[7, 2, 7]]))
+    r = st.rates()[0]
+    assert r[7, 0] == 0.5 and r[7, 1] == 1.0  # depth 0 tried by paths 0 and 2, depth 1 by path 0
+    assert r[2, 0] == 1.0 and r[2, 1] == 0.0
+    v = st.values(0, (1, 2, 2), group=torch.tensor([[2, 7]]))
+    assert v[0].tolist() == [[1.0, 0.0], [0.5, 0.5]]

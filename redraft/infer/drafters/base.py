@@ -91,11 +91,16 @@ class Draft:
         q: ``[B, P, L, V]`` float or ``None``: for drafters that *sampled* their tokens, the
             distribution each token was sampled from (lossless rejection sampling then uses
             ``min(1, p/q)``). ``None``: deterministic drafts (q = delta).
+        group: ``[B, P]`` long or ``None``: the statistics group of each path. The decoder
+            estimates how likely a node is to be accepted from the observed acceptance rate of
+            (drafter, group, depth); paths of one group should be alike in reliability (e.g. a
+            context match of 3 tokens vs. of 1 token). ``None``: the path's rank ``p``.
     """
 
     tokens: torch.Tensor
     logp: torch.Tensor | None = None
     q: torch.Tensor | None = None
+    group: torch.Tensor | None = None
 
     @property
     def num_paths(self) -> int:

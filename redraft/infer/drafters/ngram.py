@@ -69,16 +69,60 @@ def context_matches(tokens: torch.Tensor, lengths: torch.Tensor, q: int, k: int,
     return pad_paths(paths.transpose(1, 2), k).transpose(1, 2) if kk < k else paths
 
 
+GROUPS_PER_CLASS = 4  # statistics groups per match length: ranks 0, 1, 2 and the rest
+
+
+def context_matches_multi(tokens: torch.Tensor, lengths: torch.Tensor, q_min: int, q_max: int, k: int, w: int,
+                          vocab_size: int, window: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context matches of every length from ``q_max`` down to ``q_min``, longest first.
+
+    A longer match predicts better (transformers' prompt lookup also tries the longest n-gram
+    first), so rows of a ``q_max``-token match come first; a row whose first token a longer
+    match already proposed is dropped; the first ``k`` rows that remain are kept.
+
+    Returns:
+        ``(paths [B, k, w], group [B, k])``: the statistics group of a row is
+        ``(q_max - q) * GROUPS_PER_CLASS + min(rank among rows of that q, GROUPS_PER_CLASS - 1)``,
+        so the decoder learns how often a 3-token match is right apart from a 1-token one.
+    """
+    rows, cls = [], []
+    for c, q in enumerate(range(q_max, q_min - 1, -1)):
+        r = context_matches(tokens, lengths, q, k, w, vocab_size, window)
+        rows.append(r)
+        cls.append(torch.full(r.shape[:2], c, dtype=torch.long, device=r.device))
+    rows, cls = torch.cat(rows, 1), torch.cat(cls, 1)  # [B, R, w], [B, R]
+    first = rows[:, :, 0]
+    R = rows.shape[1]
+    earlier = torch.ones((R, R), dtype=torch.bool, device=rows.device).tril(-1)  # [i, j]: j before i
+    dup = ((first[:, :, None] == first[:, None, :]) & earlier[None]).any(dim=-1)
+    drop = (first < 0) | dup
+    order = torch.sort(drop.long(), dim=1, stable=True).indices[:, :k]
+    paths = rows.gather(1, order[:, :, None].expand(-1, -1, w))
+    paths = paths.masked_fill(drop.gather(1, order)[:, :, None], PAD)
+    cls = cls.gather(1, order)
+    onehot = torch.nn.functional.one_hot(cls, q_max - q_min + 1)
+    rank = (onehot.cumsum(dim=1) * onehot).sum(dim=-1) - 1
+    group = cls * GROUPS_PER_CLASS + rank.clamp(max=GROUPS_PER_CLASS - 1)
+    if paths.shape[1] < k:
+        paths = pad_paths(paths.transpose(1, 2), k).transpose(1, 2)
+        group = torch.cat([group, group.new_zeros((group.shape[0], k - group.shape[1]))], dim=1)
+    return paths, group
+
+
 class ContextNGramDrafter(Drafter):
-    """Prompt/output n-gram lookup: k candidate rows of w tokens after matches of the last q."""
+    """Prompt/output n-gram lookup: k candidate rows of w tokens after matches of the last q
+    tokens; with ``q_max > q``, matches of every length from ``q_max`` down to ``q``, longest
+    first (:func:`context_matches_multi`), each length its own statistics group."""
 
     def __init__(self, vocab_size: int, q: int = 1, k: int = 8, w: int = 4, window: int = 4096,
-                 name: str = "context"):
+                 name: str = "context", q_max: int | None = None):
         self.vocab_size, self.q, self.k, self.w, self.window, self.name = vocab_size, q, k, w, window, name
+        self.q_max = max(q_max or q, q)
 
     def propose(self, state: DecodeState) -> Draft:
-        return Draft(tokens=context_matches(state.tokens, state.lengths, self.q, self.k, self.w,
-                                            self.vocab_size, self.window))
+        paths, group = context_matches_multi(state.tokens, state.lengths, self.q, self.q_max, self.k, self.w,
+                                             self.vocab_size, self.window)
+        return Draft(tokens=paths, group=group)
 
 
 class TableDrafter(Drafter):
@@ -111,18 +155,29 @@ class TableDrafter(Drafter):
 
 
 class NGrammysDrafter(Drafter):
-    """N-Grammys mixed strategy: k rows, context matches first, the rest from the extended bigram."""
+    """N-Grammys mixed strategy: k rows, context matches first, the rest from the extended bigram.
+
+    Context rows hold up to ``w`` tokens; with ``q_max > q`` they come from matches of every
+    length ``q_max .. q``, longest first. Table rows are the extended chains of ``y`` (cut at
+    ``w``) and form their own statistics groups.
+    """
 
     def __init__(self, tables, vocab_size: int, k: int = 8, w: int = 4, q: int = 1, window: int = 4096,
-                 name: str = "ngrammys"):
+                 name: str = "ngrammys", q_max: int | None = None):
         self.tables, self.vocab_size, self.k, self.w, self.q, self.window = tables, vocab_size, k, w, q, window
+        self.q_max = max(q_max or q, q)
         self.name = name
 
     def propose(self, state: DecodeState) -> Draft:
-        ctx = context_matches(state.tokens, state.lengths, self.q, self.k, self.w, self.vocab_size, self.window)
+        ctx, cgroup = context_matches_multi(state.tokens, state.lengths, self.q, self.q_max, self.k, self.w,
+                                            self.vocab_size, self.window)
         ext = pad_paths(self.tables.extended(state.last).to(state.device).long()[:, : self.k, : self.w], self.w)
+        B, E = ext.shape[:2]
+        table_class = (self.q_max - self.q + 1) * GROUPS_PER_CLASS
+        egroup = table_class + torch.arange(E, device=ext.device).clamp(max=GROUPS_PER_CLASS - 1)[None].expand(B, E)
         rows = torch.cat([ctx, ext], dim=1)  # [B, k + k', w]
+        group = torch.cat([cgroup, egroup], dim=1)
         # context rows that exist come first, then table rows; keep the first k
         empty = (rows[:, :, 0] < 0).long()
         order = torch.sort(empty, dim=1, stable=True).indices[:, : self.k]
-        return Draft(tokens=rows.gather(1, order[:, :, None].expand(-1, -1, self.w)))
+        return Draft(tokens=rows.gather(1, order[:, :, None].expand(-1, -1, self.w)), group=group.gather(1, order))
