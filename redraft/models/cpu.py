@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -52,17 +53,48 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.reshape(*lead, out.shape[-1])
 
 
+# derived weights per layer, made once and shared by every decoder over the same model; an
+# entry is remade when the weight changes (another tensor, or an in-place update: ``_version``)
+_DERIVED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _derived(layer: torch.nn.Module, kind, make) -> torch.Tensor:
+    w = layer.weight
+    stamp = (w.data_ptr(), w._version)
+    cache = _DERIVED.setdefault(layer, {})
+    hit = cache.get(kind)
+    if hit is None or hit[0] != stamp:
+        hit = cache[kind] = (stamp, make())
+    return hit[1]
+
+
 def pack_linears(model: torch.nn.Module, batch_hint: int = 8) -> dict:
     """Packed weights for every float32 CPU ``nn.Linear`` of ``model``: ``{layer: packed}``.
 
-    The model is not modified; :func:`use_packed` makes its forwards use the packs. Empty when
-    oneDNN is missing from this torch build or no layer is float32 on CPU.
+    The model is not modified; :func:`use_packed` makes its forwards use the packs. Packs are
+    made once per layer and shared. Empty when oneDNN is missing from this torch build or no
+    layer is float32 on CPU.
     """
     if not packing_available():
         logger.info("oneDNN packed linears are not available in this torch build; using the default kernels")
         return {}
-    return {m: pack_weight(m.weight, batch_hint) for m in model.modules()
+    return {m: _derived(m, ("packed", batch_hint), lambda m=m: pack_weight(m.weight, batch_hint))
+            for m in model.modules()
             if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32}
+
+
+def head_weights(head: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head for CPU verification: ``(W.T contiguous [in, out] in dtype, packed or None)``.
+
+    ``x @ W.T`` with ``W.T`` stored contiguously is 25-40% faster than ``F.linear(x, W)`` for
+    the default target's 49152 x 576 bfloat16 head at 1-16 rows (the head never fits in cache);
+    for float32 the packed copy serves 3-128 rows (11.5 ms instead of 30 ms at 8 rows).
+    """
+    wt = _derived(head, ("t", dtype), lambda: head.weight.detach().to(dtype).T.contiguous())
+    packed = None
+    if dtype == torch.float32 and packing_available():
+        packed = _derived(head, ("packed-head", dtype), lambda: pack_weight(wt.T))
+    return wt, packed
 
 
 def _packed_forward(layer: torch.nn.Linear, packed: torch.Tensor):

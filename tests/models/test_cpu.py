@@ -50,3 +50,18 @@ def test_use_packed_restores_instance_forwards_and_leaves_training_alone():
 
 def test_nothing_to_pack_in_bfloat16():
     assert cpu.pack_linears(_model().to(torch.bfloat16)) == {}
+
+
+@torch.no_grad()
+def test_head_weights_are_shared_and_remade_when_the_weight_changes():
+    head = torch.nn.Linear(16, 40, bias=False)
+    wt, packed = cpu.head_weights(head, torch.float32)
+    assert torch.equal(wt, head.weight.T) and wt.is_contiguous()
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(cpu.packed_linear(x, packed, None), head(x), atol=1e-5, rtol=1e-5)
+    assert cpu.head_weights(head, torch.float32)[0] is wt  # made once
+    head.weight.mul_(2)  # in place: the derived copies must follow
+    wt2, packed2 = cpu.head_weights(head, torch.float32)
+    assert torch.equal(wt2, head.weight.T)
+    torch.testing.assert_close(cpu.packed_linear(x, packed2, None), head(x), atol=1e-5, rtol=1e-5)
+    assert cpu.head_weights(head, torch.bfloat16)[1] is None and cpu.head_weights(head, torch.bfloat16)[0].dtype == torch.bfloat16
