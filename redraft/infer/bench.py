@@ -46,7 +46,8 @@ DEFAULTS = {
                                        "redrafter", "mix"],
     "drafters": [], "ngrams": [], "budget": "auto", "max_nodes": 64, "fp32_logits": False,
     "prompt_lookup_num_tokens": 10, "out": None, "markdown": None, "threads": None, "warmup": True,
-    "chat_spec": "default-chat", "cost_curve_ms": None, "redrafter_width": 8, "redrafter_length": None, "ngram_k": 8, "ngram_w": 4,
+    "chat_spec": "default-chat", "cost_curve_ms": None, "redrafter_width": 8, "redrafter_length": None, "ngram_k": 8, "ngram_w": 12,
+    "context_q": 1, "context_q_max": 3,
 }
 
 
@@ -132,34 +133,27 @@ def build_methods(target, cfg) -> dict:
     """Name -> Method for every requested method that its artifacts allow (others are skipped
     with a warning naming what is missing)."""
     from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
-    from redraft.infer.loader import load_ngram_tables, load_redrafter
+    from redraft.infer.loader import load_ngram_tables, load_redrafter, make_drafters
 
     V = target.vocab_size
     tables = [load_ngram_tables(p, target) for p in cfg["ngrams"]]
     heads = [load_redrafter(p, target, cfg["redrafter_width"], cfg["redrafter_length"],
                             name="redrafter" if len(cfg["drafters"]) == 1 else f"redrafter{i}")
              for i, p in enumerate(cfg["drafters"])]
-    k, w = cfg["ngram_k"], cfg["ngram_w"]
+    k, w, q, q_max = cfg["ngram_k"], cfg["ngram_w"], cfg["context_q"], cfg["context_q_max"]
     table = tables[0] if tables else None
     kinds = set(getattr(table, "kinds", [])) if table is not None else set()
-    singles = {"context": lambda: [ContextNGramDrafter(V, k=k, w=w)]}
+    singles = {"context": lambda: [ContextNGramDrafter(V, q=q, q_max=q_max, k=k, w=w)]}
     if "bigram" in kinds:
         singles["bigram"] = lambda: [TableDrafter(table, "bigram", k=k)]
     if "extended" in kinds:
         singles["extended"] = lambda: [TableDrafter(table, "extended", k=k, w=w)]
-        singles["ngrammys"] = lambda: [NGrammysDrafter(table, V, k=k, w=w)]
+        singles["ngrammys"] = lambda: [NGrammysDrafter(table, V, k=k, w=w, q=q, q_max=q_max)]
     if heads:
         singles["redrafter"] = lambda: list(heads)
 
-    def mix():
-        ds = list(heads)
-        if "extended" in kinds:
-            ds.append(NGrammysDrafter(table, V, k=k, w=w))
-        else:
-            ds.append(ContextNGramDrafter(V, k=k, w=w))
-        # a second context matcher with a longer match finds long repeats (code, quoted text)
-        ds.append(ContextNGramDrafter(V, q=3, k=2, w=8, name="context-q3"))
-        return ds
+    def mix():  # exactly what load_decoder builds from the same artifacts
+        return make_drafters(target, heads, tables, ngram_k=k, ngram_w=w, context_q=q, context_q_max=q_max)
 
     registry = {
         "greedy": lambda: decoder_method("greedy", target, [], cfg),
@@ -290,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list-methods", action="store_true", help="print the available methods and exit")
     p.add_argument("--drafter", action="append", help="ReDrafter artifact dir or hub id (repeatable)")
     p.add_argument("--ngrams", action="append", help="n-gram tables dir or hub id (repeatable)")
+    p.add_argument("--ngram-k", type=int, help="n-gram draft rows per step (default 8)")
+    p.add_argument("--ngram-w", type=int, help="tokens per context-match row (default 12)")
+    p.add_argument("--context-q", type=int, help="shortest context match, in tokens (default 1)")
+    p.add_argument("--context-q-max", type=int, help="longest context match tried first (default 3)")
     p.add_argument("--budget", help="tree nodes per verify: 'auto' (cost model) or a number (default auto)")
     p.add_argument("--max-nodes", type=int, help="upper bound on tree nodes for auto budget (default 64)")
     p.add_argument("--fp32-logits", action="store_true", default=None,
@@ -320,7 +318,8 @@ def resolve_config(args) -> dict:
     flags = {"target": args.target, "dtype": args.dtype, "device": args.device, "prompts": args.prompts,
              "max_new_tokens": args.max_new_tokens, "max_nodes": args.max_nodes, "fp32_logits": args.fp32_logits,
              "threads": args.threads, "out": args.out, "markdown": args.markdown,
-             "cost_curve_ms": args.cost_curve_ms}
+             "cost_curve_ms": args.cost_curve_ms, "ngram_k": args.ngram_k, "ngram_w": args.ngram_w,
+             "context_q": args.context_q, "context_q_max": args.context_q_max}
     cfg.update({k: v for k, v in flags.items() if v is not None})
     if args.datasets:
         cfg["datasets"] = args.datasets.split(",")

@@ -36,23 +36,47 @@ def load_ngram_tables(path, target):
     return NGramTables.load(path, target=target, device=target.device)
 
 
-def ngram_drafters(tables, target, k: int = 8, w: int = 4, q: int = 1, name_prefix: str = "") -> list:
+def ngram_drafters(tables, target, k: int = 8, w: int = 12, q: int = 1, q_max: int = 3,
+                   name_prefix: str = "") -> list:
     """The N-Grammys drafters the tables allow: the mixed strategy (context matches, then extended
-    bigram rows) when extended chains exist, else bigram rows plus context matches."""
+    bigram rows) when extended chains exist, else bigram rows plus context matches. Context
+    rows come from matches of ``q_max`` down to ``q`` tokens, longest first, ``w`` tokens each."""
     kinds = set(getattr(tables, "kinds", ["extended"]))
     V = target.vocab_size
     if "extended" in kinds:
-        return [NGrammysDrafter(tables, V, k=k, w=w, q=q, name=f"{name_prefix}ngrammys")]
-    out = [ContextNGramDrafter(V, q=q, k=k, w=w, name=f"{name_prefix}context")]
+        return [NGrammysDrafter(tables, V, k=k, w=w, q=q, q_max=q_max, name=f"{name_prefix}ngrammys")]
+    out = [ContextNGramDrafter(V, q=q, q_max=q_max, k=k, w=w, name=f"{name_prefix}context")]
     if "bigram" in kinds:
         out.append(TableDrafter(tables, "bigram", k=k, name=f"{name_prefix}bigram"))
     return out
 
 
+def make_drafters(target, heads=(), tables=(), *, context: bool | None = None, ngram_k: int = 8,
+                  ngram_w: int = 12, context_q: int = 1, context_q_max: int = 3, aded: bool = False) -> list:
+    """The unified mix over loaded artifacts: every ReDrafter head (``heads``: drafters from
+    :func:`load_redrafter`), the N-Grammys drafters of every n-gram table (``tables``), ADED over
+    tables with tri-grams when ``aded``, and a context matcher when ``context`` (default: only
+    when there are no tables, which already include context matches). ``load_decoder`` and
+    ``redraft-bench``'s ``mix`` both build their drafters here."""
+    ds = list(heads)
+    for i, tables_i in enumerate(tables):
+        prefix = "" if len(tables) == 1 else f"t{i}-"
+        ds += ngram_drafters(tables_i, target, ngram_k, ngram_w, context_q, context_q_max, name_prefix=prefix)
+        if aded and "trigram" in getattr(tables_i, "kinds", ()):
+            from redraft.infer.aded import ADEDDrafter
+
+            d = ADEDDrafter(tables_i)
+            d.name = f"{prefix}aded"
+            ds.append(d)
+    if context if context is not None else not tables:
+        ds.append(ContextNGramDrafter(target.vocab_size, q=context_q, q_max=context_q_max, k=ngram_k, w=ngram_w))
+    return ds
+
+
 def load_decoder(target="default", drafters=(), ngrams=(), *, context: bool | None = None,
                  dtype=None, device=None, redrafter_width: int = 8, redrafter_length: int | None = None,
-                 ngram_k: int = 8, ngram_w: int = 4, context_q: int = 1, aded: bool = False,
-                 **settings) -> SpeculativeDecoder:
+                 ngram_k: int = 8, ngram_w: int = 12, context_q: int = 1, context_q_max: int = 3,
+                 aded: bool = False, **settings) -> SpeculativeDecoder:
     """The unified decoder over every given artifact.
 
     Args:
@@ -63,7 +87,9 @@ def load_decoder(target="default", drafters=(), ngrams=(), *, context: bool | No
             are given (N-Grammys already includes context matches).
         dtype, device: for ``load_target`` when ``target`` is a spec.
         redrafter_width, redrafter_length: ReDrafter beam search settings.
-        ngram_k, ngram_w, context_q: rows, tokens per row and match length of n-gram drafts.
+        ngram_k, ngram_w: rows per step and tokens per context row of n-gram drafts.
+        context_q, context_q_max: context matches use the last ``context_q_max`` down to
+            ``context_q`` tokens, longest first.
         aded: also draft with ADED's MCTS over each table that holds a tri-gram table (off by
             default: on the 2-core CPU it raised tau but lowered tokens/s of the mix, see
             docs/infer.md).
@@ -76,22 +102,12 @@ def load_decoder(target="default", drafters=(), ngrams=(), *, context: bool | No
         from redraft.models import load_target
 
         target = load_target(target, dtype=dtype, device=device)
-    ds = []
-    for i, path in enumerate(drafters):
-        ds.append(load_redrafter(path, target, redrafter_width, redrafter_length,
-                                 name="redrafter" if len(drafters) == 1 else f"redrafter{i}"))
-    for i, path in enumerate(ngrams):
-        tables = load_ngram_tables(path, target)
-        prefix = "" if len(ngrams) == 1 else f"t{i}-"
-        ds += ngram_drafters(tables, target, ngram_k, ngram_w, context_q, name_prefix=prefix)
-        if aded and "trigram" in getattr(tables, "kinds", ()):
-            from redraft.infer.aded import ADEDDrafter
-
-            d = ADEDDrafter(tables)
-            d.name = f"{prefix}aded"
-            ds.append(d)
-    if context if context is not None else not ngrams:
-        ds.append(ContextNGramDrafter(target.vocab_size, q=context_q, k=ngram_k, w=ngram_w))
+    heads = [load_redrafter(path, target, redrafter_width, redrafter_length,
+                            name="redrafter" if len(drafters) == 1 else f"redrafter{i}")
+             for i, path in enumerate(drafters)]
+    tables = [load_ngram_tables(path, target) for path in ngrams]
+    ds = make_drafters(target, heads, tables, context=context, ngram_k=ngram_k, ngram_w=ngram_w,
+                       context_q=context_q, context_q_max=context_q_max, aded=aded)
     return SpeculativeDecoder(target, ds, **settings)
 
 
