@@ -507,7 +507,8 @@ class SpeculativeDecoder:
                 pn = tree.path_node[:, a:b_]  # [B, p, L]
                 hit = (pn >= 0) & on_path.gather(1, pn.clamp_min(0).reshape(B, -1)).reshape(pn.shape)
                 prefix = hit.long().cumprod(dim=-1).sum(dim=-1)  # [B, p]
-                fb = Feedback(accepted_prefix=prefix, accepted=acc_toks, num_accepted=acc.num_accepted, bonus=acc.bonus)
+                fb = Feedback(accepted_prefix=prefix, accepted=acc_toks, num_accepted=acc.num_accepted, bonus=acc.bonus,
+                              verified=(pn >= 0).sum(dim=-1))
                 feedback_all.append((i, dr, fb, pn, hit))
                 if self.adapt:
                     self.stats.update(i, pruned[:, a:b_], prefix, dr.group)

@@ -441,19 +441,23 @@ class HSDDWDrafter(Drafter):
     def observe(self, state: DecodeState, draft: Draft, feedback: Feedback) -> None:
         """The target's verdict: the first rejected chain token feeds the last level's tau.
 
-        The chain token after the accepted prefix counts as rejected only when the target's
-        bonus token differs from it: an equal bonus means the verifier agreed and the token was
-        cut by the decoder's tree budget, not rejected (exact in greedy decoding).
-        TODO(decoder): a per-path "verified length" in Feedback would make this exact always.
+        The chain token after the accepted prefix counts as rejected only when it was verified
+        (``feedback.verified``: the decoder's node budget may have cut it from the tree). For
+        hand-made feedback without ``verified`` the test is that the target's bonus token
+        differs from it (an equal bonus means the verifier agreed; exact in greedy decoding).
         """
         a = feedback.accepted_prefix[:, 0].tolist()  # [B] accepted tokens of the chain
         bonus = feedback.bonus.tolist()
+        verified = None if feedback.verified is None else feedback.verified[:, 0].tolist()
         chains = draft.tokens[:, 0].tolist()
         top = self.m2 if self.m2 is not None else self.m1
         thr = self.tau2 if self.m2 is not None else self.tau1
         rows, ents = [], []
         for r, (n_ok, e) in enumerate(zip(a, self._last_ent)):
-            if n_ok < len(e) and chains[r][n_ok] != bonus[r]:
+            if n_ok >= len(e):
+                continue
+            cut = chains[r][n_ok] == bonus[r] if verified is None else n_ok >= verified[r]
+            if not cut:
                 rows.append(r)
                 ents.append(e[n_ok])
         if rows:

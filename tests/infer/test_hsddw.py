@@ -99,11 +99,23 @@ def test_self_verify_follows_the_rule_on_a_scripted_sequence():
     dr = d.propose(s)
     d.observe(s, dr, Feedback(torch.tensor([[1]]), torch.tensor([[5]]), torch.tensor([1]), torch.tensor([6])))
     assert d.tau1.tau.item() == pytest.approx(0.7, abs=1e-3)
+    # with the decoder's `verified` lengths: a cut token is no rejection even when the bonus
+    # differs (sampling), a verified one is
+    m1.i = 4
+    dr = d.propose(s)
+    d.observe(s, dr, Feedback(torch.tensor([[1]]), torch.tensor([[5]]), torch.tensor([1]), torch.tensor([9]),
+                              verified=torch.tensor([[1]])))
+    assert d.tau1.tau.item() == pytest.approx(0.7, abs=1e-3)
+    m1.i = 4
+    dr = d.propose(s)
+    d.observe(s, dr, Feedback(torch.tensor([[1]]), torch.tensor([[5]]), torch.tensor([1]), torch.tensor([6]),
+                              verified=torch.tensor([[3]])))  # token 6 (H=0.5) verified, not accepted
+    assert d.tau1.tau.item() == pytest.approx((1.0 + 0.4 + 0.5) / 3, abs=1e-3)
     st = d.stats
-    assert st.levels["m1"].drafted == 10 and st.levels["m1"].accepted == 4
-    assert st.levels["m1"].sigma == pytest.approx(0.6)
-    assert st.target_calls == 4 and st.output_tokens == 1 + 2 + 3 + 2
-    assert st.eta == pytest.approx(4 / 8)
+    assert st.levels["m1"].drafted == 18 and st.levels["m1"].accepted == 6
+    assert st.levels["m1"].sigma == pytest.approx(1 - 6 / 18)
+    assert st.target_calls == 6 and st.output_tokens == 1 + 2 + 3 + 2 + 2 + 2
+    assert st.eta == pytest.approx(6 / 12)
 
 
 def test_early_exit_shares_weights_and_matches_its_layers(tiny_target):

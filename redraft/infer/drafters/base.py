@@ -128,12 +128,17 @@ class Feedback:
         num_accepted: ``[B]`` long: accepted draft tokens per row (the bonus not counted).
         bonus: ``[B]`` long: the token the target produced after the accepted ones (the next
             ``state.last``).
+        verified: ``[B, P]`` long or ``None``: how many leading tokens of each path were in the
+            verified tree (the rest were cut by the node budget). A path token at index
+            ``accepted_prefix < verified`` was verified and not accepted: in greedy decoding the
+            target rejected it. ``None`` (hand-made feedback): unknown.
     """
 
     accepted_prefix: torch.Tensor
     accepted: torch.Tensor
     num_accepted: torch.Tensor
     bonus: torch.Tensor
+    verified: torch.Tensor | None = None
 
 
 class Drafter:
