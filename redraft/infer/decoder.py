@@ -130,7 +130,9 @@ class SpeculativeDecoder:
         gate: with several drafters and budget "auto", skip calling a drafter while the tokens
             only it gets accepted are worth less time than its drafting costs (pruning drops a
             weak drafter's nodes, but its drafting time is paid before pruning); every
-            ``gate_explore`` steps a skipped drafter runs again to refresh its estimate.
+            ``gate_explore`` steps a skipped drafter runs again to refresh its estimate; each
+            run that finds it still not worth it doubles that wait (up to 16x), so a useless
+            drafter ends up costing almost nothing.
             Skipping a drafter never changes the output, only the speed.
         cpu_pack: on CPU, use faster layouts (``redraft.models.cpu``; the model itself is not
             modified, derived weights are shared by all decoders over it): the LM head as a
@@ -184,6 +186,7 @@ class SpeculativeDecoder:
         self._gate_secs = [0.0] * n
         self._gate_gain: list[float | None] = [None] * n
         self._gate_idle = [0] * n
+        self._gate_wait = [self.gate_explore] * n  # steps a skipped drafter waits before a re-run
         self._sec_per_token: float | None = None
 
     # ------------------------------------------------------------------ inputs and outputs
@@ -304,7 +307,14 @@ class SpeculativeDecoder:
         # one output token, minus its own drafting time; unknown gains count as worth it
         net = [float("inf") if g is None else g * self._sec_per_token - self._gate_secs[i]
                for i, g in enumerate(self._gate_gain)]
-        active = [i for i in range(n) if net[i] >= 0 or self._gate_idle[i] + 1 >= self.gate_explore]
+        active = []
+        for i in range(n):
+            if net[i] >= 0:
+                self._gate_wait[i] = self.gate_explore
+                active.append(i)
+            elif self._gate_idle[i] + 1 >= self._gate_wait[i]:  # re-run; back off if still not worth it
+                self._gate_wait[i] = min(2 * self._gate_wait[i], 16 * self.gate_explore)
+                active.append(i)
         if not active:
             active = [max(range(n), key=lambda i: net[i])]
         for i in range(n):

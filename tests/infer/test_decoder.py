@@ -243,3 +243,17 @@ def test_gating_stops_calling_a_costly_useless_drafter_and_keeps_the_output(tiny
             assert dec._gate_gain[1] == 0.0 and dec._gate_gain[0] > 0
         else:
             assert slow.calls == steps
+
+
+def test_gating_backs_off_from_a_drafter_that_stays_useless(tiny_target):
+    curve = CostCurve(sizes=[1, 8, 64], seconds=[0.001, 0.0012, 0.002])
+    other = SlowWrongDrafter()
+    other.name = "other"
+    dec = SpeculativeDecoder(tiny_target, [SlowWrongDrafter(), other], cost_curve=curve, gate_explore=8)
+    dec._sec_per_token = 0.01
+    dec._gate_gain, dec._gate_secs = [1.0, 0.0], [0.0, 0.005]  # drafter 0 pays, drafter 1 never does
+    runs = [t for t in range(300) if 1 in dec._active_drafters()]
+    # re-runs after waits of 8, 16, 32, 64, then every 128 steps (16 x gate_explore)
+    assert runs == [7, 23, 55, 119, 247]
+    dec._gate_gain[1] = 1.0  # it pays again: called every step, the wait resets
+    assert all(1 in dec._active_drafters() for _ in range(3)) and dec._gate_wait[1] == 8
