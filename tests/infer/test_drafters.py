@@ -59,15 +59,16 @@ def brute_context_multi(seq, q_min, q_max, k, w):
 def test_context_matches_multi_equal_brute_force():
     g = torch.Generator().manual_seed(1)
     for _ in range(30):
-        B, T, V = 3, 40, 4
+        B, T, V = 3, 40, int(torch.randint(3, 7, (1,), generator=g))
         toks = torch.randint(0, V, (B, T), generator=g)
         lengths = torch.randint(2, T + 1, (B,), generator=g)
         toks = torch.where(torch.arange(T)[None] < lengths[:, None], toks, -1)
-        paths, group = context_matches_multi(toks, lengths, q_min=1, q_max=3, k=5, w=3, vocab_size=V)
-        for b in range(B):
-            rows, groups = brute_context_multi(toks[b, : lengths[b]].tolist(), 1, 3, 5, 3)
-            assert paths[b].tolist() == rows
-            assert group[b, : len(groups)].tolist() == groups
+        for q_min, q_max, k in ((1, 3, 5), (1, 3, 2), (2, 4, 3), (1, 1, 3)):
+            paths, group = context_matches_multi(toks, lengths, q_min=q_min, q_max=q_max, k=k, w=3, vocab_size=V)
+            for b in range(B):
+                rows, groups = brute_context_multi(toks[b, : lengths[b]].tolist(), q_min, q_max, k, 3)
+                assert paths[b].tolist() == rows, (q_min, q_max, k)
+                assert group[b, : len(groups)].tolist() == groups
 
 
 def test_ngrammys_fills_rows_with_context_first(tiny_tables):

@@ -85,27 +85,45 @@ def context_matches_multi(tokens: torch.Tensor, lengths: torch.Tensor, q_min: in
         ``(q_max - q) * GROUPS_PER_CLASS + min(rank among rows of that q, GROUPS_PER_CLASS - 1)``,
         so the decoder learns how often a 3-token match is right apart from a 1-token one.
     """
-    rows, cls = [], []
-    for c, q in enumerate(range(q_max, q_min - 1, -1)):
-        r = context_matches(tokens, lengths, q, k, w, vocab_size, window)
-        rows.append(r)
-        cls.append(torch.full(r.shape[:2], c, dtype=torch.long, device=r.device))
-    rows, cls = torch.cat(rows, 1), torch.cat(cls, 1)  # [B, R, w], [B, R]
-    first = rows[:, :, 0]
-    R = rows.shape[1]
-    earlier = torch.ones((R, R), dtype=torch.bool, device=rows.device).tril(-1)  # [i, j]: j before i
-    dup = ((first[:, :, None] == first[:, None, :]) & earlier[None]).any(dim=-1)
-    drop = (first < 0) | dup
-    order = torch.sort(drop.long(), dim=1, stable=True).indices[:, :k]
-    paths = rows.gather(1, order[:, :, None].expand(-1, -1, w))
-    paths = paths.masked_fill(drop.gather(1, order)[:, :, None], PAD)
-    cls = cls.gather(1, order)
-    onehot = torch.nn.functional.one_hot(cls, q_max - q_min + 1)
+    B, T = tokens.shape
+    dev = tokens.device
+    C = q_max - q_min + 1
+    if T <= q_min:
+        return (torch.full((B, k, w), PAD, dtype=torch.long, device=dev),
+                torch.zeros((B, k), dtype=torch.long, device=dev))
+    # one pass over every length: ell[b, p] = how many tokens before position p agree with the
+    # row's last tokens (capped at q_max); p is the first continuation token of that match
+    p = torch.arange(1, T, device=dev)  # [M]
+    i = torch.arange(q_max, device=dev)
+    before = tokens.gather(1, (p[:, None] - 1 - i[None]).clamp_min(0).reshape(1, -1).expand(B, -1)).reshape(B, -1, q_max)
+    suffix = tokens.gather(1, (lengths[:, None] - 1 - i[None]).clamp_min(0))  # [B, q_max], last token first
+    agree = (before == suffix[:, None, :]) & (i[None, None] < p[None, :, None]) & (i[None, None] < (lengths[:, None, None] - 1))
+    ell = agree.long().cumprod(dim=-1).sum(dim=-1)  # [B, M]
+    first = tokens[:, 1:]
+    ok = (ell >= q_min) & (p[None] < lengths[:, None]) & (p[None] - ell >= lengths[:, None] - window) & (first >= 0)
+    ell = torch.where(ok, ell, 0)
+    f = torch.where(ok, first, 0)
+    # each first token competes in its longest match length (class), by count then recency there
+    best = torch.zeros((B, vocab_size), dtype=torch.long, device=dev).scatter_reduce_(1, f, ell, reduce="amax")
+    in_class = ok & (ell >= best.gather(1, f))
+    counts = torch.zeros((B, vocab_size), dtype=torch.long, device=dev).scatter_add_(1, f, in_class.long())
+    recent = torch.full((B, vocab_size), -1, dtype=torch.long, device=dev)
+    recent.scatter_reduce_(1, f, torch.where(in_class, p[None].expand(B, -1), -1), reduce="amax")
+    score = torch.where(counts > 0, (best * (T + 1) + counts) * (T + 1) + recent, -1)
+    kk = min(k, vocab_size)
+    top = score.topk(kk, dim=1)
+    start = recent.gather(1, top.indices)  # [B, kk] first continuation token of the chosen match
+    cont = start[:, :, None] + torch.arange(w, device=dev)[None, None]
+    paths = tokens.gather(1, cont.clamp(0, T - 1).reshape(B, -1)).reshape(B, kk, w)
+    found = top.values >= 0
+    paths = torch.where(found[:, :, None] & (cont < lengths[:, None, None]), paths, PAD)
+    cls = (q_max - best.gather(1, top.indices)).clamp(0, C - 1)  # 0 = the longest match length
+    onehot = torch.nn.functional.one_hot(cls, C) * found[:, :, None]
     rank = (onehot.cumsum(dim=1) * onehot).sum(dim=-1) - 1
-    group = cls * GROUPS_PER_CLASS + rank.clamp(max=GROUPS_PER_CLASS - 1)
-    if paths.shape[1] < k:
+    group = torch.where(found, cls * GROUPS_PER_CLASS + rank.clamp(0, GROUPS_PER_CLASS - 1), 0)
+    if kk < k:
         paths = pad_paths(paths.transpose(1, 2), k).transpose(1, 2)
-        group = torch.cat([group, group.new_zeros((group.shape[0], k - group.shape[1]))], dim=1)
+        group = torch.cat([group, group.new_zeros((B, k - kk))], dim=1)
     return paths, group
 
 
