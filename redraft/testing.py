@@ -112,3 +112,20 @@ def make_tiny_target_dir(path, vocab_size: int = 384, hidden_size: int = 32, num
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def decode_state(rows, temperature: float = 0.0):
+    """A :class:`redraft.infer.drafters.base.DecodeState` over token rows of any lengths (the
+    whole row is the prompt; ``PAD`` after a row's end), for drafter tests."""
+    import torch
+
+    from redraft.infer.drafters.base import PAD, DecodeState
+
+    T = max(len(r) for r in rows)
+    toks = torch.full((len(rows), T), PAD, dtype=torch.long)
+    for i, r in enumerate(rows):
+        toks[i, : len(r)] = torch.tensor(r)
+    lengths = torch.tensor([len(r) for r in rows])
+    return DecodeState(tokens=toks, lengths=lengths, last=toks[torch.arange(len(rows)), lengths - 1],
+                       hidden=None, prompt_lengths=lengths.clone(), step=0,
+                       request_ids=torch.arange(len(rows)), temperature=temperature)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from redraft.infer.aded import ADEDDrafter, TrigramOverlay, TrigramTable
-from redraft.infer.drafters.base import DecodeState, Feedback
+from redraft.infer.drafters.base import Feedback
+from redraft.testing import decode_state as _state
 from redraft.infer.mcts import MCTSConfig, mcts_search, puct_exploration
 
 V = 50
@@ -120,17 +121,6 @@ def test_overlay_raises_up_to_cap_adds_new_and_keeps_rows_apart():
         np.testing.assert_array_equal(a, b)  # the shared table never changes
     ov.select_rows(np.array([0]))  # row 0 stays (as row 0), row 1 leaves
     assert ov.successors(np.array([0]), np.array([1]), np.array([2]), 3)[0][0].tolist() == [6, 5, 7]
-
-
-def _state(rows, prompt_len=None):
-    T = max(len(r) for r in rows)
-    toks = torch.full((len(rows), T), -1, dtype=torch.long)
-    for i, r in enumerate(rows):
-        toks[i, : len(r)] = torch.tensor(r)
-    lengths = torch.tensor([len(r) for r in rows])
-    return DecodeState(tokens=toks, lengths=lengths, last=toks[torch.arange(len(rows)), lengths - 1],
-                       hidden=None, prompt_lengths=torch.tensor(prompt_len or [len(r) for r in rows]),
-                       step=0, request_ids=torch.arange(len(rows)))
 
 
 def test_adaptive_updates_change_later_drafts_and_not_the_artifact(tmp_path):

@@ -5,20 +5,10 @@ import math
 import pytest
 import torch
 
-from redraft.infer.drafters.base import DecodeState, Feedback
+from redraft.infer.drafters.base import Feedback
+from redraft.testing import decode_state as _state
 from redraft.infer.hsddw import (CausalLMModel, EntropyThreshold, HSDDWDrafter, ProbModel,
                                  early_exit_model, entropy)
-
-
-def _state(rows, temperature=0.0):
-    T = max(len(r) for r in rows)
-    toks = torch.full((len(rows), T), -1, dtype=torch.long)
-    for i, r in enumerate(rows):
-        toks[i, : len(r)] = torch.tensor(r)
-    lengths = torch.tensor([len(r) for r in rows])
-    return DecodeState(tokens=toks, lengths=lengths, last=toks[torch.arange(len(rows)), lengths - 1],
-                       hidden=None, prompt_lengths=lengths.clone(), step=0,
-                       request_ids=torch.arange(len(rows)), temperature=temperature)
 
 
 def peaked(V, tok, h_target):
