@@ -41,6 +41,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import filter_repo_objects
 
 from redraft.errors import ArtifactError, RedraftError
+from redraft.utils import atomic_write_text, split_revision
 
 logger = logging.getLogger(__name__)
 
@@ -91,15 +92,9 @@ def hub_cache_dir() -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def split_repo_spec(spec: str) -> tuple[str, str | None]:
-    """``"org/name@rev"`` -> ``("org/name", "rev")``; ``"org/name"`` -> ``("org/name", None)``."""
-    repo, sep, revision = spec.partition("@")
-    return repo, (revision or None) if sep else None
-
-
 def looks_like_repo_id(spec: str) -> bool:
     """Whether ``spec`` (without ``@revision``) could be a Hub repo id rather than a path."""
-    repo, _ = split_repo_spec(spec)
+    repo, _ = split_revision(spec)
     if spec.startswith((".", "/", "~")) or (os.sep != "/" and os.sep in spec):
         return False
     return bool(_REPO_ID.match(repo)) and "--" not in repo and ".." not in repo
@@ -139,7 +134,7 @@ def resolve_artifact(spec: str | os.PathLike, *, kind: str | None = None) -> Pat
             f"Artifact directory {path.absolute()} does not exist. Pass an existing artifact "
             f"directory or a Hugging Face Hub repo id such as 'org/name' or 'org/name@revision'."
         )
-    repo_id, revision = split_repo_spec(text)
+    repo_id, revision = split_revision(text)
     return _check_kind(_snapshot(repo_id, revision, local=path.absolute()), kind, text)
 
 
@@ -704,19 +699,6 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
     return "\n".join(out).rstrip() + "\n"
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same directory and os.replace."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_model_card(artifact_dir: str | os.PathLike, **kwargs) -> Path:
     """Write (atomically) the :func:`generate_model_card` card to ``artifact_dir/README.md``.
 
@@ -724,7 +706,7 @@ def write_model_card(artifact_dir: str | os.PathLike, **kwargs) -> Path:
     :func:`generate_model_card`. Returns the card's path.
     """
     path = Path(artifact_dir) / CARD_FILE
-    _atomic_write_text(path, generate_model_card(artifact_dir, **kwargs))
+    atomic_write_text(path, generate_model_card(artifact_dir, **kwargs))
     return path
 
 
@@ -861,7 +843,7 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
     root = Path(artifact_dir)
     repo_id = str(repo_id)
     if "@" in repo_id:  # "org/name@branch" is accepted like everywhere else
-        repo_id, at = split_repo_spec(repo_id)
+        repo_id, at = split_revision(repo_id)
         if revision is not None and at is not None and at != revision:
             raise ArtifactError(f"Two revisions given: {at!r} in the repo id and {revision!r}.")
         revision = revision or at
@@ -905,7 +887,7 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     if card is not None:  # the published card, now also the local one
-        _atomic_write_text(root / CARD_FILE, card)
+        atomic_write_text(root / CARD_FILE, card)
 
     base = str(repo_url).rstrip("/") if repo_url else f"{_endpoint()}/{repo_id}"
     return f"{base}/tree/{revision}" if revision else base

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from redraft import hub
 from redraft.errors import ArtifactError
+from redraft.utils import split_revision
 
 TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -224,7 +225,7 @@ def test_relative_path_that_reads_as_repo_id_mentions_both(offline_cache, monkey
 def test_repo_id_detection(spec, repo, is_repo):
     assert hub.looks_like_repo_id(spec) is is_repo
     if is_repo:
-        assert hub.split_repo_spec(spec)[0] == repo
+        assert split_revision(spec)[0] == repo
 
 
 # ---------------------------------------------------------------------------------------------
@@ -570,7 +571,7 @@ def test_hub_module_imports_no_other_stage():
     tree = ast.parse(Path(hub.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert {m for m in imported if m.startswith("redraft")} == {"redraft.errors"}
+    assert {m for m in imported if m.startswith("redraft")} == {"redraft.errors", "redraft.utils"}
 
 
 def test_console_script_points_at_push_main():

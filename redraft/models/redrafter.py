@@ -54,6 +54,7 @@ from transformers.activations import ACT2FN
 
 from redraft.errors import ArtifactError, RedraftError
 from redraft.models.target import Target, check_fingerprint
+from redraft.utils import resolve_dtype
 
 __all__ = ["ReDrafterConfig", "ReDrafter", "load_drafter"]
 
@@ -358,10 +359,9 @@ def load_drafter(path, target: Target, dtype: torch.dtype | str | None = None) -
     if getattr(config, "model_type", None) != "redrafter":
         raise ArtifactError(f"{p / 'config.json'} has model_type {config.model_type!r}, expected 'redrafter'.")
     check_fingerprint(config.tokenizer_fingerprint, target, p)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype))
+    dtype = target.dtype if dtype is None else resolve_dtype(dtype)
     try:
-        drafter = ReDrafter.from_pretrained(str(p), dtype=dtype or target.dtype)
+        drafter = ReDrafter.from_pretrained(str(p), dtype=dtype)
     except Exception as exc:
         raise ArtifactError(
             f"Could not load the drafter weights from {p} ({type(exc).__name__}: {exc}). The "

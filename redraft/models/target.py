@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from redraft.errors import FingerprintMismatchError, TargetLoadError
+from redraft.utils import resolve_device, resolve_dtype, split_revision
 
 logger = logging.getLogger(__name__)
 
@@ -189,29 +190,6 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _split_revision(spec: str) -> tuple[str, str | None]:
-    if "@" in spec and not os.path.exists(spec):
-        repo, rev = spec.rsplit("@", 1)
-        return repo, rev or None
-    return spec, None
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-        if dtype not in names:
-            raise TargetLoadError(f"Unknown dtype {dtype!r}; use one of {sorted(names)}.")
-        return names[dtype]
-    return dtype
-
-
 def load_target(spec: str = DEFAULT_SPEC, dtype=None, device=None) -> Target:
     """Load the frozen target model and its tokenizer.
 
@@ -227,8 +205,8 @@ def load_target(spec: str = DEFAULT_SPEC, dtype=None, device=None) -> Target:
     Raises:
         TargetLoadError: with a message that says what to do.
     """
-    device = torch.device(device) if device is not None else _default_device()
-    torch_dtype = _resolve_dtype(dtype, device)
+    device = resolve_device(device, error=TargetLoadError)
+    torch_dtype = resolve_dtype(dtype, device, error=TargetLoadError)
     spec = str(spec)
     model, tokenizer, model_id, source = _load_model_and_tokenizer(spec, torch_dtype)
     model.to(device)
@@ -270,7 +248,7 @@ def _load_model_and_tokenizer(spec: str, torch_dtype: torch.dtype):
             )
         model, tok = _load_hf(str(path), torch_dtype, revision=None)
         return model, tok, str(path), {"kind": "local", "path": str(path)}
-    repo, revision = _split_revision(spec)
+    repo, revision = split_revision(spec)
     return _load_hub(repo, revision, torch_dtype)
 
 

@@ -28,26 +28,13 @@ import logging
 import torch
 from tqdm.auto import tqdm
 
+from redraft.utils import resolve_dtype
+
 logger = logging.getLogger(__name__)
 
 # Architectures whose decoder layer is exactly norm → attention → residual → norm → MLP →
 # residual with the attributes used by the fast path (checked numerically anyway).
 FAST_PATH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype) -> torch.dtype:
-    """``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"bf16"``, ``"float32"``...)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        from redraft.errors import ConfigError
-
-        raise ConfigError(f"Unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}.")
-    return _DTYPES[dtype]
-
 
 def cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of ``model`` whose floating parameters and buffers are in ``dtype``.

@@ -23,16 +23,11 @@ import torch
 import yaml
 
 from redraft.errors import ConfigError
+from redraft.utils import atomic_write_text
 
 STATE_DIR = "training_state"
 RUN_FILES = ("run_config.yaml", STATE_DIR, "model.safetensors", "config.json", "README.md", "metrics.json",
              "tensorboard")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def prepare_output_dir(out: Path, resume: bool, overwrite: bool, rank: int) -> bool:

@@ -35,6 +35,7 @@ from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 from redraft.train import checkpoint as ckpt
 from redraft.train.config import TRAIN_DIR, TrainConfig, config_diff
 from redraft.train.losses import EvalAccumulator, drafter_loss, make_windows, target_next_positions
+from redraft.utils import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -789,11 +790,11 @@ def write_artifact(engine, model: ReDrafter, out: Path, cfg: TrainConfig, metric
     for f in tmp.iterdir():
         os.replace(f, out / f.name)
     tmp.rmdir()
-    ckpt.atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))
+    atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))
     try:
         from redraft.hub import write_model_card
 
         write_model_card(out)
     except Exception as exc:  # hub module missing or card failed: a minimal card of our own
         logger.info("hub model card unavailable (%s); writing a minimal one", exc)
-        ckpt.atomic_write_text(out / "README.md", ckpt.model_card(model.config, metrics, cfg.to_dict()))
+        atomic_write_text(out / "README.md", ckpt.model_card(model.config, metrics, cfg.to_dict()))

