@@ -26,4 +26,12 @@ class DataError(RedraftError):
 
 
 class ConfigError(RedraftError):
-    """A recipe or command-line setting is unknown or invalid."""
+    """A recipe, command-line or API setting is unknown or invalid.
+
+    ``param`` names the argument at fault (e.g. ``"temperature"``) when there is one, so a
+    server can report it in its error object; the message names it too.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
