@@ -97,13 +97,15 @@ class TreeKVCache(Cache):
         new[:, :, :, :, :cap] = self.kv
         self.kv = new
 
-    def commit(self, keep: torch.Tensor, num_keep: torch.Tensor) -> None:
+    def commit(self, keep: torch.Tensor, num_keep: torch.Tensor, physical: int | None = None) -> None:
         """Keep, per row, tokens of the last forward and drop the others.
 
         Args:
             keep: ``[B, A]`` long: indices (0-based within the last forward's tokens) to keep,
                 in order; entries past ``num_keep[b]`` are ignored.
             num_keep: ``[B]`` long: how many of ``keep[b]`` are real.
+            physical: the longest row after the commit, when the caller knows it without reading
+                the device (the decoder keeps the row lengths on the host); ``None`` reads it.
         """
         T = self.physical
         B, A = keep.shape
@@ -112,25 +114,43 @@ class TreeKVCache(Cache):
         # padding entries copy the first kept token onto columns past the row's new length
         # (holes, masked); the buffer is big enough since dst < T + A <= T + pending.
         # One index_select + index_copy_ per row over all layers at once: gather/scatter with
-        # broadcast indices copy the whole buffer on CPU (about 6 ms per step on the default target in bf16, under the profiler).
+        # broadcast indices copy the whole buffer on CPU (docs/infer.md, "KV commit").
         for b in range(B):
             row = self.kv[:, :, b]  # [layers, 2, heads, capacity, head_dim] view
             row.index_copy_(3, dst[b], row.index_select(3, src[b]))
         self.lengths = self.lengths + num_keep
-        self.physical = int(self.lengths.max()) if B else 0
+        self.physical = physical if physical is not None else (int(self.lengths.max()) if B else 0)
         self.pending = 0
 
-    def set_prefill(self, lengths: torch.Tensor) -> None:
+    def set_prefill(self, lengths: torch.Tensor, physical: int | None = None) -> None:
         """After a prefill forward over right-padded prompts: row b holds ``lengths[b]`` tokens."""
         self.lengths = lengths.clone()
-        self.physical = int(lengths.max())
+        self.physical = physical if physical is not None else int(lengths.max())
         self.pending = 0
 
-    def select_rows(self, rows: torch.Tensor) -> None:
+    def select_rows(self, rows: torch.Tensor, physical: int | None = None) -> None:
         """Keep batch rows ``rows`` ([B'] long) and drop the others."""
         self.kv = self.kv.index_select(2, rows)
         self.lengths = self.lengths.index_select(0, rows)
-        self.physical = int(self.lengths.max()) if rows.numel() else 0
+        if physical is None:
+            physical = int(self.lengths.max()) if rows.numel() else 0
+        self.physical = physical
+
+    def append_rows(self, other: "TreeKVCache") -> None:
+        """Add the rows of ``other`` (same model, e.g. new requests just prefilled) after this
+        cache's rows. Column counts may differ: the shorter buffer is padded with holes."""
+        cap = max(self.kv.shape[4], other.kv.shape[4])
+        self.ensure_capacity(cap)
+        kv = other.kv
+        if kv.shape[4] < cap:
+            kv = torch.cat([kv, kv.new_zeros((*kv.shape[:4], cap - kv.shape[4], kv.shape[5]))], dim=4)
+        self.kv = torch.cat([self.kv, kv], dim=2)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.physical = max(self.physical, other.physical)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.kv.shape[2])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.physical

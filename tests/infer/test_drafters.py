@@ -1,5 +1,6 @@
 """Drafters against brute-force references; the budget model."""
 
+import pytest
 import torch
 
 from redraft.infer.budget import AcceptanceStats, CostCurve, best_budget
@@ -107,11 +108,25 @@ def test_beam_search_matches_reference(tiny_head):
 
 def test_best_budget_maximises_tokens_per_second():
     cost = CostCurve([1, 2, 4, 8], [1.0, 1.1, 1.3, 2.0])
-    values = torch.tensor([[0.9, 0.8, 0.1, 0.05, 0.01, 0.0, 0.0], [0.0] * 7])
-    k = best_budget(values, cost, max_nodes=7)
-    # row 0: K=2 gives 2.7/1.2=2.25 (c(3)=1.2); K=3: 2.8/1.3; K=1: 1.9/1.1 -> K=2 is best
-    assert k.tolist() == [2, 0]
-    assert best_budget(values, CostCurve.flat(), max_nodes=7)[0] >= 5
+    one = torch.tensor([[0.9, 0.8, 0.1, 0.05, 0.01, 0.0, 0.0]])
+    # K=2 gives 2.7/c(3)=2.7/1.2=2.25; K=3: 2.8/1.3=2.15; K=1: 1.9/1.1=1.73
+    assert best_budget(one, cost, max_nodes=7).tolist() == [2]
+    assert best_budget(one, CostCurve.flat(), max_nodes=7)[0] >= 5
+    # a batch shares one K maximising (B + sum of the rows' top-K values) / c(B * (K + 1))
+    batch = torch.tensor([[0.9, 0.8, 0.1, 0.05], [0.6, 0.0, 0.0, 0.0], [0.9, 0.9, 0.9, 0.9]])
+    B = batch.shape[0]
+    top = batch.sort(dim=1, descending=True).values
+    score = [(B + top[:, :k].sum()) / float(cost(torch.tensor(B * (k + 1)))) for k in range(5)]
+    want = max(range(5), key=lambda k: score[k])
+    assert best_budget(batch, cost, max_nodes=4).tolist() == [want] * B
+    assert best_budget(batch, cost, max_nodes=1).tolist() == [min(want, 1)] * B
+
+
+def test_cost_curve_interpolates_and_extrapolates_linearly():
+    cost = CostCurve([1, 4, 8], [1.0, 1.3, 2.1])
+    assert float(cost(torch.tensor(2))) == pytest.approx(1.1)
+    assert float(cost(torch.tensor(16))) == pytest.approx(2.1 + 8 * 0.2)  # slope of the last segment
+    assert float(cost(torch.tensor(0))) == pytest.approx(1.0)
 
 
 def test_acceptance_stats_learn_rates_per_depth():

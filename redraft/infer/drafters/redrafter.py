@@ -10,8 +10,8 @@ Beam search, vectorised over batch x beams (Apple's reference does the same)::
 
 The result is W beams of L tokens ([B, W, L]) sorted by score, and each token's draft
 log-probability. Beams share prefixes; the decoder's tree stores them once. Beams are chosen
-deterministically (top-W, not sampled), so rejection sampling verifies them as point masses
-(q = delta), which keeps the target's distribution exactly.
+deterministically (top-W, not sampled); the decoder verifies every candidate as a point mass,
+which keeps the target's distribution exactly.
 """
 
 from __future__ import annotations
@@ -69,8 +69,6 @@ class ReDrafterDrafter(Drafter):
         width: beams per row (Apple's default 4-8). length: tokens per beam (<= the head's
             training horizon, ``head.config.num_steps``, is where it is accurate).
     """
-
-    needs_hidden = True
 
     def __init__(self, head, width: int = 8, length: int = 4, name: str = "redrafter"):
         self.head, self.width, self.length, self.name = head, width, length, name
