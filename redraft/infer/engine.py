@@ -149,7 +149,8 @@ class Engine:
 
     @property
     def batch_size(self) -> int:
-        return len(self.rows)
+        """Requests decoding now (not counting those waiting to join)."""
+        return sum(not r.done for r in self.rows)
 
     # ------------------------------------------------------------------ the step
 
