@@ -29,7 +29,7 @@ top-p and seeds share one batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,28 +56,26 @@ class Acceptance:
     bonus: torch.Tensor
 
 
-@dataclass
 class RowSampling:
     """Per-row sampling settings of a batch, with host-side flags so no step reads the device.
 
-    Attributes:
-        temperature: ``[B]`` float (0 = greedy).
-        top_p: ``[B]`` float in (0, 1].
+    Args:
+        temperature: per row (0 = greedy), a list or a tensor.
+        top_p: per row, in (0, 1].
         generators: per row, the ``torch.Generator`` its random draws come from (``None``: the
             global one). Rows sharing a generator draw in one call.
+        device: where the ``temperature`` / ``top_p`` tensors live.
     """
 
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    generators: list = field(default_factory=list)
-
-    def __post_init__(self):
-        t, p = self.temperature.tolist(), self.top_p.tolist()  # built on the host, once per batch change
+    def __init__(self, temperature, top_p, generators=None, device=None):
+        t = temperature.tolist() if isinstance(temperature, torch.Tensor) else [float(x) for x in temperature]
+        p = top_p.tolist() if isinstance(top_p, torch.Tensor) else [float(x) for x in top_p]
+        self.temperature = torch.tensor(t, dtype=torch.float32, device=device)  # [B]
+        self.top_p = torch.tensor(p, dtype=torch.float32, device=device)  # [B]
         self.all_greedy = all(x <= 0 for x in t)
         self.any_greedy = any(x <= 0 for x in t)
         self.any_top_p = any(x < 1 for x, y in zip(p, t) if y > 0)
-        if not self.generators:
-            self.generators = [None] * len(t)
+        self.generators = list(generators) if generators else [None] * len(t)
         groups: dict = {}
         for r, g in enumerate(self.generators):
             groups.setdefault(id(g), (g, []))[1].append(r)
@@ -86,8 +84,7 @@ class RowSampling:
     @classmethod
     def uniform(cls, batch: int, temperature: float = 0.0, top_p: float = 1.0, generator=None, device=None):
         """Every row with the same settings and one shared generator."""
-        return cls(torch.full((batch,), float(temperature), device=device),
-                   torch.full((batch,), float(top_p), device=device), [generator] * batch)
+        return cls([temperature] * batch, [top_p] * batch, [generator] * batch, device)
 
 
 def warp_probs(logits: torch.Tensor, temperature, top_p=1.0) -> torch.Tensor:

@@ -245,7 +245,10 @@ class SpeculativeDecoder:
         if P == 0:
             return None, (verifier.tree_size(1) if verifier.static else None)
         if cfg.budget != "auto":
-            return cfg.budget, (verifier.tree_size(1 + min(cfg.budget, P * L)) if verifier.static else None)
+            if not verifier.static:
+                return cfg.budget, None
+            size = verifier.tree_size(1 + min(cfg.budget, P * L), limit=1 + cfg.budget)
+            return size - 1, size
         if self.cost_curve is None:
             self.measure_cost()
         values = torch.where(prop.paths >= 0, prop.values, torch.zeros_like(prop.values)).reshape(B, -1)
@@ -253,7 +256,7 @@ class SpeculativeDecoder:
         if not verifier.static:
             return k, None
         # static shapes: the tree size comes from the host (last step's budget), filled with the best nodes
-        size = verifier.tree_size(1 + min(self._k_hint, P * L, cfg.max_nodes))
+        size = verifier.tree_size(1 + min(self._k_hint, P * L, cfg.max_nodes), limit=1 + cfg.max_nodes)
         prop.k = k
         return size - 1, size
 

@@ -275,11 +275,10 @@ class Engine:
         for d in self.dec.drafters:
             d.select_rows(idx)
 
-    def _sampling(self) -> RowSampling:
-        dev = self.device
-        return RowSampling(torch.tensor([r.params.temperature for r in self.rows], device=dev),
-                           torch.tensor([r.params.top_p for r in self.rows], device=dev),
-                           [r.generator or self.dec.generator for r in self.rows])
+    def _sampling(self, rows: list[_Row] | None = None) -> RowSampling:
+        rows = self.rows if rows is None else rows
+        return RowSampling([r.params.temperature for r in rows], [r.params.top_p for r in rows],
+                           [r.generator or self.dec.generator for r in rows], self.device)
 
     def _join(self) -> list[StreamEvent]:
         """Prefill the waiting requests together, sample their first token, and append them to
@@ -291,10 +290,7 @@ class Engine:
         width = max(len(r.prompt) + r.params.max_new_tokens for r in new) + slack + 1
         cache = self.verifier.new_cache(len(new), width)
         h_last = self.verifier.prefill([r.prompt for r in new], cache)  # [n, H]
-        sampling = RowSampling(torch.tensor([r.params.temperature for r in new], device=dev),
-                               torch.tensor([r.params.top_p for r in new], device=dev),
-                               [r.generator or dec.generator for r in new])
-        y = sample_tokens(self.verifier.logits(h_last), sampling)  # [n]
+        y = sample_tokens(self.verifier.logits(h_last), self._sampling(new))  # [n]
         y_host = y.tolist()
         prefill = time.perf_counter() - t0
         buf = torch.full((len(new), width), PAD, dtype=torch.long)

@@ -9,6 +9,15 @@ once per tree size in a CUDA graph (``static=True``; see :meth:`Verifier.verify`
 A verify forward of ``n`` tree tokens attends to each row's cache (its own length) plus the
 tree's ancestor mask, with positions ``cache length + depth`` (transformers models take a 4D
 additive mask and explicit position ids with a KV cache).
+
+Static verify (``static=True``, the default on CUDA): trees are padded to :data:`STATIC_SIZES`
+and the cache runs in its static mode (writes at a device index, attends over its whole
+capacity), so a verify forward has the same shapes and addresses every step. On CUDA it is then
+captured in a CUDA graph per (batch, tree size, cache buffer) and replayed: one launch instead of
+hundreds of kernel launches from Python. A shape is captured the second step in a row it is
+used (rows joining or leaving a server's batch every step would otherwise cost a capture per
+step); the eager forward runs until then. Outputs are the eager forward's (the same kernels on
+the same inputs; a ``cuda`` test checks it).
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ class Verifier:
             reading the device, and the precondition of graph capture on CUDA).
     """
 
-    def __init__(self, target, fp32_logits: bool = False, cpu_pack: bool = True, static: bool = False):
+    def __init__(self, target, fp32_logits: bool = False, cpu_pack: bool = True, static: bool = False,
+                 graphs: bool | None = None):
         self.target = target
         self.model = target.model
         self.base = getattr(self.model, self.model.base_model_prefix)
@@ -55,15 +65,22 @@ class Verifier:
             self._head_wt = head.weight.detach().to(head_dtype).T  # [H, V] view
         self.forward_seconds = 0.0  # wall time inside forwards (synchronised), when `timing`
         self.timing = False
+        self.graphs = static and self.device.type == "cuda" if graphs is None else graphs
+        self._last_key = None  # the previous verify's shape key (capture on a repeat)
+        self._pool = None
 
     # ------------------------------------------------------------------ shapes
 
-    def tree_size(self, nodes: int) -> int:
-        """Packed tree size for ``nodes`` nodes (root included): the next static size, or
-        ``nodes`` itself when shapes are dynamic."""
+    def tree_size(self, nodes: int, limit: int | None = None) -> int:
+        """Packed tree size for ``nodes`` nodes (root included): the next static size, but not
+        above ``limit`` (the largest static size that fits, else ``limit``); ``nodes`` itself
+        when shapes are dynamic."""
         if not self.static:
             return nodes
-        return next((s for s in STATIC_SIZES if s >= nodes), nodes)
+        size = next((s for s in STATIC_SIZES if s >= nodes), nodes)
+        if limit is not None and size > limit:
+            size = max((s for s in STATIC_SIZES if s <= limit), default=limit)
+        return size
 
     def new_cache(self, batch: int, capacity: int) -> TreeKVCache:
         return TreeKVCache(self.model.config, batch, capacity, self.dtype, self.device)
@@ -115,9 +132,67 @@ class Verifier:
                cache: TreeKVCache) -> torch.Tensor:
         """One forward over packed trees ``tokens [B, N]`` (``PAD`` allowed in padding nodes)
         with depths ``[B, N]`` and ancestor mask ``anc [B, N, N]``; returns hidden ``[B, N, H]``
-        (the tokens' keys and values are appended to the cache, to be committed)."""
+        (the tokens' keys and values are appended to the cache, to be committed; with a static
+        verify the tensor is the graph's output buffer, valid until the next verify)."""
         positions = cache.lengths[:, None] + depth
-        return self._forward(tokens.clamp_min(0), positions, cache.attention_bias(anc, self.dtype), cache)
+        ids = tokens.clamp_min(0)
+        if not self.static:
+            return self._forward(ids, positions, cache.attention_bias(anc, self.dtype), cache)
+        n = tokens.shape[1]
+        cache.ensure_capacity(cache.physical + n)  # before any address is captured
+        cache.static = True
+        try:
+            cache.write_pos = cache.physical + torch.arange(n, device=tokens.device)
+            bias = cache.attention_bias(anc, self.dtype)
+            key = (cache.kv.data_ptr(), tuple(tokens.shape), cache.capacity)
+            if self.graphs and (key in cache.graphs or key == self._last_key):
+                self._last_key = key
+                return self._replay(key, ids, positions, bias, cache)
+            self._last_key = key
+            return self._forward(ids, positions, bias, cache)
+        finally:
+            cache.static = False
+
+    def _replay(self, key, ids, positions, bias, cache: TreeKVCache) -> torch.Tensor:
+        """Replay (capturing first if needed) the verify forward for this shape and buffer."""
+        entry = cache.graphs.get(key)
+        if entry is None:
+            entry = cache.graphs[key] = self._capture(ids, positions, bias, cache)
+        entry["ids"].copy_(ids)
+        entry["pos"].copy_(positions)
+        entry["bias"].copy_(bias)
+        entry["write_pos"].copy_(cache.write_pos)
+        cache.write_pos = entry["write_pos"]
+        if self.timing:
+            with _Timer(self):
+                entry["graph"].replay()
+        else:
+            entry["graph"].replay()
+        cache.pending = ids.shape[1]
+        return entry["out"]
+
+    def _capture(self, ids, positions, bias, cache: TreeKVCache) -> dict:
+        """Capture one verify forward over static input buffers (PyTorch's recipe: warm up on
+        a side stream, then capture; the warm-up forwards write the same keys and values at the
+        same columns as the real one, so they are harmless)."""
+        entry = {"ids": ids.clone(), "pos": positions.clone(), "bias": bias.clone(),
+                 "write_pos": cache.write_pos.clone()}
+        timing, self.timing = self.timing, False  # no synchronising inside a capture
+        cache.write_pos = entry["write_pos"]
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(entry["ids"], entry["pos"], entry["bias"], cache)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            entry["out"] = self._forward(entry["ids"], entry["pos"], entry["bias"], cache)
+        entry["graph"] = graph
+        self.timing = timing
+        return entry
 
     # ------------------------------------------------------------------ cost
 

@@ -112,7 +112,7 @@ def test_rows_of_one_batch_sample_with_their_own_settings():
 
     def run(other_seed):
         gens = [None, torch.Generator().manual_seed(other_seed), torch.Generator().manual_seed(7)]
-        rows = RowSampling(torch.tensor([0.0, 1.0, 1.0]), torch.tensor([1.0, 1.0, 0.8]), gens)
+        rows = RowSampling([0.0, 1.0, 1.0], [1.0, 1.0, 0.8], gens)
         return emitted_tokens(tree, accept_rejection(tree, logits, rows))
 
     a, b = run(1), run(2)

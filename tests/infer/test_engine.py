@@ -163,3 +163,50 @@ def test_stop_strings_split_over_steps_never_reach_the_stream(tiny_target):
             assert stop not in out and not (out.endswith("fox") and not stream.stopped)
         out += stream.finish()
         assert stream.stopped and out == full[: full.index(stop)]
+
+
+@pytest.mark.parametrize("budget", ["auto", 12])
+def test_static_verify_gives_the_eager_output(tiny_target, tiny_tables, tiny_head, tiny_prompts, budget):
+    """Trees padded to fixed sizes and the cache in its static mode (what CUDA graphs capture)
+    decode exactly like the dynamic path, in a batch with rows of different lengths."""
+    V = tiny_target.vocab_size
+    drafters = lambda: [NGrammysDrafter(tiny_tables, V), ReDrafterDrafter(tiny_head, width=3, length=3)]  # noqa: E731
+    eager = SpeculativeDecoder(tiny_target, drafters(), budget=budget, cost_curve=CURVE, static_verify=False)
+    static = SpeculativeDecoder(tiny_target, drafters(), budget=budget, cost_curve=CURVE, static_verify=True)
+    assert static.verifier.static and not static.verifier.graphs  # no graphs on a CPU
+    a = eager.generate(tiny_prompts, max_new_tokens=24)
+    b = static.generate(tiny_prompts, max_new_tokens=24)
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens
+    sizes = {s for s in (static.verifier.tree_size(n, limit=65) for n in range(1, 66))}
+    assert sizes <= {1, 2, 4, 8, 16, 24, 32, 48, 64}
+
+
+def test_a_decode_step_reads_the_device_once(tiny_target, tmp_path, monkeypatch):
+    """With device-side drafters and static trees, a step's only device-to-host transfer is
+    the packed result (on a GPU every other read would be a sync that stops the host)."""
+    from redraft.infer.loader import make_drafters
+    from redraft.infer.overhead import tiny_setup
+
+    target, tables = tiny_setup(tmp_path)
+    dec = SpeculativeDecoder(target, make_drafters(target, (), [tables]), cost_curve=CURVE, static_verify=True)
+    engine = dec.engine()
+    for text in ("The quick brown fox jumps over the lazy dog. The quick", "def add(a, b):"):
+        engine.add(dec.encode(text)[0], SamplingParams.checked(max_new_tokens=40))
+    engine.step()  # the join (prefill) reads the first tokens: not a decode step
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            if self.device.type != "meta":
+                reads.append(_name)
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    steps = 0
+    while engine.has_work and steps < 10:
+        before = len(reads)
+        engine.step()
+        steps += 1
+        assert reads[before:] == ["tolist"], reads[before:]
+    assert steps >= 3
