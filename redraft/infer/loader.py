@@ -31,8 +31,7 @@ def load_redrafter(path, target, width: int = 8, length: int | None = None, name
     training horizon ``num_steps``)."""
     from redraft.models.redrafter import load_drafter
 
-    head = load_drafter(path, target)
-    return ReDrafterDrafter(head, width=width, length=length or int(head.config.num_steps), name=name)
+    return ReDrafterDrafter(load_drafter(path, target), width=width, length=length, name=name)
 
 
 def load_ngram_tables(path, target):

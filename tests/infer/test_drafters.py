@@ -5,7 +5,7 @@ import torch
 
 from redraft.infer.budget import AcceptanceStats, CostCurve, best_budget
 from redraft.infer.drafters.base import DecodeState
-from redraft.infer.drafters.ngram import GROUPS_PER_CLASS, NGrammysDrafter, context_matches, context_matches_multi
+from redraft.infer.drafters.ngram import GROUPS_PER_CLASS, NGrammysDrafter, context_matches_multi
 from redraft.infer.drafters.redrafter import beam_search
 
 
@@ -25,20 +25,6 @@ def brute_context(seq, q, k, w):
         cont = seq[j + q: j + q + w]
         out.append(cont + [-1] * (w - len(cont)))
     return out + [[-1] * w] * (k - len(out))
-
-
-def test_context_matches_equal_brute_force():
-    g = torch.Generator().manual_seed(0)
-    for _ in range(30):
-        B, T, V = 3, 40, 5
-        toks = torch.randint(0, V, (B, T), generator=g)
-        lengths = torch.randint(2, T + 1, (B,), generator=g)
-        toks = torch.where(torch.arange(T)[None] < lengths[:, None], toks, -1)
-        for q in (1, 2, 3):
-            got = context_matches(toks, lengths, q=q, k=4, w=3, vocab_size=V)
-            for b in range(B):
-                seq = toks[b, : lengths[b]].tolist()
-                assert got[b].tolist() == brute_context(seq, q, 4, 3), (seq, q)
 
 
 def brute_context_multi(seq, q_min, q_max, k, w):
@@ -64,7 +50,7 @@ def test_context_matches_multi_equal_brute_force():
         toks = torch.randint(0, V, (B, T), generator=g)
         lengths = torch.randint(2, T + 1, (B,), generator=g)
         toks = torch.where(torch.arange(T)[None] < lengths[:, None], toks, -1)
-        for q_min, q_max, k in ((1, 3, 5), (1, 3, 2), (2, 4, 3), (1, 1, 3)):
+        for q_min, q_max, k in ((1, 3, 5), (1, 3, 2), (2, 4, 3), (1, 1, 3), (2, 2, 4), (3, 3, 4)):
             paths, group = context_matches_multi(toks, lengths, q_min=q_min, q_max=q_max, k=k, w=3, vocab_size=V)
             for b in range(B):
                 rows, groups = brute_context_multi(toks[b, : lengths[b]].tolist(), q_min, q_max, k, 3)
