@@ -307,9 +307,9 @@ def resolve_config(args) -> dict:
     if args.recipe:
         import yaml
 
-        path = Path(args.recipe)
-        if not path.is_file():
-            raise ConfigError(f"recipe {path} does not exist (try infer/bench-default.yaml).")
+        from redraft.resources import find_config
+
+        path = find_config(args.recipe, "infer")  # a file, or a shipped name such as bench-default
         rec = yaml.safe_load(path.read_text()) or {}
         unknown = sorted(set(rec) - set(DEFAULTS))
         if unknown:

@@ -120,9 +120,9 @@ def load_preset(path, **overrides) -> SpeculativeDecoder:
 
     import yaml
 
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"decoding preset {p} does not exist (see infer/decode-default.yaml).")
+    from redraft.resources import find_config
+
+    p = find_config(path, "infer")  # a file, or a shipped preset such as decode-default
     cfg = yaml.safe_load(p.read_text()) or {}
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p} must be a YAML mapping of load_decoder arguments.")
