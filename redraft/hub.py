@@ -144,6 +144,15 @@ def artifact_kind(path: str | os.PathLike) -> str | None:
     return KIND_DRAFTER if config.is_file() and _read_json(config).get("model_type") == "redrafter" else None
 
 
+def _kind(root: Path) -> str:
+    kind = artifact_kind(root)
+    if kind is None:
+        raise ArtifactError(f"{root} is not a finished redraft artifact: it holds neither config.json (model_type "
+                            f"'redrafter') + model.safetensors nor {NGRAMS_FILE} + the tables it lists, but "
+                            f"{_listing(root)}. Point at the output directory of a finished run.")
+    return kind
+
+
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -223,11 +232,7 @@ def check_finished(artifact_dir: str | os.PathLike, *, allow_unfinished: bool = 
         raise ArtifactError(f"{root} holds partial files ({', '.join(partial[:5])}): a save is still running "
                             f"or was interrupted. Wait for it to finish (or resume the run) and push again; "
                             f"delete them if you are sure they are leftovers.")
-    kind = artifact_kind(root)
-    if kind is None:
-        raise ArtifactError(f"{root} is not a finished redraft artifact: it holds {_listing(root)}. A drafter "
-                            f"needs config.json (model_type 'redrafter') + model.safetensors; n-gram tables "
-                            f"need ngrams.json + *.safetensors. Point at the output directory of a finished run.")
+    kind = _kind(root)
     required = _manifest(root, kind)[0]
     missing = [f for f in required if not (root / f).is_file()]
     if missing:
@@ -241,24 +246,32 @@ def check_finished(artifact_dir: str | os.PathLike, *, allow_unfinished: bool = 
             raise ArtifactError(f"{root / info['file']} is not the size {NGRAMS_FILE} records ({info['bytes']} "
                                 f"bytes): it changed after the build. Re-run redraft-build-ngrams into {root}.")
     if kind == KIND_DRAFTER and not allow_unfinished:
-        m = _read_json(root / METRICS_FILE) if (root / METRICS_FILE).is_file() else None
-        if m is not None and m.get("status") not in FINISHED_STATUSES or m is None and (root / RUN_CONFIG_FILE).is_file():
-            what = (f"its {METRICS_FILE} has status {m.get('status')!r} at step {m.get('global_step')} of "
-                    f"{m.get('total_steps')}" if m is not None else f"it has {RUN_CONFIG_FILE} but no {METRICS_FILE}")
-            raise ArtifactError(f"{root} holds an unfinished training run ({what}). Resume it with `redraft-train "
-                                f"--output-dir {root} --resume` and push when it finishes, or pass "
-                                f"--allow-unfinished to publish these weights anyway.")
+        _check_run_ended(root)
     return kind
+
+
+def _check_run_ended(root: Path) -> None:
+    """A training run in ``root`` (run_config.yaml or metrics.json) must have ended normally."""
+    if (root / METRICS_FILE).is_file():
+        m = _read_json(root / METRICS_FILE)
+        if m.get("status") in FINISHED_STATUSES:
+            return
+        what = (f"its {METRICS_FILE} has status {m.get('status')!r} at step {m.get('global_step')} of "
+                f"{m.get('total_steps')}")
+    elif (root / RUN_CONFIG_FILE).is_file():
+        what = f"it has {RUN_CONFIG_FILE} but no {METRICS_FILE}"
+    else:
+        return  # a head saved with save_pretrained, not by a training run
+    raise ArtifactError(f"{root} holds an unfinished training run ({what}). Resume it with `redraft-train "
+                        f"--output-dir {root} --resume` and push when it finishes, or pass --allow-unfinished "
+                        f"to publish these weights anyway.")
 
 
 def upload_files(artifact_dir: str | os.PathLike, include=()) -> list[str]:
     """Relative paths :func:`push_artifact` uploads: the files the manifest names, the optional run
     files that exist (metrics, run config, bench, card), and files matching a glob of ``include``."""
     root = Path(artifact_dir)
-    kind = artifact_kind(root)
-    if kind is None:
-        raise ArtifactError(f"{root} holds neither config.json (model_type 'redrafter') nor {NGRAMS_FILE}.")
-    required, optional = _manifest(root, kind)
+    required, optional = _manifest(root, _kind(root))
     files = required + [f for f in optional if (root / f).is_file()]
     every = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if include else []
     return files + [f for f in filter_repo_objects(every, allow_patterns=list(include)) if f not in files]
@@ -371,61 +384,71 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
     only), ``model-index`` (held-out tau_est and per-position top-1 accuracy).
     """
     root = Path(artifact_dir)
-    kind = artifact_kind(root)
-    if kind is None:
-        raise ArtifactError(f"{root} holds neither config.json (model_type 'redrafter') nor {NGRAMS_FILE}, so "
-                            f"there is no artifact to describe ({_listing(root)}).")
+    kind = _kind(root)
     drafter = kind == KIND_DRAFTER
     meta = _read_json(root / ("config.json" if drafter else NGRAMS_FILE))
-    try:
-        run = yaml.safe_load((root / RUN_CONFIG_FILE).read_text()) if drafter and (root / RUN_CONFIG_FILE).is_file() else {}
-    except yaml.YAMLError as exc:
-        raise ArtifactError(f"{root / RUN_CONFIG_FILE} is not valid YAML ({exc}); fix or delete it.") from exc
-    metrics = _read_json(root / METRICS_FILE) if drafter and (root / METRICS_FILE).is_file() else {}
+    run, metrics = _run_files(root) if drafter else ({}, {})
     target = str(base_model or meta.get("target_model") or "") or None
-    base = _hub_repo(target)
-    data = (run or {}).get("data") if drafter else (meta.get("trigram") or {}).get("data")
-    datasets, name, kinds = dataset_ids(data), repo_id or root.resolve().name, set(meta.get("kinds") or ())
+    base, name = _hub_repo(target), repo_id or root.resolve().name
+    data = run.get("data") if drafter else (meta.get("trigram") or {}).get("data")
+    datasets = dataset_ids(data)
+    evals = _eval_results(metrics, data, datasets)
+    kinds = set(meta.get("kinds") or ())
     tags = ["redraft", "speculative-decoding", *(["redrafter", "draft-model"] if drafter else [
         "n-gram", *(["n-grammys"] if kinds & {"unigram", "bigram", "extended"} else []),
         *(["aded"] if "trigram" in kinds else [])])]
-    evals = _eval_results(metrics, data, datasets)
     # A head or a table set only runs together with its target: the Hub's "adapter" relation.
     card_data = ModelCardData(library_name="redraft", license=license, base_model=base,
                               base_model_relation="adapter" if base else None, tags=tags, datasets=datasets or None,
                               model_name=name if evals else None, eval_results=evals or None)
+    link = f"[`{base}`](https://huggingface.co/{base})" if base else f"`{target or 'an unrecorded target'}`"
+    return str(ModelCard.from_template(
+        card_data, template_str=(files(__package__) / CARD_TEMPLATE).read_text(), name=name, kind=kind,
+        target=target or "TARGET", target_link=link, repo=repo_id or str(root),
+        sections=_sections(root, kind, meta, run, metrics, target, data, datasets)))
 
-    sections = [("Target model", _table(["field", "value"], [["model", target or "unknown"]] + [
+
+def _run_files(root: Path) -> tuple[dict, dict]:
+    """(run_config.yaml, metrics.json) of a training run, each {} when absent."""
+    try:
+        run = yaml.safe_load((root / RUN_CONFIG_FILE).read_text()) if (root / RUN_CONFIG_FILE).is_file() else {}
+    except yaml.YAMLError as exc:
+        raise ArtifactError(f"{root / RUN_CONFIG_FILE} is not valid YAML ({exc}); fix or delete it.") from exc
+    return run or {}, _read_json(root / METRICS_FILE) if (root / METRICS_FILE).is_file() else {}
+
+
+def _sections(root, kind, meta, run, metrics, target, data, datasets) -> list[tuple[str, str]]:
+    """The card's (heading, markdown) sections between its summary and its usage."""
+    drafter = kind == KIND_DRAFTER
+    out = [("Target model", _table(["field", "value"], [["model", target or "unknown"]] + [
         [k, meta[k]] for k in ("target_vocab_size", "target_hidden_size", "tokenizer_fingerprint") if k in meta])
         + "\n\nredraft refuses to load this artifact with a target whose tokenizer fingerprint differs.")]
     if drafter:
-        sections.append(("Architecture", _table(["setting", "value"], [
+        out.append(("Architecture", _table(["setting", "value"], [
             [k, v] for k, v in meta.items() if k not in _CONFIG_NOISE and not k.startswith(("_", "target_"))
             and isinstance(v, (int, float, str, bool))])))
     else:
+        settings = [[k, v] for k, v in meta.items() if isinstance(v, (int, float, str, bool, list))
+                    and k != "tokenizer_fingerprint" and not k.startswith("target_")]
         tensors = [[info["file"], t, "x".join(map(str, h["shape"])), h["dtype"]]
                    for info in (meta.get("files") or {}).values() if (root / info["file"]).is_file()
                    for t, h in _safetensors_header(root / info["file"]).items() if t != "__metadata__"]
-        sections.append(("Tables", _table(["setting", "value"], [
-            [k, v] for k, v in meta.items() if isinstance(v, (int, float, str, bool, list))
-            and k != "tokenizer_fingerprint" and not k.startswith("target_")]) + "\n\n"
-            + _table(["file", "tensor", "shape", "dtype"], tensors)))
+        out.append(("Tables", _table(["setting", "value"], settings) + "\n\n"
+                    + _table(["file", "tensor", "shape", "dtype"], tensors)))
     links = ", ".join(f"[{d}](https://huggingface.co/datasets/{d})" for d in datasets)
-    sections.append(("Training data" if drafter else "Data", f"`{data}`" + (f"\n\nHub datasets: {links}" * bool(links))
-                     if data else "Not recorded with this artifact." if drafter else
-                     "Model-derived tables use no data: they come from the target's weights alone."))
+    out.append(("Training data" if drafter else "Data",
+                f"`{data}`" + (f"\n\nHub datasets: {links}" if links else "") if data else
+                "Not recorded with this artifact." if drafter else
+                "Model-derived tables use no data: they come from the target's weights alone."))
     recipe = run if drafter else meta.get("build_args")
     if recipe:
         where = f"The resolved training configuration (`{RUN_CONFIG_FILE}`)" if drafter else "Build arguments"
-        sections.append(("Recipe", f"{where}:\n\n```yaml\n{yaml.safe_dump(recipe, sort_keys=False).strip()}\n```"))
+        out.append(("Recipe", f"{where}:\n\n```yaml\n{yaml.safe_dump(recipe, sort_keys=False).strip()}\n```"))
     if metrics:
-        sections.append(("Held-out metrics", _metrics_section(metrics)))
+        out.append(("Held-out metrics", _metrics_section(metrics)))
     if bench := _bench_section(root):
-        sections.append(("Benchmark", bench))
-    link = f"[`{base}`](https://huggingface.co/{base})" if base else f"`{target or 'an unrecorded target'}`"
-    return str(ModelCard.from_template(card_data, template_str=(files(__package__) / CARD_TEMPLATE).read_text(),
-                                       name=name, kind=kind, target=target or "TARGET", target_link=link,
-                                       sections=sections, repo=repo_id or str(root)))
+        out.append(("Benchmark", bench))
+    return out
 
 
 def write_model_card(artifact_dir: str | os.PathLike, **kwargs) -> Path:
@@ -469,13 +492,14 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
     if keep_card and CARD_FILE not in files:
         raise ArtifactError(f"--keep-card was given but {root / CARD_FILE} does not exist.")
     card = None if keep_card else generate_model_card(root, repo_id=repo_id, license=license)
-    # Each CommitOperationAdd hashes its file now (sha256), before any network call.
+    # Table files must still be what the build recorded; op.upload_info.sha256 hashes a file on first
+    # use and keeps the digest for the upload.
     ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(root / f)) for f in files
            if keep_card or f != CARD_FILE]
     recorded = ({v["file"]: v.get("sha256") for v in _read_json(root / NGRAMS_FILE)["files"].values()}
                 if kind == KIND_NGRAMS else {})
     for op in ops:
-        if recorded.get(op.path_in_repo) not in (None, op.upload_info.sha256.hex()):
+        if recorded.get(op.path_in_repo) and recorded[op.path_in_repo] != op.upload_info.sha256.hex():
             raise ArtifactError(f"{root / op.path_in_repo} does not match its sha256 in {NGRAMS_FILE}: it "
                                 f"changed after the build. Re-run redraft-build-ngrams into {root}.")
     if card is not None:
@@ -548,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish a training run that did not end normally (metrics.json status "
                         "'interrupted', or no metrics.json)")
     p.add_argument("--include", action="append", metavar="GLOB",
-                   help="also upload the files matching this glob relative to DIR, e.g. 'tensorboard/**' (repeatable)")
+                   help="also upload the files matching this glob relative to DIR, e.g. 'tensorboard/**' "
+                        "(repeatable)")
     p.add_argument("--print-card", action="store_true", help="print the generated card and exit (no Hub call)")
     return p
 
@@ -558,8 +583,8 @@ def push_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.print_card:
-            card = generate_model_card(args.artifact_dir, repo_id=split_revision(args.repo_id)[0], license=args.license)
-            print(card, end="")
+            print(generate_model_card(args.artifact_dir, repo_id=split_revision(args.repo_id)[0],
+                                      license=args.license), end="")
             return 0
         url = push_artifact(args.artifact_dir, args.repo_id, private=args.private, revision=args.revision,
                             token=args.token, commit_message=args.commit_message, license=args.license,

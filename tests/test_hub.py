@@ -405,7 +405,7 @@ def test_card_without_optional_files_and_local_target(tmp_path):
     (art / "config.json").write_text(json.dumps(cfg))
     card = hub.generate_model_card(art)
     meta = front_matter(card)
-    assert "base_model" not in meta and "datasets" not in meta and "model-index" not in meta
+    assert not {"base_model", "base_model_relation", "datasets", "model-index"} & set(meta)
     assert "## Held-out metrics" not in card and "## Benchmark" not in card
     assert "## Recipe" not in card
     assert str(tmp_path / "my-local-target") in card
