@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import struct
 import sys
 from importlib.resources import files
 from pathlib import Path
@@ -28,6 +27,7 @@ from huggingface_hub.errors import (GatedRepoError, HFValidationError, HfHubHTTP
                                     LocalTokenNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
                                     RevisionNotFoundError)
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
+from safetensors import SafetensorError, safe_open
 
 from redraft.errors import ArtifactError, RedraftError
 from redraft.utils import atomic_write_text, split_revision
@@ -177,27 +177,15 @@ def _first_line(exc: BaseException) -> str:
 # --- What a finished artifact is ---------------------------------------------------------------
 
 
-def _safetensors_header(path: Path) -> dict:
-    """The JSON header of a safetensors file; ArtifactError if it is truncated or not one.
-
-    Layout: 8 bytes little-endian header length N, N bytes of JSON, the tensor data; the largest
-    ``data_offsets`` end must equal the data size, so a cut-off file is caught here.
-    """
-    size = path.stat().st_size
+def _tensors(path: Path) -> dict[str, tuple[list[int], str]]:
+    """Name -> (shape, dtype) of a safetensors file; ArtifactError if it is truncated or not one
+    (``safe_open`` checks that the header's offsets cover the file exactly)."""
     try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError(f"header length {n} exceeds the file size {size}")
-            header = json.loads(f.read(n))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
-        raise ArtifactError(f"{path} is not a complete safetensors file ({exc}); it was probably cut off "
+        with safe_open(str(path), "numpy") as f:
+            return {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise ArtifactError(f"{path} is truncated or not a safetensors file ({exc}); it was probably cut off "
                             f"while being written. Re-run the save that wrote it.") from exc
-    if 8 + n + end != size:
-        raise ArtifactError(f"{path} is truncated: its header describes {8 + n + end} bytes but the file has "
-                            f"{size}. Re-run the save that wrote it.")
-    return header
 
 
 def _manifest(root: Path, kind: str) -> tuple[list[str], list[str]]:
@@ -240,7 +228,7 @@ def check_finished(artifact_dir: str | os.PathLike, *, allow_unfinished: bool = 
                if kind == KIND_DRAFTER else f"the build did not finish. Re-run redraft-build-ngrams into {root}")
         raise ArtifactError(f"{root} has {required[0]} but no {', '.join(missing)}: {fix}.")
     for f in (f for f in required if f.endswith(".safetensors")):
-        _safetensors_header(root / f)
+        _tensors(root / f)
     for info in _read_json(root / NGRAMS_FILE)["files"].values() if kind == KIND_NGRAMS else ():
         if info.get("bytes") not in (None, (root / info["file"]).stat().st_size):
             raise ArtifactError(f"{root / info['file']} is not the size {NGRAMS_FILE} records ({info['bytes']} "
@@ -430,9 +418,9 @@ def _sections(root, kind, meta, run, metrics, target, data, datasets) -> list[tu
     else:
         settings = [[k, v] for k, v in meta.items() if isinstance(v, (int, float, str, bool, list))
                     and k != "tokenizer_fingerprint" and not k.startswith("target_")]
-        tensors = [[info["file"], t, "x".join(map(str, h["shape"])), h["dtype"]]
+        tensors = [[info["file"], t, "x".join(map(str, shape)), dtype]
                    for info in (meta.get("files") or {}).values() if (root / info["file"]).is_file()
-                   for t, h in _safetensors_header(root / info["file"]).items() if t != "__metadata__"]
+                   for t, (shape, dtype) in _tensors(root / info["file"]).items()]
         out.append(("Tables", _table(["setting", "value"], settings) + "\n\n"
                     + _table(["file", "tensor", "shape", "dtype"], tensors)))
     links = ", ".join(f"[{d}](https://huggingface.co/datasets/{d})" for d in datasets)
