@@ -388,7 +388,8 @@ def test_push_uploads_artifact_with_card(tmp_path, no_sleep, sys_tmp):
     assert "*.safetensors" in up["delete_patterns"]  # stale shards of an earlier push go
     # Everything but resume-only state, plus the fresh card; the weights are byte-identical.
     assert set(api.uploaded) == {"config.json", "model.safetensors", "metrics.json",
-                                 "resolved_config.yaml", "bench.json", "README.md"}
+                                 "resolved_config.yaml", "bench.json", "README.md",
+                                 "redraft_head.py"}  # auto_map's shim (ReDrafter.save_pretrained)
     assert api.uploaded["model.safetensors"] == (art / "model.safetensors").read_bytes()
     assert front_matter(api.uploaded["README.md"].decode())["base_model"] == TARGET
     # After success the local card is the published one, and the staging folder is gone.
