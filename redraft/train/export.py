@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_output(args.head, args.out_dir, args.overwrite)  # before loading torch or any weights
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # stderr carries one line on error, nothing else
         out = export_head(args.head, args.out_dir, fmt=args.format, dtype=args.dtype,
                           overwrite=args.overwrite, verify=args.verify)
         from redraft.models.apple import config_from_apple
