@@ -52,6 +52,7 @@ REDRAFT_KEY = "redraft"  # our own entry in Apple's config.json (ignored by Appl
 # Apple's DrafterConfig field; neither Apple's nor TensorRT-LLM's code reads it. 1: the head
 # looks back at one hidden state (the last accepted token's).
 NUM_LOOKBACK_TOKENS = 1
+RNN_KEYS = ("rnn_u.weight", "rnn_u.bias", "rnn_w.weight")
 # ReDrafterConfig fields that Apple's config has no place for, kept under REDRAFT_KEY.
 _KEPT = ("num_steps", "activation", "target_model", "tokenizer_fingerprint", "target_vocab_size",
          "target_hidden_size", "initializer_range")
@@ -109,7 +110,8 @@ def to_apple(model: ReDrafter) -> tuple[dict, dict[str, torch.Tensor]]:
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     out = {}
     if config.rnn:
-        out["rnn_u.weight"], out["rnn_u.bias"], out["rnn_w.weight"] = sd["rnn_u.weight"], sd["rnn_u.bias"], sd["rnn_w.weight"]
+        for k in RNN_KEYS:  # U, b, W: the same tensors under the same names
+            out[k] = sd[k]
     for i in range(L):
         out[f"lm_head.{i}.linear.weight"] = sd[f"blocks.{i}.linear.weight"][perm][:, perm]  # P W Pᵀ
         out[f"lm_head.{i}.linear.bias"] = sd[f"blocks.{i}.linear.bias"][perm]  # P b
@@ -143,7 +145,8 @@ def config_from_apple(raw: dict, where: Path) -> ReDrafterConfig:
         raise ArtifactError(f"{where / artifact.CONFIG_NAME}: {REDRAFT_KEY} must be an object, got {kept!r}.")
     unknown = sorted(set(kept) - set(_KEPT))
     if unknown:
-        raise ArtifactError(f"{where / artifact.CONFIG_NAME}: unknown {REDRAFT_KEY} keys {unknown} (known: {list(_KEPT)}).")
+        raise ArtifactError(f"{where / artifact.CONFIG_NAME}: unknown {REDRAFT_KEY} keys {unknown} "
+                            f"(known: {list(_KEPT)}).")
     try:
         return ReDrafterConfig(hidden_size=H, embedding_dim=H, vocab_size=V, num_layers=L, rnn=rnn, **kept)
     except ConfigError as exc:
@@ -167,7 +170,8 @@ def from_apple(config: ReDrafterConfig, tensors: dict[str, torch.Tensor]) -> dic
     inv = torch.argsort(swap_halves(S, H))  # h = h_apple[inv]
     sd = {}
     if config.rnn:
-        sd["rnn_u.weight"], sd["rnn_u.bias"], sd["rnn_w.weight"] = tensors["rnn_u.weight"], tensors["rnn_u.bias"], tensors["rnn_w.weight"]
+        for k in RNN_KEYS:
+            sd[k] = tensors[k]
     for i in range(L):
         sd[f"blocks.{i}.linear.weight"] = tensors[f"lm_head.{i}.linear.weight"][inv][:, inv]
         sd[f"blocks.{i}.linear.bias"] = tensors[f"lm_head.{i}.linear.bias"][inv]

@@ -7,7 +7,9 @@ Auto classes are already loaded, and otherwise adds an import hook: when a ``tra
 module finishes loading, and transformers' ``configuration_auto`` is loaded (AutoConfig,
 AutoModel or a model class is in use), and no other ``transformers`` module is half-way through
 its own import, it imports :mod:`redraft.models.redrafter` (whose last line registers) and
-removes itself. Programs that never touch transformers' Auto classes never pay for it.
+removes itself. Programs that never touch transformers' Auto classes never pay for it; those that
+do pay what ``from transformers import PreTrainedModel`` costs (transformers' tokenizers already
+load torch and the Auto classes, not the modeling code; figures in docs/train.md).
 
 The hook only wraps ``exec_module`` of the file loaders of ``transformers.*`` modules; the
 loaders, specs and modules stay transformers' own. Importing :mod:`redraft.models.redrafter`
