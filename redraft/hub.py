@@ -194,7 +194,10 @@ def _manifest(root: Path, kind: str) -> tuple[list[str], list[str]]:
         index = root / "model.safetensors.index.json"
         weights = ([index.name, *sorted(set(_read_json(index).get("weight_map", {}).values()))]
                    if index.is_file() else ["model.safetensors"])
-        return ["config.json", *weights], [METRICS_FILE, RUN_CONFIG_FILE, BENCH_FILE, CARD_FILE]
+        # the module auto_map names (AutoModel with trust_remote_code reads it from the repo)
+        remote = sorted({v.split(".")[0] + ".py" for v in (_read_json(root / "config.json").get("auto_map") or {}).values()
+                         if isinstance(v, str)})
+        return ["config.json", *weights, *remote], [METRICS_FILE, RUN_CONFIG_FILE, BENCH_FILE, CARD_FILE]
     files = _read_json(root / NGRAMS_FILE).get("files")
     if not files or not isinstance(files, dict) or not all(
             isinstance(v, dict) and isinstance(v.get("file"), str) for v in files.values()):

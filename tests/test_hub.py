@@ -484,7 +484,8 @@ def test_push_uploads_artifact_with_card(tmp_path, fake_hub, sys_tmp):
     # training_state/ or tensorboard/; the weights are byte-identical.
     pushed = fake_hub.files("org/head", "v1")
     assert set(pushed) == {"config.json", "model.safetensors", "metrics.json", "run_config.yaml",
-                           "bench.json", "README.md"}
+                           "bench.json", "README.md",
+                           "redraft_head.py"}  # the module config.json's auto_map names (AutoModel from the Hub)
     assert pushed["model.safetensors"] == (art / "model.safetensors").read_bytes()
     assert front_matter(pushed["README.md"].decode())["base_model"] == TARGET
     # After success the local card is the published one; nothing was staged in the temp dir.
