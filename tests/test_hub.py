@@ -679,9 +679,12 @@ def test_hub_module_imports_no_other_stage():
     import ast
 
     tree = ast.parse(Path(hub.__file__).read_text())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]  # module-level imports
+    imported = {n.module for n in top if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
     assert {m for m in imported if m.startswith("redraft")} == {"redraft.errors", "redraft.utils"}
+    lazy = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} - imported
+    assert {m for m in lazy if m.startswith("redraft")} == {"redraft.models.redrafter"}  # push's drafter check
 
 
 def test_console_script_points_at_push_main():
@@ -689,3 +692,22 @@ def test_console_script_points_at_push_main():
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "redraft-push"]
     assert ep.load() is hub.push_main
+
+
+def test_push_refuses_a_head_whose_weights_disagree_with_its_config(tmp_path, tiny_target):
+    """A head saved with 2 layers whose config is edited to say 3 is refused before any request,
+    naming the missing tensor (issue 17: such a head loaded with random layers and was uploaded)."""
+    import json as _json
+
+    import torch
+
+    from redraft.models.redrafter import ReDrafter, ReDrafterConfig
+
+    torch.manual_seed(0)
+    head = ReDrafter(ReDrafterConfig.for_target(tiny_target, num_layers=2))
+    head.save_pretrained(tmp_path)
+    cfg = _json.loads((tmp_path / "config.json").read_text())
+    cfg["num_layers"] = 3
+    (tmp_path / "config.json").write_text(_json.dumps(cfg))
+    with pytest.raises(ArtifactError, match="blocks.2"):
+        hub.check_finished(tmp_path)
