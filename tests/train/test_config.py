@@ -7,7 +7,9 @@ import torch
 from redraft.errors import ConfigError
 from redraft.train.cli import build_parser, config_from_args
 from redraft.train.config import RECIPES_DIR, TrainConfig, load_recipe, make_config
-from redraft.train.trainer import WarmupCosine, deepspeed_config, draft_vocab_from_data, epoch_batches
+from redraft.train.batches import draft_vocab_from_data, epoch_batches
+from redraft.train.precision import deepspeed_config
+from redraft.train.schedule import WarmupCosine
 
 
 def test_every_shipped_recipe_loads():
@@ -31,7 +33,7 @@ def test_unknown_set_key_is_named_with_a_suggestion():
 
 
 def test_flags_override_recipe_and_are_typed():
-    args = build_parser().parse_args(["--recipe", "tiny", "--lr", "5e-4", "--rnn", "false",
+    args = build_parser().parse_args(["--recipe", "tiny", "--lr", "5e-4", "--no-rnn",
                                       "--set", "max_steps=7", "--adam-betas", "0.8", "0.95"])
     cfg = config_from_args(args)
     tiny = load_recipe("tiny")

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(tmp_path, name="run", **over):
-    base = {"output_dir": str(tmp_path / name), "tensorboard": False}
+    base = {"output_dir": str(tmp_path / name), "report_to": "none"}
     base.update({k: str(v) for k, v in over.items()})
     return make_config("tiny", base)
 
@@ -118,7 +118,7 @@ def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumu
         tmp_path, tiny_target_dir, chat_file, stage):
     common = ["--recipe", "tiny", "--target", str(tiny_target_dir), "--data", f"sharegpt:{chat_file}",
               "--num-proc", "1", "--max-steps", "4", "--lr", "0.01", "--zero-stage", str(stage),
-              "--tensorboard", "false", "--data-cache-dir", str(tmp_path / "cache")]
+              "--report-to", "none", "--data-cache-dir", str(tmp_path / "cache")]
     # in-process runs of this session set RANK/MASTER_PORT...: the children must not inherit them
     dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in dist_vars}
@@ -148,7 +148,7 @@ def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumu
 @pytest.mark.slow
 def test_default_target_trains_in_amp_bf16(tmp_path, default_target):
     """The real pipeline: default target, default ShareGPT, bf16 autocast on CPU, a few steps."""
-    cfg = make_config("default", {"output_dir": str(tmp_path / "run"), "tensorboard": "false", "max_length": "256",
+    cfg = make_config("default", {"output_dir": str(tmp_path / "run"), "report_to": "none", "max_length": "256",
                                   "train_limit": "16", "eval_limit": "4", "max_steps": "3", "grad_accum": "2",
                                   "draft_vocab_size": "4096", "init_head": "target", "num_proc": "1",
                                   "data_cache_dir": str(tmp_path / "cache")})
