@@ -320,12 +320,15 @@ def coerce(key: str, value: Any, where: str = "the command line") -> Any:
         if typ.startswith("int"):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError("expected an integer")
+            if isinstance(value, str):
+                raise ValueError("expected an integer")
             return int(value)
         if typ.startswith("float"):
             return float(value)
         return str(value)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"Setting {key}={value!r} in {where} has the wrong type ({typ}): {exc}.",
+        valid = f"; valid: {RANGES[key]}" if key in RANGES else ""
+        raise ConfigError(f"{_flag(key)} {value!r} ({key} in {where}) has the wrong type ({typ}): {exc}{valid}.",
                           param=key) from exc
 
 

@@ -305,13 +305,13 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
         "bytes_per_token": per_token,
     }
     meta = _start_or_resume(out, settings, records.lengths, int(shard_mb * 2**20) // per_token, overwrite)
-    if meta.get("complete"):
+    todo = [i for i, s in enumerate(meta["shards"]) if not _shard_ok(out / s["file"])]  # missing or damaged
+    if meta.get("complete") and not todo:
         logger.info("features in %s are complete", out)
         return meta
 
     from tqdm.auto import tqdm
 
-    todo = [i for i, s in enumerate(meta["shards"]) if not _shard_ok(out / s["file"])]
     bar = tqdm(total=sum(meta["shards"][i]["tokens"] for i in todo), unit="tok", desc="cache features",
                disable=not progress, dynamic_ncols=True)
     torch_hidden = getattr(torch, hidden_dtype)

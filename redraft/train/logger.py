@@ -23,7 +23,7 @@ TB_DIR = "tensorboard"
 
 
 class Trackers:
-    """accelerate trackers on rank 0 (no-ops elsewhere and with ``report_to: none``).
+    """accelerate trackers, made on rank 0 only (no-ops elsewhere and with ``report_to: none``).
 
     ``log`` takes scalars and lists; a list ``[a, b, ...]`` under ``k`` is logged as ``k/pos0``,
     ``k/pos1``, ... (per draft position).
@@ -33,8 +33,15 @@ class Trackers:
         self.trackers = []
         if not enabled or not names:
             return
+        from accelerate import PartialState
         from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
 
+        # accelerate's trackers log through its process state; with the process group already
+        # made by DeepSpeed it only reads the ranks, but on multi-process CPU runs it would also
+        # reset the torch thread count, which --threads owns: keep ours.
+        threads = torch.get_num_threads()
+        PartialState()
+        torch.set_num_threads(threads)
         for name in names:
             if name == "tensorboard":
                 t = TensorBoardTracker("", out / TB_DIR)  # events directly in <out>/tensorboard
@@ -42,8 +49,6 @@ class Trackers:
                 t = WandBTracker("redraft", name=run_name, dir=str(out))
             else:
                 t = MLflowTracker("redraft", run_name=run_name)
-            # we create trackers on rank 0 only: accelerate need not ask its own PartialState
-            t.main_process_only = False
             t.start()
             if name != "tensorboard":  # TensorBoard keeps the config as run_config.yaml beside it
                 t.store_init_configuration({k: v if isinstance(v, (int, float, str, bool)) or v is None
