@@ -49,7 +49,8 @@ class Trackers:
                 t = WandBTracker("redraft", name=run_name, dir=str(out))
             else:
                 t = MLflowTracker("redraft", run_name=run_name)
-            t.start()
+            if hasattr(t, "start"):  # accelerate >= 1.x starts trackers lazily
+                t.start()
             if name != "tensorboard":  # TensorBoard keeps the config as run_config.yaml beside it
                 t.store_init_configuration({k: v if isinstance(v, (int, float, str, bool)) or v is None
                                             else str(v) for k, v in config.items()})
