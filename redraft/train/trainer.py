@@ -84,6 +84,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
         from redraft.models import load_target
 
         target = load_target(cfg.target, dtype=target_dtype(precision, env.device), device=env.device)
+    if cfg.draft_vocab_size and cfg.draft_vocab_size > target.vocab_size:
+        raise ConfigError(f"--draft-vocab-size {cfg.draft_vocab_size} is out of range: the target "
+                          f"{target.model_id!r} has {target.vocab_size} tokens; use at most that, or leave it out "
+                          f"for the full vocabulary.", param="draft_vocab_size")
     record = target_record(target)
     if resuming:
         check_same_target(saved, record, cfg, out)
@@ -133,7 +137,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
 
     # ---- the loop
     meter = Meter(cfg.num_steps, env.device)
-    trackers = Trackers(parse_report_to(cfg.report_to), out, out.name, cfg.to_dict(), enabled=env.is_main)
+    trackers = Trackers(parse_report_to(cfg.report_to), out, cfg.resolved_run_name(), cfg.to_dict(),
+                        enabled=env.is_main)
     metrics: dict = {}
     status = "running"
     t_start = time.perf_counter() - state["elapsed_s"]
@@ -243,10 +248,6 @@ def check_same_target(saved: dict | None, record: dict, cfg: TrainConfig, out: P
 
 def build_head(cfg: TrainConfig, target, records, record: dict) -> ReDrafter:
     """The head for ``target``: seeded init (or ``init_from``), the draft vocabulary, the warm start."""
-    if cfg.draft_vocab_size and cfg.draft_vocab_size > target.vocab_size:
-        raise ConfigError(f"--draft-vocab-size {cfg.draft_vocab_size} is out of range: the target "
-                          f"{target.model_id!r} has {target.vocab_size} tokens; use at most that, or leave it out "
-                          f"for the full vocabulary.", param="draft_vocab_size")
     torch.manual_seed(cfg.seed)
     dcfg = ReDrafterConfig.for_target(target, num_layers=cfg.num_layers, rnn=cfg.rnn, activation=cfg.activation,
                                       num_steps=cfg.num_steps, draft_vocab_size=cfg.draft_vocab_size,

@@ -6,7 +6,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from redraft.errors import ArtifactError, ConfigError, FingerprintMismatchError
