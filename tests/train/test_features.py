@@ -13,6 +13,7 @@ from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 from redraft.train import features as feat
 from redraft.train.config import make_config
 from redraft.train.features import FeatureRecords, cache_features
+from redraft.train.fingerprint import target_record
 from redraft.train.losses import drafter_loss
 from redraft.train.step import target_hidden, target_topk, topk_teacher_logprobs
 from redraft.train.trainer import train
@@ -196,3 +197,20 @@ def test_features_must_match_the_runs_data_and_target(tmp_path, tiny_target, tin
     with pytest.raises(ConfigError, match="redraft-cache-features"):
         train(missing, target=tiny_target)
     assert not Path(missing.output_dir).exists()  # refused before any work
+
+
+def test_the_cache_features_command_writes_what_train_reads(tmp_path, tiny_target, tiny_target_dir, chat_file,
+                                                             capsys):
+    from redraft.train.cli import cache_features_main
+
+    argv = ["--recipe", "tiny", "--target", str(tiny_target_dir), "--data", f"sharegpt:{chat_file}",
+            "--num-proc", "1", "--data-cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "f"),
+            "--top-k", "3"]
+    assert cache_features_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "bytes/token" in err and "redraft-train --recipe tiny --features" in err
+    rec = FeatureRecords(tmp_path / "f", cfg=_cfg(tmp_path, tiny_target_dir, chat_file),
+                         record=target_record(tiny_target))
+    assert rec.top_k == 3 and rec.meta["data"]["max_length"] == 128  # the tiny recipe's records
+    assert cache_features_main(argv) == 0  # complete: a second run has nothing to do
+    assert "bytes/token" in capsys.readouterr().err
