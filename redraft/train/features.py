@@ -254,7 +254,6 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
     """
     from redraft.train.distributed import resolve_train_device
     from redraft.train.precision import resolve_precision, target_dtype
-    from redraft.train.step import target_hidden, target_topk
 
     cfg.validate()
     out = Path(out_dir)
@@ -314,39 +313,49 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
 
     bar = tqdm(total=sum(meta["shards"][i]["tokens"] for i in todo), unit="tok", desc="cache features",
                disable=not progress, dynamic_ncols=True)
-    torch_hidden = getattr(torch, hidden_dtype)
+    first_token = np.concatenate([[0], np.cumsum(records.lengths)])  # [R+1] of the flat token arrays
     for i in todo:
         start, end = meta["shards"][i]["records"]
-        lengths = records.lengths[start:end]
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        n = int(offsets[-1])
-        hidden = torch.empty(n, target.hidden_size, dtype=torch_hidden)
-        topk_ids = torch.empty(n, top_k, dtype=torch.int32)
-        topk_logits = torch.empty(n, top_k, dtype=torch.float32)
-        order = start + np.argsort(-lengths, kind="stable")  # similar lengths together: little padding
-        for group in _length_groups(order, records.lengths, batch_tokens):
-            batch = records.batch(group, device)
-            h = target_hidden(target, batch.ids, precision)  # [B, T, H]
-            t_ids, t_val = target_topk(target, h, precision, top_k)  # [B, T, k]
-            h, t_ids, t_val = h.to(torch_hidden).cpu(), t_ids.cpu(), t_val.cpu()
-            for b, r in enumerate(group):  # B records: one slice copy each
-                a, ln = int(offsets[r - start]), int(records.lengths[r])
-                hidden[a:a + ln] = h[b, :ln]
-                topk_ids[a:a + ln] = t_ids[b, :ln]
-                topk_logits[a:a + ln] = t_val[b, :ln]
-            bar.update(int(records.lengths[group].sum()))
-        tok0 = int(np.concatenate([[0], np.cumsum(records.lengths)])[start])
+        a, b = int(first_token[start]), int(first_token[end])
         tensors = {
-            "hidden": hidden, "topk_ids": topk_ids, "topk_logits": topk_logits,
-            "input_ids": torch.from_numpy(flat_ids[tok0:tok0 + n].astype(np.int32)),
-            "loss_mask": torch.from_numpy(flat_mask[tok0:tok0 + n].astype(np.uint8)),
-            "offsets": torch.from_numpy(offsets.astype(np.int64)),
+            **_shard_features(target, records, start, end, precision, top_k, getattr(torch, hidden_dtype),
+                              batch_tokens, device, bar),
+            "input_ids": torch.from_numpy(flat_ids[a:b].astype(np.int32)),
+            "loss_mask": torch.from_numpy(flat_mask[a:b].astype(np.uint8)),
+            "offsets": torch.from_numpy(first_token[start:end + 1] - a),
         }
         _write_shard(out / meta["shards"][i]["file"], tensors, {"format": FORMAT, "records": f"{start}:{end}"})
     bar.close()
     meta["complete"] = True
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
     return meta
+
+
+def _shard_features(target, records, start: int, end: int, precision: str, top_k: int, hidden_dtype: torch.dtype,
+                    batch_tokens: int, device, bar) -> dict[str, torch.Tensor]:
+    """The target's features of records ``start:end``, tokens concatenated in record order:
+    ``hidden`` [N, H], ``topk_ids`` [N, k] int32, ``topk_logits`` [N, k] float32 (CPU)."""
+    from redraft.train.step import target_hidden, target_topk
+
+    lengths = records.lengths[start:end]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])  # each record's first token in the shard
+    n = int(offsets[-1])
+    hidden = torch.empty(n, target.hidden_size, dtype=hidden_dtype)
+    topk_ids = torch.empty(n, top_k, dtype=torch.int32)
+    topk_logits = torch.empty(n, top_k, dtype=torch.float32)
+    order = start + np.argsort(-lengths, kind="stable")  # similar lengths together: little padding
+    for group in _length_groups(order, records.lengths, batch_tokens):
+        batch = records.batch(group, device)
+        h = target_hidden(target, batch.ids, precision)  # [B, T, H]
+        t_ids, t_val = target_topk(target, h, precision, top_k)  # [B, T, k]
+        h, t_ids, t_val = h.to(hidden_dtype).cpu(), t_ids.cpu(), t_val.cpu()
+        for row, r in enumerate(group):  # B records: one slice copy each
+            a, ln = int(offsets[r - start]), int(records.lengths[r])
+            hidden[a:a + ln] = h[row, :ln]
+            topk_ids[a:a + ln] = t_ids[row, :ln]
+            topk_logits[a:a + ln] = t_val[row, :ln]
+        bar.update(int(records.lengths[group].sum()))
+    return {"hidden": hidden, "topk_ids": topk_ids, "topk_logits": topk_logits}
 
 
 def _length_groups(order: np.ndarray, lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
