@@ -38,6 +38,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from collections import deque
@@ -279,6 +280,9 @@ _WORKER_ENCODER: _Encoder | None = None
 
 def _worker_init(encoder: _Encoder) -> None:
     global _WORKER_ENCODER
+    # Ctrl-C reaches the whole process group: only the parent handles it (it closes the pool),
+    # so the user sees one line instead of a traceback from every worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     _WORKER_ENCODER = encoder
 

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from redraft.errors import ArtifactError, ConfigError, FingerprintMismatchError
-from redraft.ngrams import NGramTables, build_extended, build_trigram_table, count_trigrams, save_tables
+from redraft.ngrams import (
+    NGramTables,
+    TrigramTable,
+    build_extended,
+    build_trigram_table,
+    count_trigrams,
+    save_tables,
+)
 
 V = 50
 
@@ -57,7 +64,7 @@ def test_round_trip_and_lookups(parts, tmp_path):
 @pytest.mark.parametrize("dense", [True, False], ids=["padded-rows", "csr-gather"])
 def test_trigram_successors_fill_missing_with_minus_one(parts, tmp_path, dense, monkeypatch):
     if not dense:
-        monkeypatch.setattr(NGramTables, "DENSE_TRIGRAM_MAX_BYTES", 0)
+        monkeypatch.setattr(TrigramTable, "DENSE_MAX_BYTES", 0)
     tables = NGramTables.load(_save(tmp_path / "t", parts))
     table = parts["trigram"]
     key = int(table.context_keys[0])
@@ -78,9 +85,15 @@ def test_trigram_successors_fill_missing_with_minus_one(parts, tmp_path, dense, 
 def test_every_stored_context_is_found(parts, tmp_path):
     tables = NGramTables.load(_save(tmp_path / "t", parts))
     table = parts["trigram"]
-    csr = tables.trigram_csr()
+    loaded = tables.trigram
+    assert isinstance(loaded, TrigramTable) and (loaded.t, loaded.min_count) == (4, 1)
+    np.testing.assert_array_equal(loaded.offsets, table.offsets)
+    np.testing.assert_array_equal(loaded.ids, table.ids)
+    np.testing.assert_array_equal(loaded.context_counts, table.context_counts)
+    np.testing.assert_array_equal(loaded.probs, table.probs.astype(np.float16))  # f16 on disk
+    csr = tables.trigram_csr()  # the stored arrays, for code written before .trigram
     assert csr["offsets"].tolist() == table.offsets.tolist() and csr["ids"].dtype == torch.int32
-    keys = torch.from_numpy(table.context_keys)
+    keys = torch.from_numpy(np.array(table.context_keys))
     ids, _ = tables.trigram_successors(keys // V, keys % V)
     lengths = (ids >= 0).sum(-1).numpy()
     np.testing.assert_array_equal(lengths, np.diff(table.offsets))
