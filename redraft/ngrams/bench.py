@@ -168,12 +168,8 @@ def bench_lookups(arrays, V, args, report: dict) -> None:
     bigram_ids = torch.randint(0, V, (V, args.k), generator=g, dtype=torch.int32)
     tri = build_trigram_table(count_trigrams(arrays, V), t=args.t, min_count=args.min_count)
     tables = NGramTables({"bigram": {"ids": bigram_ids, "probs": torch.rand(V, args.k).half()},
-                          "extended": {"ids": build_extended(bigram_ids, args.w)},
-                          "trigram": {k: torch.from_numpy(np.asarray(v)) for k, v in {
-                              "context_keys": tri.context_keys, "offsets": tri.offsets,
-                              "ids": tri.ids, "probs": tri.probs.astype(np.float16),
-                              "context_counts": tri.context_counts}.items()}},
-                         {"vocab_size": V, "trigram": {"t": args.t}})
+                          "extended": {"ids": build_extended(bigram_ids, args.w)}},
+                         {"vocab_size": V}, trigram=tri)
     N = args.lookup_batch
     flat = np.concatenate(arrays)
     pos = torch.randint(0, len(flat) - 2, (N,), generator=g)

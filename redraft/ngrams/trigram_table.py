@@ -212,16 +212,21 @@ class TrigramTable:
             raise ConfigError(f"k={k}: ask for at least one successor.", param="k")
         if hasattr(w1, "device") and hasattr(w1, "detach"):  # torch in, torch out
             return self._successors_torch(w1, w2, k)
-        w1, w2 = np.atleast_1d(np.asarray(w1, np.int64)), np.atleast_1d(np.asarray(w2, np.int64))
-        # [...] packed contexts; w1 outside [0, V) lands outside every key, w2 outside it would
-        # alias another context: -1, never a key
-        ctx = np.where((w2 < 0) | (w2 >= self.vocab_size), -1, w1 * self.vocab_size + w2)
+        w1, w2 = np.asarray(w1, np.int64), np.asarray(w2, np.int64)
+        if w1.ndim == 0 or w2.ndim == 0:
+            w1, w2 = np.atleast_1d(w1), np.atleast_1d(w2)
+        # ADED's search calls this with 24-150 contexts, where each numpy call's overhead costs
+        # more than its work: hence few calls, in place where possible.
+        ctx = w1 * self.vocab_size + w2  # [...]; w1 outside [0, V) lands outside every key
+        ctx[w2.view(np.uint64) >= self.vocab_size] = -1  # w2 < 0 or >= V would alias: no key is -1
         row = self._keys_pad.searchsorted(ctx)  # [...] in [0, C]
         row[self._keys_pad[row] != ctx] = self.context_keys.size  # misses read the empty row C
         dense = self._dense_rows()
         if dense is not None:
             width = dense[0].shape[1]
-            ids, probs = dense[0][row, :k].astype(np.int64), dense[1][row, :k]  # [..., min(k, width)]
+            if k < width:
+                return dense[0][row, :k].astype(np.int64), dense[1][row, :k]
+            ids, probs = dense[0][row].astype(np.int64), dense[1][row]  # [..., width]
             if k > width:  # more columns than any row holds: pad
                 pad = ids.shape[:-1] + (k - width,)
                 ids = np.concatenate([ids, np.full(pad, -1, np.int64)], -1)

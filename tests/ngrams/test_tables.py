@@ -143,3 +143,41 @@ def test_missing_kind_and_too_many_columns(parts, tmp_path):
         tables.trigram_successors(torch.tensor([1]), torch.tensor([2]))
     with pytest.raises(ConfigError, match="k=9"):
         tables.bigram_topk(torch.tensor([1]), k=9)
+
+
+def _rewrite_meta(path, change):
+    meta = json.loads((path / "ngrams.json").read_text())
+    change(meta)
+    (path / "ngrams.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda m: m.pop("files"), "lacks the key 'files'"),
+    (lambda m: m.pop("vocab_size"), "lacks the key 'vocab_size'"),
+    (lambda m: m.update(vocab_size="50"), "vocab_size '50'"),
+    (lambda m: m.update(files={}), "has files {}"),
+    (lambda m: m["files"].update(fourgram={"file": "x"}), r"unknown table kind\(s\) \['fourgram'\]"),
+    (lambda m: m["files"]["bigram"].pop("sha256"), "lacks files.bigram.sha256"),
+    (lambda m: m["files"]["bigram"].update(file="../bigram.safetensors"), "plain file name"),
+    (lambda m: m.update(kinds=["bigram"]), "says kinds"),
+    (lambda m: m.update(format="other"), "format 'other'"),
+])
+def test_a_damaged_ngrams_json_names_what_is_wrong(parts, tmp_path, change, message):
+    path = _save(tmp_path / "t", {"unigram": parts["unigram"], "bigram": parts["bigram"]})
+    _rewrite_meta(path, change)
+    with pytest.raises(ArtifactError, match=message) as err:
+        NGramTables.load(path)
+    assert str(path / "ngrams.json") in str(err.value)
+
+
+def test_without_files_the_cut_trigram_file_is_never_loaded_as_empty(parts, tmp_path):
+    path = _save(tmp_path / "t", {"trigram": parts["trigram"]})
+    f = path / "trigram.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    _rewrite_meta(path, lambda m: m.pop("files"))
+    with pytest.raises(ArtifactError, match="'files'"):
+        NGramTables.load(path)
+    # verify=False still needs the file list, not the checksums
+    _rewrite_meta(path, lambda m: m.update(files={"trigram": {"file": "trigram.safetensors"}}))
+    with pytest.raises(ArtifactError, match="cannot be read as safetensors"):
+        NGramTables.load(path, verify=False)
