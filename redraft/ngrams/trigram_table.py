@@ -241,16 +241,23 @@ class TrigramTable:
         """:meth:`successors` for torch tensors: the same steps with torch ops on their device."""
         import torch
 
-        a = self._on(w1.device)
+        a = self._devices.get(w1.device) or self._on(w1.device)
         V, C, E = self.vocab_size, self.context_keys.size, self.ids.size
-        w1 = torch.atleast_1d(w1).long()
-        w2 = torch.atleast_1d(torch.as_tensor(w2, device=w1.device)).long()
-        ctx = torch.where((w2 < 0) | (w2 >= V), -1, w1 * V + w2)
-        row = torch.searchsorted(a["keys_pad"], ctx)
-        row = row.masked_fill(a["keys_pad"][row] != ctx, C)
+        if w1.dim() == 0:
+            w1 = w1.reshape(1)
+        w2 = torch.as_tensor(w2, device=w1.device).reshape(w1.shape).long()
+        ctx = w1.long() * V + w2  # [...]
+        ctx.masked_fill_(w2.div(V, rounding_mode="floor") != 0, -1)  # w2 outside [0, V): no key
+        row = torch.searchsorted(a["keys_pad"], ctx)  # [...] in [0, C]
+        row.masked_fill_(a["keys_pad"][row] != ctx, C)  # misses read the empty row C
         if "dense_ids" in a:
             width = a["dense_ids"].shape[1]
-            ids, probs = a["dense_ids"][row, :k].long(), a["dense_probs"][row, :k]
+            flat = row.reshape(-1)
+            ids = a["dense_ids"].index_select(0, flat).reshape(*row.shape, width)
+            probs = a["dense_probs"].index_select(0, flat).reshape(*row.shape, width)
+            if k < width:
+                return ids[..., :k].long(), probs[..., :k]
+            ids = ids.long()
             if k > width:
                 pad = ids.shape[:-1] + (k - width,)
                 ids = torch.cat([ids, ids.new_full(pad, -1)], -1)
@@ -258,7 +265,7 @@ class TrigramTable:
             return ids, probs
         start, end = a["off_pad"][row], a["off_pad"][row + 1]
         idx = start[..., None] + torch.arange(k, device=row.device)
-        idx = idx.masked_fill(idx >= end[..., None], E)
+        idx.masked_fill_(idx >= end[..., None], E)
         return a["ids_pad"][idx], a["probs_pad"][idx]
 
     def prob(self, w1, w2, w3):
