@@ -362,7 +362,7 @@ def find_shards(out: Path) -> list[Path]:
     for root in (shards_home(out), out):  # later wins: a rerun shard in out replaces the old
         if root.is_dir():
             for d in sorted(root.glob(SHARD_GLOB)):
-                if d.is_dir() and not d.name.endswith(".tmp"):
+                if d.is_dir() and ".tmp" not in d.name:  # a shard killed while saving
                     found[d.name] = d
     return [found[n] for n in sorted(found)]
 
