@@ -291,6 +291,26 @@ def _worker_run(records: list[Record]) -> _Chunk:
     return _WORKER_ENCODER(records)
 
 
+def _fork_pool(ctx, num_proc: int, encoder: _Encoder):
+    """A worker pool whose workers are forked with SIGTERM's default action.
+
+    A forked worker inherits the parent's Python signal handlers; when the parent (a CLI) has a
+    SIGTERM handler that raises, ``Pool.terminate()`` (which SIGTERMs the workers) can leave a
+    worker alive forever and the parent waiting for it (reproduced: 30 pools of 2 workers hang
+    within seconds). So the handler is set aside while the pool forks its workers.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder,))
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL), signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder,))
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+
+
 def _map_chunks(encoder: _Encoder, chunks: Iterator[list[Record]], num_proc: int) -> Iterator[_Chunk]:
     """Encode chunks in order, ``num_proc`` at a time; at most ``2 * num_proc`` in flight so a
     streaming source is never read far ahead of the tokenizer."""
@@ -302,7 +322,7 @@ def _map_chunks(encoder: _Encoder, chunks: Iterator[list[Record]], num_proc: int
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # silences the fork warning; restored below
     try:
-        with ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder,)) as pool:
+        with _fork_pool(ctx, num_proc, encoder) as pool:
             pending: deque = deque()
             for chunk in chunks:
                 pending.append(pool.apply_async(_worker_run, (chunk,)))

@@ -434,8 +434,17 @@ def run_merge(args) -> dict:
 # ------------------------------------------------------------------------------------------
 
 
+_MAIN_PID = os.getpid()
+
+
 def _terminate(signum, frame):
-    raise SystemExit(128 + signum)  # runs the finally blocks (temporary files) like Ctrl-C
+    """SIGTERM in the CLI process: exit through the finally blocks (temporary files), like
+    Ctrl-C. A forked child that inherited this handler dies the default way instead."""
+    if os.getpid() != _MAIN_PID:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_merge_parser() if merge else build_parser()
     args = parser.parse_args(argv[1:] if merge or argv[:1] == ["build"] else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    global _MAIN_PID
+    _MAIN_PID = os.getpid()
     previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
     try:
         run_merge(args) if merge else run_build(args)

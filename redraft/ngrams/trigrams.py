@@ -252,9 +252,12 @@ class SpillDir:
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         self.path = Path(tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=root))
-        lock = open(self.path / _LOCK, "w")
+        # Lock first, then give the file its name: a cleaner never sees an unlocked owner.lock
+        # of a live process (a folder without one is judged by its age).
+        lock = open(self.path / (_LOCK + ".new"), "w")
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.replace(self.path / (_LOCK + ".new"), self.path / _LOCK)
         self._finalizer = weakref.finalize(self, _remove_spill, self.path, lock)
 
     @property
