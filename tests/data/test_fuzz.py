@@ -3,10 +3,12 @@ and random JSON. Every call succeeds or raises a RedraftError with a message; ne
 exception, never a hang (bounded examples, a deadline per example; the file runs in seconds).
 """
 
+import atexit
 import gzip
 import itertools
 import json
 import math
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -31,6 +33,7 @@ FUZZ = settings(max_examples=120, deadline=2000, database=None,  # no .hypothesi
 SUFFIXES = [".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet", ".txt", ""]
 READERS = ["sharegpt", "ultrachat", "stack", "auto"]  # auto: a bare path, format per record
 _DIR = Path(tempfile.mkdtemp(prefix="redraft-fuzz-"))  # one folder, a fresh file per example
+atexit.register(shutil.rmtree, _DIR, True)
 _names = itertools.count()
 
 
