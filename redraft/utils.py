@@ -8,12 +8,14 @@
   same directory, then ``os.replace``);
 * :func:`sha256_file`: the hex sha256 of a file, read in blocks (artifacts record it at write time
   and check it on load).
+* :class:`HelpFormatter`: command-line help that prints each default once.
 
 Nothing here imports torch at module import, so command-line ``--help`` stays fast.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import os
@@ -122,3 +124,13 @@ def sha256_file(path: str | os.PathLike, block: int = 1 << 22) -> str:
         for piece in iter(lambda: f.read(block), b""):
             h.update(piece)
     return h.hexdigest()
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``argparse`` help with each default printed once, as ``(default: X)``, and none where the
+    default is ``None`` or ``False`` (the help text says what leaving the flag out means)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)

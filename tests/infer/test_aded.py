@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from redraft.infer.drafters.aded import ADEDDrafter, TrigramOverlay, TrigramTable, as_trigram_table
+from redraft.infer.drafters.aded import ADEDDrafter, TrigramOverlay
 from redraft.infer.drafters.base import Feedback
 from redraft.infer.drafters.mcts import MCTSConfig, mcts_search, puct_exploration
-from redraft.ngrams import NGramTables, build_trigram_table, count_trigrams, save_tables
+from redraft.ngrams import NGramTables, TrigramTable, as_trigram_table, build_trigram_table, count_trigrams, save_tables
 from redraft.testing import decode_state as _state
 
 V = 50
@@ -106,7 +106,7 @@ def test_mcts_batch_rows_are_independent_and_unknown_contexts_give_nothing():
 
 def test_overlay_raises_up_to_cap_adds_new_and_keeps_rows_apart():
     table = TrigramTable.from_trigrams([1, 1], [2, 2], [5, 6], [3, 1], vocab_size=10)
-    saved = [a.copy() for a in (table.keys, table.offsets, table.ids, table.probs)]
+    saved = [a.copy() for a in (table.context_keys, table.offsets, table.ids, table.probs)]
     ov = TrigramOverlay(table, batch_size=2, increment=0.2, cap=0.9)
     ov.update([0], [1], [2], [6])  # 0.25 -> 0.45
     ov.update([0, 0], [1, 1], [2, 2], [6, 6])  # two repeats: 0.45 -> 0.85
@@ -118,7 +118,7 @@ def test_overlay_raises_up_to_cap_adds_new_and_keeps_rows_apart():
     np.testing.assert_allclose(probs[1], [0.75, 0.25, 0], rtol=1e-6)  # row 1 sees the table
     ov.update([0] * 5, [1] * 5, [2] * 5, [6] * 5)
     assert ov.prob_[ov.key == ov._pack(0, 1, 2, 6)][0] == pytest.approx(0.9)  # capped
-    for a, b in zip(saved, (table.keys, table.offsets, table.ids, table.probs)):
+    for a, b in zip(saved, (table.context_keys, table.offsets, table.ids, table.probs)):
         np.testing.assert_array_equal(a, b)  # the shared table never changes
     ov.select_rows(np.array([0]))  # row 0 stays (as row 0), row 1 leaves
     assert ov.successors(np.array([0]), np.array([1]), np.array([2]), 3)[0][0].tolist() == [6, 5, 7]
@@ -129,7 +129,7 @@ def test_adaptive_updates_change_later_drafts_and_not_the_artifact(tmp_path):
 
     table = random_table(fanout=3, seed=4, vocab=20)
     path = tmp_path / "trigrams.safetensors"
-    save_file({"keys": table.keys, "offsets": table.offsets, "ids": table.ids, "probs": table.probs}, str(path))
+    save_file({"keys": table.context_keys, "offsets": table.offsets, "ids": table.ids, "probs": table.probs}, str(path))
     before = path.read_bytes()
     arrs = load_file(str(path))
     table = TrigramTable.from_csr(arrs["keys"], arrs["offsets"], arrs["ids"], arrs["probs"], 20)
@@ -179,7 +179,7 @@ def _tiny_corpus_table(tiny_target):
 
 def table_from_docs(docs, vocab_size, t=12):
     """The n-gram stage's tri-gram table of token documents, as ADED reads it."""
-    return as_trigram_table(build_trigram_table(count_trigrams(docs, vocab_size), t=t), vocab_size)
+    return build_trigram_table(count_trigrams(docs, vocab_size), t=t)
 
 
 def test_aded_greedy_equals_plain_greedy_alone_and_in_a_mix(tiny_target, tiny_prompts):
@@ -224,7 +224,7 @@ def test_aded_reads_the_ngram_builders_artifact(tmp_path, tiny_target):
         for i, p in zip(ids[0], probs[0]):
             if i >= 0:
                 assert abs(float(p) - succ[int(i)] / total) < 1e-3  # float16 on disk
-    w1, w2 = table.keys // V, table.keys % V
+    w1, w2 = table.context_keys // V, table.context_keys % V
     a_ids, _ = table.successors(w1, w2, 12)
     ref_ids, _ = loaded.trigram_successors(torch.from_numpy(w1), torch.from_numpy(w2), 12)
     assert (a_ids == ref_ids.numpy()).all()

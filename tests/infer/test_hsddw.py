@@ -220,13 +220,12 @@ def test_trigram_m1_early_exit_m2_hierarchy_is_exact(tiny_target, tiny_prompts):
     import numpy as np
 
     from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
-    from redraft.infer.drafters.aded import as_trigram_table
     from redraft.infer.drafters.hsddw import TrigramModel
     from redraft.ngrams import build_trigram_table, count_trigrams
 
     ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=24)
     V = tiny_target.vocab_size
-    table = as_trigram_table(build_trigram_table(count_trigrams([np.asarray(r.tokens) for r in ref], V)), V)
+    table = build_trigram_table(count_trigrams([np.asarray(r.tokens) for r in ref], V))
     tri = TrigramModel(table, tiny_target.vocab_size)
     lg = tri.logits(0, list(ref[0].tokens[:2]), [])  # the table's distribution after 2 tokens
     assert int(lg[0].argmax()) == ref[0].tokens[2] and float(lg[0].softmax(-1).max()) > 0.5

@@ -2,11 +2,9 @@
 
 Pieces, each usable alone:
 
-* :class:`TrigramTable`: a read-only view of the tri-gram table in CSR form (sorted packed
-  context keys ``w1 * V + w2``, offsets, successor ids, probabilities) with a vectorised
-  ``successors`` lookup. :meth:`TrigramTable.from_csr` takes the four arrays, so tests and other
-  tools can build one without the n-gram builder; :func:`as_trigram_table` adapts the builder's
-  ``NGramTables``.
+* the corpus tri-gram table: :class:`redraft.ngrams.TrigramTable` (the n-gram stage's one type,
+  CSR with a vectorised ``successors`` lookup); :func:`redraft.ngrams.as_trigram_table` takes it
+  or loaded ``NGramTables``.
 * :class:`TrigramOverlay`: ADED's adaptive updates (Adjust3Gram) for a batch of requests. After
   each step the tri-grams of the new output get their probability raised by ``increment`` up to
   ``cap``; tri-grams the table lacks enter with ``increment``. The overlay is a few sorted numpy
@@ -19,7 +17,7 @@ Pieces, each usable alone:
 
 Example::
 
-    table = as_trigram_table(NGramTables.load("checkpoints/ngrams-sharegpt", target))
+    table = NGramTables.load("checkpoints/ngrams-sharegpt", target, kinds=["trigram"]).trigram
     drafter = ADEDDrafter(table)                # paper defaults: 150 iterations, depth 4, 24 paths
     decoder = SpeculativeDecoder(target, [drafter])
 """
@@ -32,137 +30,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from redraft.errors import ArtifactError
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback
 from redraft.infer.drafters.mcts import MCTSConfig, MCTSResult, mcts_search
+from redraft.ngrams import TrigramTable, as_trigram_table
 
 # ADED's Adjust3Gram defaults: one observation of a tri-gram makes it a strong (not certain)
 # candidate; repeats saturate at ``cap``.
 DEFAULT_INCREMENT = 0.3
 DEFAULT_CAP = 0.95
-
-
-class TrigramTable:
-    """Read-only tri-gram table ``P(w3 | w1, w2)`` in CSR form, on the host (numpy).
-
-    Attributes:
-        keys: ``[C]`` int64, sorted: packed contexts ``w1 * V + w2``.
-        offsets: ``[C + 1]`` int64: successors of ``keys[i]`` are ``ids[offsets[i]:offsets[i+1]]``.
-        ids: ``[E]`` int64 successor ids, each context's sorted by probability (descending).
-        probs: ``[E]`` float32 ``P(w3 | w1, w2)``.
-        vocab_size: ``V`` of the packing.
-    """
-
-    def __init__(self, keys, offsets, ids, probs, vocab_size: int):
-        self.keys = np.ascontiguousarray(keys, np.int64)
-        self.offsets = np.ascontiguousarray(offsets, np.int64)
-        self.ids = np.ascontiguousarray(ids, np.int64)
-        self.probs = np.ascontiguousarray(probs, np.float32)
-        self.vocab_size = int(vocab_size)
-        C = self.keys.size
-        if self.offsets.size != C + 1 or self.ids.size != self.probs.size or (
-                C and self.offsets[-1] != self.ids.size):
-            raise ArtifactError(
-                f"tri-gram CSR arrays disagree: {C} keys, {self.offsets.size} offsets (want {C + 1}), "
-                f"{self.ids.size} ids, {self.probs.size} probs, last offset "
-                f"{self.offsets[-1] if self.offsets.size else None}. Rebuild the n-gram tables.")
-        if C > 1 and not (np.diff(self.keys) > 0).all():
-            raise ArtifactError("tri-gram context keys are not strictly increasing; rebuild the table.")
-        lens = np.diff(self.offsets)
-        self.max_successors = int(lens.max()) if C else 0
-        # sentinel-padded copies for branch-free lookups: a miss maps to context C, whose range
-        # [E, E) is empty, and entry E is (-1, 0)
-        E = self.ids.size
-        self._keys_pad = np.append(self.keys, np.iinfo(np.int64).max)  # stays sorted, never a context
-        self._off_pad = np.append(self.offsets if C else np.zeros(1, np.int64), np.int64(E))
-        self._ids_pad = np.append(self.ids, np.int64(-1))
-        self._probs_pad = np.append(self.probs, np.float32(0.0))
-
-    @classmethod
-    def from_csr(cls, keys, offsets, ids, probs, vocab_size: int, sort: bool = True) -> "TrigramTable":
-        """Build from CSR arrays (numpy or torch); ``sort`` orders each context's successors by
-        probability (descending), which :meth:`successors` relies on."""
-        arrs = [a.cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
-                for a in (keys, offsets, ids, probs)]
-        keys, offsets, ids, probs = arrs
-        if sort and ids.size:
-            seg = np.repeat(np.arange(keys.size), np.diff(offsets))
-            p = probs.astype(np.float32)
-            if not ((np.diff(p) <= 0) | (seg[1:] != seg[:-1])).all():  # not yet sorted per context
-                order = np.lexsort((-p, seg))
-                ids, probs = ids[order], probs[order]
-        return cls(keys, offsets, ids, probs, vocab_size)
-
-    @classmethod
-    def from_trigrams(cls, w1, w2, w3, counts, vocab_size: int, top: int = 12) -> "TrigramTable":
-        """Build from counted tri-grams (any order): ``P = C(w1,w2,w3) / C(w1,w2)``, top-``top``
-        successors per context. For tests and small corpora (the builder does this at scale)."""
-        w1, w2, w3 = (np.asarray(a, np.int64) for a in (w1, w2, w3))
-        counts = np.asarray(counts, np.float64)
-        ctx = w1 * vocab_size + w2
-        order = np.lexsort((-counts, ctx))
-        ctx, w3, counts = ctx[order], w3[order], counts[order]
-        keys, start, n = np.unique(ctx, return_index=True, return_counts=True)
-        total = np.add.reduceat(counts, start)
-        rank = np.arange(ctx.size) - np.repeat(start, n)
-        keep = rank < top
-        probs = counts / np.repeat(total, n)
-        kept = np.minimum(n, top)
-        offsets = np.concatenate([[0], np.cumsum(kept)])
-        return cls(keys, offsets, w3[keep], probs[keep].astype(np.float32), vocab_size)
-
-    def __len__(self) -> int:
-        return int(self.keys.size)
-
-    def rows_of(self, w1: np.ndarray, w2: np.ndarray) -> np.ndarray:
-        """Index of context ``(w1, w2)`` in :attr:`keys` per query ``[N]``, ``C`` (one past the
-        last context, an empty range) if absent or if either token is negative."""
-        w1, w2 = np.asarray(w1, np.int64), np.asarray(w2, np.int64)
-        ctx = np.where((w1 | w2) < 0, -1, w1 * self.vocab_size + w2)
-        pos = self._keys_pad.searchsorted(ctx)  # in [0, C]
-        return np.where(self._keys_pad[pos] == ctx, pos, self.keys.size)
-
-    def successors(self, w1: np.ndarray, w2: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-``k`` successors of each context: ``(ids [N, k] int64, probs [N, k] float32)``,
-        ``-1`` / ``0`` padded, sorted by probability (descending)."""
-        row = self.rows_of(w1, w2)
-        start, end = self._off_pad[row], self._off_pad[row + 1]  # [N]; a miss: the empty [E, E)
-        idx = start[:, None] + np.arange(k)  # [N, k]
-        idx = np.where(idx < end[:, None], idx, self.ids.size)  # past the end -> the (-1, 0) entry
-        return self._ids_pad[idx], self._probs_pad[idx]
-
-    def prob(self, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray) -> np.ndarray:
-        """``P(w3 | w1, w2)`` per query ``[N]`` (0 where the table lacks it)."""
-        ids, probs = self.successors(w1, w2, max(self.max_successors, 1))
-        hit = ids == np.asarray(w3, np.int64)[:, None]
-        return (probs * hit).sum(1)
-
-
-def as_trigram_table(tables, vocab_size: int | None = None) -> TrigramTable:
-    """A :class:`TrigramTable` from what the n-gram builder gives.
-
-    Accepts a :class:`TrigramTable`; a loaded ``redraft.ngrams.NGramTables`` holding the
-    ``trigram`` kind; the builder's ``redraft.ngrams.trigrams.TrigramTable`` (``context_keys``,
-    ``offsets``, ``ids``, ``probs``, ``vocab_size``); or any object with CSR arrays named
-    ``keys/offsets/ids/probs``. The arrays are shared, not copied, when they are already numpy on
-    the host and sorted.
-    """
-    if isinstance(tables, TrigramTable):
-        return tables
-    V = vocab_size or getattr(tables, "vocab_size", None)
-    if "trigram" in getattr(tables, "kinds", ()) and hasattr(tables, "trigram_csr"):
-        tg = tables.trigram_csr()
-        return TrigramTable.from_csr(tg["context_keys"], tg["offsets"], tg["ids"], tg["probs"], int(V))
-    for group in (("context_keys", "offsets", "ids", "probs"), ("keys", "offsets", "ids", "probs")):
-        if all(getattr(tables, n, None) is not None for n in group):
-            if V is None:
-                raise ArtifactError("the tri-gram table does not say its vocab size; pass vocab_size=.")
-            return TrigramTable.from_csr(*(getattr(tables, n) for n in group), vocab_size=int(V))
-    where = getattr(tables, "path", None)
-    raise ArtifactError(
-        f"{where or type(tables).__name__} holds no tri-gram table (kinds: "
-        f"{getattr(tables, 'kinds', '?')}). Build one with `redraft-build-ngrams --kinds trigram "
-        f"--data default-chat --output-dir DIR` and pass that directory.")
 
 
 class TrigramOverlay:
@@ -331,8 +206,8 @@ class ADEDDrafter(Drafter):
     """ADED draft maker: MCTS over the tri-gram table with per-request adaptive updates.
 
     Args:
-        table: the corpus tri-gram table (:class:`TrigramTable`, or what :func:`as_trigram_table`
-            accepts).
+        table: the corpus tri-gram table (:class:`~redraft.ngrams.TrigramTable`, or loaded
+            ``NGramTables`` holding one).
         iterations, c1, c2, depth, candidates, top_k, wave: MCTS settings (paper defaults; see
             :class:`~redraft.infer.mcts.MCTSConfig`).
         increment, cap: Adjust3Gram step and ceiling for tri-grams of the output.

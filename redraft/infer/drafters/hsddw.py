@@ -36,6 +36,7 @@ from torch import nn
 
 from redraft.errors import ConfigError
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback
+from redraft.ngrams import as_trigram_table
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -238,8 +239,6 @@ class TrigramModel(ProbModel):
     'no idea' distribution of maximal entropy so self-verify stops there)."""
 
     def __init__(self, table, vocab_size: int, top_k: int = 12, name: str = "trigram"):
-        from redraft.infer.drafters.aded import as_trigram_table
-
         self.table = as_trigram_table(table)
         self.V, self.k, self.name = vocab_size, top_k, name
 
