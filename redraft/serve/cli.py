@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.api_key is None:
-        args.api_key = os.environ.get("REDRAFT_API_KEY")
+        args.api_key = os.environ.get("REDRAFT_API_KEY") or None
     check_args(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from redraft.errors import RedraftError

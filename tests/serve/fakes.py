@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from redraft.errors import ConfigError
-from redraft.infer.decoder import Generation, StreamEvent
 
 CONTEXT = 96
 
@@ -41,6 +40,28 @@ class FakeParams:
             raise ConfigError(f"top_p={self.top_p} must lie in (0, 1].", param="top_p")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty.", param="stop")
+
+
+@dataclass
+class Generation:
+    """Same fields as ``redraft.infer.Generation`` (not imported: that pulls in torch, and the
+    SIGTERM tests start this fake in fresh processes)."""
+
+    text: str
+    tokens: list
+    finish_reason: str
+    stats: object
+
+
+@dataclass
+class StreamEvent:
+    """Same fields as ``redraft.infer.StreamEvent``."""
+
+    index: int
+    text: str
+    tokens: list
+    done: bool = False
+    generation: Generation | None = None
 
 
 @dataclass
