@@ -223,10 +223,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def redraft_stats(generation) -> dict:
     """The ``redraft`` extension field: how the speculative decoder did on this request."""
     s = generation.stats
-    return {"finish_reason": generation.finish_reason, "new_tokens": s.new_tokens, "target_calls": s.target_calls,
-            "tokens_per_call": round(s.tokens_per_call, 4),
-            "mean_accepted_length": round(float(s.mean_accepted_length), 4),
-            "drafter_share": {k: round(v, 4) for k, v in s.drafter_share().items()}}
+    out = {"finish_reason": generation.finish_reason, "new_tokens": s.new_tokens, "target_calls": s.target_calls,
+           "tokens_per_call": round(s.tokens_per_call, 4),
+           "mean_accepted_length": round(float(s.mean_accepted_length), 4),
+           "drafter_share": {k: round(v, 4) for k, v in s.drafter_share().items()}}
+    if getattr(s, "tree_nodes", None) is not None:  # draft nodes verified per step: the per-row budget used
+        out["tree_nodes_per_step"] = round(s.tree_nodes / max(s.target_calls - 1, 1), 2)
+    return out
 
 
 def response(kind: str, rid: str, model: str, generation, prompt_tokens: int) -> dict:

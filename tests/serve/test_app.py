@@ -299,3 +299,28 @@ def test_metrics_count_requests_and_tokens(fake_server):
     for name in ("redraft_tokens_per_second", "redraft_queue_depth", "redraft_batch_size",
                  "redraft_target_calls_total", "redraft_time_to_first_token_seconds_bucket"):
         assert name in text
+
+
+# ---------------------------------------------------------------------------------- load benchmark
+
+
+def test_loadtest_against_two_servers(fake_server, tmp_path, capsys):
+    """The load benchmark's figures on known outputs: every token counted, both servers' texts
+    compared (identical here: same fake), one row per level and server, ratios against the first."""
+    from redraft.serve import loadtest
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(3)))
+    url_a, _, _ = fake_server(step_delay=0.01)
+    url_b, _, _ = fake_server(step_delay=0.01)
+    out = tmp_path / "load.json"
+    rc = loadtest.main([url_a, url_b, "--labels", "a,b", "--concurrency", "1,3", "--rounds", "2", "--max-tokens", "5",
+                        "--dataset", str(prompts), "--prompts", "3", "--out", str(out), "--markdown", str(tmp_path / "t.md")])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["concurrency"], r["label"]) for r in rows] == [(1, "a"), (1, "b"), (3, "a"), (3, "b")]
+    assert [r["requests"] for r in rows] == [2, 2, 6, 6] and [r["tokens"] for r in rows] == [10, 10, 30, 30]
+    assert all(r["identical"] for r in rows) and rows[0]["ratio"] == 1.0
+    assert rows[0]["tree_nodes_per_step"] is None and rows[0]["mean_accepted_length"] == 2.0
+    assert rows[0]["ttft_p50_ms"] > 0 and rows[2]["itl_p50_ms"] > 0
+    assert (tmp_path / "t.md").read_text().count("\n") == 6
