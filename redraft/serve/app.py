@@ -92,11 +92,12 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
     """
     if sampling_params is None:
         from redraft.infer import SamplingParams as sampling_params
+    make_params = sampling_params.checked  # the decoding API's one place for these checks
     if default_max_tokens < 1:
         raise ConfigError(f"default_max_tokens={default_max_tokens} must be >= 1.", param="default_max_tokens")
     context = int(decoder.target.model.config.max_position_embeddings)
     metrics = Metrics()
-    sched = Scheduler(decoder, max_batch, max_queue, metrics, make_params=sampling_params, warmup=warmup)
+    sched = Scheduler(decoder, max_batch, max_queue, metrics, make_params=make_params, warmup=warmup)
     key = None if api_key is None else _digest(api_key)
 
     @asynccontextmanager
@@ -154,8 +155,8 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
         if max_new is None:
             max_new = max(1, min(default_max_tokens, context - n_prompt))
         try:
-            return sampling_params(max_new_tokens=max_new, temperature=0.0 if body.temperature is None else body.temperature,
-                                   top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops, seed=body.seed)
+            return make_params(max_new_tokens=max_new, temperature=0.0 if body.temperature is None else body.temperature,
+                               top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops, seed=body.seed)
         except ConfigError as exc:
             err = P.config_error(exc)
             if err.param == "max_tokens":
@@ -166,7 +167,7 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
         from jinja2.exceptions import TemplateError
 
         try:
-            return list(decoder.encode(x))
+            return decoder.encode(x)[0]  # encode normalises to a batch; this is one prompt
         except ConfigError as exc:
             raise P.APIError(400, f"{param}: {exc}", param=param) from None
         except TemplateError as exc:  # e.g. a template that insists on alternating roles
@@ -212,11 +213,8 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
     async def completions(request: Request) -> Response:
         body = P.parse_request(await request.body(), P.CompletionRequest)
         body.check(model_name)
+        # token ids are checked (non-empty, in the vocabulary, within the context) by engine.add
         ids = list(body.prompt) if isinstance(body.prompt, list) else encode(body.prompt, "prompt")
-        if not ids:
-            raise P.APIError(400, "prompt: is empty; give at least one token.", param="prompt")
-        if min(ids) < 0 or max(ids) >= decoder.target.vocab_size:
-            raise P.APIError(400, f"prompt: token ids must lie in [0, {decoder.target.vocab_size}).", param="prompt")
         return await run(request, "completion", body, ids, params_for(body, len(ids)))
 
     @v1.get("/models")

@@ -70,7 +70,7 @@ class Metrics:
         s = generation.stats
         self.requests.labels(generation.finish_reason).inc()
         self.target_calls.inc(s.target_calls)
-        verify_steps = max(s.target_calls - 1, 0)  # the prefill is not a verify step
+        verify_steps = s.verify_steps  # the prefill is not a verify step
         with self._lock:
             self._accepted += float(s.mean_accepted_length) * verify_steps
             self._verify_steps += verify_steps

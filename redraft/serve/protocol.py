@@ -228,7 +228,7 @@ def redraft_stats(generation) -> dict:
            "mean_accepted_length": round(float(s.mean_accepted_length), 4),
            "drafter_share": {k: round(v, 4) for k, v in s.drafter_share().items()}}
     if getattr(s, "tree_nodes", None) is not None:  # draft nodes verified per step: the per-row budget used
-        out["tree_nodes_per_step"] = round(s.tree_nodes / max(s.target_calls - 1, 1), 2)
+        out["tree_nodes_per_step"] = round(s.tree_nodes / max(s.verify_steps, 1), 2)
     return out
 
 

@@ -53,11 +53,11 @@ class Scheduler:
     """The decode loop of a server (see the module doc).
 
     Args:
-        decoder: has ``engine()`` (a fresh step-level engine) and ``encode(text)``.
+        decoder: has ``engine()`` (a fresh step-level engine) and ``encode(text)`` (a batch of one).
         max_batch: rows decoding at once; more requests wait.
         max_queue: requests that may wait for a row; past it ``submit`` answers 429.
         metrics: a :class:`redraft.serve.metrics.Metrics` (optional).
-        make_params: ``SamplingParams`` class (or factory) for the warm-up request.
+        make_params: ``SamplingParams.checked`` (or another factory) for the warm-up request.
         warmup: run a short generation before serving (measures the verify-cost curve and
             builds what the first step builds, so the first client does not wait for it).
     """
@@ -267,7 +267,7 @@ class Scheduler:
     def _warm(self, engine) -> None:
         if self.make_params is None:
             return
-        engine.add(self.decoder.encode("Hello"), self.make_params(max_new_tokens=WARMUP_TOKENS))
+        engine.add(self.decoder.encode("Hello")[0], self.make_params(max_new_tokens=WARMUP_TOKENS))
         while engine.has_work:
             engine.step()
 

@@ -31,6 +31,10 @@ class FakeParams:
     stop: tuple = ()
     seed: int | None = None
 
+    @classmethod
+    def checked(cls, **kw) -> "FakeParams":
+        return cls(**{**kw, "stop": tuple(kw.get("stop") or ())})
+
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be >= 1.", param="max_new_tokens")
@@ -70,6 +74,10 @@ class FakeStats:
     target_calls: int = 1
     mean_accepted_length: float = 2.0
     tokens_per_call: float = 0.0
+
+    @property
+    def verify_steps(self) -> int:
+        return self.target_calls - 1
 
     def drafter_share(self) -> dict:
         return {"fake": 1.0}
@@ -111,6 +119,8 @@ class FakeEngine:
 
     def add(self, prompt_ids, params) -> int:
         self.thread_ids.add(threading.get_ident())
+        if not prompt_ids or min(prompt_ids) < 0:
+            raise ConfigError("prompt is empty or holds a negative token id.", param="prompt")
         text = "".join(map(chr, prompt_ids))
         if "FAIL_ADD" in text:
             raise RuntimeError("fake add failure")
@@ -192,5 +202,5 @@ class FakeDecoder:
         if isinstance(x, list):  # chat: the last message's content is the prompt (keeps outputs predictable)
             x = x[-1]["content"]
         if not x:
-            raise ConfigError("prompt is empty after tokenisation; give at least one token.", param="prompt")
-        return [ord(c) for c in x]
+            raise ConfigError("prompt 0 is empty after tokenisation; give at least one token.")
+        return [[ord(c) for c in x]]  # a batch of one, like SpeculativeDecoder.encode
