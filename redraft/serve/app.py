@@ -95,7 +95,7 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
     make_params = sampling_params.checked  # the decoding API's one place for these checks
     if default_max_tokens < 1:
         raise ConfigError(f"default_max_tokens={default_max_tokens} must be >= 1.", param="default_max_tokens")
-    context = int(decoder.target.model.config.max_position_embeddings)
+    context = getattr(decoder.target.model.config, "max_position_embeddings", None)  # None: unknown
     metrics = Metrics()
     sched = Scheduler(decoder, max_batch, max_queue, metrics, make_params=make_params, warmup=warmup)
     key = None if api_key is None else _digest(api_key)
@@ -153,7 +153,7 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
     def params_for(body: P._Request, n_prompt: int, max_tokens_name: str = "max_tokens"):
         max_new = body.max_new_tokens
         if max_new is None:
-            max_new = max(1, min(default_max_tokens, context - n_prompt))
+            max_new = default_max_tokens if context is None else max(1, min(default_max_tokens, context - n_prompt))
         try:
             return make_params(max_new_tokens=max_new, temperature=0.0 if body.temperature is None else body.temperature,
                                top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops, seed=body.seed)
