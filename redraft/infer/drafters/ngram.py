@@ -18,55 +18,11 @@ from __future__ import annotations
 
 import torch
 
+from redraft.infer.config import FIELDS
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, pad_paths
 
-
-def context_matches(tokens: torch.Tensor, lengths: torch.Tensor, q: int, k: int, w: int,
-                    vocab_size: int, window: int = 4096) -> torch.Tensor:
-    """Continuations of earlier occurrences of each row's last ``q`` tokens.
-
-    Args:
-        tokens: ``[B, T]`` prompt + output per row, ``PAD`` after ``lengths``.
-        lengths: ``[B]`` valid tokens per row.
-        q: tokens to match; k: candidates per row; w: tokens per candidate.
-        vocab_size: bins for counting first tokens (ids must be below it).
-        window: only matches within the last ``window`` tokens count.
-
-    Returns:
-        ``[B, k, w]`` candidate paths, ``PAD`` where there is nothing (fewer matches, or the
-        continuation runs into the end of the row). Row order: most frequent first token first,
-        ties to the most recent match.
-
-    Example: tokens ``a b c a b d a b`` with q=2 matches ``a b`` at 0 and 3: first tokens
-    ``c`` (pos 2) and ``d`` (pos 5), one count each, ``d`` is more recent -> ``[d a b], [c a b]``.
-    """
-    B, T = tokens.shape
-    dev = tokens.device
-    if T <= q:
-        return torch.full((B, k, w), PAD, dtype=torch.long, device=dev)
-    ar = torch.arange(T, device=dev)
-    suffix = tokens.gather(1, (lengths[:, None] - q + torch.arange(q, device=dev)[None]).clamp_min(0))  # [B, q]
-    win = tokens.unfold(1, q, 1)  # [B, T-q+1, q]: window starting at j
-    starts = ar[: T - q + 1]
-    nxt = starts + q  # first continuation position
-    match = (win == suffix[:, None, :]).all(dim=-1)
-    match &= (nxt[None] < lengths[:, None]) & (starts[None] >= (lengths[:, None] - window))
-    match &= (lengths >= q + 1)[:, None]
-    first = tokens.gather(1, nxt.clamp(max=T - 1)[None].expand(B, -1))  # [B, M]
-    first = torch.where(match & (first >= 0), first, 0)
-    counts = torch.zeros((B, vocab_size), dtype=torch.long, device=dev)
-    counts.scatter_add_(1, first, match.long())
-    recent = torch.full((B, vocab_size), -1, dtype=torch.long, device=dev)
-    recent.scatter_reduce_(1, first, torch.where(match, starts[None].expand(B, -1), -1), reduce="amax")
-    score = torch.where(counts > 0, counts * (T + 1) + recent, -1)
-    kk = min(k, vocab_size)
-    top = score.topk(kk, dim=1)
-    rec = recent.gather(1, top.indices)  # [B, k] start of the most recent match per candidate
-    cont = (rec + q)[:, :, None] + torch.arange(w, device=dev)[None, None]  # [B, k, w]
-    paths = tokens.gather(1, cont.clamp(0, T - 1).reshape(B, -1)).reshape(B, kk, w)
-    ok = (top.values >= 0)[:, :, None] & (cont < lengths[:, None, None])
-    paths = torch.where(ok, paths, PAD)
-    return pad_paths(paths.transpose(1, 2), k).transpose(1, 2) if kk < k else paths
+# defaults come from DecoderConfig (one place for each)
+K, W, Q, Q_MAX = (FIELDS[n].default for n in ("ngram_k", "ngram_w", "context_q", "context_q_max"))
 
 
 GROUPS_PER_CLASS = 4  # statistics groups per match length: ranks 0, 1, 2 and the rest
@@ -132,8 +88,8 @@ class ContextNGramDrafter(Drafter):
     tokens; with ``q_max > q``, matches of every length from ``q_max`` down to ``q``, longest
     first (:func:`context_matches_multi`), each length its own statistics group."""
 
-    def __init__(self, vocab_size: int, q: int = 1, k: int = 8, w: int = 4, window: int = 4096,
-                 name: str = "context", q_max: int | None = None):
+    def __init__(self, vocab_size: int, q: int = Q, k: int = K, w: int = W, window: int = 4096,
+                 name: str = "context", q_max: int | None = Q_MAX):
         self.vocab_size, self.q, self.k, self.w, self.window, self.name = vocab_size, q, k, w, window, name
         self.q_max = max(q_max or q, q)
 
@@ -148,7 +104,7 @@ class TableDrafter(Drafter):
 
     KINDS = ("bigram", "extended", "unigram")
 
-    def __init__(self, tables, kind: str = "extended", k: int = 8, w: int | None = None, name: str | None = None):
+    def __init__(self, tables, kind: str = "extended", k: int = K, w: int | None = None, name: str | None = None):
         if kind not in self.KINDS:
             from redraft.errors import ConfigError
 
@@ -180,8 +136,8 @@ class NGrammysDrafter(Drafter):
     ``w``) and form their own statistics groups.
     """
 
-    def __init__(self, tables, vocab_size: int, k: int = 8, w: int = 4, q: int = 1, window: int = 4096,
-                 name: str = "ngrammys", q_max: int | None = None):
+    def __init__(self, tables, vocab_size: int, k: int = K, w: int = W, q: int = Q, window: int = 4096,
+                 name: str = "ngrammys", q_max: int | None = Q_MAX):
         self.tables, self.vocab_size, self.k, self.w, self.q, self.window = tables, vocab_size, k, w, q, window
         self.q_max = max(q_max or q, q)
         self.name = name

@@ -12,7 +12,7 @@ Pieces, each usable alone:
   ``cap``; tri-grams the table lacks enter with ``increment``. The overlay is a few sorted numpy
   arrays next to the table: the loaded table (and its file) never changes, and each request
   (batch row) sees only its own updates.
-* :func:`redraft.infer.mcts.mcts_search`: the draft maker (PUCT, expansion from the table,
+* :func:`redraft.infer.drafters.mcts.mcts_search`: the draft maker (PUCT, expansion from the table,
   simulation by sampling it, backpropagation of the path score, candidates ranked by score).
 * :class:`ADEDDrafter`: the three behind the decoder's :class:`~redraft.infer.drafters.Drafter`
   interface; its candidate paths join the shared verification tree.
@@ -34,7 +34,7 @@ import torch
 
 from redraft.errors import ArtifactError
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback
-from redraft.infer.mcts import MCTSConfig, MCTSResult, mcts_search
+from redraft.infer.drafters.mcts import MCTSConfig, MCTSResult, mcts_search
 
 # ADED's Adjust3Gram defaults: one observation of a tri-gram makes it a strong (not certain)
 # candidate; repeats saturate at ``cap``.
@@ -219,13 +219,21 @@ class TrigramOverlay:
         self.prob_ = np.insert(self.prob_, pos[ins], new[ins])
         self._build_patch()
 
-    def update_sequences(self, seqs: np.ndarray) -> None:
-        """Observe every tri-gram of ``seqs`` [B, T] (row ``b`` = request row ``b``, ``-1`` padded)."""
+    def update_sequences(self, seqs: np.ndarray, first_row: int = 0) -> None:
+        """Observe every tri-gram of ``seqs`` [n, T] (sequence ``i`` = request row
+        ``first_row + i``, ``-1`` padded)."""
         seqs = np.asarray(seqs, np.int64)
         if seqs.shape[1] < 3:
             return
-        rows = np.broadcast_to(np.arange(seqs.shape[0])[:, None], (seqs.shape[0], seqs.shape[1] - 2))
+        rows = np.broadcast_to(first_row + np.arange(seqs.shape[0])[:, None], (seqs.shape[0], seqs.shape[1] - 2))
         self.update(rows, seqs[:, :-2], seqs[:, 1:-1], seqs[:, 2:])
+
+    def add_rows(self, n: int) -> None:
+        """``n`` new request rows join after the current ones (with no updates yet)."""
+        if (self.batch_size + n + 1) * self._tri >= 2 ** 62:
+            raise ValueError(f"vocab {self.table.vocab_size} x batch {self.batch_size + n} does not pack into "
+                             f"int64 keys; decode in smaller batches")
+        self.batch_size += n
 
     def select_rows(self, keep) -> None:
         """Keep the updates of rows ``keep`` [B'] (renumbered 0..B'-1), drop the others."""
@@ -354,16 +362,18 @@ class ADEDDrafter(Drafter):
     def _lookup(self, rows, w1, w2, k):
         return self.overlay.successors(rows, w1, w2, k)
 
-    def begin(self, state: DecodeState) -> None:
-        self.rng = np.random.default_rng(self.seed)
-        self.overlay = TrigramOverlay(self.table, state.batch_size, self.increment, self.cap)
-        self.stats = ADEDStats()
-        if self.adapt and self.adapt_prompt:
-            toks = state.tokens.cpu().numpy()
+    def add_rows(self, state: DecodeState, start: int) -> None:
+        if start == 0:  # a fresh batch: reproducible searches, fresh counters
+            self.rng = np.random.default_rng(self.seed)
+            self.overlay = TrigramOverlay(self.table, 0, self.increment, self.cap)
+            self.stats = ADEDStats()
+        self.overlay.add_rows(state.batch_size - start)
+        if self.adapt and self.adapt_prompt:  # seed the new rows' overlays with their prompts
+            toks = state.tokens[start:].cpu().numpy()
             T = toks.shape[1]
-            plen = state.prompt_lengths.cpu().numpy()
+            plen = state.prompt_lengths[start:].cpu().numpy()
             toks = np.where(np.arange(T)[None, :] < plen[:, None], toks, PAD)
-            self.overlay.update_sequences(toks)
+            self.overlay.update_sequences(toks, first_row=start)
 
     def propose(self, state: DecodeState) -> Draft:
         """MCTS from the last two tokens of every row: ``Draft(tokens [B, C, D], logp)``."""
@@ -403,320 +413,3 @@ class ADEDDrafter(Drafter):
 
     def select_rows(self, keep: torch.Tensor) -> None:
         self.overlay.select_rows(keep.cpu().numpy())
-
-
-# ---------------------------------------------------------------------------------- corpus tables
-
-
-def trigram_table_from_docs(docs, vocab_size: int, top: int = 12) -> TrigramTable:
-    """Count the tri-grams inside each token sequence of ``docs`` (never across two documents)
-    and keep the top-``top`` successors per context. Vectorised: one ``np.unique`` over packed
-    keys. A stand-in for the n-gram builder (``redraft-build-ngrams``) when no table is built."""
-    parts = []
-    for d in docs:
-        d = np.asarray(d, np.int64)
-        if d.size >= 3:
-            parts.append(d)
-            parts.append(np.full(2, -1, np.int64))  # two separators: no window spans two docs
-    if not parts:
-        return TrigramTable(np.zeros(0), np.zeros(1), np.zeros(0), np.zeros(0), vocab_size)
-    s = np.concatenate(parts)
-    a, b, c = s[:-2], s[1:-1], s[2:]
-    ok = (a >= 0) & (b >= 0) & (c >= 0)
-    V = vocab_size
-    keys, counts = np.unique(((a[ok] * V + b[ok]) * V + c[ok]), return_counts=True)
-    return TrigramTable.from_trigrams(keys // (V * V), (keys // V) % V, keys % V, counts, V, top)
-
-
-def corpus_docs(kind: str, tokenizer, max_docs: int = 20000, max_chars: int = 200_000_000):
-    """Token ids of the default corpora, as documents (list of int lists).
-
-    ``kind="chat"``: the training split of the default ShareGPT data (held-out conversations are
-    skipped: benchmark prompts come from them), each conversation rendered with the target's chat
-    template; ``kind="code"``: the Python standard library's ``.py`` files.
-    """
-    from redraft.data.records import DataStats, is_heldout
-    from redraft.data.sources import default_code_dir, iter_records
-
-    texts, total = [], 0
-    if kind == "chat":
-        for r in iter_records("default-chat", stats=DataStats()):
-            if r.kind != "chat" or is_heldout(r.id, 0.02):
-                continue
-            try:
-                t = tokenizer.apply_chat_template(r.messages, tokenize=False)
-            except Exception:  # a template that rejects this conversation: plain text instead
-                t = "\n".join(m["content"] for m in r.messages)
-            texts.append(t)
-            total += len(t)
-            if len(texts) >= max_docs or total >= max_chars:
-                break
-    elif kind == "code":
-        for f in sorted(default_code_dir().rglob("*.py")):
-            if "site-packages" in f.parts or "test" in f.parts or "tests" in f.parts:
-                continue
-            try:
-                t = f.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            texts.append(t)
-            total += len(t)
-            if len(texts) >= max_docs or total >= max_chars:
-                break
-    else:
-        raise ValueError(f"corpus kind {kind!r}: use 'chat' or 'code'")
-    enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return enc
-
-
-class DraftRetrieverDrafter(Drafter):
-    """REST / ADED's published retriever (``draftretriever`` on PyPI) as a drafter: the longest
-    suffix of the row (``max_q`` down to ``min_q`` tokens) found in the corpus index proposes the
-    continuations the index returns (``choices`` tree nodes at most, REST's default 64).
-
-    Build the index with :func:`build_retriever_index` from the same token documents as the
-    tri-gram table, so both methods see the same corpus.
-    """
-
-    name = "draftretriever"
-
-    def __init__(self, index_path, choices: int = 64, max_q: int = 16, min_q: int = 2, depth: int = 8):
-        import draftretriever
-
-        self.reader = draftretriever.Reader(str(index_path))
-        self.choices, self.max_q, self.min_q, self.depth = choices, max_q, min_q, depth
-
-    def propose(self, state: DecodeState) -> Draft:
-        toks, lens = state.tokens.tolist(), state.lengths.tolist()
-        rows = []
-        for r in range(len(toks)):
-            seq, found = toks[r][: lens[r]], []
-            for q in range(min(self.max_q, len(seq)), self.min_q - 1, -1):
-                out = self.reader.search(seq[-q:], choices=self.choices)
-                if out[0]:
-                    found = [[t if t >= 0 else PAD for t in path[: self.depth]] for path in out[0]]
-                    break
-            rows.append(found)
-        P = max(1, max(len(f) for f in rows))
-        L = max([len(p) for f in rows for p in f] + [1])
-        out = torch.full((len(rows), P, L), PAD, dtype=torch.long)
-        for r, f in enumerate(rows):
-            for i, p in enumerate(f):
-                out[r, i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        return Draft(tokens=out.to(state.device))
-
-
-def build_retriever_index(docs, path, vocab_size: int) -> str:
-    """Write a ``draftretriever`` index of the token documents ``docs`` to ``path``."""
-    import draftretriever
-
-    w = draftretriever.Writer(str(path), vocab_size=vocab_size)
-    for d in docs:
-        if len(d):
-            w.add_entry([int(t) for t in d])
-    w.finalize()
-    return str(path)
-
-
-# ---------------------------------------------------------------------------------- benchmark
-
-
-def bench_methods(target=None, table=None, mix=()):
-    """Methods this module adds to ``redraft-bench``: ``{name: [drafters]}``.
-
-    ``table``: the loaded n-gram tables (or a :class:`TrigramTable`); nothing is added when they
-    hold no tri-gram kind. ``mix``: the drafters of the unified mix; ADED joins them as
-    ``"mix+aded"``.
-    """
-    if table is None:
-        return {}
-    try:
-        tri = as_trigram_table(table)
-    except ArtifactError:
-        return {}
-    out = {"aded": [ADEDDrafter(tri)]}
-    if mix:
-        out["mix+aded"] = list(mix) + [ADEDDrafter(tri)]
-    return out
-
-
-def _load_or_build_corpus(kind: str, target, max_docs: int, cache_dir):
-    """Token documents of corpus ``kind``, cached as ``.npy`` (flat ids + offsets) under ``cache_dir``."""
-    from pathlib import Path
-
-    cache = Path(cache_dir) / f"{kind}-{max_docs}-{target.fingerprint.replace(':', '_')}"
-    if (cache / "offsets.npy").is_file():
-        flat, off = np.load(cache / "ids.npy"), np.load(cache / "offsets.npy")
-        return [flat[off[i]:off[i + 1]] for i in range(off.size - 1)]
-    docs = corpus_docs(kind, target.tokenizer, max_docs=max_docs)
-    off = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
-    flat = np.concatenate([np.asarray(d, np.int32) for d in docs]) if docs else np.zeros(0, np.int32)
-    tmp = cache.with_name(cache.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    np.save(tmp / "ids.npy", flat)
-    np.save(tmp / "offsets.npy", off)
-    import os
-    import shutil
-    shutil.rmtree(cache, ignore_errors=True)
-    os.replace(tmp, cache)
-    return [flat[off[i]:off[i + 1]] for i in range(off.size - 1)]
-
-
-def main(argv=None) -> int:
-    """``python -m redraft.infer.aded``: ADED vs draftretriever (same corpus), HSDDW vs greedy,
-    each alone and added to the mix, in one run on the default target. Prints a Markdown table
-    and writes JSON."""
-    import argparse
-    import json
-    import os
-    import sys
-    from pathlib import Path
-
-    from redraft.errors import RedraftError
-
-    ap = argparse.ArgumentParser(prog="python -m redraft.infer.aded", description=main.__doc__)
-    ap.add_argument("--target", default="default", help="target spec (load_target); default SmolLM2-135M")
-    ap.add_argument("--dtype", default="float32", help="target dtype: float32 or bfloat16")
-    ap.add_argument("--datasets", default="chat,code", help="comma list: chat (held-out ShareGPT) and/or code (HumanEval)")
-    ap.add_argument("--prompts", type=int, default=10, help="prompts per dataset")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt")
-    ap.add_argument("--methods", default="greedy,aded,draftretriever,context,context+aded,hsddw,context+hsddw",
-                    help="comma list of methods; '+' joins drafters into one decoder. Parts: greedy, "
-                         "aded, aded-static, draftretriever, context, hsddw, hsddw-m1, hsddw-tri")
-    ap.add_argument("--corpus-docs", type=int, default=20000, help="documents of the corpus for the tables/index")
-    ap.add_argument("--table", default=None, help="an n-gram tables directory (redraft-build-ngrams) to use "
-                                                  "instead of counting the corpus here (applies to every dataset)")
-    ap.add_argument("--ee-layers", default="4,12", help="early-exit layers of HSDDW's M1,M2 (one number: M1 only)")
-    ap.add_argument("--draft-vocab", type=int, default=8192,
-                    help="early-exit draft heads score only the N most frequent corpus tokens (0: all)")
-    ap.add_argument("--cache-dir", default="checkpoints/bench-aded", help="where corpus tokens and indexes are cached")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch intra-op threads (0: torch's default). On a shared, oversubscribed CPU "
-                         "use 1: spinning thread pools make every forward many times slower")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
-    args = ap.parse_args(argv)
-    if args.threads:
-        import torch as _torch
-
-        _torch.set_num_threads(args.threads)
-    try:
-        return _bench(args)
-    except RedraftError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _bench(args) -> int:
-    import json
-    from pathlib import Path
-
-    from redraft.data.prompts import heldout_prompts, humaneval_prompts
-    from redraft.infer.decoder import SpeculativeDecoder
-    from redraft.infer.drafters.ngram import ContextNGramDrafter
-    from redraft.infer.hsddw import (CausalLMModel, HSDDWDrafter, TrigramModel, default_hierarchy,
-                                     early_exit_model, frequent_tokens)
-    from redraft.models.target import load_target
-
-    target = load_target(args.target, dtype=args.dtype, device="cpu")
-    V = target.vocab_size
-    cache_dir = Path(args.cache_dir)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    ee = [int(x) for x in args.ee_layers.split(",")]
-    results = {}
-    curve = None
-    for ds in [d.strip() for d in args.datasets.split(",")]:
-        prompts = heldout_prompts(n=args.prompts) if ds == "chat" else humaneval_prompts(args.prompts)
-        t0 = time.perf_counter()
-        if args.table:
-            from redraft.ngrams import NGramTables
-
-            table = as_trigram_table(NGramTables.load(args.table, target))
-            docs = None
-        else:
-            docs = _load_or_build_corpus(ds, target, args.corpus_docs, cache_dir)
-            table = trigram_table_from_docs(docs, V)
-        idx = cache_dir / f"{ds}-{args.corpus_docs}.idx"
-        if any("draftretriever" in m for m in methods) and not idx.is_file():
-            if docs is None:
-                docs = _load_or_build_corpus(ds, target, args.corpus_docs, cache_dir)
-            build_retriever_index(docs, idx, V)
-        subset = frequent_tokens(docs, V, args.draft_vocab) if docs is not None and args.draft_vocab else None
-        print(f"[{ds}] {len(prompts)} prompts; tri-gram table {len(table)} contexts "
-              f"({time.perf_counter() - t0:.1f}s to load/build)", flush=True)
-
-        def drafters(name):
-            parts = []
-            for part in name.split("+"):
-                if part == "greedy":
-                    continue
-                if part == "aded":
-                    parts.append(ADEDDrafter(table))
-                elif part == "aded-static":
-                    parts.append(ADEDDrafter(table, adapt=False))
-                elif part == "draftretriever":
-                    parts.append(DraftRetrieverDrafter(idx))
-                elif part == "context":
-                    parts.append(ContextNGramDrafter(V))
-                elif part == "hsddw":  # early-exit(M1) -> early-exit(M2) -> target
-                    parts.append(default_hierarchy(target, ee[0], ee[1] if len(ee) > 1 else 10 ** 6,
-                                                   vocab_subset=subset))
-                elif part == "hsddw-m1":  # early-exit M1 with self-verify alone
-                    parts.append(default_hierarchy(target, ee[0], 10 ** 6, vocab_subset=subset))
-                elif part == "hsddw-tri":  # tri-gram table (M1) -> early-exit (M2) -> target
-                    m2 = CausalLMModel(early_exit_model(target.model, ee[-1]), f"ee{ee[-1]}", V, subset)
-                    parts.append(HSDDWDrafter(TrigramModel(table, V), m2, name="hsddw-tri"))
-                else:
-                    raise ValueError(f"unknown method part {part!r}")
-            return parts
-
-        ref = None
-        for m in methods:
-            ds_list = drafters(m)
-            dec = SpeculativeDecoder(target, ds_list, budget="auto" if ds_list else 0, cost_curve=curve)
-            if ds_list and curve is None:
-                curve = dec.measure_cost()
-            new = calls = 0
-            t, cpu = time.perf_counter(), time.process_time()
-            outs = []
-            for p in prompts:
-                g = dec.generate(p, max_new_tokens=args.max_new_tokens)[0]
-                outs.append(g.tokens)
-                new += g.stats.new_tokens
-                calls += g.stats.target_calls
-            dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
-            if m == "greedy":
-                ref = outs
-            row = {"tokens_per_s": new / dt, "tokens_per_cpu_s": new / max(dcpu, 1e-9),
-                   "tokens_per_call": new / max(calls, 1), "new_tokens": new, "seconds": dt, "cpu_seconds": dcpu, "identical_to_ar": None if ref is None else sum(a == b for a, b in zip(outs, ref)) / len(ref)}
-            for d in ds_list:
-                if isinstance(d, ADEDDrafter):
-                    row["mcts_ms_per_step"] = d.stats.ms_per_step
-                    row["mcts_cpu_ms_per_step"] = d.stats.cpu_ms_per_step
-                if isinstance(d, HSDDWDrafter):
-                    row["hsddw"] = d.stats.to_dict()
-            results.setdefault(ds, {})[m] = row
-            base = results[ds].get("greedy", {})
-            row["speedup_vs_ar"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
-            row["cpu_speedup_vs_ar"] = row["tokens_per_cpu_s"] / base["tokens_per_cpu_s"] if base else None
-            print(f"[{ds}] {m:24s} tau {row['tokens_per_call']:.2f}  {row['tokens_per_s']:.2f} tok/s  "
-                  f"x{row['speedup_vs_ar'] or 0:.2f}  cpu x{row['cpu_speedup_vs_ar'] or 0:.2f}  "
-                  f"identical {row['identical_to_ar']}"
-                  + (f"  mcts {row['mcts_ms_per_step']:.2f} ms/step ({row['mcts_cpu_ms_per_step']:.2f} CPU)"
-                     if 'mcts_ms_per_step' in row else ""),
-                  flush=True)
-    print("\n| dataset | method | tau (tokens/call) | tokens/s (wall) | speedup (wall) | speedup (CPU time) "
-          "| identical to greedy | MCTS CPU ms/step |")
-    print("|---|---|---|---|---|---|---|---|")
-    for ds, rows in results.items():
-        for m, r in rows.items():
-            mc = f"{r['mcts_cpu_ms_per_step']:.2f}" if "mcts_ms_per_step" in r else ""
-            print(f"| {ds} | {m} | {r['tokens_per_call']:.2f} | {r['tokens_per_s']:.2f} | "
-                  f"{(r['speedup_vs_ar'] or 0):.2f} | {(r['cpu_speedup_vs_ar'] or 0):.2f} | "
-                  f"{r['identical_to_ar']} | {mc} |")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
