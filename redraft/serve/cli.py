@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="n-gram table dir or hub id (repeat for several)")
     m.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the preset's, else by device)")
     m.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: CUDA when available)")
+    m.add_argument("--acceptance", default=None, choices=["greedy", "rejection", "typical"],
+                   help="acceptance rule (default: the preset's, except that 'greedy' or none becomes 'rejection': "
+                        "lossless sampling for requests with temperature > 0, and temperature-0 requests are "
+                        "still exactly greedy)")
     m.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
                    help="speculative decoding; --no-speculation serves plain autoregressive decoding "
                         "with the same loop (the baseline of the load benchmark)")
@@ -75,10 +79,17 @@ def check_args(args, parser) -> None:
 
 def load(args):
     """The decoder the flags describe: the preset (if any) with the flags' overrides."""
-    from redraft.infer import load_decoder, load_preset
+    from redraft.infer import load_decoder, load_preset, read_preset
 
     overrides = {k: v for k, v in (("target", args.target), ("drafters", args.drafter), ("ngrams", args.ngrams),
                                    ("dtype", args.dtype), ("device", args.device)) if v is not None}
+    acceptance = args.acceptance
+    if acceptance is None:
+        # a server takes requests of any temperature: a greedy decoder is served with lossless
+        # rejection sampling instead (a temperature-0 row still takes the argmax: same output)
+        preset = read_preset(args.preset).get("acceptance") if args.preset else None
+        acceptance = "rejection" if preset in (None, "greedy") else preset
+    overrides["acceptance"] = acceptance
     if not args.speculation:  # plain decoding: no artifacts, no context matcher, no tree
         overrides.update(drafters=[], ngrams=[], context=False, budget=0)
     if args.preset:
