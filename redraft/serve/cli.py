@@ -18,9 +18,16 @@ import os
 import sys
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default once: not for ``None`` defaults, whose help says what happens."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="redraft-serve", description="The speculative decoder behind an OpenAI-compatible HTTP API (docs/serve.md).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     m = p.add_argument_group("model (flags override the preset's keys)")
     m.add_argument("--preset", default=None,
                    help="decoding preset YAML (load_decoder arguments), e.g. infer/decode-default.yaml")

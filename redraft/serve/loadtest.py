@@ -36,12 +36,14 @@ import sys
 import time
 from pathlib import Path
 
+from redraft.serve.cli import HelpFormatter
+
 LEVELS = (1, 2, 4, 8, 16)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m redraft.serve.loadtest", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("urls", nargs="*", help="base URLs of running servers (http://HOST:PORT)")
     p.add_argument("--labels", default=None, help="comma-separated names of the URLs (default: the URLs)")
     p.add_argument("--spawn", default=None, metavar="ARGS",
