@@ -5,7 +5,9 @@
 * :func:`split_revision`: ``"org/name@rev"`` -> ``("org/name", "rev")`` (hub ids and targets);
 * :func:`atomic_write_text`, :func:`atomic_write_bytes`, :func:`atomic_path`: write a file so
   that readers see the old content or the new one, never half of it (a temporary file in the
-  same directory, then ``os.replace``).
+  same directory, then ``os.replace``);
+* :func:`sha256_file`: the hex sha256 of a file, read in blocks (artifacts record it at write time
+  and check it on load).
 
 Nothing here imports torch at module import, so command-line ``--help`` stays fast.
 """
@@ -13,6 +15,7 @@ Nothing here imports torch at module import, so command-line ``--help`` stays fa
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -110,3 +113,12 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_path`)."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def sha256_file(path: str | os.PathLike, block: int = 1 << 22) -> str:
+    """Hex sha256 of the file at ``path``, read in ``block``-byte pieces (constant memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(block), b""):
+            h.update(piece)
+    return h.hexdigest()

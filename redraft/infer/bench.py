@@ -379,9 +379,9 @@ def resolve_config(args) -> tuple[dict, DecoderConfig]:
     if args.recipe:
         import yaml
 
-        path = Path(args.recipe)
-        if not path.is_file():
-            raise ConfigError(f"recipe {path} does not exist (try infer/bench-default.yaml).", param="recipe")
+        from redraft.resources import find_config
+
+        path = find_config(args.recipe, "infer")  # a file, or a shipped name such as bench-default
         try:
             rec = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:

@@ -179,22 +179,17 @@ class AcceptanceStats:
         if P == 0:
             return
         dev = self.hits.device
-        depth = torch.arange(L, device=dev)
-        valid = (tokens >= 0).to(dev) if kept is None else kept.to(dev)
-        pre = accepted_prefix.to(dev)[:, :, None]
-        tried = valid & (depth[None, None] <= pre)  # the parent was accepted
-        hit = valid & (depth[None, None] < pre)
         L_ = min(L, self.max_depth)
+        depth = torch.arange(L_, device=dev)
+        valid = (tokens[:, :, :L_] >= 0).to(dev) if kept is None else kept[:, :, :L_].to(dev)
+        pre = accepted_prefix.to(dev)[:, :, None]
+        tried = valid & (depth <= pre)  # the parent was accepted
+        hit = tried & (depth < pre)
         d = torch.as_tensor(drafter, device=dev).expand(P)
-        flat = ((d[None, :, None] * self.max_groups + self._groups(B, P, group)[:, :, None]) * self.max_depth
-                + depth[None, None, :L_])  # [B, P, L_]
-        seen = torch.zeros(self.hits.shape[0], dtype=torch.bool, device=dev)
-        seen[d] = True
-        scale = torch.where(seen, self.decay, 1.0)[:, None, None]
-        self.hits.mul_(scale)
-        self.tries.mul_(scale)
-        self.hits.view(-1).index_add_(0, flat.reshape(-1), hit[:, :, :L_].reshape(-1).float())
-        self.tries.view(-1).index_add_(0, flat.reshape(-1), tried[:, :, :L_].reshape(-1).float())
+        flat = ((d * self.max_groups + self._groups(B, P, group)) * self.max_depth)[:, :, None] + depth  # [B, P, L_]
+        decay = torch.ones(self.hits.shape[0], device=dev).index_fill_(0, d, self.decay)[:, None, None]
+        self.hits.mul_(decay).view(-1).index_add_(0, flat.reshape(-1), hit.reshape(-1).float())
+        self.tries.mul_(decay).view(-1).index_add_(0, flat.reshape(-1), tried.reshape(-1).float())
 
 
 class DrafterGate:

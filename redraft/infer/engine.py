@@ -154,7 +154,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[StreamEvent]:
         """Retire finished rows, prefill and join waiting ones, then one draft/verify step for
         all rows; returns the events of this step (text deltas, finished requests)."""

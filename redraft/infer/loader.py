@@ -121,9 +121,9 @@ def read_preset(path) -> dict:
     (target, drafters, ngrams, dtype, device) and :class:`DecoderConfig` fields, checked."""
     import yaml
 
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"decoding preset {p} does not exist (see infer/decode-default.yaml).")
+    from redraft.resources import find_config
+
+    p = find_config(path, "infer")  # a file, or a shipped preset such as decode-default
     try:
         cfg = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:

@@ -16,10 +16,11 @@ from typing import Any
 import yaml
 
 from redraft.errors import ConfigError
+from redraft.resources import config_dir
 
-# train/ at the repository root holds the DeepSpeed configs and recipes (no Python).
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TRAIN_DIR = REPO_ROOT / "train"
+# train/ at the repository root holds the DeepSpeed configs and recipes (no Python); it ships
+# with the package (redraft.resources).
+TRAIN_DIR = config_dir("train")
 RECIPES_DIR = TRAIN_DIR / "recipes"
 
 
@@ -108,7 +109,7 @@ class TrainConfig:
     def resolved_output_dir(self) -> Path:
         if self.output_dir:
             return Path(self.output_dir).expanduser()
-        return REPO_ROOT / "checkpoints" / self.resolved_run_name()
+        return Path("checkpoints") / self.resolved_run_name()  # relative to the working directory
 
     def resolved_run_name(self) -> str:
         if self.run_name:

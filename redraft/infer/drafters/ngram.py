@@ -16,16 +16,31 @@ Tables only need ``unigram_topk(k)``, ``bigram_topk(tokens [N], k)`` and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from redraft.infer.config import FIELDS
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, pad_paths
+from redraft.infer.tree import _arange
 
 # defaults come from DecoderConfig (one place for each)
 K, W, Q, Q_MAX = (FIELDS[n].default for n in ("ngram_k", "ngram_w", "context_q", "context_q_max"))
 
 
 GROUPS_PER_CLASS = 4  # statistics groups per match length: ranks 0, 1, 2 and the rest
+
+
+@functools.lru_cache(maxsize=64)
+def _match_index(T: int, q_max: int, device):
+    """Index tensors of :func:`context_matches_multi` for rows of ``T`` tokens (made once: the
+    token buffer of a request keeps its width): positions ``p [M]`` (1..T-1), ``i [q_max]``, the
+    flat gather index of the ``q_max`` tokens before each p (last first) ``[1, M*q_max]``, and
+    ``i < p`` ``[1, M, q_max]``."""
+    p = torch.arange(1, T, device=device)
+    i = torch.arange(q_max, device=device)
+    before = (p[:, None] - 1 - i[None]).clamp_min(0).reshape(1, -1)
+    return p, i, before, (i[None, None] < p[None, :, None])
 
 
 def context_matches_multi(tokens: torch.Tensor, lengths: torch.Tensor, q_min: int, q_max: int, k: int, w: int,
@@ -49,27 +64,27 @@ def context_matches_multi(tokens: torch.Tensor, lengths: torch.Tensor, q_min: in
                 torch.zeros((B, k), dtype=torch.long, device=dev))
     # one pass over every length: ell[b, p] = how many tokens before position p agree with the
     # row's last tokens (capped at q_max); p is the first continuation token of that match
-    p = torch.arange(1, T, device=dev)  # [M]
-    i = torch.arange(q_max, device=dev)
-    before = tokens.gather(1, (p[:, None] - 1 - i[None]).clamp_min(0).reshape(1, -1).expand(B, -1)).reshape(B, -1, q_max)
+    p, i, before_idx, i_lt_p = _match_index(T, q_max, dev)
+    before = tokens.gather(1, before_idx.expand(B, -1)).reshape(B, -1, q_max)  # [B, M, q_max]
     suffix = tokens.gather(1, (lengths[:, None] - 1 - i[None]).clamp_min(0))  # [B, q_max], last token first
-    agree = (before == suffix[:, None, :]) & (i[None, None] < p[None, :, None]) & (i[None, None] < (lengths[:, None, None] - 1))
+    agree = (before == suffix[:, None, :]) & i_lt_p & (i[None, None] < (lengths[:, None, None] - 1))
     ell = agree.long().cumprod(dim=-1).sum(dim=-1)  # [B, M]
-    first = tokens[:, 1:]
-    ok = (ell >= q_min) & (p[None] < lengths[:, None]) & (p[None] - ell >= lengths[:, None] - window) & (first >= 0)
-    ell = torch.where(ok, ell, 0)
-    f = torch.where(ok, first, 0)
-    # each first token competes in its longest match length (class), by count then recency there
-    best = torch.zeros((B, vocab_size), dtype=torch.long, device=dev).scatter_reduce_(1, f, ell, reduce="amax")
+    ok = (ell >= q_min) & (p[None] < lengths[:, None])  # tokens before a row's length are real (>= 0)
+    if T > window:  # only rows longer than the window can have matches outside it
+        ok &= p[None] - ell >= lengths[:, None] - window
+    f = torch.where(ok, tokens[:, 1:], 0)
+    # each first token competes in its longest match length (class), by count then recency there:
+    # one amax over ell * (T + 1) + p gives, per token, the longest match and its latest position
+    key = torch.full((B, vocab_size), -1, dtype=torch.long, device=dev).scatter_reduce_(
+        1, f, torch.where(ok, ell * (T + 1) + p, -1), reduce="amax")
+    best, recent = key.div(T + 1, rounding_mode="floor"), key.remainder(T + 1)
     in_class = ok & (ell >= best.gather(1, f))
     counts = torch.zeros((B, vocab_size), dtype=torch.long, device=dev).scatter_add_(1, f, in_class.long())
-    recent = torch.full((B, vocab_size), -1, dtype=torch.long, device=dev)
-    recent.scatter_reduce_(1, f, torch.where(in_class, p[None].expand(B, -1), -1), reduce="amax")
     score = torch.where(counts > 0, (best * (T + 1) + counts) * (T + 1) + recent, -1)
     kk = min(k, vocab_size)
     top = score.topk(kk, dim=1)
     start = recent.gather(1, top.indices)  # [B, kk] first continuation token of the chosen match
-    cont = start[:, :, None] + torch.arange(w, device=dev)[None, None]
+    cont = start[:, :, None] + _arange(w, dev)[None, None]
     paths = tokens.gather(1, cont.clamp(0, T - 1).reshape(B, -1)).reshape(B, kk, w)
     found = top.values >= 0
     paths = torch.where(found[:, :, None] & (cont < lengths[:, None, None]), paths, PAD)
