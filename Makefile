@@ -1,12 +1,13 @@
-# make demo / make test / make bench: each creates .venv when missing and installs what it needs.
+# make demo / make test / make bench / make serve: each creates .venv when missing and installs what it needs.
 # Installation is skipped when pyproject.toml has not changed since the last install (stamp file).
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
+SERVE_ARGS  ?=
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench serve clean
 
 install: $(STAMP)
 
@@ -29,6 +30,10 @@ demo: install
 
 bench: install
 	$(BIN)/redraft-bench --recipe infer/bench-default.yaml
+
+# the OpenAI-compatible server on the embedded default (artifacts from make demo are used when present)
+serve: install
+	$(BIN)/redraft-serve --preset infer/decode-default.yaml $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
