@@ -111,6 +111,12 @@ def warp_probs(logits: torch.Tensor, temperature, top_p=1.0) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of ``[..., V]`` probabilities: ``[...]`` float32."""
+    p = probs.float()
+    return -(p * p.clamp_min(1e-30).log()).sum(dim=-1)
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Argmax over the last dim, the first index on ties. ``max().indices`` computes the same as
     ``argmax`` but several times faster for bfloat16 logits on CPU (see docs/infer.md).
