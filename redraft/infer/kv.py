@@ -141,6 +141,7 @@ class TreeKVCache(Cache):
         cache's rows. Column counts may differ: the shorter buffer is padded with holes."""
         cap = max(self.kv.shape[4], other.kv.shape[4])
         self.ensure_capacity(cap)
+        cap = self.kv.shape[4]  # ensure_capacity grows by doubling: pad the new rows to what it made
         kv = other.kv
         if kv.shape[4] < cap:
             kv = torch.cat([kv, kv.new_zeros((*kv.shape[:4], cap - kv.shape[4], kv.shape[5]))], dim=4)
