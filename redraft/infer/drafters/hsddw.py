@@ -266,7 +266,8 @@ class CausalLMModel(ProbModel):
             start = torch.where(rows, start, c.lengths)
         c.lengths = start
         n = _counts(end, start, rows)  # [B] tokens fed per row
-        N, K = (int(x) for x in torch.stack([n.max(), _counts(end, first, rows).max()]).tolist())
+        # one host read: the forward's width, the logits asked for, the longest row after it
+        N, K, longest = torch.stack([n.max(), _counts(end, first, rows).max(), (start + n).max()]).tolist()
         V = self.vocab_size or (self.full_v if self.subset is not None else self.head.weight.shape[0])
         if N == 0:
             return torch.zeros((B, K, V), device=dev)
@@ -278,7 +279,7 @@ class CausalLMModel(ProbModel):
         anc = causal[None] & ((ar[None] < n[:, None])[:, None, :] | torch.eye(N, dtype=torch.bool, device=dev))
         h = self.base(input_ids=ids, attention_mask=c.attention_bias(anc, self.dtype),
                       position_ids=start[:, None] + ar, past_key_values=c, use_cache=True).last_hidden_state
-        c.commit(ar.expand(B, N), n)  # each row keeps its own n[b] tokens at lengths[b]..
+        c.commit(ar.expand(B, N), n, physical=longest)  # each row keeps its own n[b] tokens at lengths[b]..
         self.calls += 1
         idx = ((first - start)[:, None] + torch.arange(K, device=dev)).clamp(0, N - 1)  # [B, K]
         return self._head(h.gather(1, idx[:, :, None].expand(-1, -1, h.shape[-1])))
@@ -289,8 +290,7 @@ class CausalLMModel(ProbModel):
             sub = h @ self.sub_w.T  # [B, K, S]
             if self.sub_b is not None:
                 sub = sub + self.sub_b
-            logits = sub.new_full((*sub.shape[:-1], self.full_v), float("-inf"))
-            logits[..., self.subset] = sub
+            logits = sub.new_full((*sub.shape[:-1], self.full_v), float("-inf")).index_copy_(-1, self.subset, sub)
         else:
             logits = self.head(h)
         logits = logits.float()
