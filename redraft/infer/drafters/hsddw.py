@@ -266,19 +266,28 @@ class CausalLMModel(ProbModel):
             start = torch.where(rows, start, c.lengths)
         c.lengths = start
         n = _counts(end, start, rows)  # [B] tokens fed per row
-        # one host read: the forward's width, the logits asked for, the longest row after it
-        N, K, longest = torch.stack([n.max(), _counts(end, first, rows).max(), (start + n).max()]).tolist()
+        low = start if rows is None else torch.where(rows, start, torch.iinfo(torch.long).max)
+        # one host read: the forward's width, the logits asked for, the longest row after it,
+        # the longest and the shortest fed row now
+        N, K, longest, top, low = torch.stack([n.max(), _counts(end, first, rows).max(), (start + n).max(),
+                                               start.max(), low.min()]).tolist()
         V = self.vocab_size or (self.full_v if self.subset is not None else self.head.weight.shape[0])
         if N == 0:
             return torch.zeros((B, K, V), device=dev)
         ar = torch.arange(N, device=dev)
         ids = tokens.gather(1, (start[:, None] + ar).clamp(max=tokens.shape[1] - 1)).clamp_min(0)  # [B, N]
-        # a fed token sees its row's cache, the row's fed tokens before it, and itself (padding
-        # tokens past a row's count only themselves and what precedes them: no empty softmax)
-        causal = torch.tril(torch.ones((N, N), dtype=torch.bool, device=dev))
-        anc = causal[None] & ((ar[None] < n[:, None])[:, None, :] | torch.eye(N, dtype=torch.bool, device=dev))
-        h = self.base(input_ids=ids, attention_mask=c.attention_bias(anc, self.dtype),
-                      position_ids=start[:, None] + ar, past_key_values=c, use_cache=True).last_hidden_state
+        c.physical = top  # the fed tokens go right after the longest row (columns past it are holes)
+        mask = None
+        if low < top:  # some fed row has holes before its tokens: a per-row mask hides them
+            # a fed token sees its row's cache, the row's fed tokens before it, and itself (padding
+            # tokens past a row's count only themselves and what precedes them: no empty softmax)
+            causal = torch.tril(torch.ones((N, N), dtype=torch.bool, device=dev))
+            anc = causal[None] & ((ar[None] < n[:, None])[:, None, :] | torch.eye(N, dtype=torch.bool, device=dev))
+            mask = c.attention_bias(anc, self.dtype)
+        # else every fed row's cache fills columns 0..top-1: the model's own causal mask is right
+        # (and the unmasked attention kernel faster; rows not fed compute garbage nobody reads)
+        h = self.base(input_ids=ids, attention_mask=mask, position_ids=start[:, None] + ar, past_key_values=c,
+                      use_cache=True).last_hidden_state
         c.commit(ar.expand(B, N), n, physical=longest)  # each row keeps its own n[b] tokens at lengths[b]..
         self.calls += 1
         idx = ((first - start)[:, None] + torch.arange(K, device=dev)).clamp(0, N - 1)  # [B, K]
