@@ -598,7 +598,8 @@ class HSDDWDrafter(Drafter):
             # sampling (accept t with probability min(1, p2(t) / q1(t)))
             ok = g2[:, :R] == c1.tokens
             if c1.dists is not None:
-                ratio = p2[:, :R].gather(2, t1[:, :, None])[:, :, 0] / c1.dists.gather(2, t1[:, :, None])[:, :, 0].clamp_min(1e-30)
+                q_t = c1.dists.gather(2, t1[:, :, None])[:, :, 0]  # [B, R] q1 of M1's own tokens
+                ratio = p2[:, :R].gather(2, t1[:, :, None])[:, :, 0] / q_t.clamp_min(1e-30)
                 ok = torch.where(greedy_row[:, None], ok, _uniform(samp, B, R, dev) < ratio)
             ok = ok & (ar[None] < c1.n[:, None])
             n_ok = ok.long().cumprod(dim=1).sum(dim=1)  # [B]
