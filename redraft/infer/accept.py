@@ -95,16 +95,22 @@ class RowSampling:
                 table[r, :len(uniforms[r])] = uniforms[r]
             self.uniforms = table.to(device)  # [B, U]
         self.offset = torch.zeros(len(t), dtype=torch.long, device=device)
-        groups: dict = {}
-        for r, g in enumerate(self.generators):
-            if r not in self.seeded:
-                groups.setdefault(id(g), (g, []))[1].append(r)
-        self.groups = [(g, rows) for g, rows in groups.values()]
+        self.groups = _by_id(self.generators)  # every row by generator (drafters that sample use it)
+        self._target_groups = _by_id(self.generators, skip=set(self.seeded))  # the target's multinomial draws
 
     @classmethod
     def uniform(cls, batch: int, temperature: float = 0.0, top_p: float = 1.0, generator=None, device=None):
         """Every row with the same settings and one shared generator."""
         return cls([temperature] * batch, [top_p] * batch, [generator] * batch, device)
+
+
+def _by_id(generators: list, skip=()) -> list:
+    """``[(generator, [rows using it])]`` in first-use order."""
+    groups: dict = {}
+    for r, g in enumerate(generators):
+        if r not in skip:
+            groups.setdefault(id(g), (g, []))[1].append(r)
+    return list(groups.values())
 
 
 def seed_uniforms(seed: int, n: int) -> torch.Tensor:
@@ -134,6 +140,12 @@ def warp_probs(logits: torch.Tensor, temperature, top_p=1.0) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of ``[..., V]`` probabilities: ``[...]`` float32 (``entr``:
+    ``-p log p``, 0 at 0, in one pass: no clamp and log over the whole vocabulary)."""
+    return torch.special.entr(probs.float()).sum(dim=-1)
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Argmax over the last dim, the first index on ties. ``max().indices`` computes the same as
     ``argmax`` but several times faster for bfloat16 logits on CPU (see docs/infer.md).
@@ -153,7 +165,7 @@ def sample_tokens(logits: torch.Tensor, rows: RowSampling, depth: torch.Tensor |
     B, V = probs.shape[0], probs.shape[-1]
     dev = probs.device
     out = greedy.clone()
-    for gen, idx in rows.groups:
+    for gen, idx in rows._target_groups:
         sub = probs if len(idx) == B else probs[torch.tensor(idx, device=dev)]
         draw = torch.multinomial(sub.reshape(-1, V), 1, generator=gen).reshape(sub.shape[:-1])
         if len(idx) == B:
