@@ -1,4 +1,5 @@
 # make demo / make test / make bench: each creates .venv when missing and installs what it needs.
+# make gpu-bundle: the offline GPU run's parts in .gpu-bundle/ (docs/gpu.md).
 # Installation is skipped when pyproject.toml has not changed since the last install (stamp file).
 PY      ?= python3
 VENV    := .venv
@@ -6,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench gpu-bundle clean
 
 install: $(STAMP)
 
@@ -29,6 +30,11 @@ demo: install
 
 bench: install
 	$(BIN)/redraft-bench --recipe infer/bench-default.yaml
+
+# wheels for what the GPU machine lacks (versions from .venv), redraft, the default GGUF in two
+# parts, the ShareGPT JSON xz-compressed, a manifest with SHA-256s: parts of <= 58 MiB, one per run
+gpu-bundle: install
+	$(BIN)/python scripts/gpu_bundle.py --out .gpu-bundle
 
 clean:
 	rm -rf $(VENV) *.egg-info
