@@ -277,8 +277,9 @@ class Runner:
         return env
 
     def stage_parts(self) -> None:
-        parts = [Path(p) for p in self.args.bundle] if self.args.bundle else sorted(
-            p for p in (REPO / ".gpu-bundle").glob("part*") if (p / "MANIFEST.json").is_file())
+        parts = [Path(p) for p in self.args.bundle or []]
+        if not self.args.bundle and not self.dry:  # on the GPU machine: the parts this run carried
+            parts = sorted(p for p in (REPO / ".gpu-bundle").glob("part*") if (p / "MANIFEST.json").is_file())
         for p in parts:
             self.bundle.stage(p)
         for line in self.bundle.log:
@@ -344,6 +345,9 @@ class Runner:
             "        out['errors'][name] = f'{type(exc).__name__}: {exc}'\n"
             "import torch\n"
             "out['cuda'] = torch.version.cuda\n"
+            # dry run: the tiny test target that stands in for the default one, made here (one process fewer)
+            + (f"from redraft.testing import make_tiny_target_dir\nmake_tiny_target_dir({self.profile.target!r})\n"
+               if self.dry and not (Path(self.profile.target) / "config.json").is_file() else "") +
             "out['device'] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or 'cpu'\n"
             "print(json.dumps(out))\n"
         )
@@ -502,12 +506,6 @@ class Runner:
 
     # ---- stages
 
-    def ensure_tiny_target(self, st: StageRun) -> None:
-        """Dry run only: the tiny test target stands in for the default one."""
-        if self.dry and not (Path(self.profile.target) / "config.json").is_file():
-            self.run_step(st, "tiny-target", self.py("-c", "import sys; from redraft.testing import make_tiny_target_dir; "
-                                                            "make_tiny_target_dir(sys.argv[1])", self.profile.target))
-
     def pytest(self, st: StageRun, marker: str) -> None:
         xml = self.results / st.name / f"pytest-{st.name}.xml"
         step = self.run_step(st, "pytest", self.py("-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", marker,
@@ -557,13 +555,11 @@ class Runner:
 
     def stage_b(self, st: StageRun) -> None:
         self.pytest(st, "cuda and slow")
-        self.ensure_tiny_target(st)
         self.build_ngrams(st)
         self.bench(st, "bfloat16", self.profile.bench_methods)
         self.predict(st)
 
     def stage_b32(self, st: StageRun) -> None:
-        self.ensure_tiny_target(st)
         self.build_ngrams(st)
         self.bench(st, "float32", self.profile.bench_methods)
 
@@ -600,6 +596,9 @@ class Runner:
             return
         overheads = sorted((self.results / "c").glob("overhead-*.json"))
         benches = sorted(p for d in ("b", "b32", "e2") for p in (self.results / d).glob("bench-*.json"))
+        if not benches:
+            st.md += ["No tau measured yet: stage b predicts the speedups from these curves when it runs.", ""]
+            return
         pred_json, pred_md = self.results / st.name / "predict.json", self.results / st.name / "predict.md"
         argv = self.py(SCRIPTS / "gpu_predict.py", "--cost", cost, "--out", pred_json, "--markdown", pred_md)
         for o in overheads:
@@ -618,7 +617,6 @@ class Runner:
                        *extra)
 
     def stage_d(self, st: StageRun) -> None:
-        self.ensure_tiny_target(st)
         rows = ["## redraft-train tokens/s (deepspeed launcher, 1 process)", "",
                 "| target | recipe | precision | ZeRO | steps | tokens | seconds | tokens/s |", "|---|---|---|---:|---:|---:|---:|---:|"]
         p = self.profile
@@ -643,7 +641,6 @@ class Runner:
         return self.runs / "e-default"
 
     def stage_e(self, st: StageRun) -> None:
-        self.ensure_tiny_target(st)
         out, p = self.head_dir(), self.profile
         m = read_json(out / "metrics.json") or {}
         done = m.get("status") == "completed" and m.get("global_step") == m.get("total_steps")
@@ -700,7 +697,6 @@ class Runner:
         return dst if step.status == "ok" else None
 
     def stage_e2(self, st: StageRun) -> None:
-        self.ensure_tiny_target(st)
         head = self.restore_head(st)
         if head is None:
             st.steps.append(Step("bench", [], None, 0.0, "skipped",
@@ -727,7 +723,7 @@ class Runner:
             self.say(f"stage {s} cannot run yet: missing {what}. Carry the missing part(s), e.g. "
                      f"carry=[\".gpu-bundle/part{min(miss) or 1}\"], in runs that each start within 30 s of the "
                      f"previous one's end (see docs/gpu.md).")
-        if runnable:
+        if any(STAGES[s][1] for s, _ in runnable):
             self.check_machine()
             if self.machine.get("errors") and any(k in self.machine["errors"] for k in ("torch", "redraft")):
                 raise RunnerError(f"cannot import {sorted(self.machine['errors'])}: {self.machine['errors']}")
@@ -800,7 +796,7 @@ def main(argv=None) -> int:
     p.add_argument("--stage", default="none",
                    help=f"comma list of {list(STAGES)}, 'all' ({','.join(ORDER)}) or 'none' (only stage the carried parts)")
     p.add_argument("--bundle", action="append",
-                   help="a carried part folder (repeatable; default: every .gpu-bundle/part* present)")
+                   help="a carried part folder (repeatable; default: every .gpu-bundle/part* present, none with --dry-run)")
     p.add_argument("--head", action="append", help="shards of a trained head (files or folders) for stage e2 when "
                                                    "stage e's run is gone (default .gpu-bundle/head)")
     p.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "gpu-out"),
