@@ -254,7 +254,6 @@ class Runner:
         self.runs = self.work / "runs"
         self.t0 = time.time()
         self.bundle = Bundle(self.work)
-        self.published: list[Path] = []
         self.machine: dict = {}
 
     # ---- setup
@@ -613,7 +612,7 @@ class Runner:
     def train_argv(self, recipe: str, target: str, out: Path, extra) -> list:
         return self.py("-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", free_port(),
                        "--module", "redraft.train.cli", "--recipe", recipe, "--target", target,
-                       "--output-dir", out, "--num-proc", self.profile.num_proc, "--tensorboard", "false",
+                       "--output-dir", out, "--num-proc", self.profile.num_proc, "--set", "tensorboard=false",
                        *extra)
 
     def stage_d(self, st: StageRun) -> None:
