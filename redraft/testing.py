@@ -114,11 +114,13 @@ def make_tiny_target_dir(path, vocab_size: int = 384, hidden_size: int = 32, num
     return path
 
 
-def decode_state(rows, temperature: float = 0.0):
+def decode_state(rows, temperature: float = 0.0, generator=None):
     """A :class:`redraft.infer.drafters.base.DecodeState` over token rows of any lengths (the
-    whole row is the prompt; ``PAD`` after a row's end), for drafter tests."""
+    whole row is the prompt; ``PAD`` after a row's end), every row sampled at ``temperature``
+    from ``generator``, for drafter tests."""
     import torch
 
+    from redraft.infer.accept import RowSampling
     from redraft.infer.drafters.base import PAD, DecodeState
 
     T = max(len(r) for r in rows)
@@ -128,4 +130,5 @@ def decode_state(rows, temperature: float = 0.0):
     lengths = torch.tensor([len(r) for r in rows])
     return DecodeState(tokens=toks, lengths=lengths, last=toks[torch.arange(len(rows)), lengths - 1],
                        hidden=None, prompt_lengths=lengths.clone(), step=0,
-                       request_ids=torch.arange(len(rows)), temperature=temperature)
+                       request_ids=torch.arange(len(rows)),
+                       sampling=RowSampling.uniform(len(rows), temperature, generator=generator))

@@ -5,14 +5,19 @@
 * :func:`split_revision`: ``"org/name@rev"`` -> ``("org/name", "rev")`` (hub ids and targets);
 * :func:`atomic_write_text`, :func:`atomic_write_bytes`, :func:`atomic_path`: write a file so
   that readers see the old content or the new one, never half of it (a temporary file in the
-  same directory, then ``os.replace``).
+  same directory, then ``os.replace``);
+* :func:`sha256_file`: the hex sha256 of a file, read in blocks (artifacts record it at write time
+  and check it on load).
+* :class:`HelpFormatter`: command-line help that prints each default once.
 
 Nothing here imports torch at module import, so command-line ``--help`` stays fast.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -110,3 +115,22 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_path`)."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def sha256_file(path: str | os.PathLike, block: int = 1 << 22) -> str:
+    """Hex sha256 of the file at ``path``, read in ``block``-byte pieces (constant memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(block), b""):
+            h.update(piece)
+    return h.hexdigest()
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``argparse`` help with each default printed once, as ``(default: X)``, and none where the
+    default is ``None`` or ``False`` (the help text says what leaving the flag out means)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)

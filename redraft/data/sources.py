@@ -33,8 +33,10 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import sysconfig
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -142,8 +144,8 @@ def _parse_component(text: str) -> SourceSpec:
             )
     if kind in ("sharegpt", "ultrachat", "stack", "code-dir", "auto") and not arg:
         raise DataError(f"Data spec {text!r} needs a path or hub id after '{kind}:'.")
-    if weight <= 0:
-        raise DataError(f"Weight {weight} in data spec {text!r} must be positive.")
+    if not (math.isfinite(weight) and weight > 0):
+        raise DataError(f"Weight {weight} in data spec {text!r} must be a positive finite number.")
     return SourceSpec(kind=kind, arg=arg or None, options=options, weight=weight, weighted=weighted,
                       text=text.strip())
 
@@ -225,6 +227,11 @@ def iter_json_list(path: Path, stats: DataStats | None = None, chunk_chars: int 
                 break
             try:
                 obj, end = decoder.raw_decode(buf, i)
+            except RecursionError as exc:
+                offset = consumed_bytes + len(buf[:i].encode("utf-8", "surrogatepass"))
+                raise DataError(f"{path}: the element at byte offset {offset} is nested deeper than "
+                                f"the JSON parser allows; no chat or document is. Fix or drop that "
+                                f"record.") from exc
             except json.JSONDecodeError as exc:
                 # An element cut by the end of the buffer reads as "unterminated string" or fails
                 # right at the end; anything else is a real syntax error.
@@ -266,10 +273,12 @@ def iter_jsonl(path: Path, stats: DataStats | None = None) -> Iterator[dict]:
                 continue
             try:
                 obj = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+                if isinstance(exc, RecursionError):
+                    exc = "nested deeper than the JSON parser allows"
                 if not seen_good:
                     raise DataError(f"{path} is not JSON or JSONL: line {lineno} (byte offset {start}) does not "
-                                    f"parse ({exc}). Pass a JSON list, a JSONL file or a parquet file.") from exc
+                                    f"parse ({exc}). Pass a JSON list, a JSONL file or a parquet file.") from None
                 if stats is not None:
                     stats.skip("invalid_json")
                 continue
@@ -290,20 +299,33 @@ def iter_parquet(path: Path, stats: DataStats | None = None) -> Iterator[dict]:
 
 
 def iter_file(path: Path, stats: DataStats | None = None) -> Iterator[dict]:
-    """Raw objects of one file: parquet, JSON list or JSONL (optionally gzipped), by content."""
-    if path.suffix == ".parquet":
-        yield from iter_parquet(path, stats)
-        return
-    first = _first_char(path)
-    if first == "[":
-        yield from iter_json_list(path, stats)
-    elif first == "{":
-        yield from iter_jsonl(path, stats)
-    elif first == "":
-        logger.warning("%s is empty", path)
-    else:
-        raise DataError(f"{path} is not JSON: it starts with {first!r} (byte offset 0). "
-                        f"Pass a JSON list, a JSONL file or a parquet file.")
+    """Raw objects of one file: parquet, JSON list or JSONL (optionally gzipped), by content.
+
+    Raises:
+        DataError: the file is not one of those formats, not UTF-8, a broken gzip stream, or
+            nested deeper than the JSON parser allows; the message names the file.
+    """
+    try:
+        if path.suffix == ".parquet":
+            yield from iter_parquet(path, stats)
+            return
+        first = _first_char(path)
+        if first == "[":
+            yield from iter_json_list(path, stats)
+        elif first == "{":
+            yield from iter_jsonl(path, stats)
+        elif first == "":
+            logger.warning("%s is empty", path)
+        else:
+            raise DataError(f"{path} is not JSON: it starts with {first!r} (byte offset 0). "
+                            f"Pass a JSON list, a JSONL file or a parquet file.")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text ({exc.reason} in a block read at character "
+                        f"{exc.start}); pass a UTF-8 JSON, JSONL or parquet file.") from exc
+    except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        what = "a broken or truncated gzip file" if path.name.endswith(".gz") else "unreadable"
+        raise DataError(f"{path} is {what} ({type(exc).__name__}: {exc}). Pass a JSON list, a JSONL "
+                        f"file (optionally .gz) or a parquet file.") from exc
 
 
 def data_files(path: Path) -> list[Path]:

@@ -38,6 +38,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from collections import deque
@@ -279,12 +280,35 @@ _WORKER_ENCODER: _Encoder | None = None
 
 def _worker_init(encoder: _Encoder) -> None:
     global _WORKER_ENCODER
+    # Ctrl-C reaches the whole process group: only the parent handles it (it closes the pool),
+    # so the user sees one line instead of a traceback from every worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     _WORKER_ENCODER = encoder
 
 
 def _worker_run(records: list[Record]) -> _Chunk:
     return _WORKER_ENCODER(records)
+
+
+def _fork_pool(ctx, num_proc: int, encoder: _Encoder):
+    """A worker pool whose workers are forked with SIGTERM's default action.
+
+    A forked worker inherits the parent's Python signal handlers; when the parent (a CLI) has a
+    SIGTERM handler that raises, ``Pool.terminate()`` (which SIGTERMs the workers) can leave a
+    worker alive forever and the parent waiting for it (reproduced: 30 pools of 2 workers hang
+    within seconds). So the handler is set aside while the pool forks its workers.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder,))
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL), signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder,))
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
 
 
 def _map_chunks(encoder: _Encoder, chunks: Iterator[list[Record]], num_proc: int) -> Iterator[_Chunk]:
@@ -298,7 +322,7 @@ def _map_chunks(encoder: _Encoder, chunks: Iterator[list[Record]], num_proc: int
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # silences the fork warning; restored below
     try:
-        with ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder,)) as pool:
+        with _fork_pool(ctx, num_proc, encoder) as pool:
             pending: deque = deque()
             for chunk in chunks:
                 pending.append(pool.apply_async(_worker_run, (chunk,)))

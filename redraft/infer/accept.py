@@ -7,15 +7,24 @@ accepted path (root first) and the bonus token the target contributes after it.
 * greedy: a node is correct iff its token is the target's argmax after its parent; the deepest
   node whose whole ancestry is correct wins. Output equals plain greedy decoding.
 * rejection: recursive rejection sampling over siblings (SpecInfer's multi-step speculative
-  sampling). At the current node with target distribution p, try the children in order: a child
-  with token t drafted deterministically is accepted with probability ``p(t)`` (q = delta), and
-  on rejection ``p <- normalise(p with t removed)``; a child sampled from ``q`` is accepted with
-  ``min(1, p(t)/q(t))`` and on rejection ``p <- normalise(max(p - q, 0))``. When every child is
-  rejected the bonus is sampled from the residual p. The emitted tokens follow the target's
-  (temperature/top-p warped) distribution exactly.
+  sampling) with deterministic drafts (every candidate a point mass, whatever proposed it). At a
+  node with target distribution p and children tokens t_1..t_k, child i is accepted with
+  probability ``p(t_i) / (1 - p(t_1) - ... - p(t_{i-1}))`` after its elder siblings were
+  rejected, and when all are rejected the bonus is drawn from p without them. The chance of
+  child i is therefore exactly ``p(t_i)`` and of bonus x (not a child) exactly ``p(x)``: the
+  same as drawing one x ~ p and moving to the child whose token is x if there is one (siblings
+  hold distinct tokens after deduplication). So the rule is: draw ``x[n] ~ p(. | n)`` at every
+  node, and accept the deepest node whose every ancestor-child step matches the draws, i.e.
+  greedy acceptance with sampled tokens in place of the argmax. The emitted tokens follow the
+  target's (temperature/top-p warped) distribution exactly; a draw at a node the walk never
+  reaches is simply unused. Drafts' own probabilities are never needed (a draft that *sampled*
+  its tokens is verified as point masses too, which is lossless as well).
 * typical (Medusa): a node is accepted when ``p(t) > min(eps, delta * exp(-H(p)))`` under its
   parent's distribution; the deepest fully accepted node wins; the bonus is the argmax (greedy)
-  or a sample (temperature > 0) from the last node's distribution.
+  or a sample (temperature > 0) from the last node's distribution. Not lossless.
+
+Sampling settings are per row (:class:`RowSampling`), so requests with different temperatures,
+top-p and seeds share one batch.
 """
 
 from __future__ import annotations
@@ -24,11 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
+from redraft.infer.config import TYPICAL_DELTA, TYPICAL_EPS
 from redraft.infer.drafters.base import PAD
 from redraft.infer.tree import Tree
-
-TYPICAL_EPS = 0.3
-TYPICAL_DELTA = 0.09
 
 
 @dataclass
@@ -36,7 +43,8 @@ class Acceptance:
     """Result of acceptance for every row.
 
     Attributes:
-        path: ``[B, D+1]`` long node indices of the accepted path, root first, ``-1`` padded.
+        path: ``[B, D+1]`` long node indices of the accepted path, root first, ``-1`` padded
+            (``D`` = the tree's ``max_depth``).
         num_accepted: ``[B]`` long accepted draft tokens (the root not counted).
         last_node: ``[B]`` long deepest accepted node (0 when nothing was accepted).
         bonus: ``[B]`` long the token the target produces after the accepted path.
@@ -48,16 +56,84 @@ class Acceptance:
     bonus: torch.Tensor
 
 
-def warp_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Target distribution after temperature and nucleus (top-p) warping: ``[..., V]`` probs."""
-    logits = logits.float() / max(temperature, 1e-6)
-    if top_p < 1.0:
+class RowSampling:
+    """Per-row sampling settings of a batch, with host-side flags so no step reads the device.
+
+    Args:
+        temperature: per row (0 = greedy), a list or a tensor.
+        top_p: per row, in (0, 1].
+        generators: per row, the ``torch.Generator`` its random draws come from (``None``: the
+            global one). Rows sharing a generator draw in one call.
+        device: where the ``temperature`` / ``top_p`` tensors live.
+    """
+
+    def __init__(self, temperature, top_p, generators=None, device=None):
+        t = temperature.tolist() if isinstance(temperature, torch.Tensor) else [float(x) for x in temperature]
+        p = top_p.tolist() if isinstance(top_p, torch.Tensor) else [float(x) for x in top_p]
+        self.temperature = torch.tensor(t, dtype=torch.float32, device=device)  # [B]
+        self.top_p = torch.tensor(p, dtype=torch.float32, device=device)  # [B]
+        self.all_greedy = all(x <= 0 for x in t)
+        self.any_greedy = any(x <= 0 for x in t)
+        self.any_top_p = any(x < 1 for x, y in zip(p, t) if y > 0)
+        self.generators = list(generators) if generators else [None] * len(t)
+        groups: dict = {}
+        for r, g in enumerate(self.generators):
+            groups.setdefault(id(g), (g, []))[1].append(r)
+        self.groups = [(g, rows) for g, rows in groups.values()]
+
+    @classmethod
+    def uniform(cls, batch: int, temperature: float = 0.0, top_p: float = 1.0, generator=None, device=None):
+        """Every row with the same settings and one shared generator."""
+        return cls([temperature] * batch, [top_p] * batch, [generator] * batch, device)
+
+
+def warp_probs(logits: torch.Tensor, temperature, top_p=1.0) -> torch.Tensor:
+    """Target distribution after temperature and nucleus (top-p) warping: ``[B, ..., V]`` probs.
+
+    ``temperature`` and ``top_p`` are floats or ``[B]`` tensors (per row); rows at temperature 0
+    are scaled as if at 1e-6 (their result is not used for sampling: callers take the argmax).
+    """
+    lead = (-1,) + (1,) * (logits.dim() - 1)
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    logits = logits.float() / (t.reshape(lead) if t.dim() else t).clamp_min(1e-6)
+    per_row = isinstance(top_p, torch.Tensor) and top_p.dim() > 0
+    if per_row or float(top_p) < 1.0:  # decided on the host: no device read
+        p = torch.as_tensor(top_p, dtype=torch.float32, device=logits.device)
+        p = p.reshape(lead) if per_row else p
         sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum - sorted_logits.softmax(dim=-1) >= top_p  # keep the smallest set reaching top_p
+        probs = sorted_logits.softmax(dim=-1)
+        drop = (probs.cumsum(dim=-1) - probs >= p) & (p < 1)  # keep the smallest set reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
     return logits.softmax(dim=-1)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the last dim, the first index on ties. ``max().indices`` computes the same as
+    ``argmax`` but several times faster for bfloat16 logits on CPU (see docs/infer.md).
+    Plain decoding and verification both use this, so their tie rule is the same."""
+    return logits.max(dim=-1).indices
+
+
+def sample_tokens(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """One token per row and node from the warped target distribution: ``[B, ...]`` long
+    (greedy rows take the argmax). ``logits [B, ..., V]``."""
+    greedy = greedy_tokens(logits)
+    if rows.all_greedy:
+        return greedy
+    probs = warp_probs(logits, rows.temperature, rows.top_p if rows.any_top_p else 1.0)
+    B, V = probs.shape[0], probs.shape[-1]
+    out = torch.empty(greedy.shape, dtype=torch.long, device=logits.device)
+    for gen, idx in rows.groups:
+        sub = probs if len(idx) == B else probs[torch.tensor(idx, device=probs.device)]
+        draw = torch.multinomial(sub.reshape(-1, V), 1, generator=gen).reshape(sub.shape[:-1])
+        if len(idx) == B:
+            out = draw
+        else:
+            out[torch.tensor(idx, device=probs.device)] = draw
+    if rows.any_greedy:
+        out = torch.where((rows.temperature <= 0).reshape((-1,) + (1,) * (out.dim() - 1)), greedy, out)
+    return out
 
 
 def _path_from_last(tree: Tree, last: torch.Tensor) -> Acceptance:
@@ -65,12 +141,11 @@ def _path_from_last(tree: Tree, last: torch.Tensor) -> Acceptance:
     B, N = tree.tokens.shape
     dev = last.device
     on_path = tree.anc[torch.arange(B, device=dev), last]  # [B, N]
-    D = int(tree.depth.max()) + 1
-    path = torch.full((B, D), -1, dtype=torch.long, device=dev)
+    D = tree.max_depth + 1
     node_ar = torch.arange(N, device=dev).expand(B, N)
     # each depth has exactly one node on the path: scatter node index into its depth slot
     slot = torch.where(on_path, tree.depth, torch.full_like(tree.depth, D))
-    path = torch.cat([path, path[:, :1]], dim=1).scatter_(1, slot, node_ar)[:, :D]
+    path = torch.full((B, D + 1), -1, dtype=torch.long, device=dev).scatter_(1, slot, node_ar)[:, :D]
     num = tree.depth.gather(1, last[:, None])[:, 0]
     path = torch.where(torch.arange(D, device=dev)[None] <= num[:, None], path, -1)
     return Acceptance(path=path, num_accepted=num, last_node=last, bonus=torch.zeros_like(last))
@@ -91,115 +166,47 @@ def _child_ok(tree: Tree, parent_choice: torch.Tensor) -> torch.Tensor:
     return ok & tree.valid
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax over the last dim, the first index on ties. ``max().indices`` computes the same as
-    ``argmax`` but 4.5x faster for bfloat16 logits on CPU (2.4 ms vs 0.5 ms for 14 x 49152).
-    Plain decoding and verification both use this, so their tie rule is the same."""
-    return logits.max(dim=-1).indices
-
-
-def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
-    """Greedy acceptance. ``logits [B, N, V]`` -> :class:`Acceptance` (bonus = argmax)."""
-    top = greedy_tokens(logits)  # [B, N]
-    last = _deepest(tree, _child_ok(tree, top))
+def _follow(tree: Tree, choice: torch.Tensor) -> Acceptance:
+    """Accept the deepest node reached by following ``choice [B, N]`` (the token taken after
+    each node) from the root; the bonus is the choice after that node."""
+    last = _deepest(tree, _child_ok(tree, choice))
     acc = _path_from_last(tree, last)
-    acc.bonus = top.gather(1, last[:, None])[:, 0]
+    acc.bonus = choice.gather(1, last[:, None])[:, 0]
     return acc
 
 
-def accept_typical(tree: Tree, logits: torch.Tensor, temperature: float = 0.0,
-                   eps: float = TYPICAL_EPS, delta: float = TYPICAL_DELTA,
-                   generator: torch.Generator | None = None) -> Acceptance:
-    """Typical acceptance: ``p(t) > min(eps, delta * exp(-H(p_parent)))``. Not lossless."""
-    probs = warp_probs(logits, temperature if temperature > 0 else 1.0)  # [B, N, V]
+def accept_greedy(tree: Tree, logits: torch.Tensor, rows: RowSampling | None = None) -> Acceptance:
+    """Greedy acceptance. ``logits [B, N, V]`` -> :class:`Acceptance` (bonus = argmax)."""
+    return _follow(tree, greedy_tokens(logits))
+
+
+def accept_rejection(tree: Tree, logits: torch.Tensor, rows: RowSampling) -> Acceptance:
+    """Lossless rejection sampling over the tree (see the module doc): greedy rows take the
+    argmax, sampled rows follow one draw from the warped target distribution per node."""
+    return _follow(tree, sample_tokens(logits, rows))
+
+
+def accept_typical(tree: Tree, logits: torch.Tensor, rows: RowSampling, eps: float = TYPICAL_EPS,
+                   delta: float = TYPICAL_DELTA) -> Acceptance:
+    """Typical acceptance: ``p(t) > min(eps, delta * exp(-H(p_parent)))``. Not lossless.
+    Probabilities are at each row's temperature (1 for greedy rows)."""
+    temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
+    probs = warp_probs(logits, temp)  # [B, N, V]
     ent = -(probs * probs.clamp_min(1e-20).log()).sum(dim=-1)  # [B, N]
     thresh = torch.minimum(torch.full_like(ent, eps), delta * torch.exp(-ent))
     par = tree.parent.clamp_min(0)
     p_tok = probs.gather(1, par[:, :, None].expand_as(probs)).gather(2, tree.tokens.clamp_min(0)[:, :, None])[:, :, 0]
     ok = (p_tok > thresh.gather(1, par)) & tree.valid
     ok[:, 0] = True
-    # the target's own argmax is always acceptable (keeps greedy output reachable)
-    ok |= _child_ok(tree, greedy_tokens(logits))
+    ok |= _child_ok(tree, greedy_tokens(logits))  # the target's own argmax is always acceptable
     last = _deepest(tree, ok)
     acc = _path_from_last(tree, last)
-    last_probs = probs[torch.arange(probs.shape[0], device=probs.device), last]
-    if temperature > 0:
-        acc.bonus = torch.multinomial(last_probs, 1, generator=generator)[:, 0]
-    else:
-        acc.bonus = greedy_tokens(last_probs)
+    last_logits = logits[torch.arange(logits.shape[0], device=logits.device), last]
+    acc.bonus = sample_tokens(last_logits, rows)
     return acc
 
 
-def accept_rejection(tree: Tree, logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
-                     node_q: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                     probs: torch.Tensor | None = None) -> Acceptance:
-    """Lossless recursive rejection sampling over the tree.
-
-    Args:
-        tree: the verified tree.
-        logits: ``[B, N, V]`` target logits at every node (ignored when ``probs`` is given).
-        temperature, top_p: the target distribution to sample from.
-        node_q: ``[B, N, V]`` or ``None``: for nodes whose token was *sampled* from a draft
-            distribution, that distribution; rows of zeros (or ``None``) mean deterministic.
-        generator: random source (tests pass a seeded one).
-        probs: ``[B, N, V]`` already warped target probabilities.
-
-    The loop runs over tree depth and sibling rank (a handful of steps), each vectorised over
-    the batch.
-    """
-    if probs is None:
-        probs = warp_probs(logits, temperature, top_p)
-    B, N, V = probs.shape
-    dev = probs.device
-    rows = torch.arange(B, device=dev)
-    node_ar = torch.arange(N, device=dev)
-    cur = torch.zeros(B, dtype=torch.long, device=dev)
-    alive = torch.ones(B, dtype=torch.bool, device=dev)  # still descending
-    bonus = torch.zeros(B, dtype=torch.long, device=dev)
-    is_child_of = tree.valid & (node_ar[None] > 0)  # candidates, restricted by parent below
-    max_depth = int(tree.depth.max())
-    for _ in range(max_depth + 1):
-        resid = probs[rows, cur]  # [B, V]
-        kids = is_child_of & (tree.parent == cur[:, None])  # [B, N]
-        rank = kids.long().cumsum(dim=1) - 1  # sibling order = node index order
-        n_kids = kids.sum(dim=1)
-        moved = torch.zeros(B, dtype=torch.bool, device=dev)
-        for r in range(int(n_kids.max()) if B else 0):
-            has = kids & (rank == r)
-            child = torch.where(has.any(dim=1), has.long().argmax(dim=1), 0)
-            trying = alive & ~moved & (n_kids > r)
-            tok = tree.tokens[rows, child].clamp_min(0)
-            p_t = resid[rows, tok]
-            if node_q is not None:
-                q = node_q[rows, child]  # [B, V]
-                stochastic = q.sum(dim=-1) > 0
-                q_t = torch.where(stochastic, q[rows, tok], torch.ones_like(p_t))
-            else:
-                q, stochastic, q_t = None, torch.zeros_like(trying), torch.ones_like(p_t)
-            ratio = (p_t / q_t.clamp_min(1e-20)).clamp(max=1.0)
-            u = torch.rand(B, device=dev, generator=generator)
-            ok = trying & (u < ratio)
-            cur = torch.where(ok, child, cur)
-            moved |= ok
-            rej = trying & ~ok
-            # residual after rejecting this child: delta -> zero t; sampled -> max(p - q, 0)
-            new_resid = resid.clone()
-            new_resid[rows, tok] = 0.0
-            if q is not None:
-                new_resid = torch.where(stochastic[:, None], (resid - q).clamp_min(0.0), new_resid)
-            norm = new_resid.sum(dim=-1, keepdim=True)
-            new_resid = torch.where(norm > 0, new_resid / norm.clamp_min(1e-30), resid)
-            resid = torch.where(rej[:, None], new_resid, resid)
-        stop = alive & ~moved
-        if stop.any():
-            sample = torch.multinomial(resid, 1, generator=generator)[:, 0]
-            bonus = torch.where(stop, sample, bonus)
-        alive &= moved
-        if not alive.any():
-            break
-    acc = _path_from_last(tree, cur)
-    acc.bonus = bonus
-    return acc
+ACCEPT = {"greedy": accept_greedy, "rejection": accept_rejection, "typical": accept_typical}
 
 
 def accepted_tokens(tree: Tree, acc: Acceptance) -> torch.Tensor:

@@ -1,11 +1,23 @@
-"""How big a tree to verify: the device's verify-cost curve and per-drafter acceptance rates.
+"""How big a tree to verify, and which drafters are worth calling.
 
-Verifying n tokens in one forward costs ``c(n)``; on a CPU in float32 c(64) is ~4x c(1), in
-bfloat16 with AMX or on a GPU it is nearly flat. Each candidate node has an estimated probability
-``v`` of being accepted (the product, along its path, of the observed acceptance rate of its
-drafter at that depth and path rank). With nodes sorted by value, verifying the top K yields
-``1 + sum(v_1..v_K)`` tokens per call, so the decoder picks the K that maximises
-``(1 + sum v) / c(K + 1)``: the most expected tokens per unit of verify time.
+Verifying n tokens in one forward costs ``c(n)``; on a CPU in float32 c(64) is several times
+c(1), in bfloat16 with AMX or on a GPU it is nearly flat up to tens of tokens. Each candidate
+node has an estimated probability ``v`` of being accepted (the product, along its path, of the
+observed acceptance rate of its drafter, path group and depth: :class:`AcceptanceStats`). With
+nodes sorted by value, verifying the top K yields ``1 + sum(v_1..v_K)`` tokens per row and call,
+so the decoder picks the K that maximises ``(1 + sum v) / c(K + 1)``: the most expected tokens
+per unit of verify time (:func:`best_budget`).
+
+A batch of B rows verifies a ``[B, K + 1]`` tree: its cost is modelled as ``c(B * (K + 1))``
+(one row's curve at the batch's token count, extrapolated linearly past the measured sizes),
+and one K is chosen for the whole batch. At batch 1 the rule is the one above; as the batch
+grows the forward stops being flat and K shrinks, so speculation does not slow a loaded server.
+
+:class:`DrafterGate` decides which drafters to call at all: pruning drops a weak drafter's
+nodes, but its drafting time is paid before pruning.
+
+Everything that runs every step stays on the decoder's device (no host reads): the rates, the
+node values and the chosen K.
 """
 
 from __future__ import annotations
@@ -18,22 +30,43 @@ SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class CostCurve:
-    """Piecewise-linear verify cost ``c(n)`` (seconds) from measured points."""
+    """Piecewise-linear verify cost ``c(n)`` (seconds) from measured points; linear past the last
+    point with the slope of the last segment (flat when only one point is known)."""
 
     def __init__(self, sizes, seconds):
         self.sizes = torch.tensor(list(sizes), dtype=torch.float64)
         self.seconds = torch.tensor(list(seconds), dtype=torch.float64)
+        self._tables: dict = {}
 
     def __call__(self, n: torch.Tensor) -> torch.Tensor:
-        """Interpolated cost of forwards with ``n`` tokens (any shape; extrapolates linearly)."""
-        n = n.to(torch.float64).cpu()
+        """Interpolated cost of forwards with ``n`` tokens (any shape)."""
+        n = torch.as_tensor(n).to(torch.float64).cpu()
         x, y = self.sizes, self.seconds
+        if len(x) == 1:
+            return torch.full_like(n, float(y[0]))
         i = torch.searchsorted(x, n.clamp(x[0], x[-1])).clamp(1, len(x) - 1)
         x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
-        return y0 + (n - x0) * (y1 - y0) / (x1 - x0)
+        out = y0 + (n.clamp(min=x[0]) - x0) * (y1 - y0) / (x1 - x0)
+        return out.clamp(min=float(y[0]))
+
+    def table(self, n_max: int, device) -> torch.Tensor:
+        """``[n_max + 1]`` float32 on ``device``: ``c(0..n_max)`` (cached; c(0) = c(1))."""
+        key = (n_max, str(device))
+        t = self._tables.get(key)
+        if t is None:
+            t = self._tables[key] = self(torch.arange(n_max + 1).clamp(min=1)).float().to(device)
+        return t
 
     def to_dict(self) -> dict:
-        return {"sizes": self.sizes.long().tolist(), "ms": [round(s * 1e3, 2) for s in self.seconds.tolist()]}
+        return {"sizes": self.sizes.long().tolist(), "ms": [round(s * 1e3, 3) for s in self.seconds.tolist()]}
+
+    @classmethod
+    def from_ms(cls, spec) -> "CostCurve":
+        """From ``{"sizes": [...], "ms": [...]}`` or ``"tokens:ms,tokens:ms,..."``."""
+        if isinstance(spec, dict):
+            return cls(spec["sizes"], [m / 1e3 for m in spec["ms"]])
+        pts = [tuple(float(x) for x in kv.split(":")) for kv in str(spec).split(",")]
+        return cls([int(n) for n, _ in pts], [ms / 1e3 for _, ms in pts])
 
     @classmethod
     def flat(cls) -> "CostCurve":
@@ -42,20 +75,23 @@ class CostCurve:
 
 
 @torch.no_grad()
-def measure_cost_curve(forward, sizes=SIZES, repeats: int = 3) -> CostCurve:
+def measure_cost_curve(forward, sizes=SIZES, repeats: int = 3, sync=None) -> CostCurve:
     """Time ``forward(n)`` (one verify forward of n tokens) for each n; the fastest of ``repeats``
     (other processes only ever add time, so the minimum is the device's own cost).
 
     ``forward`` runs the target on n tokens over a cache of realistic length and returns nothing;
-    the decoder passes one that builds a throw-away cache, so nothing of its state is touched.
+    ``sync`` (e.g. ``torch.cuda.synchronize``) is called before reading the clock.
     """
+    sync = sync or (lambda: None)
     secs = []
     forward(sizes[0])  # warm-up (allocator, kernels)
+    sync()
     for n in sizes:
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             forward(n)
+            sync()
             ts.append(time.perf_counter() - t0)
         secs.append(min(ts))
     # the cost never decreases with n: smooth what noise is left
@@ -64,81 +100,161 @@ def measure_cost_curve(forward, sizes=SIZES, repeats: int = 3) -> CostCurve:
 
 
 def best_budget(values: torch.Tensor, cost: CostCurve, max_nodes: int, overhead_s: float = 0.0) -> torch.Tensor:
-    """Nodes to verify per row.
+    """Nodes to verify per row, one K for the whole batch (see the module doc).
 
     Args:
-        values: ``[B, M]`` estimated acceptance probability of every candidate node.
-        cost: the verify cost curve.
-        max_nodes: upper bound on nodes (root excluded).
+        values: ``[B, M]`` estimated acceptance probability of every candidate node (0 for
+            padding).
+        cost: the verify cost curve of one row.
+        max_nodes: upper bound on K.
         overhead_s: fixed per-step time outside the forward (drafting, acceptance).
 
     Returns:
-        ``[B]`` long K maximising ``(1 + sum of the K largest values) / (cost(K+1) + overhead)``.
+        ``[B]`` long on ``values.device``, every entry the K maximising
+        ``(B + sum over rows of the K largest values) / (c(B * (K + 1)) + overhead)``.
     """
     B, M = values.shape
     M = min(M, max_nodes)
-    if M == 0:
+    if M == 0 or B == 0:
         return torch.zeros(B, dtype=torch.long, device=values.device)
-    top = values.float().clamp(0, 1).topk(M, dim=1).values.cpu().double()  # [B, M] desc
-    gain = torch.cat([torch.ones(B, 1, dtype=torch.float64), 1 + top.cumsum(dim=1)], dim=1)  # K=0..M
-    secs = cost(torch.arange(1, M + 2)) + overhead_s  # [M+1]
-    return (gain / secs[None]).argmax(dim=1).to(values.device)
+    top = values.float().clamp(0, 1).topk(M, dim=1).values  # [B, M] descending
+    gain = B + torch.cat([top.new_zeros(1), top.sum(dim=0).cumsum(dim=0)])  # [M+1]: K = 0..M
+    secs = cost.table(B * (M + 1), values.device)[B * torch.arange(1, M + 2, device=values.device)]
+    k = (gain / (secs + overhead_s)).argmax()
+    return k.expand(B)
 
 
 class AcceptanceStats:
-    """Running acceptance rate per (drafter, path group, depth), with a Beta prior.
+    """Running acceptance rate per (drafter, path group, depth), with a Beta prior, on a device.
 
     ``rate[d, g, l]`` estimates P(the entry at depth l of a drafter-d path of group g is
     accepted | its parent was). A path's group is what its drafter says it is
     (``Draft.group``, e.g. the length of the context match behind it), else its rank. Counts
-    decay (``decay`` per update) so the estimate follows the request.
+    decay (``decay`` per update of a drafter) so the estimate follows the request.
     """
 
     def __init__(self, num_drafters: int, max_groups: int = 32, max_depth: int = 16,
-                 prior_rate: float = 0.3, prior_weight: float = 2.0, decay: float = 0.98):
-        shape = (num_drafters, max_groups, max_depth)
+                 prior_rate: float = 0.3, prior_weight: float = 2.0, decay: float = 0.98, device=None):
+        shape = (max(num_drafters, 1), max_groups, max_depth)
         self.max_groups, self.max_depth, self.decay = max_groups, max_depth, decay
         self.prior = (prior_rate * prior_weight, prior_weight)
-        self.hits = torch.zeros(shape, dtype=torch.float64)
-        self.tries = torch.zeros(shape, dtype=torch.float64)
+        self.hits = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.tries = torch.zeros(shape, dtype=torch.float32, device=device)
 
     def reset(self) -> None:
         self.hits.zero_()
         self.tries.zero_()
 
     def rates(self) -> torch.Tensor:
+        """``[drafters, groups, depths]`` estimated acceptance rates."""
         return (self.hits + self.prior[0]) / (self.tries + self.prior[1])
 
-    def _groups(self, shape: tuple[int, int, int], group: torch.Tensor | None) -> torch.Tensor:
-        B, P, _ = shape
-        g = torch.arange(P)[None].expand(B, P) if group is None else group.cpu().long()
+    def _groups(self, B: int, P: int, group: torch.Tensor | None) -> torch.Tensor:
+        dev = self.hits.device
+        g = torch.arange(P, device=dev)[None].expand(B, P) if group is None else group.to(dev).long()
         return g.clamp(0, self.max_groups - 1)
 
-    def values(self, drafter: int, shape: tuple[int, int, int], group: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, P, L]`` path-product of rates for a drafter's paths of ``shape`` (groups
-        ``group [B, P]``, default the path rank)."""
+    def values(self, drafter, shape: tuple[int, int, int], group: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, P, L]`` path-product of rates for paths of ``shape``: ``drafter`` is an int, or a
+        ``[P]`` long tensor (the drafter of every path), ``group [B, P]`` (default: the rank)."""
         B, P, L = shape
-        r = self.rates()[drafter].float()  # [G, Dm]
-        depths = torch.arange(L).clamp(max=self.max_depth - 1)
-        per = r[self._groups(shape, group)][:, :, depths]  # [B, P, L]
+        dev = self.hits.device
+        d = torch.as_tensor(drafter, device=dev).expand(P)[None].expand(B, P)  # [B, P]
+        depths = torch.arange(L, device=dev).clamp(max=self.max_depth - 1)
+        per = self.rates()[d[:, :, None], self._groups(B, P, group)[:, :, None], depths[None, None]]
         return per.cumprod(dim=2)
 
-    def update(self, drafter: int, tokens: torch.Tensor, accepted_prefix: torch.Tensor,
-               group: torch.Tensor | None = None) -> None:
-        """``tokens [B, P, L]`` the drafter's paths, ``accepted_prefix [B, P]`` tokens accepted,
-        ``group [B, P]`` their groups (default: rank)."""
+    def update(self, drafter, tokens: torch.Tensor, accepted_prefix: torch.Tensor,
+               group: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> None:
+        """Record one step.
+
+        Args:
+            drafter: int, or ``[P]`` long: the drafter of every path (one call for the mix).
+            tokens: ``[B, P, L]`` the paths (entries < 0 do not exist).
+            accepted_prefix: ``[B, P]`` tokens of each path that were accepted.
+            group: ``[B, P]`` groups (default: rank).
+            kept: ``[B, P, L]`` bool, entries that were verified (default: every valid entry).
+        """
         B, P, L = tokens.shape
         if P == 0:
             return
-        depth = torch.arange(L, device=tokens.device)
-        valid = tokens >= 0
-        tried = (valid & (depth[None, None] <= accepted_prefix[:, :, None])).cpu()  # parent accepted
-        hit = (valid & (depth[None, None] < accepted_prefix[:, :, None])).cpu()
+        dev = self.hits.device
         L_ = min(L, self.max_depth)
-        g = self._groups(tokens.shape, group)[:, :, None].expand(B, P, L_).reshape(-1)
-        d = depth.cpu()[:L_][None, None].expand(B, P, L_).reshape(-1)
-        flat = g * self.max_depth + d
-        self.hits[drafter] *= self.decay
-        self.tries[drafter] *= self.decay
-        self.hits[drafter].view(-1).index_add_(0, flat, hit[:, :, :L_].reshape(-1).double())
-        self.tries[drafter].view(-1).index_add_(0, flat, tried[:, :, :L_].reshape(-1).double())
+        depth = torch.arange(L_, device=dev)
+        valid = (tokens[:, :, :L_] >= 0).to(dev) if kept is None else kept[:, :, :L_].to(dev)
+        pre = accepted_prefix.to(dev)[:, :, None]
+        tried = valid & (depth <= pre)  # the parent was accepted
+        hit = tried & (depth < pre)
+        d = torch.as_tensor(drafter, device=dev).expand(P)
+        flat = ((d * self.max_groups + self._groups(B, P, group)) * self.max_depth)[:, :, None] + depth  # [B, P, L_]
+        decay = torch.ones(self.hits.shape[0], device=dev).index_fill_(0, d, self.decay)[:, None, None]
+        self.hits.mul_(decay).view(-1).index_add_(0, flat.reshape(-1), hit.reshape(-1).float())
+        self.tries.mul_(decay).view(-1).index_add_(0, flat.reshape(-1), tried.reshape(-1).float())
+
+
+class DrafterGate:
+    """Which drafters to call: skip one while the tokens only it gets accepted are worth less
+    time than its drafting costs.
+
+    The gate keeps exponential moving averages of each drafter's drafting seconds, of the
+    accepted tokens per step that no other drafter proposed ("exclusive gain"), and of the
+    seconds one output token costs. A drafter is worth calling when
+    ``gain * seconds_per_token >= drafting seconds``; one that is not waits ``explore`` steps
+    before it is tried again, and every try that finds it still not worth it doubles the wait
+    (up to ``MAX_WAIT_FACTOR * explore``), so a useless drafter ends up costing almost nothing.
+    Unknown gains count as worth it. Gating never changes the output, only the speed.
+    """
+
+    TIME_EMA = 0.8  # weight of the past in the drafting-time and seconds-per-token averages
+    GAIN_EMA = 0.7  # weight of the past in the exclusive-gain average
+    MAX_WAIT_FACTOR = 16
+
+    def __init__(self, num_drafters: int, explore: int = 8, enabled: bool = True):
+        self.n, self.explore, self.enabled = num_drafters, max(int(explore), 1), enabled
+        self.secs = [0.0] * num_drafters  # drafting seconds per call
+        self.gain: list[float | None] = [None] * num_drafters  # exclusive accepted tokens per step
+        self.idle = [0] * num_drafters  # steps since the last call
+        self.wait = [self.explore] * num_drafters  # steps a skipped drafter waits before a re-run
+        self.sec_per_token: float | None = None
+
+    def net(self, i: int) -> float:
+        """Seconds drafter i saves per step (inf while its gain is unknown)."""
+        g = self.gain[i]
+        return float("inf") if g is None else g * (self.sec_per_token or 0.0) - self.secs[i]
+
+    def active(self) -> list[int]:
+        """Indices of the drafters to call this step (every drafter while gating is off or
+        nothing is known yet); advances the idle counters."""
+        if not self.enabled or self.sec_per_token is None:
+            return list(range(self.n))
+        net = [self.net(i) for i in range(self.n)]
+        active = []
+        for i in range(self.n):
+            if net[i] >= 0:
+                self.wait[i] = self.explore
+                active.append(i)
+            elif self.idle[i] + 1 >= self.wait[i]:  # re-run; back off if still not worth it
+                self.wait[i] = min(2 * self.wait[i], self.MAX_WAIT_FACTOR * self.explore)
+                active.append(i)
+        if not active:
+            active = [max(range(self.n), key=lambda i: net[i])]
+        for i in range(self.n):
+            self.idle[i] = 0 if i in active else self.idle[i] + 1
+        return active
+
+    def record_time(self, i: int, secs: float) -> None:
+        """Drafter i took ``secs`` to draft this step."""
+        a = self.TIME_EMA
+        self.secs[i] = a * self.secs[i] + (1 - a) * secs if self.secs[i] else secs
+
+    def update(self, step_secs: float, tokens_per_row: float, exclusive: dict[int, float]) -> None:
+        """After a step: its wall time, the tokens a row gained on average (accepted + 1), and
+        for each drafter called, its exclusive accepted tokens per row."""
+        spt = step_secs / max(tokens_per_row, 1e-9)
+        a = self.TIME_EMA
+        self.sec_per_token = spt if self.sec_per_token is None else a * self.sec_per_token + (1 - a) * spt
+        if not self.enabled:
+            return
+        for i, g in exclusive.items():
+            old = self.gain[i]
+            self.gain[i] = g if old is None else self.GAIN_EMA * old + (1 - self.GAIN_EMA) * g

@@ -10,6 +10,11 @@ decoder's attention mask hides. A verify forward writes the ``n`` tree tokens at
 everything); :meth:`TreeKVCache.commit` then moves each row's accepted tree tokens to
 ``lengths[b] ..`` and drops the rest. Rotary embeddings are applied before keys are cached, so
 moving a key does not change its position.
+
+Static mode (``static=True``, for a verify forward captured in a CUDA graph): a forward writes
+its tokens at the columns held in the device tensor ``write_pos`` and attends to all
+``capacity`` columns (the mask hides what a row must not see), so no shape and no index in the
+forward depends on a host integer that changes from step to step.
 """
 
 from __future__ import annotations
@@ -34,6 +39,12 @@ class _BufferLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         c = self.cache
+        if c.static:  # write at write_pos, attend over the whole buffer: static shapes and indices
+            c.kv[self.idx, 0].index_copy_(2, c.write_pos, key_states)
+            c.kv[self.idx, 1].index_copy_(2, c.write_pos, value_states)
+            if self.idx == c.num_layers - 1:
+                c.pending = key_states.shape[-2]
+            return c.kv[self.idx, 0], c.kv[self.idx, 1]
         T, n = c.physical, key_states.shape[-2]
         c.ensure_capacity(T + n)
         c.kv[self.idx, 0, :, :, T:T + n] = key_states
@@ -86,7 +97,18 @@ class TreeKVCache(Cache):
         self.physical = 0  # T: columns in use (longest row)
         self.pending = 0  # columns appended by the last forward, not yet committed
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.static = False  # see the module doc
+        self.write_pos: torch.Tensor | None = None
+        self.graphs: dict = {}  # captured verify forwards over this buffer (redraft.infer.verify)
         super().__init__(layers=[_BufferLayer(self, i) for i in range(self.num_layers)])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.kv.shape[4])
+
+    def _replace_buffer(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        self.graphs.clear()  # they captured the old buffer's address
 
     def ensure_capacity(self, needed: int) -> None:
         cap = self.kv.shape[4]
@@ -95,15 +117,17 @@ class TreeKVCache(Cache):
         new = torch.zeros((*self.kv.shape[:4], max(needed, 2 * cap), self.kv.shape[5]),
                           dtype=self.kv.dtype, device=self.kv.device)
         new[:, :, :, :, :cap] = self.kv
-        self.kv = new
+        self._replace_buffer(new)
 
-    def commit(self, keep: torch.Tensor, num_keep: torch.Tensor) -> None:
+    def commit(self, keep: torch.Tensor, num_keep: torch.Tensor, physical: int | None = None) -> None:
         """Keep, per row, tokens of the last forward and drop the others.
 
         Args:
             keep: ``[B, A]`` long: indices (0-based within the last forward's tokens) to keep,
                 in order; entries past ``num_keep[b]`` are ignored.
             num_keep: ``[B]`` long: how many of ``keep[b]`` are real.
+            physical: the longest row after the commit, when the caller knows it without reading
+                the device (the decoder keeps the row lengths on the host); ``None`` reads it.
         """
         T = self.physical
         B, A = keep.shape
@@ -112,39 +136,63 @@ class TreeKVCache(Cache):
         # padding entries copy the first kept token onto columns past the row's new length
         # (holes, masked); the buffer is big enough since dst < T + A <= T + pending.
         # One index_select + index_copy_ per row over all layers at once: gather/scatter with
-        # broadcast indices copy the whole buffer on CPU (about 6 ms per step on the default target in bf16, under the profiler).
+        # broadcast indices copy the whole buffer on CPU (docs/infer.md, "KV commit").
         for b in range(B):
             row = self.kv[:, :, b]  # [layers, 2, heads, capacity, head_dim] view
             row.index_copy_(3, dst[b], row.index_select(3, src[b]))
         self.lengths = self.lengths + num_keep
-        self.physical = int(self.lengths.max()) if B else 0
+        self.physical = physical if physical is not None else (int(self.lengths.max()) if B else 0)
         self.pending = 0
 
-    def set_prefill(self, lengths: torch.Tensor) -> None:
+    def set_prefill(self, lengths: torch.Tensor, physical: int | None = None) -> None:
         """After a prefill forward over right-padded prompts: row b holds ``lengths[b]`` tokens."""
         self.lengths = lengths.clone()
-        self.physical = int(lengths.max())
+        self.physical = physical if physical is not None else int(lengths.max())
         self.pending = 0
 
-    def select_rows(self, rows: torch.Tensor) -> None:
+    def select_rows(self, rows: torch.Tensor, physical: int | None = None) -> None:
         """Keep batch rows ``rows`` ([B'] long) and drop the others."""
-        self.kv = self.kv.index_select(2, rows)
+        self._replace_buffer(self.kv.index_select(2, rows))
         self.lengths = self.lengths.index_select(0, rows)
-        self.physical = int(self.lengths.max()) if rows.numel() else 0
+        if physical is None:
+            physical = int(self.lengths.max()) if rows.numel() else 0
+        self.physical = physical
+
+    def append_rows(self, other: "TreeKVCache") -> None:
+        """Add the rows of ``other`` (same model, e.g. new requests just prefilled) after this
+        cache's rows. Column counts may differ: the shorter buffer is padded with holes."""
+        cap = max(self.kv.shape[4], other.kv.shape[4])
+        self.ensure_capacity(cap)
+        kv = other.kv
+        if kv.shape[4] < cap:
+            kv = torch.cat([kv, kv.new_zeros((*kv.shape[:4], cap - kv.shape[4], kv.shape[5]))], dim=4)
+        self._replace_buffer(torch.cat([self.kv, kv], dim=2))
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.physical = max(self.physical, other.physical)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.kv.shape[2])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.physical
 
     def attention_bias(self, tree_anc: torch.Tensor, dtype) -> torch.Tensor:
-        """Additive 4D mask ``[B, 1, n, T+n]`` for a forward of ``n`` tree tokens.
+        """Additive 4D mask for a forward of ``n`` tree tokens: ``[B, 1, n, T+n]``, or
+        ``[B, 1, n, capacity]`` in static mode (the tree's columns at ``T .. T+n-1``).
 
         Cache columns: row b sees ``0 .. lengths[b]-1``; tree columns: ``tree_anc [B, n, n]``.
         """
         B, n, _ = tree_anc.shape
         T = self.physical
-        cols = torch.arange(T, device=tree_anc.device)
-        cache_vis = (cols[None, :] < self.lengths[:, None])[:, None, :].expand(B, n, T)
-        vis = torch.cat([cache_vis, tree_anc], dim=2)  # [B, n, T+n]
+        cols = self.capacity if self.static else T
+        c = torch.arange(cols, device=tree_anc.device)
+        cache_vis = (c[None, :] < self.lengths[:, None])[:, None, :].expand(B, n, cols)
+        if self.static:
+            vis = cache_vis.clone()
+            vis[:, :, T:T + n] = tree_anc
+        else:
+            vis = torch.cat([cache_vis, tree_anc], dim=2)  # [B, n, T+n]
         bias = torch.zeros(vis.shape, dtype=dtype, device=vis.device)
         bias.masked_fill_(~vis, torch.finfo(dtype).min)
         return bias[:, None]

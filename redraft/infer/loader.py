@@ -6,18 +6,24 @@
     print(dec.generate([{"role": "user", "content": "Hi!"}])[0].text)
 
 Artifacts are local directories or hub ids ``REPO_ID[@rev]`` (``redraft.hub.resolve_artifact``);
-each is checked against the target's tokenizer fingerprint when loaded.
+each is checked against the target's tokenizer fingerprint when loaded. Every decoder setting
+is a :class:`~redraft.infer.config.DecoderConfig` field.
 """
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 from redraft.errors import ConfigError
+from redraft.infer.config import DecoderConfig
 from redraft.infer.decoder import SpeculativeDecoder
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
 from redraft.infer.drafters.redrafter import ReDrafterDrafter
 
-DECODER_SETTINGS = ("acceptance", "budget", "max_nodes", "cost_curve", "fp32_logits", "typical_eps",
-                    "typical_delta", "adapt", "gate", "gate_explore", "cpu_pack")
+logger = logging.getLogger(__name__)
+
+LOAD_KEYS = ("target", "drafters", "ngrams", "dtype", "device")  # load_decoder's own arguments
 
 
 def load_redrafter(path, target, width: int = 8, length: int | None = None, name: str = "redrafter"):
@@ -25,8 +31,7 @@ def load_redrafter(path, target, width: int = 8, length: int | None = None, name
     training horizon ``num_steps``)."""
     from redraft.models.redrafter import load_drafter
 
-    head = load_drafter(path, target)
-    return ReDrafterDrafter(head, width=width, length=length or int(head.config.num_steps), name=name)
+    return ReDrafterDrafter(load_drafter(path, target), width=width, length=length, name=name)
 
 
 def load_ngram_tables(path, target):
@@ -36,13 +41,14 @@ def load_ngram_tables(path, target):
     return NGramTables.load(path, target=target, device=target.device)
 
 
-def ngram_drafters(tables, target, k: int = 8, w: int = 12, q: int = 1, q_max: int = 3,
-                   name_prefix: str = "") -> list:
+def ngram_drafters(tables, target, cfg: DecoderConfig, name_prefix: str = "") -> list:
     """The N-Grammys drafters the tables allow: the mixed strategy (context matches, then extended
     bigram rows) when extended chains exist, else bigram rows plus context matches. Context
-    rows come from matches of ``q_max`` down to ``q`` tokens, longest first, ``w`` tokens each."""
+    rows come from matches of ``context_q_max`` down to ``context_q`` tokens, longest first,
+    ``ngram_w`` tokens each."""
     kinds = set(getattr(tables, "kinds", ["extended"]))
     V = target.vocab_size
+    k, w, q, q_max = cfg.ngram_k, cfg.ngram_w, cfg.context_q, cfg.context_q_max
     if "extended" in kinds:
         return [NGrammysDrafter(tables, V, k=k, w=w, q=q, q_max=q_max, name=f"{name_prefix}ngrammys")]
     out = [ContextNGramDrafter(V, q=q, q_max=q_max, k=k, w=w, name=f"{name_prefix}context")]
@@ -51,88 +57,94 @@ def ngram_drafters(tables, target, k: int = 8, w: int = 12, q: int = 1, q_max: i
     return out
 
 
-def make_drafters(target, heads=(), tables=(), *, context: bool | None = None, ngram_k: int = 8,
-                  ngram_w: int = 12, context_q: int = 1, context_q_max: int = 3, aded: bool = False) -> list:
+def make_drafters(target, heads=(), tables=(), cfg: DecoderConfig | None = None) -> list:
     """The unified mix over loaded artifacts: every ReDrafter head (``heads``: drafters from
-    :func:`load_redrafter`), the N-Grammys drafters of every n-gram table (``tables``), ADED over
-    tables with tri-grams when ``aded``, and a context matcher when ``context`` (default: only
-    when there are no tables, which already include context matches). ``load_decoder`` and
-    ``redraft-bench``'s ``mix`` both build their drafters here."""
+    :func:`load_redrafter`), the N-Grammys drafters of every n-gram table set (``tables``), ADED
+    over table sets with tri-grams when ``cfg.aded``, and a context matcher when ``cfg.context``
+    (default: only when there are no tables, which already include context matches).
+    ``load_decoder`` and ``redraft-bench``'s ``mix`` both build their drafters here."""
+    cfg = cfg or DecoderConfig()
     ds = list(heads)
     for i, tables_i in enumerate(tables):
         prefix = "" if len(tables) == 1 else f"t{i}-"
-        ds += ngram_drafters(tables_i, target, ngram_k, ngram_w, context_q, context_q_max, name_prefix=prefix)
-        if aded and "trigram" in getattr(tables_i, "kinds", ()):
-            from redraft.infer.aded import ADEDDrafter
+        ds += ngram_drafters(tables_i, target, cfg, name_prefix=prefix)
+        if cfg.aded and "trigram" in getattr(tables_i, "kinds", ()):
+            from redraft.infer.drafters.aded import ADEDDrafter
 
             d = ADEDDrafter(tables_i)
             d.name = f"{prefix}aded"
             ds.append(d)
-    if context if context is not None else not tables:
-        ds.append(ContextNGramDrafter(target.vocab_size, q=context_q, q_max=context_q_max, k=ngram_k, w=ngram_w))
+    if cfg.context if cfg.context is not None else not tables:
+        ds.append(ContextNGramDrafter(target.vocab_size, q=cfg.context_q, q_max=cfg.context_q_max, k=cfg.ngram_k,
+                                      w=cfg.ngram_w))
     return ds
 
 
-def load_decoder(target="default", drafters=(), ngrams=(), *, context: bool | None = None,
-                 dtype=None, device=None, redrafter_width: int = 8, redrafter_length: int | None = None,
-                 ngram_k: int = 8, ngram_w: int = 12, context_q: int = 1, context_q_max: int = 3,
-                 aded: bool = False, **settings) -> SpeculativeDecoder:
+def _artifact_list(value, key: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, (str, Path)):
+        raise ConfigError(f"{key}={str(value)!r}: pass a list of artifact paths or hub ids, e.g. "
+                          f"{key}=[{str(value)!r}].", param=key)
+    if not all(isinstance(v, (str, Path)) for v in value):
+        raise ConfigError(f"{key}: every entry must be a path or hub id string.", param=key)
+    return [str(v) for v in value]
+
+
+def load_decoder(target="default", drafters=(), ngrams=(), *, config: DecoderConfig | None = None,
+                 dtype=None, device=None, **settings) -> SpeculativeDecoder:
     """The unified decoder over every given artifact.
 
     Args:
         target: a target spec for ``load_target`` ("default", hub id, path) or a loaded Target.
         drafters: ReDrafter artifact directories / hub ids (one drafter each).
         ngrams: n-gram table directories / hub ids (``redraft-build-ngrams`` outputs).
-        context: add a prompt/output n-gram lookup drafter; default: only when no n-gram tables
-            are given (N-Grammys already includes context matches).
+        config: a :class:`DecoderConfig`; ``**settings`` (its field names: ``budget``,
+            ``acceptance``, ``ngram_w``, ``aded``, ...) override it. Unknown names are errors.
         dtype, device: for ``load_target`` when ``target`` is a spec.
-        redrafter_width, redrafter_length: ReDrafter beam search settings.
-        ngram_k, ngram_w: rows per step and tokens per context row of n-gram drafts.
-        context_q, context_q_max: context matches use the last ``context_q_max`` down to
-            ``context_q`` tokens, longest first.
-        aded: also draft with ADED's MCTS over each table that holds a tri-gram table (off by
-            default: on the 2-core CPU it raised tau but lowered tokens/s of the mix, see
-            docs/infer.md).
-        **settings: :class:`SpeculativeDecoder` keyword arguments (acceptance, budget, ...).
     """
-    unknown = sorted(set(settings) - set(DECODER_SETTINGS))
-    if unknown:
-        raise ConfigError(f"unknown decoder settings {unknown}; valid: {list(DECODER_SETTINGS)}.")
-    if isinstance(target, str):
+    cfg = (config or DecoderConfig()).replace(**settings) if settings else (config or DecoderConfig())
+    drafters, ngrams = _artifact_list(drafters, "drafters"), _artifact_list(ngrams, "ngrams")
+    if isinstance(target, (str, Path)):
         from redraft.models import load_target
 
-        target = load_target(target, dtype=dtype, device=device)
-    heads = [load_redrafter(path, target, redrafter_width, redrafter_length,
+        target = load_target(str(target), dtype=dtype, device=device)
+    heads = [load_redrafter(path, target, cfg.redrafter_width, cfg.redrafter_length,
                             name="redrafter" if len(drafters) == 1 else f"redrafter{i}")
              for i, path in enumerate(drafters)]
     tables = [load_ngram_tables(path, target) for path in ngrams]
-    ds = make_drafters(target, heads, tables, context=context, ngram_k=ngram_k, ngram_w=ngram_w,
-                       context_q=context_q, context_q_max=context_q_max, aded=aded)
-    return SpeculativeDecoder(target, ds, **settings)
+    return SpeculativeDecoder(target, make_drafters(target, heads, tables, cfg), cfg)
+
+
+def read_preset(path) -> dict:
+    """A decoding preset (``infer/decode-*.yaml``) as a dict: ``load_decoder``'s own arguments
+    (target, drafters, ngrams, dtype, device) and :class:`DecoderConfig` fields, checked."""
+    import yaml
+
+    from redraft.resources import find_config
+
+    p = find_config(path, "infer")  # a file, or a shipped preset such as decode-default
+    try:
+        cfg = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"decoding preset {p} is not valid YAML: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{p} must be a YAML mapping of load_decoder arguments.")
+    DecoderConfig.from_dict({k: v for k, v in cfg.items() if k not in LOAD_KEYS}, where=str(p))
+    return cfg
 
 
 def load_preset(path, **overrides) -> SpeculativeDecoder:
-    """:func:`load_decoder` with the arguments of a YAML preset (``infer/decode-*.yaml``);
-    keyword ``overrides`` win. Artifacts the preset names that do not exist are skipped with a
-    warning (build them first with redraft-train / redraft-build-ngrams)."""
-    import logging
-    from pathlib import Path
-
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"decoding preset {p} does not exist (see infer/decode-default.yaml).")
-    cfg = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{p} must be a YAML mapping of load_decoder arguments.")
-    cfg.update(overrides)
+    """:func:`load_decoder` with the arguments of a YAML preset; keyword ``overrides`` win.
+    Relative artifact paths the preset names that do not exist are skipped with a warning (build
+    them first with redraft-train / redraft-build-ngrams)."""
+    cfg = {**read_preset(path), **overrides}
     for key in ("drafters", "ngrams"):
         present = []
-        for a in cfg.get(key) or []:
-            if Path(a).exists() or not str(a).startswith(("checkpoints", ".", "/")):
+        for a in _artifact_list(cfg.get(key), key):
+            if Path(a).exists() or not a.startswith(("checkpoints", ".", "/")):
                 present.append(a)
             else:
-                logging.getLogger(__name__).warning("%s: %s %s not found; skipped", p, key[:-1], a)
+                logger.warning("%s: %s %s not found; skipped", path, key[:-1], a)
         cfg[key] = present
     return load_decoder(**cfg)

@@ -33,6 +33,9 @@ _ATTR = "_redraft_packed"
 # forwards of MIN..MAX rows use the packed weight: at 2 rows the default (memory-bound) kernel
 # is still faster, above 128 (prefill) it is as fast
 MIN_PACKED_ROWS, MAX_PACKED_ROWS = 3, 128
+# weights smaller than this stay in cache, where the default kernel is fine and oneDNN's fixed
+# cost per call dominates (a hidden-32 test model ran its forward several times slower packed)
+MIN_PACKED_WEIGHT = 1 << 16
 
 
 def packing_available() -> bool:
@@ -68,8 +71,9 @@ def _derived(layer: torch.nn.Module, kind, make) -> torch.Tensor:
     return hit[1]
 
 
-def pack_linears(model: torch.nn.Module, batch_hint: int = 8) -> dict:
-    """Packed weights for every float32 CPU ``nn.Linear`` of ``model``: ``{layer: packed}``.
+def pack_linears(model: torch.nn.Module, batch_hint: int = 8, min_weight: int = MIN_PACKED_WEIGHT) -> dict:
+    """Packed weights for every float32 CPU ``nn.Linear`` of ``model`` with at least
+    ``min_weight`` weights: ``{layer: packed}``.
 
     The model is not modified; :func:`use_packed` makes its forwards use the packs. Packs are
     made once per layer and shared. Empty when oneDNN is missing from this torch build or no
@@ -80,10 +84,12 @@ def pack_linears(model: torch.nn.Module, batch_hint: int = 8) -> dict:
         return {}
     return {m: _derived(m, ("packed", batch_hint), lambda m=m: pack_weight(m.weight, batch_hint))
             for m in model.modules()
-            if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32}
+            if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+            and m.weight.numel() >= min_weight}
 
 
-def head_weights(head: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_weights(head: torch.nn.Module, dtype: torch.dtype,
+                 min_weight: int = MIN_PACKED_WEIGHT) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The LM head for CPU verification: ``(W.T contiguous [in, out] in dtype, packed or None)``.
 
     ``x @ W.T`` with ``W.T`` stored contiguously is faster than ``F.linear(x, W)`` for the
@@ -93,7 +99,7 @@ def head_weights(head: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tenso
     """
     wt = _derived(head, ("t", dtype), lambda: head.weight.detach().to(dtype).T.contiguous())
     packed = None
-    if dtype == torch.float32 and packing_available():
+    if dtype == torch.float32 and packing_available() and head.weight.numel() >= min_weight:
         packed = _derived(head, ("packed-head", dtype), lambda: pack_weight(wt.T))
     return wt, packed
 

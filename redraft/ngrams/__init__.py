@@ -3,51 +3,56 @@
 Build them with ``redraft-build-ngrams`` (:mod:`redraft.ngrams.cli`) or the functions below; load
 them for decoding with :meth:`NGramTables.load` and look up drafts in batches::
 
-    from redraft.ngrams import NGramTables
+    from redraft.ngrams import NGramTables, TrigramTable
     tables = NGramTables.load("checkpoints/ngrams-smollm2", target=target)
     ids, probs = tables.bigram_topk(torch.tensor([42, 7]))          # [2, k], [2, k]
     chains = tables.extended(torch.tensor([42]))                     # [1, k, w]
-    ids, probs = tables.trigram_successors(w1, w2)                   # [N, t], -1 / 0 where absent
+    tri = tables.trigram                                             # THE tri-gram table type
+    ids, probs = tri.successors(w1, w2, k=12)                        # numpy or torch; -1 / 0 where absent
+    tri = TrigramTable.from_token_arrays(token_arrays, vocab_size)   # in memory, same counter
 
 docs/ngrams.md is the guide (formats, CLI, figures).
+
+The names below are imported on first use, so that ``import redraft.ngrams.cli`` (and therefore
+``redraft-build-ngrams --help``) does not import torch.
 """
 
-from redraft.ngrams.model_tables import (
-    bigram_context,
-    build_bigram,
-    build_extended,
-    build_extended_with_model,
-    build_unigram,
-    unigram_probs,
-)
-from redraft.ngrams.tables import KINDS, NGramTables, save_tables
-from redraft.ngrams.trigrams import (
-    TrigramCounter,
-    TrigramCounts,
-    TrigramTable,
-    build_trigram_table,
-    count_trigrams,
-    load_counts,
-    merge_counts,
-    packable,
-)
+from __future__ import annotations
 
-__all__ = [
-    "KINDS",
-    "NGramTables",
-    "TrigramCounter",
-    "TrigramCounts",
-    "TrigramTable",
-    "bigram_context",
-    "build_bigram",
-    "build_extended",
-    "build_extended_with_model",
-    "build_trigram_table",
-    "build_unigram",
-    "count_trigrams",
-    "load_counts",
-    "merge_counts",
-    "packable",
-    "save_tables",
-    "unigram_probs",
-]
+import importlib
+
+_EXPORTS = {
+    "KINDS": "redraft.ngrams.format",
+    "NGramTables": "redraft.ngrams.tables",
+    "save_tables": "redraft.ngrams.tables",
+    "TrigramTable": "redraft.ngrams.trigram_table",
+    "as_trigram_table": "redraft.ngrams.trigram_table",
+    "TrigramCounter": "redraft.ngrams.trigrams",
+    "TrigramCounts": "redraft.ngrams.trigrams",
+    "build_trigram_table": "redraft.ngrams.trigrams",
+    "count_trigrams": "redraft.ngrams.trigrams",
+    "load_counts": "redraft.ngrams.trigrams",
+    "merge_counts": "redraft.ngrams.trigrams",
+    "packable": "redraft.ngrams.trigrams",
+    "bigram_context": "redraft.ngrams.model_tables",
+    "build_bigram": "redraft.ngrams.model_tables",
+    "build_extended": "redraft.ngrams.model_tables",
+    "build_extended_with_model": "redraft.ngrams.model_tables",
+    "build_unigram": "redraft.ngrams.model_tables",
+    "unigram_probs": "redraft.ngrams.model_tables",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'redraft.ngrams' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -162,18 +162,14 @@ def bench_draftretriever(arrays, V, report: dict) -> None:
 
 
 def bench_lookups(arrays, V, args, report: dict) -> None:
-    from redraft.ngrams import NGramTables, build_extended, build_trigram_table, count_trigrams
+    from redraft.ngrams import NGramTables, TrigramTable, build_extended, build_trigram_table, count_trigrams
 
     g = torch.Generator().manual_seed(0)
     bigram_ids = torch.randint(0, V, (V, args.k), generator=g, dtype=torch.int32)
     tri = build_trigram_table(count_trigrams(arrays, V), t=args.t, min_count=args.min_count)
     tables = NGramTables({"bigram": {"ids": bigram_ids, "probs": torch.rand(V, args.k).half()},
-                          "extended": {"ids": build_extended(bigram_ids, args.w)},
-                          "trigram": {k: torch.from_numpy(np.asarray(v)) for k, v in {
-                              "context_keys": tri.context_keys, "offsets": tri.offsets,
-                              "ids": tri.ids, "probs": tri.probs.astype(np.float16),
-                              "context_counts": tri.context_counts}.items()}},
-                         {"vocab_size": V, "trigram": {"t": args.t}})
+                          "extended": {"ids": build_extended(bigram_ids, args.w)}},
+                         {"vocab_size": V}, trigram=tri)
     N = args.lookup_batch
     flat = np.concatenate(arrays)
     pos = torch.randint(0, len(flat) - 2, (N,), generator=g)
@@ -191,6 +187,20 @@ def bench_lookups(arrays, V, args, report: dict) -> None:
     report["lookups_per_s"] = dict(rates, batch=N, trigram_contexts_found=round(found, 3))
     print("lookups/s (batch %d): " % N + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in rates.items()),
           flush=True)
+    # ADED's search: numpy batches of 24-150 distinct contexts (cold caches, as in a search);
+    # the padded-row gather against the CSR gather (used above TrigramTable.DENSE_MAX_BYTES).
+    csr = TrigramTable.from_csr(tri.context_keys, tri.offsets, tri.ids, tri.probs, V, t=tri.t)
+    csr.DENSE_MAX_BYTES = 0
+    flat64 = flat.astype(np.int64)
+    small = {}
+    for n in (24, 150):
+        queries = [(flat64[p], flat64[p + 1]) for p in
+                   (np.random.default_rng(n).integers(0, len(flat) - 2, n) for _ in range(200))]
+        for name, table in (("padded_rows", tri), ("csr_gather", csr)):
+            t, _ = _best(lambda: [table.successors(a, b, args.t) for a, b in queries], 5)
+            small[f"{name}_batch{n}_us"] = round(t / len(queries) * 1e6, 1)
+    report["aded_batch_lookup_us"] = small
+    print("numpy lookups per call (µs):", small, flush=True)
 
 
 def main(argv=None) -> int:

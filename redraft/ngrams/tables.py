@@ -10,6 +10,7 @@ An artifact is a directory (DESIGN.md):
     extended.safetensors   ids int32 [V, k, w]                         (ext[x, j, 0] = bigram[x, j])
     trigram.safetensors    context_keys int64 [C] (sorted w1 * V + w2), offsets int64 [C + 1],
                            ids int32 [nnz], probs float16 [nnz], context_counts int64 [C]
+                           (loaded as a redraft.ngrams.TrigramTable: NGramTables.trigram)
 
 Each kind is its own file, so a later build can add a kind to an existing directory; files are
 written atomically and ``ngrams.json`` last.
@@ -17,7 +18,6 @@ written atomically and ``ngrams.json`` last.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -26,32 +26,18 @@ import numpy as np
 import torch
 
 from redraft.errors import ArtifactError, ConfigError
-
-FORMAT = "redraft-ngrams"
-FORMAT_VERSION = 1
-META_FILE = "ngrams.json"
-KINDS = ("unigram", "bigram", "extended", "trigram")
-FILES = {kind: f"{kind}.safetensors" for kind in KINDS}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+from redraft.ngrams.format import FILES, FORMAT, FORMAT_VERSION, KINDS, META_FILE
+from redraft.ngrams.trigram_table import TrigramTable
+from redraft.utils import atomic_path, atomic_write_text, sha256_file
 
 
 def _atomic_save(tensors: dict, path: Path) -> dict:
+    """Write safetensors atomically (readers see the old file or the new one); its files entry."""
     from safetensors.numpy import save_file
 
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # the writer creates 0600 files; tables are meant to be shared
-    os.replace(tmp, path)
-    return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+    with atomic_path(path) as tmp:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def _np(x, dtype) -> np.ndarray:
@@ -72,7 +58,8 @@ def save_tables(directory, meta: dict, *, unigram=None, bigram=None, extended=No
         unigram: ``(ids [k], probs [k])``.
         bigram: ``(ids [V, k], probs [V, k])``.
         extended: ``ids [V, k, w]``.
-        trigram: a :class:`redraft.ngrams.trigrams.TrigramTable`.
+        trigram: a :class:`~redraft.ngrams.trigram_table.TrigramTable`; its ``t`` and
+            ``min_count`` are recorded under ``trigram`` unless ``meta`` gives them.
 
     Returns:
         The directory.
@@ -107,13 +94,13 @@ def save_tables(directory, meta: dict, *, unigram=None, bigram=None, extended=No
         files["extended"] = _atomic_save({"ids": _np(extended, np.int32)},
                                          directory / FILES["extended"])
     if trigram is not None:
-        files["trigram"] = _atomic_save({
-            "context_keys": _np(trigram.context_keys, np.int64),
-            "offsets": _np(trigram.offsets, np.int64),
-            "ids": _np(trigram.ids, np.int32),
-            "probs": _np(trigram.probs, np.float16),
-            "context_counts": _np(trigram.context_counts, np.int64),
-        }, directory / FILES["trigram"])
+        if not isinstance(trigram, TrigramTable):
+            raise ConfigError(f"save_tables(trigram=...) takes a redraft.ngrams.TrigramTable, got "
+                              f"{type(trigram).__name__}; build one with TrigramTable.from_csr(...).",
+                              param="trigram")
+        files["trigram"] = _atomic_save(trigram.to_arrays(), directory / FILES["trigram"])
+        meta = dict(meta, trigram={"t": trigram.t, "min_count": trigram.min_count,
+                                   **(meta.get("trigram") or {})})
     out = dict(old)
     for key, value in meta.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
@@ -122,9 +109,7 @@ def save_tables(directory, meta: dict, *, unigram=None, bigram=None, extended=No
             out[key] = value
     out.update(format=FORMAT, format_version=FORMAT_VERSION, files=files,
                kinds=[k for k in KINDS if k in files])
-    tmp = meta_path.with_name(META_FILE + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(out, indent=2))
-    os.replace(tmp, meta_path)
+    atomic_write_text(meta_path, json.dumps(out, indent=2))
     return directory
 
 
@@ -144,6 +129,68 @@ def _resolve(path_or_dir) -> Path:
                         f"{META_FILE} (written by redraft-build-ngrams) or a hub REPO_ID[@rev].")
 
 
+def _read_meta(directory: Path, verify: bool) -> dict:
+    """``ngrams.json`` of ``directory``, checked: every key the loader reads is present and sane.
+
+    Raises:
+        ArtifactError: naming the file and the missing or wrong key.
+    """
+    meta_path = directory / META_FILE
+    if not meta_path.is_file():
+        raise ArtifactError(f"{directory} holds no {META_FILE}: not an n-gram table directory "
+                            f"(build one with redraft-build-ngrams).")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{meta_path} is not valid JSON ({exc}); the build did not finish: "
+                            f"rebuild the tables.") from exc
+
+    def bad(what: str) -> ArtifactError:
+        return ArtifactError(f"{meta_path} {what}. It was not written by redraft-build-ngrams or "
+                             f"was edited: rebuild the tables (or restore the file).")
+
+    if not isinstance(meta, dict):
+        raise bad(f"holds a JSON {type(meta).__name__}, not an object")
+    if meta.get("format") != FORMAT:
+        raise bad(f"has format {meta.get('format')!r}, not {FORMAT!r}: not a redraft n-gram table file")
+    for key in ("vocab_size", "files"):
+        if key not in meta:
+            raise bad(f"lacks the key {key!r}")
+    V = meta["vocab_size"]
+    if isinstance(V, bool) or not isinstance(V, int) or V < 1:
+        raise bad(f"has vocab_size {V!r}; want a positive integer")
+    files = meta["files"]
+    if not isinstance(files, dict) or not files:
+        raise bad(f"has files {files!r}; want an object with one entry per table kind")
+    unknown = sorted(set(files) - set(KINDS))
+    if unknown:
+        raise bad(f"lists unknown table kind(s) {unknown} under 'files'; known: {', '.join(KINDS)}")
+    if "kinds" in meta and list(meta["kinds"]) != [k for k in KINDS if k in files]:
+        raise bad(f"says kinds {meta['kinds']!r} but its 'files' hold {list(files)}")
+    for kind, info in files.items():
+        if not isinstance(info, dict) or "file" not in info:
+            raise bad(f"has no file name for the {kind} table (files.{kind}.file)")
+        name = info["file"]
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise bad(f"names the {kind} file {name!r}; want a plain file name inside the directory")
+        for key in (("bytes", "sha256") if verify else ()):
+            if key not in info:
+                raise bad(f"lacks files.{kind}.{key} (needed to verify the file; "
+                          f"load with verify=False to skip the check)")
+    return meta
+
+
+def _trigram_from_arrays(arrays: dict, meta: dict) -> TrigramTable:
+    """The :class:`TrigramTable` of stored arrays (names as in ``trigram.safetensors``)."""
+    missing = [n for n in ("context_keys", "offsets", "ids", "probs") if n not in arrays]
+    if missing:
+        raise ArtifactError(f"the tri-gram file lacks the arrays {missing}; rebuild the table.")
+    info = meta.get("trigram") if isinstance(meta.get("trigram"), dict) else {}
+    return TrigramTable(arrays["context_keys"], arrays["offsets"], arrays["ids"], arrays["probs"],
+                        int(meta["vocab_size"]), t=info.get("t"), min_count=info.get("min_count") or 1,
+                        context_counts=arrays.get("context_counts"), stats=info.get("corpus"))
+
+
 class NGramTables:
     """Loaded n-gram tables with batched, vectorised lookups (torch, any device).
 
@@ -152,23 +199,33 @@ class NGramTables:
         vocab_size, k, w, t: table shapes (``None`` for kinds not present).
         fingerprint: the tokenizer fingerprint the tables were built for.
         bos_prefix: the BOS id the bigram rows were conditioned on (None: rows are ``p(· | [x])``).
+        trigram: the :class:`~redraft.ngrams.trigram_table.TrigramTable` (ArtifactError when absent).
         meta: the ``ngrams.json`` dict.
     """
 
-    def __init__(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict, path=None):
+    def __init__(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict, path=None,
+                 trigram: TrigramTable | None = None):
+        """``tensors``: ``{kind: {name: tensor}}`` for unigram/bigram/extended (names as on disk);
+        ``trigram``: the tri-gram table (or its stored arrays as ``tensors["trigram"]``)."""
         self.meta = meta
         self.path = path
         self.vocab_size = int(meta["vocab_size"])
         self.fingerprint = meta.get("tokenizer_fingerprint")
+        tensors = dict(tensors)
+        if "trigram" in tensors:
+            trigram = _trigram_from_arrays(tensors.pop("trigram"), meta)
+        if trigram is not None and trigram.vocab_size != self.vocab_size:
+            raise ArtifactError(f"the tri-gram table packs vocab size {trigram.vocab_size}, the "
+                                f"tables say {self.vocab_size}.")
         self._t = tensors
-        self.kinds = [k for k in KINDS if k in tensors]
+        self._trigram = trigram
+        self._device = torch.device("cpu")
+        self.kinds = [k for k in KINDS if k in tensors or (k == "trigram" and trigram is not None)]
         self.k = int(tensors["bigram"]["ids"].shape[1]) if "bigram" in tensors else (
             int(tensors["unigram"]["ids"].shape[0]) if "unigram" in tensors else None)
         self.w = int(tensors["extended"]["ids"].shape[2]) if "extended" in tensors else None
-        stored_t = meta.get("trigram", {}).get("t")
-        self.t = int(stored_t) if "trigram" in tensors and stored_t else None
-        self.bos_prefix = meta.get("bigram", {}).get("bos_prefix")
-        self._dense = None  # padded tri-gram rows, made at the first lookup
+        self.t = trigram.t if trigram is not None else None
+        self.bos_prefix = (meta.get("bigram") or {}).get("bos_prefix")
 
     # ---------------------------------------------------------------- loading
 
@@ -184,25 +241,17 @@ class NGramTables:
             verify: check each file's size and sha256 against ``ngrams.json``.
 
         Raises:
-            ArtifactError: missing, truncated or corrupted files, an unknown kind.
+            ArtifactError: a ``ngrams.json`` that lacks a key (named) or lists an unknown kind;
+                missing, truncated or corrupted files.
+            ConfigError: an unknown kind in ``kinds``.
             FingerprintMismatchError: built for another tokenizer than ``target``'s.
         """
         from safetensors import SafetensorError
+        from safetensors.numpy import load_file as load_numpy
         from safetensors.torch import load_file
 
         directory = _resolve(path_or_dir)
-        meta_path = directory / META_FILE
-        if not meta_path.is_file():
-            raise ArtifactError(f"{directory} holds no {META_FILE}: not an n-gram table directory "
-                                f"(build one with redraft-build-ngrams).")
-        try:
-            meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ArtifactError(f"{meta_path} is not valid JSON ({exc}); the build did not finish: "
-                                f"rebuild the tables.") from exc
-        if meta.get("format") != FORMAT or "vocab_size" not in meta:
-            raise ArtifactError(f"{meta_path} is not a redraft n-gram table file "
-                                f"(format {meta.get('format')!r}).")
+        meta = _read_meta(directory, verify)
         if target is not None:
             from redraft.models import check_fingerprint
 
@@ -210,40 +259,47 @@ class NGramTables:
             if int(meta["vocab_size"]) != target.vocab_size:
                 raise ArtifactError(f"{directory} was built for vocab size {meta['vocab_size']}, "
                                     f"the target {target.model_id!r} has {target.vocab_size}.")
-        present = list(meta.get("files", {}))
+        present = list(meta["files"])
         wanted = present if kinds is None else list(kinds)
         for kind in wanted:
             if kind not in KINDS:
-                raise ConfigError(f"unknown n-gram kind {kind!r}; use one of {', '.join(KINDS)}.")
+                raise ConfigError(f"unknown n-gram kind {kind!r}; use one of {', '.join(KINDS)}.",
+                                  param="kinds")
             if kind not in present:
                 raise ArtifactError(f"{directory} has no {kind} table (it has: "
                                     f"{', '.join(present) or 'none'}); build it with "
                                     f"redraft-build-ngrams --kinds {kind}.")
-        tensors = {}
+        tensors, trigram = {}, None
         for kind in wanted:
             info = meta["files"][kind]
             path = directory / info["file"]
             if not path.is_file():
                 raise ArtifactError(f"{path} is missing; {META_FILE} lists it. Rebuild the {kind} table.")
             size = path.stat().st_size
-            if verify and size != info.get("bytes", size):
+            if verify and size != info["bytes"]:
                 raise ArtifactError(f"{path} has {size} bytes, {META_FILE} records {info['bytes']}: "
                                     f"truncated or replaced. Re-download or rebuild it.")
-            if verify and info.get("sha256") and _sha256(path) != info["sha256"]:
+            if verify and sha256_file(path) != info["sha256"]:
                 raise ArtifactError(f"{path} does not match the sha256 in {META_FILE}: corrupted. "
                                     f"Re-download or rebuild it.")
             try:
-                tensors[kind] = load_file(str(path))
+                if kind == "trigram":  # host numpy: ADED's search and the lookups run there
+                    trigram = _trigram_from_arrays(load_numpy(str(path)), meta)
+                else:
+                    tensors[kind] = load_file(str(path))
             except (SafetensorError, OSError, ValueError) as exc:
                 raise ArtifactError(f"{path} cannot be read as safetensors ({exc}): truncated or "
                                     f"corrupted. Re-download or rebuild it.") from exc
-        tables = cls(tensors, meta, path=directory)
+        tables = cls(tensors, meta, path=directory, trigram=trigram)
         return tables.to(device) if device is not None else tables
 
     def to(self, device) -> "NGramTables":
-        """Move every table to ``device`` (in place); returns self."""
+        """Move every table to ``device`` (in place); returns self. The tri-gram table keeps its
+        host arrays (ADED searches there) and prepares a copy on ``device`` for torch lookups."""
         self._t = {kind: {n: v.to(device) for n, v in d.items()} for kind, d in self._t.items()}
-        self._dense = None  # rebuilt on the new device at the next lookup
+        self._device = torch.device(device)
+        if self._trigram is not None:
+            self._trigram.to(self._device)
         return self
 
     @property
@@ -251,7 +307,7 @@ class NGramTables:
         for d in self._t.values():
             for v in d.values():
                 return v.device
-        return torch.device("cpu")
+        return self._device
 
     def _need(self, kind: str) -> dict:
         if kind not in self._t:
@@ -264,18 +320,27 @@ class NGramTables:
         if k is None:
             return have
         if not 1 <= int(k) <= have:
-            raise ConfigError(f"{name}={k} but the table stores {have} columns; rebuild with a larger {name}.")
+            raise ConfigError(f"{name}={k} but the table stores {have} columns; rebuild with a larger {name}.",
+                              param=name)
         return int(k)
+
+    @property
+    def trigram(self) -> TrigramTable:
+        """The tri-gram table (:class:`~redraft.ngrams.trigram_table.TrigramTable`): what ADED's
+        search, its adaptive overlay and HSDDW's tri-gram model read."""
+        if self._trigram is None:
+            raise ArtifactError(
+                f"{self.path or 'these tables'} hold no trigram table (kinds: "
+                f"{', '.join(self.kinds) or 'none'}). Build one with `redraft-build-ngrams "
+                f"--kinds trigram --data default-chat --output-dir DIR` and pass that directory.")
+        return self._trigram
 
     def table(self, kind: str) -> dict[str, torch.Tensor]:
         """The stored tensors of one kind, as on disk (module doc), on the tables' device."""
+        if kind == "trigram":
+            return {n: torch.from_numpy(np.array(a)).to(self.device)  # a copy: the table is shared
+                    for n, a in self.trigram.to_arrays().items()}
         return dict(self._need(kind))
-
-    def trigram_csr(self) -> dict[str, torch.Tensor]:
-        """The tri-gram table in CSR form: ``context_keys int64 [C]`` (sorted ``w1 * V + w2``),
-        ``offsets int64 [C + 1]``, ``ids int32 [nnz]``, ``probs float16 [nnz]``,
-        ``context_counts int64 [C]``. For decoders that keep their own copy (ADED overlays)."""
-        return self.table("trigram")
 
     # ---------------------------------------------------------------- lookups
 
@@ -299,63 +364,19 @@ class NGramTables:
         w = self._cols(w, e.shape[2], "w")
         return e[tokens.to(e.device, torch.long), :k, :w].long()
 
-    # Above this many bytes the padded [C + 1, t] copy of the tri-gram table is not made and
-    # lookups gather straight from the CSR arrays (slower, no extra memory).
-    DENSE_TRIGRAM_MAX_BYTES = 1 << 30
-
-    def _trigram_rows(self):
-        """The tri-gram table padded to dense rows ``ids int32 [C + 1, t]``, ``probs f16 [C + 1, t]``.
-
-        Row ``C`` is all ``-1`` / ``0``: the row of contexts that never occurred. One contiguous
-        row gather per lookup replaces a ``[N, t]`` index computation, gather and mask. Built on
-        first use (vectorised scatter), None when it would exceed ``DENSE_TRIGRAM_MAX_BYTES``.
-        """
-        if self._dense is not None:
-            return self._dense
-        tg = self._need("trigram")
-        offsets, t = tg["offsets"], int(self.t or 1)
-        C = len(tg["context_keys"])
-        if (C + 1) * t * 6 > self.DENSE_TRIGRAM_MAX_BYTES:
-            return None
-        dev = offsets.device
-        lengths = offsets[1:] - offsets[:-1]  # [C]
-        row = torch.repeat_interleave(torch.arange(C, device=dev), lengths)  # [nnz]
-        col = torch.arange(len(row), device=dev) - offsets[:-1][row]  # rank within its row
-        ids = torch.full((C + 1, t), -1, dtype=torch.int32, device=dev)
-        probs = torch.zeros((C + 1, t), dtype=tg["probs"].dtype, device=dev)
-        ids[row, col] = tg["ids"]
-        probs[row, col] = tg["probs"]
-        self._dense = (ids, probs)
-        return self._dense
-
     def trigram_successors(self, w1: torch.Tensor, w2: torch.Tensor,
                            t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-t successors of each context ``(w1[i], w2[i])``.
+        """Top-t successors of each context ``(w1[i], w2[i])`` on the tables' device
+        (:meth:`TrigramTable.successors <redraft.ngrams.trigram_table.TrigramTable.successors>`).
 
         Returns:
             ``(ids long [N, t], probs float32 [N, t])``, most probable first; ``-1`` / ``0`` where
             the context has fewer successors or never occurred.
         """
-        tg = self._need("trigram")
-        keys, offsets = tg["context_keys"], tg["offsets"]
-        t = self._cols(t, int(self.t or 1), "t")
-        dev = keys.device
-        C = len(keys)
-        ctx = w1.to(dev, torch.long) * self.vocab_size + w2.to(dev, torch.long)  # [N]
-        pos = torch.searchsorted(keys, ctx).clamp_(max=max(C - 1, 0))  # [N]
-        found = keys[pos] == ctx if C else torch.zeros_like(ctx, dtype=torch.bool)
-        dense = self._trigram_rows()
-        if dense is not None:
-            row = torch.where(found, pos, C)  # unseen contexts read the empty row C
-            return dense[0][row, :t].long(), dense[1][row, :t].float()
-        start = offsets[pos]  # [N]
-        length = torch.where(found, offsets[pos + 1] - start, 0)  # [N]
-        col = torch.arange(t, device=dev)  # [t]
-        invalid = col >= length[:, None]  # [N, t]
-        idx = (start[:, None] + col).clamp_(max=max(len(tg["ids"]) - 1, 0))  # [N, t]
-        ids = tg["ids"][idx].long().masked_fill_(invalid, -1)
-        probs = tg["probs"][idx].float().masked_fill_(invalid, 0.0)
-        return ids, probs
+        tg = self.trigram
+        t = self._cols(t, tg.t, "t")
+        dev = self.device
+        return tg.successors(w1.to(dev), w2.to(dev), t)
 
     def __repr__(self) -> str:
         return (f"NGramTables(kinds={self.kinds}, vocab_size={self.vocab_size}, k={self.k}, "

@@ -21,10 +21,14 @@ wrong (:func:`key_dtype`).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -33,6 +37,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from redraft.errors import ArtifactError, ConfigError, DataError
+from redraft.ngrams.trigram_table import TrigramTable
+from redraft.utils import sha256_file
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: spill directories are recognised as stale by age
+    fcntl = None
+
+logger = logging.getLogger("redraft.ngrams")
 
 COUNTS_FORMAT = "redraft-trigram-counts"
 COUNTS_FORMAT_VERSION = 1
@@ -62,7 +75,8 @@ def split_keys(keys: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarra
     return np.divmod(keys, np.int64(vocab_size))
 
 
-def _make_keys(ctx: np.ndarray, w3: np.ndarray, vocab_size: int) -> np.ndarray:
+def make_keys(ctx: np.ndarray, w3: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Keys from ``(context = w1 * V + w2, w3)``: packed int64, or the wide dtype (module doc)."""
     if key_dtype(vocab_size) == _WIDE:
         out = np.empty(len(ctx), _WIDE)
         out["c"], out["w"] = ctx, w3
@@ -73,7 +87,7 @@ def _make_keys(ctx: np.ndarray, w3: np.ndarray, vocab_size: int) -> np.ndarray:
 def _context_floor(keys: np.ndarray, vocab_size: int) -> np.ndarray:
     """The smallest key of each key's context (range boundaries must not split a context)."""
     ctx, _ = split_keys(keys, vocab_size)
-    return _make_keys(ctx, np.zeros_like(ctx), vocab_size)
+    return make_keys(ctx, np.zeros_like(ctx), vocab_size)
 
 
 def trigram_keys(tokens: np.ndarray, ends: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -101,7 +115,7 @@ def trigram_keys(tokens: np.ndarray, ends: np.ndarray, vocab_size: int) -> np.nd
         t = tokens.astype(np.int64, copy=False)
         valid = np.ones(n - 2, dtype=bool)
         valid[cross] = False
-        return _make_keys((t[:-2] * V + t[1:-1])[valid], t[2:][valid], vocab_size)
+        return make_keys((t[:-2] * V + t[1:-1])[valid], t[2:][valid], vocab_size)
     # (w1 * V + w2) * V + w3 in place: one [n-2] int64 buffer, no temporaries.
     keys = np.multiply(tokens[:-2], V, dtype=np.int64)
     keys += tokens[1:-1]
@@ -166,8 +180,12 @@ def _write_run(directory: Path, keys: np.ndarray, counts: np.ndarray, meta: dict
     return directory
 
 
-def _open_run(directory: Path) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Memory-map a run written by :func:`_write_run`; ArtifactError when missing or truncated."""
+def _open_run(directory: Path, verify: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Memory-map a run written by :func:`_write_run` or :meth:`TrigramCounts.save`.
+
+    ArtifactError when missing or truncated, and with ``verify`` when a file's sha256 differs
+    from the one ``meta.json`` records (a shard changed after it was written).
+    """
     directory = Path(directory)
     try:
         meta = json.loads((directory / "meta.json").read_text())
@@ -189,8 +207,92 @@ def _open_run(directory: Path) -> tuple[np.ndarray, np.ndarray, dict]:
         if size != n * dt.itemsize:
             raise ArtifactError(f"{path} has {size} bytes, expected {n * dt.itemsize} "
                                 f"({n} entries): truncated or missing. Rerun the shard that wrote it.")
+        want = (meta.get("sha256") or {}).get(name)
+        if verify and want and sha256_file(path) != want:
+            raise ArtifactError(f"{path} does not match the sha256 its meta.json records: it changed "
+                                f"after the shard wrote it. Rerun that shard (shard_id "
+                                f"{meta.get('shard_id', '?')}) and merge again.")
         arrays.append(np.memmap(path, dtype=dt, mode="r", shape=(n,)) if n else np.empty(0, dt))
     return arrays[0], arrays[1], meta
+
+
+# --------------------------------------------------------------------------------------------
+# spill directories: private, locked while their owner runs, removed when it ends or by the next
+# build after a kill
+
+SPILL_PREFIX = ".trigram-spill-"
+_LEGACY_SPILL_PREFIX = "redraft-trigrams-"  # what builds before the lock wrote (system temp dir)
+_LOCK = "owner.lock"
+
+
+def _remove_spill(path: Path, lock) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if lock is not None:
+        lock.close()  # closing releases the flock
+
+
+class SpillDir:
+    """A private directory ``ROOT/.trigram-spill-XXXXXXXX`` for one counter's spilled runs.
+
+    Its owner holds an exclusive ``flock`` on ``owner.lock`` inside it for as long as it lives;
+    the kernel releases the lock when the process dies in any way (SIGKILL included), which is
+    how :func:`clean_stale_spills` tells a dead owner's leftovers from a running build's (works
+    for concurrent shard jobs on one machine and on shared file systems with POSIX locks).
+    :meth:`cleanup` (also run when the object is collected, and at interpreter exit) removes it.
+    """
+
+    def __init__(self, root):
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=root))
+        # Lock first, then give the file its name: a cleaner never sees an unlocked owner.lock
+        # of a live process (a folder without one is judged by its age).
+        lock = open(self.path / (_LOCK + ".new"), "w")
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.replace(self.path / (_LOCK + ".new"), self.path / _LOCK)
+        self._finalizer = weakref.finalize(self, _remove_spill, self.path, lock)
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    def cleanup(self) -> None:
+        """Remove the directory and release the lock (idempotent)."""
+        self._finalizer()
+
+
+def clean_stale_spills(root, min_age_s: float = 600.0) -> list[Path]:
+    """Remove spill directories under ``root`` whose owner no longer runs; return them.
+
+    A directory whose ``owner.lock`` can be locked has a dead owner. One without a lock file (a
+    build killed within microseconds of creating it, or one from before locks were used) is
+    removed once it is ``min_age_s`` old.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for d in sorted([*root.glob(SPILL_PREFIX + "*"), *root.glob(_LEGACY_SPILL_PREFIX + "*")]):
+        if not d.is_dir():
+            continue
+        lock_path = d / _LOCK
+        try:
+            if lock_path.exists() and fcntl is not None:
+                with open(lock_path, "a") as lock:
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        stale = True  # nobody holds it: the owner is gone (closing releases it)
+                    except BlockingIOError:
+                        stale = False  # a running build owns it
+            else:
+                stale = time.time() - d.stat().st_mtime > min_age_s
+        except OSError:  # removed meanwhile, or unreadable: not ours to judge
+            stale = False
+        if stale:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,7 +311,24 @@ class TrigramCounts:
     spilled: list = field(default_factory=list)  # [Path] run directories
     stats: dict = field(default_factory=dict)  # records, tokens, trigrams
     memory_mb: int = 4096
-    _tmpdir: object = None  # keeps a TemporaryDirectory alive as long as the counts
+    _tmpdir: object = None  # the SpillDir of ``spilled`` runs: lives as long as the counts
+
+    def cleanup(self) -> None:
+        """Delete the spilled runs now (they are private temporary files); idempotent.
+
+        Run it when done with the counts, also on errors and Ctrl-C; otherwise they go when the
+        counts are garbage collected. Shard directories given to :func:`load_counts` are
+        never deleted.
+        """
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self.spilled, self._tmpdir = [], None
+
+    def __enter__(self) -> "TrigramCounts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
 
     @property
     def num_entries_upper(self) -> int:
@@ -254,20 +373,29 @@ class TrigramCounts:
         These are a shard's partial counts; :func:`merge_counts` combines shards.
         """
         directory = Path(directory)
-        tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
+        # One name per shard, not per process: a rerun of a killed shard replaces its leftovers.
+        tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         n = 0
         wide = key_dtype(self.vocab_size) == _WIDE
-        with open(tmp / "keys.bin", "wb") as fk, open(tmp / "counts.bin", "wb") as fc:
-            for keys, counts in self.iter_ranges():  # streamed: bounded memory
-                fk.write(np.ascontiguousarray(keys).tobytes())
-                fc.write(np.ascontiguousarray(counts, dtype=np.int64).tobytes())
-                n += len(keys)
-        info = dict(meta or {}, vocab_size=self.vocab_size, stats=self.stats,
-                    format=COUNTS_FORMAT, format_version=COUNTS_FORMAT_VERSION, entries=n,
-                    key_dtype="wide" if wide else "int64")
-        (tmp / "meta.json").write_text(json.dumps(info, indent=2))
+        sha = {"keys.bin": hashlib.sha256(), "counts.bin": hashlib.sha256()}
+        try:
+            with open(tmp / "keys.bin", "wb") as fk, open(tmp / "counts.bin", "wb") as fc:
+                for keys, counts in self.iter_ranges():  # streamed: bounded memory
+                    for f, name, a in ((fk, "keys.bin", keys), (fc, "counts.bin", counts)):
+                        b = np.ascontiguousarray(a, dtype=None if name == "keys.bin" else np.int64).tobytes()
+                        f.write(b)
+                        sha[name].update(b)
+                    n += len(keys)
+            info = dict(meta or {}, vocab_size=self.vocab_size, stats=self.stats,
+                        format=COUNTS_FORMAT, format_version=COUNTS_FORMAT_VERSION, entries=n,
+                        key_dtype="wide" if wide else "int64",
+                        sha256={name: h.hexdigest() for name, h in sha.items()})
+            (tmp / "meta.json").write_text(json.dumps(info, indent=2))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(tmp, directory)
         return directory
@@ -280,7 +408,8 @@ class TrigramCounter:
         vocab_size: V; every token must be in ``[0, V)``.
         chunk_tokens: tokens gathered before one sort (memory ≈ 24 bytes per token).
         memory_mb: in-memory budget for merged counts; beyond it they are spilled to ``spill_dir``.
-        spill_dir: where spilled runs go (default: a temporary directory).
+        spill_dir: the folder under which a private spill directory is made (default: the
+            system temp dir); see :class:`SpillDir`.
     """
 
     def __init__(self, vocab_size: int, chunk_tokens: int = 1 << 25, memory_mb: int = 4096,
@@ -347,16 +476,22 @@ class TrigramCounter:
 
     def _spill(self) -> None:
         if self._tmp is None:  # a private directory: concurrent counters never collide
-            if self._spill_root is not None:
-                self._spill_root.mkdir(parents=True, exist_ok=True)
-            self._tmp = tempfile.TemporaryDirectory(prefix="redraft-trigrams-", dir=self._spill_root)
-        root = Path(self._tmp.name)
+            self._tmp = SpillDir(self._spill_root if self._spill_root is not None
+                                 else tempfile.gettempdir())
+        root = self._tmp.path
         keys, counts = self._runs.pop()
         self._spilled.append(_write_run(root / f"run-{len(self._spilled):05d}", keys, counts,
                                         {"vocab_size": self.vocab_size}))
 
+    def cleanup(self) -> None:
+        """Delete this counter's spilled runs (after an error or Ctrl-C); idempotent."""
+        self._bar.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
     def finish(self) -> TrigramCounts:
-        """Count what is pending and return the :class:`TrigramCounts`."""
+        """Count what is pending and return the :class:`TrigramCounts` (which then own the
+        spilled runs: call their :meth:`TrigramCounts.cleanup`)."""
         self._flush()
         self._bar.close()
         runs = [merge_runs(self._runs)] if self._runs else []
@@ -371,27 +506,37 @@ def count_trigrams(arrays: Iterable, vocab_size: int, *, chunk_tokens: int = 1 <
     """Count the tri-grams of every record in ``arrays`` (1-D int arrays, one per record).
 
     Returns:
-        :class:`TrigramCounts` (``stats``: records, tokens, trigrams).
+        :class:`TrigramCounts` (``stats``: records, tokens, trigrams); spilled runs, if any, are
+        deleted by their ``cleanup()`` (or ``with counts: ...``) or when they are collected.
 
     Raises:
         DataError: a token id outside ``[0, vocab_size)`` (names the record).
     """
     counter = TrigramCounter(vocab_size, chunk_tokens=chunk_tokens, memory_mb=memory_mb,
                              spill_dir=spill_dir, progress=progress)
-    return counter.add_many(arrays).finish()
+    try:
+        return counter.add_many(arrays).finish()
+    except BaseException:  # an error, Ctrl-C: no spilled run is left behind
+        counter.cleanup()
+        raise
 
 
-def load_counts(directories: Iterable, memory_mb: int = 4096, check_complete: bool = True) -> TrigramCounts:
+def load_counts(directories: Iterable, memory_mb: int = 4096, check_complete: bool = True,
+                verify: bool = True) -> TrigramCounts:
     """Open shard counts written by :meth:`TrigramCounts.save` as one :class:`TrigramCounts`.
 
-    Checks that all shards share one vocabulary and tokenizer fingerprint and, when the shards
-    record ``num_shards``, that every shard id is present exactly once.
+    Checks that all shards share one vocabulary, tokenizer fingerprint, data spec, split and
+    limit; when the shards record ``num_shards``, that every shard id is present exactly once;
+    and with ``verify`` each file's size and sha256 against its ``meta.json``.
+
+    Raises:
+        ArtifactError: a missing, truncated or changed shard, or shards of different builds.
     """
     dirs = [Path(d) for d in directories]
     if not dirs:
         raise ConfigError("no shard count directories given to merge.")
-    metas = [_open_run(d)[2] for d in dirs]
-    for key in ("vocab_size", "tokenizer_fingerprint", "num_shards", "data"):
+    metas = [_open_run(d, verify=verify)[2] for d in dirs]
+    for key in ("vocab_size", "tokenizer_fingerprint", "num_shards", "data", "split", "limit"):
         values = {json.dumps(m.get(key)) for m in metas}
         if len(values) > 1:
             listing = ", ".join(f"{d}: {m.get(key)}" for d, m in zip(dirs, metas))
@@ -416,40 +561,12 @@ def merge_counts(directories: Iterable, out_dir=None, memory_mb: int = 4096) -> 
     if out_dir is not None:
         counts.save(out_dir, meta={k: v for k, v in _open_run(counts.spilled[0])[2].items()
                                    if k in ("tokenizer_fingerprint", "data")})
-        counts = load_counts([out_dir], memory_mb=memory_mb, check_complete=False)
+        counts = load_counts([out_dir], memory_mb=memory_mb, check_complete=False, verify=False)
     return counts
 
 
 # --------------------------------------------------------------------------------------------
 # the pruned table
-
-
-@dataclass
-class TrigramTable:
-    """Top-t successors per context in CSR form.
-
-    Attributes:
-        context_keys: int64 ``[C]`` sorted ``w1 * V + w2``.
-        offsets: int64 ``[C + 1]``; context i's successors are ``ids[offsets[i]:offsets[i+1]]``.
-        ids: int32 ``[nnz]`` successor ids, most probable first (ties: smaller id first).
-        probs: float32 ``[nnz]`` ``C(w1,w2,w3) / C(w1,w2)`` (``C(w1,w2)`` counts the context's
-            tri-grams before pruning, so a row sums to at most 1).
-        context_counts: int64 ``[C]`` ``C(w1, w2)``.
-    """
-
-    vocab_size: int
-    t: int
-    min_count: int
-    context_keys: np.ndarray
-    offsets: np.ndarray
-    ids: np.ndarray
-    probs: np.ndarray
-    context_counts: np.ndarray
-    stats: dict = field(default_factory=dict)
-
-    def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in (self.context_keys, self.offsets, self.ids,
-                                          self.context_counts)) + self.probs.size * 2)  # f16 on disk
 
 
 def _prune_block(keys: np.ndarray, counts: np.ndarray, V: int, t: int, min_count: int):
@@ -476,6 +593,11 @@ def build_trigram_table(counts: TrigramCounts, t: int = 12, min_count: int = 1,
                         progress: bool = False) -> TrigramTable:
     """Prune counts to the top-``t`` successors (count ≥ ``min_count``) of every context.
 
+    Returns:
+        The :class:`~redraft.ngrams.trigram_table.TrigramTable`; ``P(w3 | w1, w2) =
+        C(w1,w2,w3) / C(w1,w2)`` with ``C(w1,w2)`` counted before pruning, successors by count
+        descending, ties by smaller id.
+
     Raises:
         DataError: the counts hold no tri-gram at all (empty corpus, records shorter than 3), or
             none reaches ``min_count``.
@@ -497,19 +619,18 @@ def build_trigram_table(counts: TrigramCounts, t: int = 12, min_count: int = 1,
     offsets = np.zeros(len(ctx) + 1, np.int64)
     np.cumsum(np.concatenate([p[1] for p in parts]), out=offsets[1:])
     stats.update(contexts=int(len(ctx)), entries=int(offsets[-1]))
-    return TrigramTable(vocab_size=V, t=int(t), min_count=int(min_count), context_keys=ctx,
-                        offsets=offsets, ids=np.concatenate([p[2] for p in parts]),
-                        probs=np.concatenate([p[3] for p in parts]),
+    return TrigramTable(ctx, offsets, np.concatenate([p[2] for p in parts]),
+                        np.concatenate([p[3] for p in parts]), V, t=int(t), min_count=int(min_count),
                         context_counts=np.concatenate([p[4] for p in parts]), stats=stats)
 
 
 __all__ = [
     "TrigramCounter",
     "TrigramCounts",
-    "TrigramTable",
     "build_trigram_table",
     "count_trigrams",
     "load_counts",
+    "make_keys",
     "merge_counts",
     "merge_runs",
     "packable",

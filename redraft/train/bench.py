@@ -2,11 +2,15 @@
 
     python -m redraft.train.bench                       # default target, default ShareGPT, CPU
     python -m redraft.train.bench --records 8 --repeats 2 --draft-vocab 0 16384 --json out.json
+    python -m redraft.train.bench --features --precision amp-bf16 --draft-vocab 0 8192 --loss ce ce+kd
 
 For each setting it times, over the same records, (a) the frozen target's forward that makes
 the hidden states and (b) one full training micro step (target forward + drafter forward over
-all positions x n steps + backward + AdamW). Tokens/s count every token of the records (the
-target processes all of them); ratios are against the fp32 / full-vocabulary baseline.
+all positions x n steps + backward + AdamW). With ``--features`` the records are first cached
+(``redraft-cache-features``: hidden states + top-8 logits) and (c) the same micro steps are
+timed reading the cache instead of running the target; the cache's disk bytes per token are
+reported. Tokens/s count every token of the records (the target processes all of them); ratios
+are against the first row of each kind (fp32 / full vocabulary / online).
 """
 
 from __future__ import annotations
@@ -32,54 +36,82 @@ def _time(fn, repeats: int, warmup=None) -> float:
 
 
 def run(target_spec: str, data: str, records: int, max_length: int, repeats: int, vocab_sizes: list[int],
-        precisions: list[str], micro_batch: int, report=None) -> dict:
+        precisions: list[str], micro_batch: int, report=None, losses=("ce",), features: bool = False) -> dict:
+    import tempfile
+
     from redraft.data import build_token_dataset
     from redraft.models import load_target
     from redraft.models.redrafter import ReDrafter, ReDrafterConfig
+    from redraft.train.batches import TokenRecords, draft_vocab_from_data
     from redraft.train.config import make_config
-    from redraft.train.trainer import batch_loss, collate, draft_vocab_from_data, target_hidden
+    from redraft.train.precision import target_dtype
+    from redraft.train.step import batch_loss, target_hidden
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(target_spec, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
     ds = build_token_dataset(data, target.tokenizer, split="train", max_length=max_length, limit=records)
-    batches = [collate(ds, list(range(i, min(i + micro_batch, len(ds)))), device)
-               for i in range(0, len(ds), micro_batch)]
-    n_tokens = sum(int(len(x)) for x in ds["input_ids"])
-    cfg = make_config(None, {"max_length": max_length})
+    groups = [list(range(i, min(i + micro_batch, len(ds)))) for i in range(0, len(ds), micro_batch)]
+    online = TokenRecords(ds)
+    batches = {"online": [online.batch(g, device) for g in groups]}
+    n_tokens = int(online.lengths.sum())
     out = {"device": str(device), "threads": torch.get_num_threads(), "records": len(ds), "tokens": n_tokens,
            "max_length": max_length, "micro_batch": micro_batch, "target": target.model_id, "rows": []}
+    tmp = tempfile.TemporaryDirectory(prefix="redraft-bench-features-")
+    if features:
+        from redraft.train.features import FeatureRecords, cache_features, disk_bytes
 
-    def fwd(precision, bs=batches):
-        for ids, _ in bs:
-            target_hidden(target, ids, precision)
+        cfg = make_config(None, {"target": target_spec, "data": data, "max_length": max_length,
+                                 "train_limit": records, "precision": precisions[-1]})
+        t0 = time.perf_counter()
+        meta = cache_features(cfg, tmp.name, target=target, dataset=ds, progress=False)
+        t = time.perf_counter() - t0
+        out["features_bytes_per_token"] = disk_bytes(tmp.name) / n_tokens
+        out["features_top_k"] = meta["top_k"]
+        out["rows"].append({"what": "cache features", "precision": precisions[-1], "draft_vocab": None,
+                            "loss": None, "source": "target", "seconds": t, "tokens_per_s": n_tokens / t})
+        if report:
+            report(out["rows"][-1])
+        cached = FeatureRecords(tmp.name, load_topk=True)
+        batches["features"] = [cached.batch(g, device) for g in groups]
+
+    def fwd(precision, bs=batches["online"]):
+        for b in bs:
+            target_hidden(target, b.ids, precision)
 
     for precision in precisions:
-        t = _time(lambda: fwd(precision), repeats, warmup=lambda: fwd(precision, batches[:1]))
-        out["rows"].append({"what": "target forward", "precision": precision, "draft_vocab": None,
-                            "seconds": t, "tokens_per_s": n_tokens / t})
+        t = _time(lambda: fwd(precision), repeats, warmup=lambda: fwd(precision, batches["online"][:1]))
+        out["rows"].append({"what": "target forward", "precision": precision, "draft_vocab": None, "loss": None,
+                            "source": "target", "seconds": t, "tokens_per_s": n_tokens / t})
         if report:
             report(out["rows"][-1])
     for vocab in vocab_sizes:
-        torch.manual_seed(0)
-        dcfg = ReDrafterConfig.for_target(target, draft_vocab_size=vocab or None)
-        model = ReDrafter(dcfg).to(device)
-        if vocab:
-            model.set_draft_vocab(draft_vocab_from_data(ds, dcfg.vocab_size, vocab))
-        model.attach_target(target).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for precision in precisions:
-            def step(bs=batches):
-                for ids, mask in bs:
-                    loss, *_ = batch_loss(model, model, target, ids, mask, cfg, precision)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+        for loss_name in losses:
+            for precision in precisions:
+                cfg = make_config(None, {"max_length": max_length, "loss": loss_name})
+                for source, bs in batches.items():
+                    torch.manual_seed(0)
+                    dcfg = ReDrafterConfig.for_target(target, draft_vocab_size=vocab or None)
+                    model = ReDrafter(dcfg).to(device)
+                    if vocab:
+                        model.set_draft_vocab(draft_vocab_from_data(ds, dcfg.vocab_size, vocab))
+                    model.attach_target(target).train()
+                    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                    hidden_dtype = target_dtype(precision, device)
 
-            t = _time(step, repeats, warmup=lambda: step(batches[:1]))
-            out["rows"].append({"what": "train step", "precision": precision, "draft_vocab": vocab or "full",
-                                "seconds": t, "tokens_per_s": n_tokens / t})
-            if report:
-                report(out["rows"][-1])
+                    def step(bs=bs):
+                        for b in bs:
+                            loss, *_ = batch_loss(model, model, target, b, cfg, precision, hidden_dtype)
+                            loss.backward()
+                            opt.step()
+                            opt.zero_grad(set_to_none=True)
+
+                    t = _time(step, repeats, warmup=lambda: step(bs[:1]))
+                    out["rows"].append({"what": "train step", "precision": precision, "draft_vocab": vocab or "full",
+                                        "loss": loss_name, "source": source, "seconds": t,
+                                        "tokens_per_s": n_tokens / t})
+                    if report:
+                        report(out["rows"][-1])
+    tmp.cleanup()
     base = {r["what"]: r["tokens_per_s"] for r in reversed(out["rows"])}  # first row of each kind
     for r in out["rows"]:
         r["speedup"] = r["tokens_per_s"] / base[r["what"]]
@@ -98,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", type=int, nargs="+", default=[0, 16384],
                    help="Draft vocabulary sizes to compare (0 = full).")
     p.add_argument("--precision", nargs="+", default=["fp32", "amp-bf16"], help="Precisions to compare.")
+    p.add_argument("--loss", nargs="+", default=["ce"], help="Losses to compare (ce, kd, ce+kd).")
+    p.add_argument("--features", action="store_true",
+                   help="Also cache the records' features and time training steps that read them.")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
     p.add_argument("--json", default=None, help="Also write the results to this JSON file.")
     args = p.parse_args(argv)
@@ -105,18 +140,22 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         res = run(args.target, args.data, args.records, args.max_length, args.repeats, args.draft_vocab,
-                  args.precision, args.micro_batch,
-                  report=lambda r: print(f"  measured: {r['what']} {r['precision']} vocab={r['draft_vocab']}: "
-                                         f"{r['tokens_per_s']:.1f} tokens/s", flush=True))
+                  args.precision, args.micro_batch, losses=args.loss, features=args.features,
+                  report=lambda r: print(f"  measured: {r['what']} {r['source']} {r['precision']} "
+                                         f"vocab={r['draft_vocab']} loss={r['loss']}: {r['tokens_per_s']:.1f} tokens/s",
+                                         flush=True))
     except RedraftError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
     print(f"device {res['device']} ({res['threads']} threads), target {res['target']}, {res['records']} records, "
           f"{res['tokens']} tokens (max_length {res['max_length']}, micro batch {res['micro_batch']})")
-    print(f"{'what':<16}{'precision':<11}{'draft vocab':<13}{'seconds':>9}{'tokens/s':>11}{'vs baseline':>13}")
+    if "features_bytes_per_token" in res:
+        print(f"features cache: {res['features_bytes_per_token']:.0f} bytes/token on disk (top-{res['features_top_k']})")
+    print(f"{'what':<16}{'source':<10}{'precision':<11}{'draft vocab':<13}{'loss':<7}{'seconds':>9}{'tokens/s':>11}"
+          f"{'vs first':>10}")
     for r in res["rows"]:
-        print(f"{r['what']:<16}{r['precision']:<11}{str(r['draft_vocab'] or '-'):<13}{r['seconds']:>9.2f}"
-              f"{r['tokens_per_s']:>11.1f}{r['speedup']:>12.2f}x")
+        print(f"{r['what']:<16}{r['source']:<10}{r['precision']:<11}{str(r['draft_vocab'] or '-'):<13}"
+              f"{str(r['loss'] or '-'):<7}{r['seconds']:>9.2f}{r['tokens_per_s']:>11.1f}{r['speedup']:>9.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -1,4 +1,4 @@
-"""``redraft-train``: train a ReDrafter head on a frozen target with DeepSpeed.
+"""``redraft-train`` and ``redraft-cache-features``.
 
     redraft-train                                      # the default recipe (SmolLM2-135M, ShareGPT)
     redraft-train --recipe tiny --target DIR --data sharegpt:FILE.jsonl --max-steps 20
@@ -7,7 +7,12 @@
     deepspeed --num_gpus 8 --module redraft.train.cli --recipe vicuna-7b-8xh100
     torchrun --nproc_per_node 8 -m redraft.train.cli --recipe vicuna-7b-8xh100
 
-Every recipe key is also a flag (``--max-time-minutes 10``); ``--set KEY=VALUE`` works for any key.
+    redraft-cache-features --recipe default --output-dir checkpoints/features-smollm2
+    redraft-train --recipe default --features checkpoints/features-smollm2
+
+Every recipe key is also a flag (``--max-time-minutes 10``, ``--no-rnn``); ``--set KEY=VALUE``
+works for any key. This module imports no torch until the arguments are parsed, so ``--help``
+is instant. Errors are one line on stderr and exit status 2 (130 after Ctrl-C).
 """
 
 from __future__ import annotations
@@ -17,57 +22,109 @@ import sys
 from dataclasses import fields
 
 from redraft.errors import RedraftError
-from redraft.train.config import TrainConfig, make_config, parse_set
+from redraft.train.config import (
+    DEFAULT_TOP_K, HIDDEN_DTYPES, TrainConfig, load_recipe, make_config, parse_set, recipe_names,
+)
+
+DEFAULT_RECIPE = "default"
+# the settings redraft-cache-features takes (which records, which target, where it runs)
+CACHE_KEYS = ("target", "data", "max_length", "pack", "heldout_fraction", "train_limit", "num_proc",
+              "data_cache_dir", "device", "precision", "threads")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``prog: error: ...``), exit status 2, no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _shown(value) -> str:
+    return "none" if value is None else (" ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
+
+
+def add_config_arguments(p: argparse.ArgumentParser, keys=None, title: str = "settings") -> None:
+    """One flag per TrainConfig key (``keys``: a subset). Flags default to SUPPRESS, so only what
+    the user typed overrides the recipe; the help shows the value the default recipe gives."""
+    try:
+        recipe = load_recipe(DEFAULT_RECIPE)
+    except RedraftError:  # no recipes folder (a broken install): show the built-in defaults
+        recipe = {}
+    grp = p.add_argument_group(title, f"each overrides --recipe; the defaults shown are those of the "
+                                      f"{DEFAULT_RECIPE!r} recipe")
+    for f in fields(TrainConfig):
+        if keys is not None and f.name not in keys:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = recipe.get(f.name, f.default)
+        kw = {"dest": f.name, "default": argparse.SUPPRESS,
+              "help": f"{f.metadata.get('help', '')} (default: {_shown(default)})"}
+        if f.type == "bool":
+            grp.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif f.name == "adam_betas":
+            grp.add_argument(flag, nargs=2, metavar=("B1", "B2"), **kw)
+        elif f.name == "max_steps":
+            grp.add_argument(flag, "--steps", metavar="N", **kw)
+        else:
+            grp.add_argument(flag, metavar=f.name.upper(), **kw)
+
+
+def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", default=DEFAULT_RECIPE,
+                   help=f"Recipe: one of {', '.join(recipe_names())} (train/recipes/), or a YAML file; 'none' for "
+                        f"the built-in defaults only. (default: {DEFAULT_RECIPE})")
+    p.add_argument("--set", dest="set_", action="append", default=[], metavar="KEY=VALUE",
+                   help="Override any recipe key (repeatable).")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="redraft-train",
         description="Train a ReDrafter draft head on a frozen target model (DeepSpeed; one process, "
                     "or launch with `deepspeed`/`torchrun`). Settings: dataclass defaults <- --recipe "
                     "<- flags / --set.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--recipe", default="default",
-                   help="Recipe name in train/recipes/ (default, tiny, vicuna-7b-8xh100, llama3-8b-8xh100) "
-                        "or a YAML file; 'none' for the built-in defaults only.")
+    _add_recipe_arguments(p)
     p.add_argument("--resume", action="store_true",
                    help="Continue the run in --output-dir from its newest checkpoint (weights, optimizer, "
-                        "schedule, data position, RNG).")
+                        "schedule, data position, RNG); refused if settings or the target differ.")
     p.add_argument("--overwrite", action="store_true", help="Replace a run already in --output-dir.")
-    p.add_argument("--set", dest="set_", action="append", default=[], metavar="KEY=VALUE",
-                   help="Override any recipe key (repeatable).")
     p.add_argument("--print-config", action="store_true", help="Print the resolved config and exit.")
     p.add_argument("--eval-only", action="store_true",
                    help="Only evaluate the artifact given by --init-from on the held-out data (prints "
                         "per-position accuracy and tau_est as JSON); trains and writes nothing.")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    grp = p.add_argument_group("recipe keys (each overrides the recipe)")
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kw = {"default": None, "dest": f.name, "help": f.metadata.get("help", "") + f" [default {f.default!r}]"}
-        if f.name == "adam_betas":
-            grp.add_argument(flag, nargs=2, metavar=("B1", "B2"), **kw)
-        elif f.name == "max_steps":
-            grp.add_argument(flag, "--steps", metavar="N", **kw)
-        else:
-            grp.add_argument(flag, metavar=f.name.upper() if f.type != "bool" else "{true,false}", **kw)
+    add_config_arguments(p, title="recipe keys")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults <- ``--recipe`` <- ``--set`` <- flags, validated."""
     overrides = parse_set(args.set_)
     for f in fields(TrainConfig):
-        v = getattr(args, f.name)
+        v = getattr(args, f.name, None)
         if v is not None:
-            overrides[f.name] = v if not isinstance(v, list) else [float(x) for x in v]
+            overrides[f.name] = v if not isinstance(v, list) else list(v)
     recipe = None if args.recipe in (None, "", "none") else args.recipe
     return make_config(recipe, overrides)
 
 
+def _run(prog: str, fn) -> int:
+    """Run ``fn()``; a RedraftError is one line on stderr (exit 2), Ctrl-C exit 130."""
+    try:
+        return fn()
+    except RedraftError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def go() -> int:
         cfg = config_from_args(args)
         if args.print_config:
             import yaml
@@ -84,12 +141,51 @@ def main(argv: list[str] | None = None) -> int:
         from redraft.train.trainer import train
 
         metrics = train(cfg, resume=args.resume, overwrite=args.overwrite)
-    except RedraftError as exc:
-        print(f"redraft-train: error: {exc}", file=sys.stderr)
-        return 2
-    if metrics.get("status") == "interrupted":
-        return 130
-    return 0
+        return 130 if metrics.get("status") == "interrupted" else 0
+
+    return _run("redraft-train", go)
+
+
+def build_cache_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="redraft-cache-features",
+        description="Run the frozen target once over the training records and cache, per token, its last hidden "
+                    "state and top-k next-token logits, for `redraft-train --features DIR` (no target forward "
+                    "while training). Resumable: run it again with the same arguments after an interruption.",
+    )
+    _add_recipe_arguments(p)
+    p.add_argument("--output-dir", required=True, metavar="DIR", help="The features directory.")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, metavar="K",
+                   help=f"Next-token logits kept per token, for the KD losses. (default: {DEFAULT_TOP_K})")
+    p.add_argument("--hidden-dtype", choices=HIDDEN_DTYPES, default="bfloat16",
+                   help="dtype of the stored hidden states. (default: bfloat16)")
+    p.add_argument("--batch-tokens", type=int, default=8192, metavar="N",
+                   help="Padded tokens per target forward. (default: 8192)")
+    p.add_argument("--shard-mb", type=float, default=512, metavar="MB",
+                   help="About this many MiB per shard file (built in memory, then written). (default: 512)")
+    p.add_argument("--overwrite", action="store_true", help="Replace features cached with other settings.")
+    add_config_arguments(p, keys=CACHE_KEYS, title="which records and target (as in redraft-train)")
+    return p
+
+
+def cache_features_main(argv: list[str] | None = None) -> int:
+    args = build_cache_parser().parse_args(argv)
+
+    def go() -> int:
+        cfg = config_from_args(args)
+        from redraft.train.features import cache_features, disk_bytes
+
+        meta = cache_features(cfg, args.output_dir, top_k=args.top_k, hidden_dtype=args.hidden_dtype,
+                              batch_tokens=args.batch_tokens, shard_mb=args.shard_mb, overwrite=args.overwrite)
+        size = disk_bytes(args.output_dir)
+        print(f"redraft-cache-features: {meta['records']} records, {meta['tokens']} tokens in "
+              f"{len(meta['shards'])} shard(s), {size / 2**20:.1f} MiB ({size / max(1, meta['tokens']):.0f} "
+              f"bytes/token) in {args.output_dir}\n"
+              f"train on them with: redraft-train --recipe {args.recipe} --features {args.output_dir} "
+              f"(and the same data settings)", file=sys.stderr)
+        return 0
+
+    return _run("redraft-cache-features", go)
 
 
 if __name__ == "__main__":

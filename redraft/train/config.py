@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -16,10 +18,11 @@ from typing import Any
 import yaml
 
 from redraft.errors import ConfigError
+from redraft.resources import config_dir
 
-# train/ at the repository root holds the DeepSpeed configs and recipes (no Python).
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TRAIN_DIR = REPO_ROOT / "train"
+# train/ at the repository root holds the DeepSpeed configs and recipes (no Python); it ships
+# with the package (redraft.resources).
+TRAIN_DIR = config_dir("train")
 RECIPES_DIR = TRAIN_DIR / "recipes"
 
 
@@ -35,14 +38,14 @@ class TrainConfig:
     target: str = _f("default", "Target model: 'default', a .gguf file, a local HF/PEFT directory or a hub id.")
     data: str = _f("default-chat", "Training data source spec (redraft.data grammar, e.g. 'default-chat', "
                    "'sharegpt:FILE.jsonl', a mixture).")
-    eval_data: str | None = _f(None, "Held-out data spec; default: the held-out split of --data.")
+    eval_data: str | None = _f(None, "Held-out data spec; none = the held-out split of --data.")
     max_length: int = _f(2048, "Truncate each tokenized record to this many tokens.")
     pack: bool = _f(False, "Pack records into max_length sequences (redraft.data).")
     heldout_fraction: float = _f(0.02, "Fraction of records (by id hash) held out for evaluation.")
     train_limit: int | None = _f(None, "Use at most this many training records.")
     eval_limit: int | None = _f(200, "Evaluate on at most this many held-out records.")
-    data_cache_dir: str | None = _f(None, "Token dataset cache directory (default under the redraft cache).")
-    num_proc: int | None = _f(None, "Processes for tokenization (datasets.map num_proc).")
+    data_cache_dir: str | None = _f(None, "Token dataset cache directory; none = under the redraft cache.")
+    num_proc: int | None = _f(None, "Processes for tokenization (datasets.map num_proc); none = the CPUs, at most 8.")
 
     # ---- the head
     num_steps: int = _f(5, "Training horizon n: draft tokens predicted from each hidden state.")
@@ -52,6 +55,9 @@ class TrainConfig:
     draft_vocab_size: int | None = _f(None, "Reduced draft vocabulary: the N most frequent target tokens "
                                       "(assistant tokens of the training data); none = full vocabulary.")
     init_from: str | None = _f(None, "Start from the weights of this drafter artifact (fine-tuning).")
+    features: str | None = _f(None, "Train from the target features cached in this directory by "
+                              "redraft-cache-features (no target forward per step); they must match --target, "
+                              "--data, --max-length and the other data settings.")
     init_head: str = _f("random", "'random' (paper) or 'target': the output layer starts as the target's LM head "
                         "on x (zeros on s) and the ResNet blocks as identity (Medusa-style warm start).")
 
@@ -61,7 +67,8 @@ class TrainConfig:
 
     # ---- optimisation (paper / Apple recipe defaults)
     epochs: float = _f(2, "Passes over the training data (fractions allowed).")
-    max_steps: int | None = _f(None, "Stop after this many optimizer steps (overrides epochs for the schedule).")
+    max_steps: int | None = _f(None, "Stop after this many optimizer steps, >= 1 (overrides epochs for the "
+                               "schedule); none = train for --epochs.")
     max_time_minutes: float | None = _f(None, "Stop (checkpoint, evaluate, save) after this much training time.")
     micro_batch_size: int = _f(1, "Sequences per micro batch per process.")
     grad_accum: int = _f(8, "Micro batches accumulated per optimizer step (per process).")
@@ -80,8 +87,8 @@ class TrainConfig:
                         "'amp-bf16' (fp32 weights, bf16 autocast compute). auto: bf16 on GPU with ZeRO>=1, else amp-bf16.")
     zero_stage: int = _f(0, "ZeRO stage 0-3 (picks train/ds_zero<stage>.json).")
     deepspeed_config: str | None = _f(None, "A DeepSpeed JSON config; 'auto' values are filled from this config.")
-    device: str = _f("auto", "'auto', 'cpu' or 'cuda'.")
-    threads: int | None = _f(None, "CPU threads per process (default: the cores split between local ranks). "
+    device: str = _f("auto", "'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'.")
+    threads: int | None = _f(None, "CPU threads per process; none = the cores split between local ranks. "
                              "On a CPU shared with other jobs 1 thread can be several times faster.")
 
     # ---- evaluation, logging, checkpoints
@@ -90,9 +97,10 @@ class TrainConfig:
     save_every: int = _f(500, "Checkpoint every N optimizer steps (0 = only at the end / on a signal).")
     keep_checkpoints: int = _f(2, "Keep the newest N checkpoints in training_state/.")
     log_every: int = _f(10, "TensorBoard / progress-bar logging interval (optimizer steps).")
-    tensorboard: bool = _f(True, "Write TensorBoard events under <output_dir>/tensorboard.")
-    output_dir: str | None = _f(None, "Run directory (default checkpoints/<run_name>).")
-    run_name: str | None = _f(None, "Run name (default redrafter-<target name>).")
+    report_to: str = _f("tensorboard", "Experiment trackers (accelerate.tracking), a comma list of tensorboard "
+                        "(events in <output_dir>/tensorboard), wandb, mlflow; or none.")
+    output_dir: str | None = _f(None, "Run directory; none = checkpoints/<run_name>.")
+    run_name: str | None = _f(None, "Run name; none = redrafter-<target name>.")
     seed: int = _f(0, "Seed of the head's init and of the data order.")
 
     # ---- publishing
@@ -108,7 +116,7 @@ class TrainConfig:
     def resolved_output_dir(self) -> Path:
         if self.output_dir:
             return Path(self.output_dir).expanduser()
-        return REPO_ROOT / "checkpoints" / self.resolved_run_name()
+        return Path("checkpoints") / self.resolved_run_name()  # relative to the working directory
 
     def resolved_run_name(self) -> str:
         if self.run_name:
@@ -117,43 +125,170 @@ class TrainConfig:
         return f"redrafter-{name or 'target'}"
 
     def validate(self) -> "TrainConfig":
-        def bad(key, why):
-            raise ConfigError(f"Invalid setting {key}={getattr(self, key)!r}: {why}")
-
-        if self.loss not in ("ce", "kd", "ce+kd"):
-            bad("loss", "use 'ce', 'kd' or 'ce+kd'.")
-        if self.init_head not in ("random", "target"):
-            bad("init_head", "use 'random' or 'target'.")
-        if self.precision not in ("auto", "bf16", "fp16", "fp32", "amp-bf16"):
-            bad("precision", "use auto, bf16, fp16, fp32 or amp-bf16.")
-        if self.zero_stage not in (0, 1, 2, 3):
-            bad("zero_stage", "use 0, 1, 2 or 3.")
-        if self.device not in ("auto", "cpu", "cuda"):
-            bad("device", "use auto, cpu or cuda.")
-        for key in ("num_steps", "micro_batch_size", "grad_accum", "max_length", "eval_batch_size"):
-            if int(getattr(self, key)) < 1:
-                bad(key, "must be >= 1.")
-        if self.num_layers < 0:
-            bad("num_layers", "must be >= 0.")
-        if not 0 <= self.warmup_ratio < 1:
-            bad("warmup_ratio", "must be in [0, 1).")
-        if self.epochs <= 0 and not self.max_steps:
-            bad("epochs", "must be > 0 (or set max_steps).")
+        """Check every setting's type and range; a ConfigError names the flag, the value and the
+        valid range (``param`` = the setting). Returns ``self``."""
+        for key, r in RANGES.items():
+            v = getattr(self, key)
+            if (v is None and r.optional) or (key == "epochs" and self.max_steps):
+                continue
+            if not r.holds(v):
+                raise ConfigError(f"{_flag(key)} {v!r} is out of range: must be {r}{RANGE_HINTS.get(key, '')}.",
+                                  param=key)
+        for key, allowed in CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"{_flag(key)} {getattr(self, key)!r}: use one of {', '.join(allowed)}.", param=key)
+        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(self.device))):
+            raise ConfigError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N.", param="device")
+        if len(self.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.adam_betas):
+            raise ConfigError(f"--adam-betas {list(self.adam_betas)!r}: needs two numbers in [0, 1), e.g. 0.9 0.999.",
+                              param="adam_betas")
         if self.schedule_by_time and not self.max_time_minutes:
-            bad("schedule_by_time", "needs max_time_minutes.")
-        if len(self.adam_betas) != 2:
-            bad("adam_betas", "needs two numbers, e.g. [0.9, 0.999].")
+            raise ConfigError("--schedule-by-time needs --max-time-minutes (the budget the schedule spans).",
+                              param="schedule_by_time")
+        from transformers.activations import ACT2FN
+
+        if self.activation not in ACT2FN:
+            raise ConfigError(f"--activation {self.activation!r}: use one of {', '.join(sorted(ACT2FN))}.",
+                              param="activation")
+        parse_report_to(self.report_to)
         return self
+
+
+# redraft-cache-features: next-token logits kept per token, and the dtypes hidden states may be stored in
+DEFAULT_TOP_K = 8
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
+
+# report_to name -> the package it needs
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def parse_report_to(report_to: str | None) -> list[str]:
+    """``"tensorboard,wandb"`` -> ``["tensorboard", "wandb"]``; ``"none"``/empty -> ``[]``.
+
+    Raises ConfigError for an unknown name or a tracker whose package is not installed (checked
+    in :meth:`TrainConfig.validate`, before any work).
+    """
+    import importlib.util
+
+    names = [s.strip() for s in str(report_to or "none").split(",") if s.strip()]
+    if names == ["none"]:
+        return []
+    for name in names:
+        if name not in TRACKER_PACKAGES:
+            raise ConfigError(f"--report-to {report_to!r}: {name!r} is not a tracker; use a comma list of "
+                              f"{', '.join(TRACKER_PACKAGES)}, or none.", param="report_to")
+        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+            raise ConfigError(f"--report-to {name} needs the {TRACKER_PACKAGES[name]} package: "
+                              f"pip install {TRACKER_PACKAGES[name]} (or drop it from --report-to).",
+                              param="report_to")
+    return list(dict.fromkeys(names))
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric setting: ``lo <= v`` (``lo < v`` when ``lo_open``), and
+    ``v <= hi`` (``v < hi`` when ``hi_open``); finite; None allowed when ``optional``."""
+
+    lo: float
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    optional: bool = False
+
+    def holds(self, v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        above = v > self.lo if self.lo_open else v >= self.lo
+        below = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        return above and below
+
+    def __str__(self) -> str:
+        s = f"{'>' if self.lo_open else '>='} {self.lo}"
+        if self.hi is not None:
+            s += f" and {'<' if self.hi_open else '<='} {self.hi}"
+        return s
+
+
+# Every numeric setting's valid range: one table, one check (TrainConfig.validate).
+RANGES = {
+    "max_length": Range(3),
+    "heldout_fraction": Range(0, 1, hi_open=True),
+    "train_limit": Range(1, optional=True),
+    "eval_limit": Range(1, optional=True),
+    "num_proc": Range(1, optional=True),
+    "num_steps": Range(1),
+    "num_layers": Range(0),
+    "draft_vocab_size": Range(1, optional=True),
+    "kd_weight": Range(0),
+    "epochs": Range(0, lo_open=True),
+    "max_steps": Range(1, optional=True),
+    "max_time_minutes": Range(0, lo_open=True, optional=True),
+    "micro_batch_size": Range(1),
+    "grad_accum": Range(1),
+    "lr": Range(0, lo_open=True),
+    "weight_decay": Range(0),
+    "warmup_ratio": Range(0, 1, hi_open=True),
+    "min_lr_ratio": Range(0, 1),
+    "grad_clip": Range(0),
+    "zero_stage": Range(0, 3),
+    "threads": Range(1, optional=True),
+    "eval_every": Range(0),
+    "eval_batch_size": Range(1),
+    "save_every": Range(0),
+    "keep_checkpoints": Range(1),
+    "log_every": Range(1),
+    "seed": Range(0, 2**32 - 1),
+}
+RANGE_HINTS = {
+    "lr": " (the peak AdamW learning rate, e.g. 1e-3)",
+    "max_steps": " (leave it out to train for --epochs)",
+    "max_length": " (a window needs a context token, an input token and a target)",
+    "epochs": " (or set --max-steps)",
+    "max_time_minutes": " (leave it out for no time budget)",
+    "grad_clip": " (0 turns clipping off)",
+}
+CHOICES = {
+    "loss": ("ce", "kd", "ce+kd"),
+    "init_head": ("random", "target"),
+    "precision": ("auto", "bf16", "fp16", "fp32", "amp-bf16"),
+}
 
 
 FIELDS = {f.name: f for f in fields(TrainConfig)}
 
 # Keys that may change when a run is resumed; every other key must equal the saved run's.
+# "target" may be spelled differently (a moved directory, a hub id instead of a local copy): the
+# run's target_record (tokenizer and weights fingerprints) is what must match.
+# "features" may move likewise: features are checked against the run's data and target.
 RESUMABLE_CHANGES = {
-    "max_time_minutes", "eval_every", "save_every", "keep_checkpoints", "log_every", "tensorboard",
+    "max_time_minutes", "eval_every", "save_every", "keep_checkpoints", "log_every", "report_to",
     "output_dir", "run_name", "push_to_hub", "hub_private", "hub_revision", "eval_limit",
-    "eval_batch_size", "num_proc", "data_cache_dir", "device", "target", "threads",
+    "eval_batch_size", "num_proc", "data_cache_dir", "device", "target", "threads", "features",
 }
+
+# Keys a run_config.yaml holds that are records, not settings: a recipe may contain them (so a
+# run's run_config.yaml can be reused as a recipe) and they are ignored.
+RECORD_KEYS = {"target_record"}
+
+# Old spellings still accepted in recipes and --set: key -> function(value) -> (key, value)
+ALIASES = {"tensorboard": lambda v: ("report_to", "tensorboard" if _truthy(v) else "none")}
+
+
+def _truthy(v) -> bool:
+    return v is True or str(v).strip().lower() in ("true", "1", "yes", "on")
+
+
+def _resolve_alias(key: str, value):
+    return ALIASES[key](value) if key in ALIASES else (key, value)
+
+
+def recipe_names() -> list[str]:
+    """Names of the shipped recipes (train/recipes/*.yaml), sorted."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
 def _unknown(key: str, where: str) -> ConfigError:
@@ -165,6 +300,7 @@ def _unknown(key: str, where: str) -> ConfigError:
 
 def coerce(key: str, value: Any, where: str = "the command line") -> Any:
     """Convert ``value`` (YAML-parsed or a CLI string) to the type of field ``key``."""
+    key, value = _resolve_alias(key, value)
     if key not in FIELDS:
         raise _unknown(key, where)
     default = FIELDS[key].default
@@ -180,15 +316,21 @@ def coerce(key: str, value: Any, where: str = "the command line") -> Any:
             if not isinstance(value, bool):
                 raise ValueError("expected true or false")
             return value
+        if isinstance(value, bool) and (typ.startswith("int") or typ.startswith("float")):
+            raise ValueError("expected a number")
         if typ.startswith("int"):
             if isinstance(value, float) and not value.is_integer():
+                raise ValueError("expected an integer")
+            if isinstance(value, str):
                 raise ValueError("expected an integer")
             return int(value)
         if typ.startswith("float"):
             return float(value)
         return str(value)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"Setting {key}={value!r} in {where} has the wrong type ({typ}): {exc}.") from exc
+        valid = f"; valid: {RANGES[key]}" if key in RANGES else ""
+        raise ConfigError(f"{_flag(key)} {value!r} ({key} in {where}) has the wrong type ({typ}): {exc}{valid}.",
+                          param=key) from exc
 
 
 def find_recipe(name_or_path: str) -> Path:
@@ -199,8 +341,8 @@ def find_recipe(name_or_path: str) -> Path:
     for cand in (RECIPES_DIR / f"{name_or_path}.yaml", RECIPES_DIR / name_or_path):
         if cand.is_file():
             return cand
-    have = sorted(x.stem for x in RECIPES_DIR.glob("*.yaml"))
-    raise ConfigError(f"Recipe {name_or_path!r} not found (no such file, and not one of {have} in {RECIPES_DIR}).")
+    raise ConfigError(f"Recipe {name_or_path!r} not found (no such file, and not one of {recipe_names()} in "
+                      f"{RECIPES_DIR}).", param="recipe")
 
 
 def load_recipe(name_or_path: str) -> dict:
@@ -212,13 +354,20 @@ def load_recipe(name_or_path: str) -> dict:
         raise ConfigError(f"Recipe {path} is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"Recipe {path} must be a mapping of settings, got {type(raw).__name__}.")
-    return {k: coerce(k, v, where=str(path)) for k, v in raw.items()}
+    out = {}
+    for k, v in raw.items():
+        if k in RECORD_KEYS:
+            continue
+        k, v = _resolve_alias(k, v)
+        out[k] = coerce(k, v, where=str(path))
+    return out
 
 
 def make_config(recipe: str | None = None, overrides: dict | None = None) -> TrainConfig:
     """Defaults <- recipe <- overrides (values may be CLI strings)."""
     values = load_recipe(recipe) if recipe else {}
     for k, v in (overrides or {}).items():
+        k, v = _resolve_alias(k, v)
         values[k] = coerce(k, v)
     return TrainConfig(**values).validate()
 
@@ -231,7 +380,7 @@ def parse_set(items: list[str]) -> dict:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE.")
         k, v = item.split("=", 1)
         k = k.strip().replace("-", "_")
-        if k not in FIELDS:
+        if k not in FIELDS and k not in ALIASES:
             raise _unknown(k, "--set")
         out[k] = v
     return out

@@ -18,6 +18,13 @@ def run(tiny_target_dir, data, out, *extra):
                  "--batch-size", "3", "--no-progress", *extra])
 
 
+def one_line(err: str) -> str:
+    """The CLI's own stderr (transformers' weight-loading bar aside): exactly one line."""
+    ours = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert len(ours) == 1 and "Traceback" not in err, err
+    return ours[0]
+
+
 def test_batched_left_padded_generation_equals_one_by_one(tiny_target):
     tok = tiny_target.tokenizer
     prompts = [_prompt_ids(tok, [{"role": "user", "content": text}])
@@ -77,17 +84,73 @@ def test_greedy_distillation_is_deterministic(tiny_target_dir, tmp_path):
     assert [r["id"] for r in lines(b)] == ["sg-0", "sg-1", "sg-2"]  # --sort-window 1 keeps the source order
 
 
-def test_bad_data_spec_exits_with_a_message(tiny_target_dir, tmp_path, capsys):
-    assert run(tiny_target_dir, "nonsense:spec", tmp_path / "o.jsonl") == 1
-    assert "Unknown data source" in capsys.readouterr().err
+@pytest.mark.parametrize("extra,message", [
+    (["--data", "nonsense:spec"], "Unknown data source 'nonsense:spec'"),
+    (["--data", "default-code"], "holds documents (code files), not conversations"),
+    (["--data", "code-dir:/tmp?glob=*.py"], "not conversations"),
+    (["--temperature", "-1"], "--temperature -1.0 is out of range: it must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature nan is out of range"),
+    (["--top-p", "0"], "--top-p 0.0 is out of range: it must be in (0, 1]"),
+    (["--limit", "-5"], "--limit -5 is out of range: it must be at least 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0 is out of range"),
+    (["--heldout-fraction", "1.5"], "--heldout-fraction 1.5 is out of range: it must be in (0, 1)"),
+    (["--dtype", "int8"], "unknown dtype 'int8'"),
+])
+def test_bad_arguments_exit_2_with_one_line_before_the_model_loads(tiny_target_dir, tmp_path, capsys,
+                                                                    monkeypatch, extra, message):
+    monkeypatch.setattr("redraft.models.load_target", lambda *a, **kw: pytest.fail("model loaded"))
+    out = tmp_path / "o.jsonl"
+    assert run(tiny_target_dir, "default-chat", out, *extra) == 2
+    line = one_line(capsys.readouterr().err)
+    assert message in line and line.startswith("redraft-distill-data: error:")
+    assert not out.exists()
 
 
-@pytest.mark.parametrize("flag", ["--help"])
-def test_cli_help(flag, capsys):
+def test_output_that_is_a_directory_fails_before_any_work(tiny_target_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("redraft.models.load_target", lambda *a, **kw: pytest.fail("model loaded"))
+    assert run(tiny_target_dir, "default-chat", tmp_path) == 2
+    assert f"--output {tmp_path} is a directory" in one_line(capsys.readouterr().err)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only message")
+def test_cuda_without_cuda_is_one_line(tiny_target_dir, tmp_path, capsys):
+    assert run(tiny_target_dir, "default-chat", tmp_path / "o.jsonl", "--device", "cuda") == 2
+    assert "--device cpu" in one_line(capsys.readouterr().err)
+
+
+def test_a_source_of_documents_only_says_why_nothing_was_written(tiny_target_dir, tmp_path, capsys):
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"content": "def f():\n    return 1\n"}] * 3)
+    out = tmp_path / "o.jsonl"
+    assert run(tiny_target_dir, str(docs), out) == 2  # a bare path: the kind shows only when read
+    line = one_line(capsys.readouterr().err)
+    assert "holds no conversation to distill (3 document records" in line
+    assert not out.exists()
+
+
+def test_an_output_that_is_not_ours_is_refused(tiny_target_dir, tmp_path, capsys):
+    data = f"sharegpt:{write_jsonl(tmp_path / 'src.jsonl', CHATS)}"
+    out = write_jsonl(tmp_path / "other.jsonl", [[1, 2]])
+    assert run(tiny_target_dir, data, out) == 2
+    assert "line 1 is a JSON value without an 'id'" in one_line(capsys.readouterr().err)
+
+
+def test_cli_help_prints_each_default_once_and_bare_booleans(capsys):
     with pytest.raises(SystemExit) as exc:
-        main([flag])
+        main(["--help"])
     assert exc.value.code == 0
-    assert "--max-new-tokens" in capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-new-tokens" in text and "--progress, --no-progress" in text
+    assert text.count("(default: 256)") == 1 and "(default: None)" not in text
+    assert "(default: (default" not in text
+
+
+def test_cli_module_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, redraft.data.distill; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_sampled_distillation_is_seeded(tiny_target_dir, tmp_path):

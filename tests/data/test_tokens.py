@@ -239,3 +239,23 @@ def test_a_crashed_build_leaves_nothing_that_is_reused(tmp_path, chats_file, cha
                                 progress=False)
     assert again["input_ids"] == ds["input_ids"]
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [entry.name]
+
+
+def test_worker_pools_end_under_a_cli_sigterm_handler():
+    """A CLI that turns SIGTERM into SystemExit (to clean up) must not hang the tokenizer pool:
+    forked workers inheriting that handler survived Pool.terminate() and the parent waited."""
+    import subprocess
+    import sys
+
+    code = (
+        "import signal, sys\n"
+        "from redraft.data import tokens\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+        "class Enc:\n"
+        "    def __call__(self, records):\n"
+        "        return len(records)\n"
+        "for _ in range(30):\n"
+        "    assert list(tokens._map_chunks(Enc(), iter([[1], [2, 3], [4]]), 2)) == [1, 2, 1]\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

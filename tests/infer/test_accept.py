@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from redraft.infer.accept import accept_greedy, accept_rejection, accept_typical, accepted_tokens, emitted_tokens
+from redraft.infer.accept import (RowSampling, accept_greedy, accept_rejection, accept_typical, accepted_tokens,
+                                  emitted_tokens, warp_probs)
 from redraft.infer.tree import build_tree
-
-scipy_stats = pytest.importorskip("scipy.stats")
 
 
 def logits_for(tree, table):
@@ -39,43 +38,84 @@ def test_typical_accepts_likely_non_argmax_tokens_only():
     V = 4
     logits = torch.log(torch.tensor([[0.5, 0.45, 0.04, 0.01]])).expand(V, V).clone()
     tree = build_tree(torch.tensor([[[1, 1], [3, 0]]]))  # token 1 has p=.45, token 3 p=.01
-    acc = accept_typical(tree, logits_for(tree, logits))
+    greedy = RowSampling.uniform(1)
+    acc = accept_typical(tree, logits_for(tree, logits), greedy)
     # p(1) = .45 > min(.3, .09 exp(-H)) twice; p(3) = .01 is below the threshold
     assert accepted_tokens(tree, acc)[0].tolist() == [1, 1]
     assert int(acc.bonus[0]) == 0
-    strict = accept_typical(tree, logits_for(tree, logits), eps=0.3, delta=10.0)  # threshold .3
+    strict = accept_typical(tree, logits_for(tree, logits), greedy, eps=0.3, delta=10.0)  # threshold .3
     assert int(strict.num_accepted[0]) == 2  # .45 > .3 still
 
 
+def test_typical_accepts_exactly_the_tokens_above_the_threshold():
+    """The defining property, node by node: a child is acceptable iff p(t | parent) exceeds
+    min(eps, delta * exp(-H(p(. | parent)))) or is the parent's argmax."""
+    g = torch.Generator().manual_seed(3)
+    V = 6
+    table = torch.randn(V, V, generator=g) * 2
+    p = table.softmax(-1)
+    H = -(p * p.log()).sum(-1)
+    eps, delta = 0.3, 0.5
+    thresh = torch.minimum(torch.full((V,), eps), delta * torch.exp(-H))
+    for t1 in range(V):
+        for t2 in range(V):
+            tree = build_tree(torch.tensor([[[t1, t2]]]))
+            acc = accept_typical(tree, logits_for(tree, table), RowSampling.uniform(1), eps=eps, delta=delta)
+            ok1 = bool(p[0, t1] > thresh[0]) or t1 == int(p[0].argmax())
+            ok2 = ok1 and (bool(p[t1, t2] > thresh[t1]) or t2 == int(p[t1].argmax()))
+            assert int(acc.num_accepted[0]) == ok1 + ok2, (t1, t2)
+
+
 def test_rejection_sampling_keeps_the_target_distribution():
-    """Deterministic siblings at the root, a child sampled from q under one of them: the first
-    two emitted tokens must follow p(t1) p(t2 | t1) exactly (chi-square; rows = seeds)."""
+    """Siblings at the root and a chain below one of them: the first two emitted tokens must
+    follow p(t1) p(t2 | t1) exactly (chi-square; rows = seeds), at temperature 0.7 and top-p."""
+    from scipy.stats import chisquare
+
     V, n = 6, 20000
     g = torch.Generator().manual_seed(0)
     table = torch.randn(V, V, generator=g) * 1.5  # logits of the next token after token t
-    p = table.softmax(-1)
-    q_dist = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.5, 0.1])
-    sampled = torch.multinomial(q_dist, n, replacement=True, generator=g)  # one draw per row
     paths = torch.tensor([[2, 3], [4, 0], [1, 5]]).expand(n, -1, -1).clone()
-    paths[:, 1, 1] = sampled  # node "4 -> s" with s ~ q, the only child of 4
+    paths[:, 1, 1] = torch.randint(0, V, (n,), generator=g)  # node "4 -> s": a different child per row
     tree = build_tree(paths)
     assert tree.tokens[0, :4].tolist() == [-1, 2, 3, 4]
-    q = torch.zeros((n, tree.size, V))
-    q[:, 4] = q_dist  # node 4 = the sampled token (path 1, depth 2)
-    acc = accept_rejection(tree, logits_for(tree, table), temperature=1.0, node_q=q, generator=g)
-    toks = emitted_tokens(tree, acc)
-    first, second = toks[:, 0], toks[:, 1]
-    obs = torch.bincount(first, minlength=V).double()
-    exp = p[0].double() / p[0].double().sum() * n
-    assert scipy_stats.chisquare(obs, exp).pvalue > 1e-3
-    for t1 in range(V):
-        rows = (first == t1) & (second >= 0)
-        if rows.sum() < 500:
-            continue
-        obs = torch.bincount(second[rows], minlength=V).double()
-        exp = p[t1].double() / p[t1].double().sum() * obs.sum()
-        keep = exp > 5
-        stat = scipy_stats.chisquare(obs[keep], exp[keep] / exp[keep].sum() * obs[keep].sum())
-        assert stat.pvalue > 1e-3, (t1, obs, exp)
-    # the sampled child was actually exercised
-    assert ((first == 4) & (acc.num_accepted == 2)).sum() > 1000
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
+        rows = RowSampling.uniform(n, temperature, top_p, generator=g)
+        acc = accept_rejection(tree, logits_for(tree, table), rows)
+        p = warp_probs(table, temperature, top_p).double()
+        toks = emitted_tokens(tree, acc)
+        first, second = toks[:, 0], toks[:, 1]
+        obs = torch.bincount(first, minlength=V).double()
+        keep = p[0] > 0
+        assert obs[~keep].sum() == 0  # nothing outside the nucleus
+        assert chisquare(obs[keep], p[0][keep] / p[0][keep].sum() * obs[keep].sum()).pvalue > 1e-3
+        for t1 in range(V):
+            sel = (first == t1) & (second >= 0)
+            if sel.sum() < 500:
+                continue
+            obs = torch.bincount(second[sel], minlength=V).double()
+            keep = p[t1] > 0
+            assert obs[~keep].sum() == 0
+            if keep.sum() > 1:  # a one-token nucleus: the assert above is the whole check
+                exp = p[t1][keep] / p[t1][keep].sum() * obs[keep].sum()
+                assert chisquare(obs[keep], exp).pvalue > 1e-3, (t1, obs, exp)
+        # the drafts were used: rows went down the tree past the root
+        assert ((first == 4) & (acc.num_accepted == 2)).sum() > 100
+
+
+def test_rows_of_one_batch_sample_with_their_own_settings():
+    """A greedy row, a sampled row and a seeded row in one batch: the greedy row is the argmax,
+    the seeded row repeats with its seed whatever its neighbours do."""
+    V = 8
+    table = torch.randn(V, V, generator=torch.Generator().manual_seed(1))
+    tree = build_tree(torch.tensor([[[1, 2]], [[1, 2]], [[1, 2]]]))
+    logits = logits_for(tree, table)
+
+    def run(other_seed):
+        gens = [None, torch.Generator().manual_seed(other_seed), torch.Generator().manual_seed(7)]
+        rows = RowSampling([0.0, 1.0, 1.0], [1.0, 1.0, 0.8], gens)
+        return emitted_tokens(tree, accept_rejection(tree, logits, rows))
+
+    a, b = run(1), run(2)
+    greedy = emitted_tokens(tree, accept_greedy(tree, logits))
+    assert a[0].tolist() == greedy[0].tolist()
+    assert a[2].tolist() == b[2].tolist()  # the seeded row does not depend on the others

@@ -34,7 +34,7 @@ def test_preset_skips_missing_artifacts(tiny_target_dir, tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text(f"target: {tiny_target_dir}\ndtype: float32\ndrafters: [checkpoints/nope]\nbudget: 4\n")
     dec = load_preset(preset)
-    assert [d.name for d in dec.drafters] == ["context"] and dec.budget == 4
+    assert [d.name for d in dec.drafters] == ["context"] and dec.config.budget == 4
 
 
 def test_load_decoder_adds_aded_for_a_trigram_table(tiny_target, tmp_path, tiny_prompts):

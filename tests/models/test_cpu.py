@@ -16,7 +16,7 @@ def _model():
 @torch.no_grad()
 def test_packed_forwards_match_and_the_model_is_left_as_it_was():
     m = _model()
-    packs = cpu.pack_linears(m)
+    packs = cpu.pack_linears(m, min_weight=0)
     assert len(packs) == 2
     x = torch.randn(2, 5, 48)  # 10 rows: the packed path
     ref = m(x)
@@ -36,7 +36,7 @@ def test_packed_forwards_match_and_the_model_is_left_as_it_was():
 
 def test_use_packed_restores_instance_forwards_and_leaves_training_alone():
     m = _model()
-    packs = cpu.pack_linears(m)
+    packs = cpu.pack_linears(m, min_weight=0)
     hooked = m[0].forward = lambda x: torch.zeros(x.shape[:-1] + (96,))  # e.g. an accelerate hook
     with cpu.use_packed(packs):
         pass
@@ -55,13 +55,13 @@ def test_nothing_to_pack_in_bfloat16():
 @torch.no_grad()
 def test_head_weights_are_shared_and_remade_when_the_weight_changes():
     head = torch.nn.Linear(16, 40, bias=False)
-    wt, packed = cpu.head_weights(head, torch.float32)
+    wt, packed = cpu.head_weights(head, torch.float32, min_weight=0)
     assert torch.equal(wt, head.weight.T) and wt.is_contiguous()
     x = torch.randn(5, 16)
     torch.testing.assert_close(cpu.packed_linear(x, packed, None), head(x), atol=1e-5, rtol=1e-5)
-    assert cpu.head_weights(head, torch.float32)[0] is wt  # made once
+    assert cpu.head_weights(head, torch.float32, min_weight=0)[0] is wt  # made once
     head.weight.mul_(2)  # in place: the derived copies must follow
-    wt2, packed2 = cpu.head_weights(head, torch.float32)
+    wt2, packed2 = cpu.head_weights(head, torch.float32, min_weight=0)
     assert torch.equal(wt2, head.weight.T)
     torch.testing.assert_close(cpu.packed_linear(x, packed2, None), head(x), atol=1e-5, rtol=1e-5)
     assert cpu.head_weights(head, torch.bfloat16)[1] is None and cpu.head_weights(head, torch.bfloat16)[0].dtype == torch.bfloat16

@@ -140,3 +140,113 @@ def test_missing_artifact_and_missing_embedding_are_actionable(tiny_target, tmp_
     bare = ReDrafter(ReDrafterConfig.for_target(tiny_target))
     with pytest.raises(RedraftError, match="attach_target"):
         bare(torch.randn(1, bare.config.hidden_size), torch.tensor([[1]]))
+
+
+# ------------------------------------------------------------------ a drafter loads exactly or fails
+
+
+def _tamper(head_dir, change, keep_sha=False):
+    """Rewrite ``head_dir/model.safetensors`` with ``change(tensors)`` applied; drop the recorded
+    sha256 unless ``keep_sha`` (an artifact written by another tool, so that the layout check
+    itself is what must catch it)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(head_dir / "model.safetensors"))
+    change(t)
+    save_file(t, str(head_dir / "model.safetensors"), metadata={"format": "pt"})
+    if not keep_sha:
+        cfg = json.loads((head_dir / "config.json").read_text())
+        cfg.pop("weights_sha256")
+        (head_dir / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_config(head_dir, **values):
+    import json
+
+    cfg = json.loads((head_dir / "config.json").read_text())
+    cfg.update(values)
+    (head_dir / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture
+def head_dir(tiny_target, tmp_path):
+    _drafter(tiny_target).save_pretrained(tmp_path / "head")
+    return tmp_path / "head"
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda t: t.pop("blocks.1.linear.bias"), r"missing tensors blocks\.1\.linear\.bias"),
+    (lambda t: t.update(extra=torch.zeros(3)), r"unexpected tensors extra"),
+    (lambda t: t.update({"rnn_u.bias": torch.zeros(7)}), r"rnn_u\.bias has shape \[7\]"),
+])
+def test_weights_that_disagree_with_the_config_name_the_key(tiny_target, head_dir, change, says):
+    _tamper(head_dir, change)
+    with pytest.raises(ArtifactError, match=says):  # checked before the (missing) sha256
+        load_drafter(head_dir, tiny_target)
+
+
+def test_config_with_more_layers_than_the_weights_names_the_missing_layer(tiny_target, head_dir):
+    _edit_config(head_dir, num_layers=3)
+    with pytest.raises(ArtifactError, match=r"missing tensors blocks\.2\.linear\.weight.*num_layers=3"):
+        load_drafter(head_dir, tiny_target)
+
+
+def test_auto_model_is_as_strict(head_dir):
+    from transformers import AutoModel
+
+    _edit_config(head_dir, num_layers=1)
+    with pytest.raises(ArtifactError, match=r"unexpected tensors blocks\.1\.linear\.bias"):
+        AutoModel.from_pretrained(head_dir)
+
+
+@pytest.mark.parametrize("key, value", [("num_layers", "2"), ("hidden_size", 32.0), ("rnn", "yes"),
+                                        ("tokenizer_fingerprint", 5), ("num_steps", 0), ("activation", "swishy"),
+                                        ("draft_vocab_size", True)])
+def test_config_values_of_the_wrong_type_name_the_key(tiny_target, head_dir, key, value):
+    _edit_config(head_dir, **{key: value})
+    with pytest.raises(ArtifactError, match=rf"config\.json.*{key}"):
+        load_drafter(head_dir, tiny_target)
+
+
+def test_non_finite_weights_are_refused(tiny_target, tmp_path):
+    d = _drafter(tiny_target)
+    with torch.no_grad():
+        d.blocks[0].linear.weight[3, 4] = float("nan")
+    d.save_pretrained(tmp_path / "head")  # the sha256 is recorded: only the value check can catch it
+    with pytest.raises(ArtifactError, match=r"blocks\.0\.linear\.weight holds 1 non-finite"):
+        load_drafter(tmp_path / "head", tiny_target)
+
+
+def test_sha256_is_recorded_at_write_time_and_checked_on_load(tiny_target, head_dir):
+    import json
+
+    from redraft.utils import sha256_file
+
+    recorded = json.loads((head_dir / "config.json").read_text())["weights_sha256"]
+    assert recorded == {"model.safetensors": sha256_file(head_dir / "model.safetensors")}
+    data = bytearray((head_dir / "model.safetensors").read_bytes())
+    data[-5] ^= 0x01  # one bit of one weight, same size, still a valid safetensors file
+    (head_dir / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="does not match the sha256"):
+        load_drafter(head_dir, tiny_target)
+    load_drafter(head_dir, tiny_target, verify=False)  # the escape hatch loads it
+
+
+def test_old_artifact_without_a_sha256_loads_with_a_warning(tiny_target, head_dir):
+    d = load_drafter(head_dir, tiny_target)
+    _tamper(head_dir, lambda t: None)  # same tensors, no recorded sha256
+    with pytest.warns(UserWarning, match="records no weights_sha256"):
+        old = load_drafter(head_dir, tiny_target)
+    assert all(torch.equal(a, b) for a, b in zip(d.state_dict().values(), old.state_dict().values()))
+
+
+def test_truncated_weights_and_broken_config_are_actionable(tiny_target, head_dir):
+    data = (head_dir / "model.safetensors").read_bytes()
+    (head_dir / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ArtifactError, match="not a complete safetensors file"):
+        load_drafter(head_dir, tiny_target)
+    (head_dir / "config.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        load_drafter(head_dir, tiny_target)

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from redraft.errors import ArtifactError, ConfigError, FingerprintMismatchError
-from redraft.ngrams import NGramTables, build_extended, build_trigram_table, count_trigrams, save_tables
+from redraft.ngrams import (
+    NGramTables,
+    TrigramTable,
+    build_extended,
+    build_trigram_table,
+    count_trigrams,
+    save_tables,
+)
 
 V = 50
 
@@ -57,7 +64,7 @@ def test_round_trip_and_lookups(parts, tmp_path):
 @pytest.mark.parametrize("dense", [True, False], ids=["padded-rows", "csr-gather"])
 def test_trigram_successors_fill_missing_with_minus_one(parts, tmp_path, dense, monkeypatch):
     if not dense:
-        monkeypatch.setattr(NGramTables, "DENSE_TRIGRAM_MAX_BYTES", 0)
+        monkeypatch.setattr(TrigramTable, "DENSE_MAX_BYTES", 0)
     tables = NGramTables.load(_save(tmp_path / "t", parts))
     table = parts["trigram"]
     key = int(table.context_keys[0])
@@ -78,9 +85,13 @@ def test_trigram_successors_fill_missing_with_minus_one(parts, tmp_path, dense, 
 def test_every_stored_context_is_found(parts, tmp_path):
     tables = NGramTables.load(_save(tmp_path / "t", parts))
     table = parts["trigram"]
-    csr = tables.trigram_csr()
-    assert csr["offsets"].tolist() == table.offsets.tolist() and csr["ids"].dtype == torch.int32
-    keys = torch.from_numpy(table.context_keys)
+    loaded = tables.trigram
+    assert isinstance(loaded, TrigramTable) and (loaded.t, loaded.min_count) == (4, 1)
+    np.testing.assert_array_equal(loaded.offsets, table.offsets)
+    np.testing.assert_array_equal(loaded.ids, table.ids)
+    np.testing.assert_array_equal(loaded.context_counts, table.context_counts)
+    np.testing.assert_array_equal(loaded.probs, table.probs.astype(np.float16))  # f16 on disk
+    keys = torch.from_numpy(np.array(table.context_keys))
     ids, _ = tables.trigram_successors(keys // V, keys % V)
     lengths = (ids >= 0).sum(-1).numpy()
     np.testing.assert_array_equal(lengths, np.diff(table.offsets))
@@ -130,3 +141,41 @@ def test_missing_kind_and_too_many_columns(parts, tmp_path):
         tables.trigram_successors(torch.tensor([1]), torch.tensor([2]))
     with pytest.raises(ConfigError, match="k=9"):
         tables.bigram_topk(torch.tensor([1]), k=9)
+
+
+def _rewrite_meta(path, change):
+    meta = json.loads((path / "ngrams.json").read_text())
+    change(meta)
+    (path / "ngrams.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda m: m.pop("files"), "lacks the key 'files'"),
+    (lambda m: m.pop("vocab_size"), "lacks the key 'vocab_size'"),
+    (lambda m: m.update(vocab_size="50"), "vocab_size '50'"),
+    (lambda m: m.update(files={}), "has files {}"),
+    (lambda m: m["files"].update(fourgram={"file": "x"}), r"unknown table kind\(s\) \['fourgram'\]"),
+    (lambda m: m["files"]["bigram"].pop("sha256"), "lacks files.bigram.sha256"),
+    (lambda m: m["files"]["bigram"].update(file="../bigram.safetensors"), "plain file name"),
+    (lambda m: m.update(kinds=["bigram"]), "says kinds"),
+    (lambda m: m.update(format="other"), "format 'other'"),
+])
+def test_a_damaged_ngrams_json_names_what_is_wrong(parts, tmp_path, change, message):
+    path = _save(tmp_path / "t", {"unigram": parts["unigram"], "bigram": parts["bigram"]})
+    _rewrite_meta(path, change)
+    with pytest.raises(ArtifactError, match=message) as err:
+        NGramTables.load(path)
+    assert str(path / "ngrams.json") in str(err.value)
+
+
+def test_without_files_the_cut_trigram_file_is_never_loaded_as_empty(parts, tmp_path):
+    path = _save(tmp_path / "t", {"trigram": parts["trigram"]})
+    f = path / "trigram.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    _rewrite_meta(path, lambda m: m.pop("files"))
+    with pytest.raises(ArtifactError, match="'files'"):
+        NGramTables.load(path)
+    # verify=False still needs the file list, not the checksums
+    _rewrite_meta(path, lambda m: m.update(files={"trigram": {"file": "trigram.safetensors"}}))
+    with pytest.raises(ArtifactError, match="cannot be read as safetensors"):
+        NGramTables.load(path, verify=False)

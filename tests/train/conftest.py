@@ -34,3 +34,13 @@ def tiny_data(tiny_target, chat_file, tmp_path_factory):
     spec = f"sharegpt:{chat_file}"
     return (build_token_dataset(spec, tiny_target.tokenizer, split="train", **kw),
             build_token_dataset(spec, tiny_target.tokenizer, split="heldout", **kw))
+
+
+@pytest.fixture(scope="session")
+def other_target(tmp_path_factory):
+    """A second tiny target: the same tokenizer (same fingerprint), other weights (seed 1)."""
+    from redraft.models import load_target
+    from redraft.testing import make_tiny_target_dir
+
+    return load_target(str(make_tiny_target_dir(tmp_path_factory.mktemp("tiny-other"), seed=1)),
+                       dtype="float32", device="cpu")

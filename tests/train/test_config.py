@@ -7,7 +7,9 @@ import torch
 from redraft.errors import ConfigError
 from redraft.train.cli import build_parser, config_from_args
 from redraft.train.config import RECIPES_DIR, TrainConfig, load_recipe, make_config
-from redraft.train.trainer import WarmupCosine, deepspeed_config, draft_vocab_from_data, epoch_batches
+from redraft.train.batches import draft_vocab_from_data, epoch_batches
+from redraft.train.precision import deepspeed_config
+from redraft.train.schedule import WarmupCosine
 
 
 def test_every_shipped_recipe_loads():
@@ -31,7 +33,7 @@ def test_unknown_set_key_is_named_with_a_suggestion():
 
 
 def test_flags_override_recipe_and_are_typed():
-    args = build_parser().parse_args(["--recipe", "tiny", "--lr", "5e-4", "--rnn", "false",
+    args = build_parser().parse_args(["--recipe", "tiny", "--lr", "5e-4", "--no-rnn",
                                       "--set", "max_steps=7", "--adam-betas", "0.8", "0.95"])
     cfg = config_from_args(args)
     tiny = load_recipe("tiny")
@@ -96,3 +98,104 @@ def test_draft_vocab_is_the_most_frequent_assistant_tokens():
     })
     ids = draft_vocab_from_data(ds, vocab_size=12, size=3)
     assert ids.tolist() == [3, 9, 5]
+
+
+def _outside(r):
+    """A value just outside a Range (below its low end, or above its high end when it has one)."""
+    return r.lo if r.lo_open else (r.lo - 1 if isinstance(r.lo, int) else r.lo - 0.5)
+
+
+@pytest.mark.parametrize("key", sorted(__import__("redraft.train.config", fromlist=["RANGES"]).RANGES))
+def test_every_numeric_setting_is_range_checked_with_flag_value_and_range(key):
+    from redraft.train.config import RANGES
+
+    r = RANGES[key]
+    for bad in (_outside(r), float("nan"), *([r.hi + 1] if r.hi is not None else [])):
+        with pytest.raises(ConfigError) as exc:
+            make_config(None, {key: bad, **({"max_steps": None} if key == "epochs" else {})})
+        assert exc.value.param == key
+        msg = str(exc.value)
+        assert msg.startswith("--" + key.replace("_", "-")) and str(r) in msg, msg
+    make_config(None, {key: r.lo if not r.lo_open else r.lo + 1})  # the edge itself (or just inside) is fine
+
+
+def test_max_steps_zero_is_an_error_and_epochs_need_not_be_set_with_max_steps():
+    with pytest.raises(ConfigError, match=r"--max-steps 0 is out of range: must be >= 1 \(leave it out"):
+        make_config("tiny", {"max_steps": "0"})
+    assert make_config("tiny", {"max_steps": "3", "epochs": "0"}).max_steps == 3
+
+
+def test_schedule_is_transformers_cosine_with_min_lr_one_step_later():
+    """Why WarmupCosine stays ours (schedule.py): the same curve shifted by one step, so HF's first
+    step has lr 0 and its last is above the minimum; and HF's cannot follow a time budget."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    total, warmup, floor = 20, 0.2, 0.1
+    ours_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    hf_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ours = WarmupCosine(ours_opt, total, warmup, floor)
+    hf = get_cosine_with_min_lr_schedule_with_warmup(hf_opt, int(warmup * total), total, min_lr_rate=floor)
+    ours_lrs, hf_lrs = [], []
+    for _ in range(total):
+        ours_lrs.append(ours_opt.param_groups[0]["lr"])
+        hf_lrs.append(hf_opt.param_groups[0]["lr"])
+        ours.step()
+        hf_opt.step()
+        hf.step()
+    assert ours_lrs[:-1] == pytest.approx(hf_lrs[1:])
+    assert hf_lrs[0] == 0 and ours_lrs[0] > 0
+    assert ours_lrs[-1] == pytest.approx(floor) and hf_lrs[-1] > floor + 1e-3
+    timed = WarmupCosine(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), total, warmup, floor,
+                         time_budget_s=60)
+    timed.elapsed_s = 60.0  # the budget is spent after one step: the schedule is at its end
+    timed.step()
+    assert timed.get_last_lr()[0] == pytest.approx(floor)
+
+
+def test_meter_reads_loss_and_topk_once_and_matches_eval_accumulator():
+    from redraft.train.distributed import DistEnv
+    from redraft.train.logger import Meter
+    from redraft.train.losses import EvalAccumulator
+
+    torch.manual_seed(0)
+    env = DistEnv(0, 1, 0, torch.device("cpu"))
+    meter = Meter(3, env.device)
+    acc = EvalAccumulator(3)
+    losses = []
+    for _ in range(2):
+        logits, tgt, valid = torch.randn(7, 3, 10), torch.randint(0, 10, (7, 3)), torch.rand(7, 3) > 0.3
+        loss = torch.rand(())
+        losses.append(float(loss))
+        meter.add(loss, {"step_loss": torch.rand(3), "step_count": valid.sum(0).float()}, tokens=11)
+        meter.add_accuracy(logits, tgt, valid)
+        acc.add(logits, tgt, tgt, torch.ones_like(valid), valid)
+    vals = meter.read(env)
+    ref = acc.result()
+    assert vals["train/loss"] == pytest.approx(sum(losses) / 2)
+    assert vals["train/top1"] == pytest.approx(ref["eval_top1"]) and vals["train/top5"] == pytest.approx(ref["eval_top5"])
+    assert vals["train/tokens_per_s"] > 0
+    meter.reset()
+    assert meter.read(env)["train/top1"] is None and meter.micro == 0
+
+
+def test_trackers_write_tensorboard_scalars_per_position(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from redraft.train.config import parse_report_to
+    from redraft.train.logger import Trackers
+
+    t = Trackers(parse_report_to("tensorboard"), tmp_path, "run", {"lr": 1e-3})
+    t.log({"train/loss": 1.5, "train/top1": [0.25, 0.5], "train/grad_norm": None}, step=3)
+    t.close()
+    ev = EventAccumulator(str(tmp_path / "tensorboard"))
+    ev.Reload()
+    assert {"train/loss", "train/top1/pos0", "train/top1/pos1"} <= set(ev.Tags()["scalars"])
+    assert [(s.step, s.value) for s in ev.Scalars("train/top1/pos1")] == [(3, 0.5)]
+    assert parse_report_to("none") == [] and parse_report_to("tensorboard,tensorboard") == ["tensorboard"]
+    with pytest.raises(ConfigError, match="not a tracker"):
+        parse_report_to("tensorboard,comet")
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(ConfigError, match="pip install wandb"):
+            parse_report_to("wandb")

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from redraft.train.losses import EvalAccumulator, drafter_loss, make_windows, target_next_positions
-from redraft.train.trainer import target_greedy, target_hidden
+from redraft.train.step import target_greedy, target_hidden
 
 
 def test_windows_pair_hidden_t_with_tokens_t1_and_targets_t2():

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(tmp_path, name="run", **over):
-    base = {"output_dir": str(tmp_path / name), "tensorboard": False}
+    base = {"output_dir": str(tmp_path / name), "report_to": "none"}
     base.update({k: str(v) for k, v in over.items()})
     return make_config("tiny", base)
 
@@ -118,7 +118,7 @@ def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumu
         tmp_path, tiny_target_dir, chat_file, stage):
     common = ["--recipe", "tiny", "--target", str(tiny_target_dir), "--data", f"sharegpt:{chat_file}",
               "--num-proc", "1", "--max-steps", "4", "--lr", "0.01", "--zero-stage", str(stage),
-              "--tensorboard", "false", "--data-cache-dir", str(tmp_path / "cache")]
+              "--report-to", "none", "--data-cache-dir", str(tmp_path / "cache")]
     # in-process runs of this session set RANK/MASTER_PORT...: the children must not inherit them
     dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in dist_vars}
@@ -148,7 +148,7 @@ def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumu
 @pytest.mark.slow
 def test_default_target_trains_in_amp_bf16(tmp_path, default_target):
     """The real pipeline: default target, default ShareGPT, bf16 autocast on CPU, a few steps."""
-    cfg = make_config("default", {"output_dir": str(tmp_path / "run"), "tensorboard": "false", "max_length": "256",
+    cfg = make_config("default", {"output_dir": str(tmp_path / "run"), "report_to": "none", "max_length": "256",
                                   "train_limit": "16", "eval_limit": "4", "max_steps": "3", "grad_accum": "2",
                                   "draft_vocab_size": "4096", "init_head": "target", "num_proc": "1",
                                   "data_cache_dir": str(tmp_path / "cache")})
@@ -181,3 +181,132 @@ def test_warm_start_makes_the_head_the_targets_lm_head_on_x(tiny_target):
     x = torch.randn(3, d.config.hidden_size)
     expect = tiny_target.output_head(x)[:, 100:116]
     torch.testing.assert_close(d(x, torch.tensor([[1, 2], [3, 4], [5, 6]]))[:, 1], expect)
+
+
+def test_resume_with_another_target_is_refused_and_rewrites_nothing(tmp_path, tiny_target, tiny_data, other_target):
+    from redraft.train.fingerprint import weights_fingerprint
+
+    cfg = _cfg(tmp_path, max_steps=2)
+    _run(cfg, tiny_target, tiny_data)
+    out = Path(cfg.output_dir)
+    saved = {f: (out / f).read_bytes() for f in ("config.json", "run_config.yaml", "model.safetensors")}
+    # the same tokenizer (fingerprint), other weights: the tokenizer check alone would accept it
+    assert other_target.fingerprint == tiny_target.fingerprint
+    with pytest.raises(ConfigError, match="--resume: the run .* was trained on target") as exc:
+        _run(cfg, other_target, tiny_data, resume=True)
+    assert exc.value.param == "target"
+    assert weights_fingerprint(tiny_target.model) in str(exc.value)
+    assert weights_fingerprint(other_target.model) in str(exc.value)
+    assert {f: (out / f).read_bytes() for f in saved} == saved
+    # what the run recorded: the target's id and both fingerprints, in the run config and the artifact
+    import yaml
+
+    rec = yaml.safe_load((out / "run_config.yaml").read_text())["target_record"]
+    assert rec["weights_fingerprint"] == weights_fingerprint(tiny_target.model)
+    assert rec["tokenizer_fingerprint"] == tiny_target.fingerprint and rec["target_model"] == tiny_target.model_id
+    art = json.loads((out / "config.json").read_text())
+    assert art["target_weights_fingerprint"] == rec["weights_fingerprint"]
+    assert art["target_model"] == tiny_target.model_id
+    # the saved run config is still a usable recipe (its record is not a setting)
+    from redraft.train.config import load_recipe
+
+    assert load_recipe(str(out / "run_config.yaml"))["max_steps"] == 2
+    # the same target again resumes (a finished run: nothing left to train)
+    assert _run(cfg, tiny_target, tiny_data, resume=True)["global_step"] == 2
+
+
+def test_weights_fingerprint_sees_weights_not_dtype():
+    from redraft.testing import make_tiny_model
+    from redraft.train.fingerprint import weights_fingerprint
+
+    m = make_tiny_model(64, hidden_size=16, num_layers=1)
+    fp = weights_fingerprint(m)
+    assert weights_fingerprint(make_tiny_model(64, hidden_size=16, num_layers=1)) == fp  # deterministic
+    assert weights_fingerprint(m.to(torch.bfloat16)) == fp  # one checkpoint on CPU (fp32) or GPU (bf16)
+    m = m.float()
+    with torch.no_grad():
+        w = m.model.layers[0].mlp.down_proj.weight  # not the embedding or the LM head
+        w.view(-1)[w.numel() // 2] += 0.5  # a middle element of a middle layer
+    assert weights_fingerprint(m) != fp
+    assert weights_fingerprint(make_tiny_model(64, hidden_size=16, num_layers=1, seed=1)) != fp
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: no except/finally code of the writer runs."""
+
+
+def _artifact(tmp_path, tiny_target, seed):
+    torch.manual_seed(seed)
+    cfg = ReDrafterConfig.for_target(tiny_target, num_layers=1, num_steps=3)
+    return cfg, ReDrafter(cfg).state_dict()
+
+
+def test_a_kill_anywhere_in_the_artifact_write_leaves_one_whole_artifact(tmp_path, tiny_target, monkeypatch):
+    from redraft.errors import ArtifactError
+    from redraft.train import checkpoint as ckpt
+
+    config, old_w = _artifact(tmp_path, tiny_target, 0)
+    _, new_w = _artifact(tmp_path, tiny_target, 1)
+    real_replace = os.replace
+    kill_points = 0
+    while True:
+        out = tmp_path / f"run{kill_points}"
+        out.mkdir()
+        (out / "training_state").mkdir()
+        (out / "training_state" / "keep.txt").write_text("resume state")
+        ckpt.write_artifact(out, config, old_w, {"global_step": 1, "status": "completed"})
+        calls = []
+
+        def replace_or_die(a, b):
+            if len(calls) == kill_points:
+                raise _Killed
+            calls.append(b)
+            real_replace(a, b)
+
+        monkeypatch.setattr(ckpt.os, "replace", replace_or_die)
+        try:
+            ckpt.write_artifact(out, config, new_w, {"global_step": 2, "status": "completed"})
+            finished = True
+        except _Killed:
+            finished = False
+        monkeypatch.setattr(ckpt.os, "replace", real_replace)
+        # whatever the directory holds now is one artifact: old or new throughout, or none at all
+        if (out / "config.json").exists():
+            step = json.loads((out / "metrics.json").read_text())["global_step"]
+            w = load_file(str(out / "model.safetensors"))
+            assert torch.equal(w["lm_head.weight"], (old_w if step == 1 else new_w)["lm_head.weight"])
+            assert load_drafter(out, tiny_target) is not None
+        else:
+            with pytest.raises(ArtifactError):
+                load_drafter(out, tiny_target)
+        assert (out / "training_state" / "keep.txt").read_text() == "resume state"
+        if finished:
+            assert not (out / ckpt.STAGE_DIR).exists()
+            break
+        # the next start completes the swap of a whole stage, or discards a stage killed while it
+        # was being written (save_pretrained's own atomic writes are kill points too); either way
+        # the directory then holds one whole artifact (prepare_output_dir on --resume calls this)
+        staged = (out / ckpt.STAGE_DIR / ckpt.STAGE_DONE).exists()
+        assert ckpt.recover_artifact(out) == ("completed" if staged else "discarded")
+        step = json.loads((out / "metrics.json").read_text())["global_step"]
+        assert step == (2 if staged else 1)
+        assert torch.equal(load_file(str(out / "model.safetensors"))["lm_head.weight"],
+                           (new_w if staged else old_w)["lm_head.weight"])
+        assert "ReDrafter" in (out / "README.md").read_text()  # the card, from redraft.hub, of the new files
+        assert not (out / ckpt.STAGE_DIR).exists()
+        kill_points += 1
+    assert kill_points >= 3  # weights, metrics and config.json were each a kill point
+
+
+def test_a_partial_stage_is_discarded_and_the_old_artifact_kept(tmp_path, tiny_target):
+    from redraft.train import checkpoint as ckpt
+
+    config, w = _artifact(tmp_path, tiny_target, 0)
+    out = tmp_path / "run"
+    ckpt.write_artifact(out.parent / "run", config, w, {"global_step": 1})
+    before = (out / "model.safetensors").read_bytes()
+    stage = out / ckpt.STAGE_DIR
+    stage.mkdir()
+    (stage / "model.safetensors").write_bytes(b"half a file")  # killed while staging: no .complete
+    assert ckpt.recover_artifact(out) == "discarded"
+    assert not stage.exists() and (out / "model.safetensors").read_bytes() == before

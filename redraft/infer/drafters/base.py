@@ -6,29 +6,25 @@ decoder merges the paths of all drafters into one tree (shared prefixes stored o
 the tree with one target forward, accepts the longest verified path per row, and then calls
 every drafter's :meth:`Drafter.observe` with what was accepted, so drafters can learn.
 
-Life cycle for one batch of requests::
+Life cycle (rows join and leave the batch at step boundaries, as in a server)::
 
-    drafter.begin(state)                      # new requests: reset per-request state (B rows)
+    drafter.add_rows(state, start)            # rows start..B-1 of state are new requests
     while rows remain:
         draft = drafter.propose(state)        # Draft(tokens [B, P, L], ...)
         ... verify ...
         drafter.observe(state, draft, feedback)
-        drafter.select_rows(keep)             # finished rows left the batch (optional)
+        drafter.select_rows(keep)             # finished rows left the batch
 
 Shapes: ``B`` rows, ``P`` paths per row, ``L`` tokens per path, ``V`` target vocab size.
 
-Three kinds of drafters fit this interface without special cases:
-
-* deterministic drafters (n-gram tables, ReDrafter beams, MCTS, greedy draft models) return
-  ``q=None``; verification treats each drafted token as a point mass (q = delta), which is
-  lossless under recursive rejection sampling over sibling candidates however the candidates
-  were chosen.
-* stochastic drafters that *sample* their tokens return ``q [B, P, L, V]``, the distribution each
-  token was sampled from; the verifier then accepts with ``min(1, p/q)`` and continues with the
-  residual ``max(p - q, 0)`` (SpecInfer's multi-step speculative sampling).
-* drafters built from drafters (hierarchies, mixes) hold their children, call their
-  ``propose``/``observe`` and return one ``Draft``; per-request state lives in the drafter,
-  indexed by batch row, and :meth:`select_rows` keeps it aligned when rows finish.
+Every drafted token is verified as a point mass (whatever proposed it), so the decoder never
+needs a drafter's own distribution: greedy verification reproduces plain greedy decoding, and
+rejection sampling over the tree keeps the target's distribution exactly
+(``redraft.infer.accept``). A drafter may still sample its tokens (HSDDW's chains do at
+temperature > 0, from the generators in ``state.sampling``); that changes which candidates are
+proposed, never the output's distribution. Drafters built from drafters (hierarchies, mixes)
+hold their children and return one ``Draft``; per-request state lives in the drafter, indexed by
+batch row, and :meth:`add_rows` / :meth:`select_rows` keep it aligned with the batch.
 """
 
 from __future__ import annotations
@@ -54,9 +50,9 @@ class DecodeState:
             verify. ReDrafter and other hidden-state drafters condition on it.
         prompt_lengths: ``[B]`` long: how many of ``tokens`` are the prompt.
         step: verify steps done so far in this batch.
-        request_ids: ``[B]`` long: which request of the original batch each row is (rows leave
-            the batch when they finish).
-        temperature: sampling temperature of this batch (0 = greedy).
+        request_ids: ``[B]`` long: which request each row is (rows join and leave the batch).
+        sampling: the rows' sampling settings (``redraft.infer.accept.RowSampling``:
+            ``temperature [B]``, ``top_p [B]``, per-row ``generators``), or ``None`` (greedy).
     """
 
     tokens: torch.Tensor
@@ -66,7 +62,7 @@ class DecodeState:
     prompt_lengths: torch.Tensor
     step: int
     request_ids: torch.Tensor
-    temperature: float = 0.0
+    sampling: object = None
 
     @property
     def batch_size(self) -> int:
@@ -86,11 +82,8 @@ class Draft:
             have different lengths, a row may have fewer paths: all-``PAD`` rows of paths).
             ``tokens[b, p, 0]`` is the token proposed right after ``state.last[b]``.
         logp: ``[B, P, L]`` float or ``None``: the drafter's log-probability of each token given
-            the path before it. Used to rank nodes when the tree is pruned to the verify budget
-            (higher is kept first); ``None`` ranks by path order.
-        q: ``[B, P, L, V]`` float or ``None``: for drafters that *sampled* their tokens, the
-            distribution each token was sampled from (lossless rejection sampling then uses
-            ``min(1, p/q)``). ``None``: deterministic drafts (q = delta).
+            the path before it. Used to rank nodes when the tree is pruned to a fixed verify
+            budget (higher is kept first); ``None`` ranks by the observed acceptance rates.
         group: ``[B, P]`` long or ``None``: the statistics group of each path. The decoder
             estimates how likely a node is to be accepted from the observed acceptance rate of
             (drafter, group, depth); paths of one group should be alike in reliability (e.g. a
@@ -99,7 +92,6 @@ class Draft:
 
     tokens: torch.Tensor
     logp: torch.Tensor | None = None
-    q: torch.Tensor | None = None
     group: torch.Tensor | None = None
 
     @property
@@ -128,17 +120,16 @@ class Feedback:
         num_accepted: ``[B]`` long: accepted draft tokens per row (the bonus not counted).
         bonus: ``[B]`` long: the token the target produced after the accepted ones (the next
             ``state.last``).
-        verified: ``[B, P]`` long or ``None``: how many leading tokens of each path were in the
-            verified tree (the rest were cut by the node budget). A path token at index
-            ``accepted_prefix < verified`` was verified and not accepted: in greedy decoding the
-            target rejected it. ``None`` (hand-made feedback): unknown.
+        verified: ``[B, P]`` long: how many leading tokens of each path were in the verified
+            tree (the rest were cut by the node budget). A path token at index
+            ``accepted_prefix < verified`` was verified and not accepted.
     """
 
     accepted_prefix: torch.Tensor
     accepted: torch.Tensor
     num_accepted: torch.Tensor
     bonus: torch.Tensor
-    verified: torch.Tensor | None = None
+    verified: torch.Tensor
 
 
 class Drafter:
@@ -146,14 +137,13 @@ class Drafter:
 
     Class attributes:
         name: short name used in stats and benchmark tables.
-        needs_hidden: ``True`` when :meth:`propose` reads ``state.hidden``.
     """
 
     name: str = "drafter"
-    needs_hidden: bool = False
 
-    def begin(self, state: DecodeState) -> None:
-        """A new batch of requests starts (``state.step == 0``): reset per-request state."""
+    def add_rows(self, state: DecodeState, start: int) -> None:
+        """Rows ``start .. state.batch_size - 1`` of ``state`` are new requests (appended after
+        the running ones; ``start == 0``: a fresh batch): set up their per-request state."""
 
     def propose(self, state: DecodeState) -> Draft:
         """Return candidate paths continuing ``state.last`` for every row."""

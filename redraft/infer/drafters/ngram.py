@@ -16,60 +16,31 @@ Tables only need ``unigram_topk(k)``, ``bigram_topk(tokens [N], k)`` and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from redraft.infer.config import FIELDS
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, pad_paths
+from redraft.infer.tree import _arange
 
-
-def context_matches(tokens: torch.Tensor, lengths: torch.Tensor, q: int, k: int, w: int,
-                    vocab_size: int, window: int = 4096) -> torch.Tensor:
-    """Continuations of earlier occurrences of each row's last ``q`` tokens.
-
-    Args:
-        tokens: ``[B, T]`` prompt + output per row, ``PAD`` after ``lengths``.
-        lengths: ``[B]`` valid tokens per row.
-        q: tokens to match; k: candidates per row; w: tokens per candidate.
-        vocab_size: bins for counting first tokens (ids must be below it).
-        window: only matches within the last ``window`` tokens count.
-
-    Returns:
-        ``[B, k, w]`` candidate paths, ``PAD`` where there is nothing (fewer matches, or the
-        continuation runs into the end of the row). Row order: most frequent first token first,
-        ties to the most recent match.
-
-    Example: tokens ``a b c a b d a b`` with q=2 matches ``a b`` at 0 and 3: first tokens
-    ``c`` (pos 2) and ``d`` (pos 5), one count each, ``d`` is more recent -> ``[d a b], [c a b]``.
-    """
-    B, T = tokens.shape
-    dev = tokens.device
-    if T <= q:
-        return torch.full((B, k, w), PAD, dtype=torch.long, device=dev)
-    ar = torch.arange(T, device=dev)
-    suffix = tokens.gather(1, (lengths[:, None] - q + torch.arange(q, device=dev)[None]).clamp_min(0))  # [B, q]
-    win = tokens.unfold(1, q, 1)  # [B, T-q+1, q]: window starting at j
-    starts = ar[: T - q + 1]
-    nxt = starts + q  # first continuation position
-    match = (win == suffix[:, None, :]).all(dim=-1)
-    match &= (nxt[None] < lengths[:, None]) & (starts[None] >= (lengths[:, None] - window))
-    match &= (lengths >= q + 1)[:, None]
-    first = tokens.gather(1, nxt.clamp(max=T - 1)[None].expand(B, -1))  # [B, M]
-    first = torch.where(match & (first >= 0), first, 0)
-    counts = torch.zeros((B, vocab_size), dtype=torch.long, device=dev)
-    counts.scatter_add_(1, first, match.long())
-    recent = torch.full((B, vocab_size), -1, dtype=torch.long, device=dev)
-    recent.scatter_reduce_(1, first, torch.where(match, starts[None].expand(B, -1), -1), reduce="amax")
-    score = torch.where(counts > 0, counts * (T + 1) + recent, -1)
-    kk = min(k, vocab_size)
-    top = score.topk(kk, dim=1)
-    rec = recent.gather(1, top.indices)  # [B, k] start of the most recent match per candidate
-    cont = (rec + q)[:, :, None] + torch.arange(w, device=dev)[None, None]  # [B, k, w]
-    paths = tokens.gather(1, cont.clamp(0, T - 1).reshape(B, -1)).reshape(B, kk, w)
-    ok = (top.values >= 0)[:, :, None] & (cont < lengths[:, None, None])
-    paths = torch.where(ok, paths, PAD)
-    return pad_paths(paths.transpose(1, 2), k).transpose(1, 2) if kk < k else paths
+# defaults come from DecoderConfig (one place for each)
+K, W, Q, Q_MAX = (FIELDS[n].default for n in ("ngram_k", "ngram_w", "context_q", "context_q_max"))
 
 
 GROUPS_PER_CLASS = 4  # statistics groups per match length: ranks 0, 1, 2 and the rest
+
+
+@functools.lru_cache(maxsize=64)
+def _match_index(T: int, q_max: int, device):
+    """Index tensors of :func:`context_matches_multi` for rows of ``T`` tokens (made once: the
+    token buffer of a request keeps its width): positions ``p [M]`` (1..T-1), ``i [q_max]``, the
+    flat gather index of the ``q_max`` tokens before each p (last first) ``[1, M*q_max]``, and
+    ``i < p`` ``[1, M, q_max]``."""
+    p = torch.arange(1, T, device=device)
+    i = torch.arange(q_max, device=device)
+    before = (p[:, None] - 1 - i[None]).clamp_min(0).reshape(1, -1)
+    return p, i, before, (i[None, None] < p[None, :, None])
 
 
 def context_matches_multi(tokens: torch.Tensor, lengths: torch.Tensor, q_min: int, q_max: int, k: int, w: int,
@@ -93,27 +64,27 @@ def context_matches_multi(tokens: torch.Tensor, lengths: torch.Tensor, q_min: in
                 torch.zeros((B, k), dtype=torch.long, device=dev))
     # one pass over every length: ell[b, p] = how many tokens before position p agree with the
     # row's last tokens (capped at q_max); p is the first continuation token of that match
-    p = torch.arange(1, T, device=dev)  # [M]
-    i = torch.arange(q_max, device=dev)
-    before = tokens.gather(1, (p[:, None] - 1 - i[None]).clamp_min(0).reshape(1, -1).expand(B, -1)).reshape(B, -1, q_max)
+    p, i, before_idx, i_lt_p = _match_index(T, q_max, dev)
+    before = tokens.gather(1, before_idx.expand(B, -1)).reshape(B, -1, q_max)  # [B, M, q_max]
     suffix = tokens.gather(1, (lengths[:, None] - 1 - i[None]).clamp_min(0))  # [B, q_max], last token first
-    agree = (before == suffix[:, None, :]) & (i[None, None] < p[None, :, None]) & (i[None, None] < (lengths[:, None, None] - 1))
+    agree = (before == suffix[:, None, :]) & i_lt_p & (i[None, None] < (lengths[:, None, None] - 1))
     ell = agree.long().cumprod(dim=-1).sum(dim=-1)  # [B, M]
-    first = tokens[:, 1:]
-    ok = (ell >= q_min) & (p[None] < lengths[:, None]) & (p[None] - ell >= lengths[:, None] - window) & (first >= 0)
-    ell = torch.where(ok, ell, 0)
-    f = torch.where(ok, first, 0)
-    # each first token competes in its longest match length (class), by count then recency there
-    best = torch.zeros((B, vocab_size), dtype=torch.long, device=dev).scatter_reduce_(1, f, ell, reduce="amax")
+    ok = (ell >= q_min) & (p[None] < lengths[:, None])  # tokens before a row's length are real (>= 0)
+    if T > window:  # only rows longer than the window can have matches outside it
+        ok &= p[None] - ell >= lengths[:, None] - window
+    f = torch.where(ok, tokens[:, 1:], 0)
+    # each first token competes in its longest match length (class), by count then recency there:
+    # one amax over ell * (T + 1) + p gives, per token, the longest match and its latest position
+    key = torch.full((B, vocab_size), -1, dtype=torch.long, device=dev).scatter_reduce_(
+        1, f, torch.where(ok, ell * (T + 1) + p, -1), reduce="amax")
+    best, recent = key.div(T + 1, rounding_mode="floor"), key.remainder(T + 1)
     in_class = ok & (ell >= best.gather(1, f))
     counts = torch.zeros((B, vocab_size), dtype=torch.long, device=dev).scatter_add_(1, f, in_class.long())
-    recent = torch.full((B, vocab_size), -1, dtype=torch.long, device=dev)
-    recent.scatter_reduce_(1, f, torch.where(in_class, p[None].expand(B, -1), -1), reduce="amax")
     score = torch.where(counts > 0, (best * (T + 1) + counts) * (T + 1) + recent, -1)
     kk = min(k, vocab_size)
     top = score.topk(kk, dim=1)
     start = recent.gather(1, top.indices)  # [B, kk] first continuation token of the chosen match
-    cont = start[:, :, None] + torch.arange(w, device=dev)[None, None]
+    cont = start[:, :, None] + _arange(w, dev)[None, None]
     paths = tokens.gather(1, cont.clamp(0, T - 1).reshape(B, -1)).reshape(B, kk, w)
     found = top.values >= 0
     paths = torch.where(found[:, :, None] & (cont < lengths[:, None, None]), paths, PAD)
@@ -132,8 +103,8 @@ class ContextNGramDrafter(Drafter):
     tokens; with ``q_max > q``, matches of every length from ``q_max`` down to ``q``, longest
     first (:func:`context_matches_multi`), each length its own statistics group."""
 
-    def __init__(self, vocab_size: int, q: int = 1, k: int = 8, w: int = 4, window: int = 4096,
-                 name: str = "context", q_max: int | None = None):
+    def __init__(self, vocab_size: int, q: int = Q, k: int = K, w: int = W, window: int = 4096,
+                 name: str = "context", q_max: int | None = Q_MAX):
         self.vocab_size, self.q, self.k, self.w, self.window, self.name = vocab_size, q, k, w, window, name
         self.q_max = max(q_max or q, q)
 
@@ -148,7 +119,7 @@ class TableDrafter(Drafter):
 
     KINDS = ("bigram", "extended", "unigram")
 
-    def __init__(self, tables, kind: str = "extended", k: int = 8, w: int | None = None, name: str | None = None):
+    def __init__(self, tables, kind: str = "extended", k: int = K, w: int | None = None, name: str | None = None):
         if kind not in self.KINDS:
             from redraft.errors import ConfigError
 
@@ -180,8 +151,8 @@ class NGrammysDrafter(Drafter):
     ``w``) and form their own statistics groups.
     """
 
-    def __init__(self, tables, vocab_size: int, k: int = 8, w: int = 4, q: int = 1, window: int = 4096,
-                 name: str = "ngrammys", q_max: int | None = None):
+    def __init__(self, tables, vocab_size: int, k: int = K, w: int = W, q: int = Q, window: int = 4096,
+                 name: str = "ngrammys", q_max: int | None = Q_MAX):
         self.tables, self.vocab_size, self.k, self.w, self.q, self.window = tables, vocab_size, k, w, q, window
         self.q_max = max(q_max or q, q)
         self.name = name

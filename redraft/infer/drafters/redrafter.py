@@ -10,14 +10,15 @@ Beam search, vectorised over batch x beams (Apple's reference does the same)::
 
 The result is W beams of L tokens ([B, W, L]) sorted by score, and each token's draft
 log-probability. Beams share prefixes; the decoder's tree stores them once. Beams are chosen
-deterministically (top-W, not sampled), so rejection sampling verifies them as point masses
-(q = delta), which keeps the target's distribution exactly.
+deterministically (top-W, not sampled); the decoder verifies every candidate as a point mass,
+which keeps the target's distribution exactly.
 """
 
 from __future__ import annotations
 
 import torch
 
+from redraft.infer.config import FIELDS
 from redraft.infer.drafters.base import DecodeState, Draft, Drafter
 
 
@@ -67,13 +68,13 @@ class ReDrafterDrafter(Drafter):
     Args:
         head: a loaded :class:`~redraft.models.redrafter.ReDrafter` (``load_drafter``).
         width: beams per row (Apple's default 4-8). length: tokens per beam (<= the head's
-            training horizon, ``head.config.num_steps``, is where it is accurate).
+            training horizon, ``head.config.num_steps``, the default, is where it is accurate).
     """
 
-    needs_hidden = True
-
-    def __init__(self, head, width: int = 8, length: int = 4, name: str = "redrafter"):
-        self.head, self.width, self.length, self.name = head, width, length, name
+    def __init__(self, head, width: int = FIELDS["redrafter_width"].default, length: int | None = None,
+                 name: str = "redrafter"):
+        self.head, self.width, self.name = head, width, name
+        self.length = int(length or head.config.num_steps)  # default: the head's training horizon
 
     def propose(self, state: DecodeState) -> Draft:
         tokens, logp, _ = beam_search(self.head, state.hidden, state.last, self.width, self.length)

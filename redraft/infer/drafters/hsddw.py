@@ -36,6 +36,7 @@ from torch import nn
 
 from redraft.errors import ConfigError
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback
+from redraft.ngrams import as_trigram_table
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -76,6 +77,10 @@ class EntropyThreshold:
     def select_rows(self, keep) -> None:
         keep = torch.as_tensor(keep, dtype=torch.long).cpu()
         self.total, self.count = self.total[keep], self.count[keep]
+
+    def add_rows(self, n: int) -> None:
+        self.total = torch.cat([self.total, torch.zeros(n, dtype=torch.float64)])
+        self.count = torch.cat([self.count, torch.zeros(n, dtype=torch.long)])
 
 
 # ---------------------------------------------------------------------------------- draft models
@@ -125,6 +130,9 @@ class ProbModel:
     def reset(self, batch_size: int) -> None:
         """A new batch of requests."""
 
+    def add_rows(self, n: int) -> None:
+        """``n`` new request rows join after the current ones."""
+
     def select_rows(self, keep: list[int]) -> None:
         """Rows ``keep`` stay (renumbered), the others' state is dropped."""
 
@@ -170,6 +178,10 @@ class CausalLMModel(ProbModel):
     def reset(self, batch_size: int) -> None:
         self.caches = [None] * batch_size
         self.seen = [[] for _ in range(batch_size)]
+
+    def add_rows(self, n: int) -> None:
+        self.caches += [None] * n
+        self.seen += [[] for _ in range(n)]
 
     def select_rows(self, keep: list[int]) -> None:
         self.caches = [self.caches[i] for i in keep]
@@ -227,8 +239,6 @@ class TrigramModel(ProbModel):
     'no idea' distribution of maximal entropy so self-verify stops there)."""
 
     def __init__(self, table, vocab_size: int, top_k: int = 12, name: str = "trigram"):
-        from redraft.infer.aded import as_trigram_table
-
         self.table = as_trigram_table(table)
         self.V, self.k, self.name = vocab_size, top_k, name
 
@@ -318,16 +328,22 @@ class HSDDWDrafter(Drafter):
 
     # ------------------------------------------------------------------ life cycle
 
-    def begin(self, state: DecodeState) -> None:
-        B = state.batch_size
-        self.m1.reset(B)
+    def add_rows(self, state: DecodeState, start: int) -> None:
+        B, n = state.batch_size, state.batch_size - start
+        if start == 0:
+            self.m1.reset(0)
+            if self.m2 is not None:
+                self.m2.reset(0)
+            self.tau1, self.tau2 = EntropyThreshold(0, self.tau_init), EntropyThreshold(0, self.tau_init)
+            levels = {self.m1.name: LevelStats()}
+            if self.m2 is not None:
+                levels[self.m2.name] = LevelStats()
+            self.stats = HierarchyStats(levels=levels)
+        self.m1.add_rows(n)
         if self.m2 is not None:
-            self.m2.reset(B)
-        self.tau1, self.tau2 = EntropyThreshold(B, self.tau_init), EntropyThreshold(B, self.tau_init)
-        levels = {self.m1.name: LevelStats()}
-        if self.m2 is not None:
-            levels[self.m2.name] = LevelStats()
-        self.stats = HierarchyStats(levels=levels)
+            self.m2.add_rows(n)
+        self.tau1.add_rows(n)
+        self.tau2.add_rows(n)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         k = keep.tolist()
@@ -409,8 +425,9 @@ class HSDDWDrafter(Drafter):
     def propose(self, state: DecodeState) -> Draft:
         """One chain per row: ``Draft(tokens [B, 1, L], logp, q)`` (``q`` when sampling)."""
         t0 = time.perf_counter()
-        temp = float(state.temperature)
-        gen = None
+        sampling = state.sampling
+        temp = float(sampling.temperature.max()) if sampling is not None else 0.0
+        gen = sampling.generators[0] if sampling is not None and sampling.generators else None
         B = state.batch_size
         toks = state.tokens.tolist()
         lens = state.lengths.tolist()
@@ -424,40 +441,29 @@ class HSDDWDrafter(Drafter):
         L = max(1, max(len(c) for c in chains))
         tokens = torch.full((B, 1, L), PAD, dtype=torch.long)
         logp = torch.zeros((B, 1, L))
-        V = next((q[0].shape[-1] for q in qs if q), 0)
-        q_out = torch.zeros((B, 1, L, V)) if temp > 0 and V else None
         for r, (c, q) in enumerate(zip(chains, qs)):
             if not c:
                 continue
             tokens[r, 0, : len(c)] = torch.tensor(c)
             qq = torch.stack(q)  # [n, V]
             logp[r, 0, : len(c)] = qq[torch.arange(len(c)), torch.tensor(c)].clamp_min(1e-30).log()
-            if q_out is not None:
-                q_out[r, 0, : len(c)] = qq
         self.stats.draft_seconds += time.perf_counter() - t0
         dev = state.device
-        return Draft(tokens=tokens.to(dev), logp=logp.to(dev), q=None if q_out is None else q_out.to(dev))
+        return Draft(tokens=tokens.to(dev), logp=logp.to(dev))
 
     def observe(self, state: DecodeState, draft: Draft, feedback: Feedback) -> None:
         """The target's verdict: the first rejected chain token feeds the last level's tau.
 
         The chain token after the accepted prefix counts as rejected only when it was verified
-        (``feedback.verified``: the decoder's node budget may have cut it from the tree). For
-        hand-made feedback without ``verified`` the test is that the target's bonus token
-        differs from it (an equal bonus means the verifier agreed; exact in greedy decoding).
+        (``feedback.verified``: the decoder's node budget may have cut it from the tree).
         """
         a = feedback.accepted_prefix[:, 0].tolist()  # [B] accepted tokens of the chain
-        bonus = feedback.bonus.tolist()
-        verified = None if feedback.verified is None else feedback.verified[:, 0].tolist()
-        chains = draft.tokens[:, 0].tolist()
+        verified = feedback.verified[:, 0].tolist()
         top = self.m2 if self.m2 is not None else self.m1
         thr = self.tau2 if self.m2 is not None else self.tau1
         rows, ents = [], []
         for r, (n_ok, e) in enumerate(zip(a, self._last_ent)):
-            if n_ok >= len(e):
-                continue
-            cut = chains[r][n_ok] == bonus[r] if verified is None else n_ok >= verified[r]
-            if not cut:
+            if n_ok < len(e) and n_ok < verified[r]:
                 rows.append(r)
                 ents.append(e[n_ok])
         if rows:

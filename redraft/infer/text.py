@@ -1,0 +1,79 @@
+"""Incremental detokenisation with stop strings: the text of a request as its tokens arrive.
+
+Decoding the whole output every step is quadratic in its length. :class:`TextStream` decodes a
+short window instead (the vLLM / TGI method): the tokens from ``prefix_offset`` (a few already
+emitted tokens, so a tokenizer that treats the first token of a string specially, such as
+SentencePiece's leading-space rule, sees the same first token twice) to the end, minus the
+decoded window up to ``read_offset``. Text ending in U+FFFD (an incomplete UTF-8 character split
+over byte tokens) is held back until the character completes.
+
+Stop strings are searched only where a new one can appear: the new text plus the last
+``len(stop) - 1`` characters before it. While a request runs, the last ``max(len(stop)) - 1``
+characters are held back from the stream, so a stop string split over two steps never reaches
+a client; the final text is cut before the first stop string.
+
+Worked example (byte-level BPE, no stop strings)::
+
+    tokens  "Hel" "lo" " wor" "ld"      emitted text per add(): "Hel", "lo", " wor", "ld"
+"""
+
+from __future__ import annotations
+
+
+class TextStream:
+    """The text of one request's new tokens, built incrementally.
+
+    Args:
+        tokenizer: a transformers tokenizer (``decode``).
+        stop: stop strings (non-empty).
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tok = tokenizer
+        self.stop = tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # characters held back while running
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start (already decoded tokens kept for context)
+        self.read_offset = 0  # tokens whose text is in self.text
+        self.text = ""  # decoded text so far (complete characters only)
+        self.sent = 0  # characters of self.text already returned
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append tokens; returns the text that may be streamed now (possibly empty). After a
+        stop string appears, :attr:`stopped` is True and nothing more is returned."""
+        if self.stopped or not new_ids:
+            return ""
+        self.ids.extend(new_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            before = len(self.text)
+            self.text += delta
+            if self.stop:
+                start = max(before - self.hold, 0)
+                cuts = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+                if cuts:
+                    self.text = self.text[:min(cuts)]
+                    self.stopped = True
+                    return self._take(len(self.text))
+        return self._take(max(len(self.text) - self.hold, self.sent))
+
+    def finish(self) -> str:
+        """The rest of the text (held-back characters; an incomplete final character as the
+        tokenizer decodes it) when the request ends."""
+        if not self.stopped and self.read_offset < len(self.ids):
+            self.text += self._decode(self.ids[self.prefix_offset:])[
+                len(self._decode(self.ids[self.prefix_offset:self.read_offset])):]
+            self.read_offset = len(self.ids)
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        out = self.text[self.sent:upto]
+        self.sent = max(self.sent, upto)
+        return out

@@ -1,0 +1,111 @@
+"""redraft-bench: what it refuses before any work, what it writes, the overhead benchmark."""
+
+import json
+
+import pytest
+
+from redraft.infer.bench import load_prompts, main
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_list_methods_names_every_method_and_its_needs(capsys):
+    code, out, _ = run(capsys, "--list-methods")
+    assert code == 0
+    names = [line.split()[0] for line in out.splitlines()]
+    assert {"greedy", "context", "ngrammys", "redrafter", "aded", "hsddw", "mix", "mix+aded"} <= set(names)
+    assert "needs ngrams:trigram" in next(line for line in out.splitlines() if line.startswith("aded "))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--methods", "greedy,bogus"], "unknown method 'bogus'"),
+    (["--methods", "redrafter"], "needs drafter"),
+    (["--methods", "ngrammys"], "needs ngrams:extended"),
+    (["--prompts", "0"], "--prompts 0"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens -1"),
+    (["--budget", "lots"], "budget"),
+    (["--max-nodes", "-3"], "max_nodes"),
+    (["--acceptance", "maybe"], "acceptance"),
+    (["--datasets", ","], "--datasets is empty"),
+    (["--cost-curve", "1:2,x"], "cost curve"),
+])
+def test_requests_that_cannot_run_fail_before_any_work(capsys, tmp_path, argv, words):
+    code, out, err = run(capsys, "--target", tmp_path / "no-such-target", *argv)
+    assert code == 2, err
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_artifacts_and_outputs_fail_before_loading_the_target(capsys, tmp_path):
+    missing = tmp_path / "nope"
+    code, _, err = run(capsys, "--target", missing, "--ngrams", missing, "--methods", "greedy")
+    assert code == 2 and str(missing) in err
+    code, _, err = run(capsys, "--target", missing, "--out", tmp_path)  # a directory
+    assert code == 2 and "is a directory" in err
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, _, err = run(capsys, "--target", missing, "--markdown", blocker / "sub" / "x.md")
+    assert code == 2 and "cannot create directory" in err
+
+
+def test_mt_bench_reads_first_turns_and_names_a_missing_file(tmp_path):
+    q = tmp_path / "question.jsonl"
+    q.write_text("\n".join(json.dumps({"question_id": i, "category": "writing", "turns": [f"first {i}", "second"]})
+                           for i in range(5)) + "\n")
+    prompts = load_prompts(f"mt-bench:{q}", 3)
+    assert prompts == [[{"role": "user", "content": f"first {i}"}] for i in range(3)]
+    from redraft.errors import DataError
+
+    with pytest.raises(DataError, match="question.jsonl"):
+        load_prompts(f"mt-bench:{tmp_path / 'missing.jsonl'}", 3)
+
+
+def test_a_run_writes_json_markdown_and_a_report(capsys, tiny_target_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": t}) for t in
+                                 ["The quick brown fox jumps over the lazy dog. The quick brown", "def add(a, b):"]))
+    out, md, rep = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "report"
+    code, stdout, err = run(capsys, "--target", tiny_target_dir, "--datasets", prompts, "--prompts", 2,
+                            "--max-new-tokens", 12, "--methods", "greedy,context,mix", "--no-warmup",
+                            "--cost-curve", "1:1,8:1.2,64:2", "--out", out, "--markdown", md, "--report", rep)
+    assert code == 0, err
+    res = json.loads(out.read_text())
+    r = res["results"]["p"]
+    assert set(r) == {"greedy", "context", "mix"}
+    for name in ("context", "mix"):
+        assert r[name]["identical_to_ar"] is True  # float32 greedy: token for token
+        hist = {int(k): v for k, v in r[name]["accepted_hist"].items()}
+        steps = sum(hist.values())
+        assert r[name]["mean_accepted_length"] == pytest.approx((sum(k * v for k, v in hist.items()) + steps) / steps,
+                                                               abs=1e-3)
+        assert len(r[name]["acceptance_per_position"]) == max(hist)
+    assert r["greedy"]["mean_accepted_length"] == 1.0 and r["greedy"]["speedup_vs_ar"] == 1.0
+    assert res["cost_curve_ms"]["given"] is True and res["config"]["decoder"]["budget"] == "auto"
+    assert "| mix |" in md.read_text()
+    index = (rep / "index.md").read_text()
+    for png in ("speedup.png", "acceptance.png", "accepted_hist.png", "cost_curve.png", "drafter_share.png"):
+        assert (rep / png).stat().st_size > 1000 and png in index
+    # the report can be redrawn from the JSON alone
+    rep2 = tmp_path / "again"
+    code, _, err = run(capsys, "--from-json", out, "--report", rep2)
+    assert code == 0, err
+    assert (rep2 / "speedup.png").is_file()
+
+
+def test_overhead_benchmark_reports_every_method_and_batch(capsys, tmp_path):
+    out = tmp_path / "o.json"
+    code, stdout, err = run(capsys, "--overhead", "--overhead-batches", "1,2", "--overhead-tokens", 6, "--out", out,
+                            "--threads", 1)
+    assert code == 0, err
+    res = json.loads(out.read_text())["overhead"]
+    assert set(res) == {"greedy", "context-16", "context-64", "ngrammys", "mix-aded"}
+    for method, rows in res.items():
+        assert set(rows) == {"batch_1", "batch_2"}
+        for r in rows.values():
+            assert r["host_ms_per_step"] > 0 and r["forward_ms"] > 0
+            assert 1 <= r["steps"] <= 6  # at most one step per new token, fewer when drafts are accepted
+    assert res["greedy"]["batch_1"]["steps"] == 5  # plain decoding: one token per step
+    assert "host ms/step" in stdout

@@ -1,0 +1,212 @@
+"""The step-level engine: requests join a running batch and leave it; outputs do not depend on
+who else is in the batch; argument checks; incremental text."""
+
+import random
+
+import pytest
+import torch
+
+from redraft.errors import ConfigError
+from redraft.infer import SamplingParams
+from redraft.infer.budget import CostCurve
+from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
+from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter
+from redraft.infer.drafters.redrafter import ReDrafterDrafter
+from redraft.infer.text import TextStream
+
+CURVE = CostCurve([1, 8, 64], [1.0, 1.2, 2.0])
+
+
+def run_staggered(engine, prompts, params, join_at):
+    """Add prompt i before step ``join_at[i]``; returns {request id: Generation} and the ids."""
+    out, ids, step = {}, {}, 0
+    while len(out) < len(prompts):
+        for i, s in enumerate(join_at):
+            if s == step:
+                ids[engine.add(prompts[i], params[i])] = i
+        for ev in engine.step():
+            if ev.done:
+                out[ids[ev.index]] = ev.generation
+        step += 1
+        assert step < 500
+    return out
+
+
+def test_requests_joining_a_running_batch_get_their_single_request_output(tiny_target, tiny_tables, tiny_head):
+    V = tiny_target.vocab_size
+    dec = SpeculativeDecoder(tiny_target, [NGrammysDrafter(tiny_tables, V), ReDrafterDrafter(tiny_head, width=3, length=3),
+                                           ContextNGramDrafter(V, name="ctx")], cost_curve=CURVE)
+    rng = random.Random(0)
+    texts = ["Hello there", "def add(a, b):", "The quick brown fox", "import torch\nx =", "Paris is the",
+             "for i in range(10):", "Speculative decoding", "How can I help"]
+    prompts = [dec.encode(t)[0] for t in texts]
+    params = [SamplingParams.checked(max_new_tokens=rng.randint(3, 30)) for _ in texts]
+    singles = [plain_greedy(tiny_target, [p], max_new_tokens=s.max_new_tokens)[0] for p, s in zip(prompts, params)]
+    out = run_staggered(dec.engine(), prompts, params, join_at=[0, 0, 1, 2, 2, 5, 9, 14])
+    for i, single in enumerate(singles):
+        assert out[i].tokens == single.tokens, texts[i]
+        assert out[i].text == single.text
+        assert out[i].finish_reason == single.finish_reason
+
+
+def test_a_cancelled_request_leaves_and_the_others_are_unchanged(tiny_target, tiny_prompts):
+    dec = SpeculativeDecoder(tiny_target, [ContextNGramDrafter(tiny_target.vocab_size)], cost_curve=CURVE)
+    prompts = [dec.encode(p)[0] for p in tiny_prompts]
+    ref = plain_greedy(tiny_target, prompts, max_new_tokens=20)
+    engine = dec.engine()
+    rids = [engine.add(p, SamplingParams.checked(max_new_tokens=20)) for p in prompts]
+    done, seen = {}, {r: [] for r in rids}
+    engine.step()
+    engine.cancel(rids[1])
+    while engine.has_work:
+        for ev in engine.step():
+            seen[ev.index] += ev.tokens
+            if ev.done:
+                done[ev.index] = ev.generation
+    assert set(done) == {rids[0], rids[2]}
+    assert engine.batch_size == 0 and not engine.has_work
+    assert done[rids[0]].tokens == ref[0].tokens and done[rids[2]].tokens == ref[2].tokens
+    # a request cancelled before it joined never runs
+    rid = engine.add(prompts[0], SamplingParams.checked(max_new_tokens=5))
+    engine.cancel(rid)
+    assert not engine.has_work and engine.step() == []
+
+
+def test_a_seeded_request_samples_the_same_whoever_shares_the_batch(tiny_target, tiny_tables):
+    dec = SpeculativeDecoder(tiny_target, [NGrammysDrafter(tiny_tables, tiny_target.vocab_size)],
+                             acceptance="rejection", budget=8)
+    p = dec.encode("Hello there")[0]
+    seeded = SamplingParams.checked(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=123)
+
+    def alone_and_with(others):
+        engine = dec.engine()
+        rid = engine.add(p, seeded)
+        for o in others:
+            engine.add(dec.encode(o)[0], SamplingParams.checked(max_new_tokens=12, temperature=1.2))
+        out = {}
+        while engine.has_work:
+            out.update({ev.index: ev.generation for ev in engine.step() if ev.done})
+        return out[rid].tokens
+
+    a = alone_and_with([])
+    b = alone_and_with(["The quick brown fox", "def add(a, b):"])
+    assert a == b
+
+
+def test_bad_arguments_are_config_errors_naming_the_argument(tiny_target):
+    dec = SpeculativeDecoder(tiny_target, [])
+    cases = [
+        (dict(max_new_tokens=-5), "max_new_tokens"), (dict(max_new_tokens=2.5), "max_new_tokens"),
+        (dict(max_new_tokens=True), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=-0.5), "top_p"),
+        (dict(top_p=1.5), "top_p"), (dict(stop=[""]), "stop"), (dict(stop=[3]), "stop"), (dict(seed=-1), "seed"),
+    ]
+    for kw, param in cases:
+        with pytest.raises(ConfigError) as e:
+            dec.generate("hi", **kw)
+        assert e.value.param == param, kw
+        assert param in str(e.value)
+    V = tiny_target.vocab_size
+    for prompt, param in (([], "prompt"), (None, "prompt"), ([[]], "prompt"), ([5, V], "prompt"), ([-1, 3], "prompt"),
+                          ([{"role": "user"}], "messages"), ([{"content": "x"}], "messages")):
+        with pytest.raises(ConfigError) as e:
+            dec.generate(prompt)
+        assert e.value.param == param, prompt
+    ctx = tiny_target.model.config.max_position_embeddings
+    with pytest.raises(ConfigError, match="context") as e:
+        dec.generate([1] * ctx, max_new_tokens=1)
+    with pytest.raises(ConfigError, match="context") as e:
+        dec.generate([1, 2, 3], max_new_tokens=ctx)
+    assert e.value.param == "max_new_tokens"
+    with pytest.raises(ConfigError, match="temperature"):
+        dec.generate("hi", temperature=0.5)  # greedy acceptance cannot sample
+
+
+def test_a_bare_stop_string_is_one_stop_string(tiny_target, tiny_prompts):
+    ref = plain_greedy(tiny_target, tiny_prompts[:1], max_new_tokens=30)[0]
+    text = ref.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert len(set(stop)) > 1 and stop in text
+    g = plain_greedy(tiny_target, tiny_prompts[:1], max_new_tokens=30, stop=stop)[0]
+    assert g.finish_reason == "stop" and g.text == text[: text.index(stop)]
+    for ch in set(stop):  # the old bug: any of its characters stopped the text
+        if ch in text[: text.index(stop)]:
+            assert g.text.count(ch) == text[: text.index(stop)].count(ch)
+
+
+def test_incremental_text_equals_a_full_decode(tiny_target, llama2_target_dir):
+    from redraft.models import load_target
+
+    rng = random.Random(1)
+    for tok in (tiny_target.tokenizer, load_target(str(llama2_target_dir), device="cpu").tokenizer):
+        for _ in range(40):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 40))]
+            stream, pieces, i = TextStream(tok), [], 0
+            while i < len(ids):
+                n = rng.randint(1, 4)
+                pieces.append(stream.add(ids[i:i + n]))
+                i += n
+            pieces.append(stream.finish())
+            full = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            assert "".join(pieces) == full == stream.text
+
+
+def test_stop_strings_split_over_steps_never_reach_the_stream(tiny_target):
+    tok = tiny_target.tokenizer
+    ids = tok("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
+    full = tok.decode(ids)
+    stop = "fox jumps"
+    for chunk in (1, 2, 3):
+        stream, out = TextStream(tok, (stop, "zzz")), ""
+        for i in range(0, len(ids), chunk):
+            out += stream.add(ids[i:i + chunk])
+            assert stop not in out and not (out.endswith("fox") and not stream.stopped)
+        out += stream.finish()
+        assert stream.stopped and out == full[: full.index(stop)]
+
+
+@pytest.mark.parametrize("budget", ["auto", 12])
+def test_static_verify_gives_the_eager_output(tiny_target, tiny_tables, tiny_head, tiny_prompts, budget):
+    """Trees padded to fixed sizes and the cache in its static mode (what CUDA graphs capture)
+    decode exactly like the dynamic path, in a batch with rows of different lengths."""
+    V = tiny_target.vocab_size
+    drafters = lambda: [NGrammysDrafter(tiny_tables, V), ReDrafterDrafter(tiny_head, width=3, length=3)]  # noqa: E731
+    eager = SpeculativeDecoder(tiny_target, drafters(), budget=budget, cost_curve=CURVE, static_verify=False)
+    static = SpeculativeDecoder(tiny_target, drafters(), budget=budget, cost_curve=CURVE, static_verify=True)
+    assert static.verifier.static and not static.verifier.graphs  # no graphs on a CPU
+    a = eager.generate(tiny_prompts, max_new_tokens=24)
+    b = static.generate(tiny_prompts, max_new_tokens=24)
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens
+    sizes = {s for s in (static.verifier.tree_size(n, limit=65) for n in range(1, 66))}
+    assert sizes <= {1, 2, 4, 8, 16, 24, 32, 48, 64}
+
+
+def test_a_decode_step_reads_the_device_once(tiny_target, tmp_path, monkeypatch):
+    """With device-side drafters and static trees, a step's only device-to-host transfer is
+    the packed result (on a GPU every other read would be a sync that stops the host)."""
+    from redraft.infer.loader import make_drafters
+    from redraft.infer.overhead import tiny_setup
+
+    target, tables = tiny_setup(tmp_path)
+    dec = SpeculativeDecoder(target, make_drafters(target, (), [tables]), cost_curve=CURVE, static_verify=True)
+    engine = dec.engine()
+    for text in ("The quick brown fox jumps over the lazy dog. The quick", "def add(a, b):"):
+        engine.add(dec.encode(text)[0], SamplingParams.checked(max_new_tokens=40))
+    engine.step()  # the join (prefill) reads the first tokens: not a decode step
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, _name=name, **k):
+            if self.device.type != "meta":
+                reads.append(_name)
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    steps = 0
+    while engine.has_work and steps < 10:
+        before = len(reads)
+        engine.step()
+        steps += 1
+        assert reads[before:] == ["tolist"], reads[before:]
+    assert steps >= 3
