@@ -177,3 +177,22 @@ def test_head_shards_cut_big_tensors_into_rows_and_join_back(tmp_path):
     assert json.loads((back / "metrics.json").read_text()) == {"eval_tau_est": 2.5}
     with pytest.raises(ValueError, match="shards \\[2\\] of"):
         head.join([s for s in shards if "-00002-" not in s.name], tmp_path / "again")
+
+
+def test_predicted_speedup_and_host_share_follow_the_formula():
+    pred = _load_script("gpu_predict")
+    cost = {"targets": {"dummy:x": {"cost_curve_ms": {"sizes": [1, 65], "ms": [10.0, 20.0]}}}}
+    overhead = {"overhead": {"greedy": {"batch_1": {"host_ms_per_step": 1.0, "forward_ms": 0.1}},
+                             "ngrammys": {"batch_1": {"host_ms_per_step": 2.0, "forward_ms": 0.1},
+                                          "batch_8": {"host_ms_per_step": 4.0, "forward_ms": 0.2}},
+                             "context-64": {"batch_1": {"host_ms_per_step": 3.0, "forward_ms": 0.1}}}}
+    rows = [{"source": "b", "dataset": "chat", "method": "mix", "tau": 2.0, "nodes": None}]
+    out = pred.predict(cost, overhead, rows, [16, 64])["dummy:x"]
+    c17 = 10.0 + 16 * 10.0 / 64  # the curve, linear between its two points
+    # "mix" takes the N-Grammys row's host time (the mix without a head is N-Grammys)
+    assert out["rows"][0]["speedup"][16] == pytest.approx(2.0 * (10.0 + 1.0) / (c17 + 2.0), abs=1e-3)
+    assert out["rows"][0]["speedup"][64] == pytest.approx(2.0 * 11.0 / (20.0 + 2.0), abs=1e-3)
+    assert out["host_share"]["context-64"]["batch_1"] == pytest.approx(3.0 / 20.0, abs=1e-4)
+    assert out["host_share"]["ngrammys"] == {"nodes": 16, "batch_1": pytest.approx(2.0 / c17, abs=1e-4),
+                                             "batch_8": pytest.approx(4.0 / c17, abs=1e-4)}
+    assert out["host_share"]["greedy"]["batch_1"] == pytest.approx(1.0 / 10.0)

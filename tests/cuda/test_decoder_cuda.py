@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from redraft.infer import SpeculativeDecoder, load_decoder, plain_greedy
-from redraft.infer.aded import ADEDDrafter
+from redraft.infer.drafters.aded import ADEDDrafter
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
-from redraft.infer.hsddw import default_hierarchy
+from redraft.infer.drafters.hsddw import default_hierarchy
 from redraft.infer.loader import load_ngram_tables, load_redrafter
 from cuda_helpers import DEVICE, PROMPTS, OracleDrafter
 
