@@ -96,7 +96,8 @@ def join(files: list[Path], out_dir: Path) -> Path:
     n = int(meta["shards"])
     missing = sorted(set(range(1, n + 1)) - set(got))
     if missing:
-        raise ValueError(f"head {hid}: shards {missing} of {n} are missing (head-{missing[0]:05d}-of-{n:05d}.safetensors ...).")
+        raise ValueError(f"head {hid}: shards {missing} of {n} are missing "
+                         f"(head-{missing[0]:05d}-of-{n:05d}.safetensors ...).")
     table = json.loads(meta["table"])
     parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for i in range(1, n + 1):

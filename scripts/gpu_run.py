@@ -267,7 +267,7 @@ class Runner:
     def env(self) -> dict:
         env = dict(os.environ)
         env.update(
-            PYTHONPATH=os.pathsep.join([str(REPO), str(self.prefix)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
+            PYTHONPATH=os.pathsep.join([str(REPO), str(self.prefix)] + [env["PYTHONPATH"]] * bool(env.get("PYTHONPATH"))),
             PATH=os.pathsep.join([str(self.prefix / "bin"), env.get("PATH", "")]),
             REDRAFT_CACHE=str(self.work / "cache"), HF_HOME=str(self.work / "hf"),
             HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -510,8 +510,11 @@ class Runner:
 
     def pytest(self, st: StageRun, marker: str) -> None:
         xml = self.results / st.name / f"pytest-{st.name}.xml"
+        # a module that cannot be imported there (a test-only package the image lacks) must not
+        # keep the CUDA tests from running: it is reported as an error instead
         step = self.run_step(st, "pytest", self.py("-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", marker,
-                                                   f"--junitxml={xml}", *self.profile.pytest_paths))
+                                                   "--continue-on-collection-errors", f"--junitxml={xml}",
+                                                   *self.profile.pytest_paths))
         st.results["pytest"] = junit_summary(xml)
         st.results["pytest"]["exit"] = step.rc
         s = st.results["pytest"]
@@ -614,7 +617,8 @@ class Runner:
 
     def stage_d(self, st: StageRun) -> None:
         rows = ["## redraft-train tokens/s (deepspeed launcher, 1 process)", "",
-                "| target | recipe | precision | ZeRO | steps | tokens | seconds | tokens/s |", "|---|---|---|---:|---:|---:|---:|---:|"]
+                "| target | recipe | precision | ZeRO | steps | tokens | seconds | tokens/s |",
+                "|---|---|---|---:|---:|---:|---:|---:|"]
         p = self.profile
         runs = {"default": ("default", p.target, p.recipe, p.train_overrides, p.speed_steps),
                 "dummy": (p.train_dummy.split(":")[-1], p.train_dummy, p.dummy_recipe, p.dummy_overrides,
@@ -630,7 +634,8 @@ class Runner:
             if m:
                 st.results[f"train-{label}"] = m
                 rows.append(f"| {target} | {recipe} | {m.get('precision')} | {zero} | {m.get('global_step')} | "
-                            f"{m.get('train_tokens')} | {m.get('train_time_s', 0):.1f} | {m.get('train_tokens_per_s', 0):.0f} |")
+                            f"{m.get('train_tokens')} | {m.get('train_time_s', 0):.1f} | "
+                            f"{m.get('train_tokens_per_s', 0):.0f} |")
         st.md += rows + [""]
 
     def head_dir(self) -> Path:
