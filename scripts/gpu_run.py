@@ -267,7 +267,7 @@ class Runner:
     def env(self) -> dict:
         env = dict(os.environ)
         env.update(
-            PYTHONPATH=os.pathsep.join([str(REPO), str(self.prefix)] + [env["PYTHONPATH"]] * bool(env.get("PYTHONPATH"))),
+            PYTHONPATH=os.pathsep.join(p for p in (str(REPO), str(self.prefix), env.get("PYTHONPATH")) if p),
             PATH=os.pathsep.join([str(self.prefix / "bin"), env.get("PATH", "")]),
             REDRAFT_CACHE=str(self.work / "cache"), HF_HOME=str(self.work / "hf"),
             HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
