@@ -1,4 +1,4 @@
-# make demo / make test / make bench: each creates .venv when missing and installs what it needs.
+# make demo / make test / make bench / make serve: each creates .venv when missing and installs what it needs.
 # make gpu-bundle: the offline GPU run's parts in .gpu-bundle/ (docs/gpu.md).
 # Installation is skipped when pyproject.toml has not changed since the last install (stamp file).
 PY      ?= python3
@@ -6,8 +6,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
+SERVE_ARGS  ?=
 
-.PHONY: install test demo bench gpu-bundle clean
+.PHONY: install test demo bench serve gpu-bundle clean
 
 install: $(STAMP)
 
@@ -30,6 +31,10 @@ demo: install
 
 bench: install
 	$(BIN)/redraft-bench --recipe infer/bench-default.yaml
+
+# the OpenAI-compatible server on the embedded default (artifacts from make demo are used when present)
+serve: install
+	$(BIN)/redraft-serve --preset infer/decode-default.yaml $(SERVE_ARGS)
 
 # wheels for what the GPU machine lacks (versions from .venv), redraft, the default GGUF in two
 # parts, the ShareGPT JSON xz-compressed, a manifest with SHA-256s: parts of <= 58 MiB, one per run

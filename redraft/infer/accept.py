@@ -64,10 +64,19 @@ class RowSampling:
         top_p: per row, in (0, 1].
         generators: per row, the ``torch.Generator`` its random draws come from (``None``: the
             global one). Rows sharing a generator draw in one call.
-        device: where the ``temperature`` / ``top_p`` tensors live.
+        device: where the tensors live.
+        uniforms: per row ``None`` or a 1-D tensor: the row's own random numbers, one per output
+            token (a request with a ``seed``). Its ``i``-th output token is drawn by inverse CDF
+            with ``uniforms[i]``, wherever in a tree it is drawn: the row's samples then depend on
+            nothing but its seed and its own logits (not on the other rows of the batch, nor on
+            the drafts), and equal plain autoregressive sampling with the same uniforms.
+
+    Attributes:
+        offset: ``[B]`` long on the device, the output tokens each row has so far (the index of
+            the next token's uniform); the engine sets it every step.
     """
 
-    def __init__(self, temperature, top_p, generators=None, device=None):
+    def __init__(self, temperature, top_p, generators=None, device=None, uniforms=None):
         t = temperature.tolist() if isinstance(temperature, torch.Tensor) else [float(x) for x in temperature]
         p = top_p.tolist() if isinstance(top_p, torch.Tensor) else [float(x) for x in top_p]
         self.temperature = torch.tensor(t, dtype=torch.float32, device=device)  # [B]
@@ -76,15 +85,38 @@ class RowSampling:
         self.any_greedy = any(x <= 0 for x in t)
         self.any_top_p = any(x < 1 for x, y in zip(p, t) if y > 0)
         self.generators = list(generators) if generators else [None] * len(t)
-        groups: dict = {}
-        for r, g in enumerate(self.generators):
-            groups.setdefault(id(g), (g, []))[1].append(r)
-        self.groups = [(g, rows) for g, rows in groups.values()]
+        uniforms = list(uniforms) if uniforms else [None] * len(t)
+        self.seeded = [r for r, u in enumerate(uniforms) if u is not None and t[r] > 0]
+        self.uniforms = None
+        if self.seeded:
+            width = max(len(uniforms[r]) for r in self.seeded)
+            table = torch.full((len(t), width), 0.5, dtype=torch.float64)
+            for r in self.seeded:
+                table[r, :len(uniforms[r])] = uniforms[r]
+            self.uniforms = table.to(device)  # [B, U]
+        self.offset = torch.zeros(len(t), dtype=torch.long, device=device)
+        self.groups = _by_id(self.generators)  # every row by generator (drafters that sample use it)
+        self._target_groups = _by_id(self.generators, skip=set(self.seeded))  # the target's multinomial draws
 
     @classmethod
     def uniform(cls, batch: int, temperature: float = 0.0, top_p: float = 1.0, generator=None, device=None):
         """Every row with the same settings and one shared generator."""
         return cls([temperature] * batch, [top_p] * batch, [generator] * batch, device)
+
+
+def _by_id(generators: list, skip=()) -> list:
+    """``[(generator, [rows using it])]`` in first-use order."""
+    groups: dict = {}
+    for r, g in enumerate(generators):
+        if r not in skip:
+            groups.setdefault(id(g), (g, []))[1].append(r)
+    return list(groups.values())
+
+
+def seed_uniforms(seed: int, n: int) -> torch.Tensor:
+    """``n`` float64 uniforms in [0, 1) of a request's seed (the same on every machine)."""
+    gen = torch.Generator().manual_seed(int(seed))
+    return torch.rand(n, dtype=torch.float64, generator=gen)
 
 
 def warp_probs(logits: torch.Tensor, temperature, top_p=1.0) -> torch.Tensor:
@@ -108,6 +140,12 @@ def warp_probs(logits: torch.Tensor, temperature, top_p=1.0) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of ``[..., V]`` probabilities: ``[...]`` float32 (``entr``:
+    ``-p log p``, 0 at 0, in one pass: no clamp and log over the whole vocabulary)."""
+    return torch.special.entr(probs.float()).sum(dim=-1)
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Argmax over the last dim, the first index on ties. ``max().indices`` computes the same as
     ``argmax`` but several times faster for bfloat16 logits on CPU (see docs/infer.md).
@@ -115,22 +153,35 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def sample_tokens(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, rows: RowSampling, depth: torch.Tensor | int = 0) -> torch.Tensor:
     """One token per row and node from the warped target distribution: ``[B, ...]`` long
-    (greedy rows take the argmax). ``logits [B, ..., V]``."""
+    (greedy rows take the argmax). ``logits [B, ..., V]``; ``depth`` (``[B, ...]`` or an int):
+    how many output tokens after the row's ``offset`` each draw makes, which picks the uniform
+    of a seeded row."""
     greedy = greedy_tokens(logits)
     if rows.all_greedy:
         return greedy
     probs = warp_probs(logits, rows.temperature, rows.top_p if rows.any_top_p else 1.0)
     B, V = probs.shape[0], probs.shape[-1]
-    out = torch.empty(greedy.shape, dtype=torch.long, device=logits.device)
-    for gen, idx in rows.groups:
-        sub = probs if len(idx) == B else probs[torch.tensor(idx, device=probs.device)]
+    dev = probs.device
+    out = greedy.clone()
+    for gen, idx in rows._target_groups:
+        sub = probs if len(idx) == B else probs[torch.tensor(idx, device=dev)]
         draw = torch.multinomial(sub.reshape(-1, V), 1, generator=gen).reshape(sub.shape[:-1])
         if len(idx) == B:
             out = draw
         else:
-            out[torch.tensor(idx, device=probs.device)] = draw
+            out[torch.tensor(idx, device=dev)] = draw
+    if rows.seeded:  # inverse CDF with the uniform of the output token each draw would be
+        idx = torch.tensor(rows.seeded, device=dev)
+        sub = probs[idx]  # [s, ..., V]
+        pos = (rows.offset[idx].reshape((-1,) + (1,) * (sub.dim() - 2)) + torch.as_tensor(depth, device=dev)[idx]
+               if isinstance(depth, torch.Tensor) else rows.offset[idx].reshape((-1,) + (1,) * (sub.dim() - 2)) + depth)
+        pos = pos.expand(sub.shape[:-1]).clamp(max=rows.uniforms.shape[1] - 1)
+        u = rows.uniforms[idx].gather(1, pos.reshape(len(idx), -1)).reshape(sub.shape[:-1])
+        cdf = sub.double().cumsum(dim=-1)
+        draw = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1).clamp(max=V - 1)
+        out[idx] = draw
     if rows.any_greedy:
         out = torch.where((rows.temperature <= 0).reshape((-1,) + (1,) * (out.dim() - 1)), greedy, out)
     return out
@@ -183,7 +234,7 @@ def accept_greedy(tree: Tree, logits: torch.Tensor, rows: RowSampling | None = N
 def accept_rejection(tree: Tree, logits: torch.Tensor, rows: RowSampling) -> Acceptance:
     """Lossless rejection sampling over the tree (see the module doc): greedy rows take the
     argmax, sampled rows follow one draw from the warped target distribution per node."""
-    return _follow(tree, sample_tokens(logits, rows))
+    return _follow(tree, sample_tokens(logits, rows, tree.depth))
 
 
 def accept_typical(tree: Tree, logits: torch.Tensor, rows: RowSampling, eps: float = TYPICAL_EPS,
@@ -202,7 +253,7 @@ def accept_typical(tree: Tree, logits: torch.Tensor, rows: RowSampling, eps: flo
     last = _deepest(tree, ok)
     acc = _path_from_last(tree, last)
     last_logits = logits[torch.arange(logits.shape[0], device=logits.device), last]
-    acc.bonus = sample_tokens(last_logits, rows)
+    acc.bonus = sample_tokens(last_logits, rows, acc.num_accepted)
     return acc
 
 

@@ -104,7 +104,11 @@ class DecoderConfig:
         integer("ngram_k", 1, 1024)
         integer("ngram_w", 1, 1024)
         integer("context_q", 1, 64)
-        integer("context_q_max", self.context_q if isinstance(self.context_q, int) else 1, 64)
+        integer("context_q_max", 1, 64)
+        if self.context_q > self.context_q_max:
+            raise ConfigError(f"decoder settings context_q={self.context_q} and context_q_max={self.context_q_max}: "
+                              f"the shortest context match cannot be longer than the longest; use context_q <= "
+                              f"context_q_max (raise context_q_max too).", param="context_q")
         return self
 
     def replace(self, **changes) -> "DecoderConfig":

@@ -28,6 +28,7 @@ which is the baseline every speculative result is compared with.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -40,7 +41,7 @@ from redraft.infer.config import DecoderConfig, SamplingParams
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback, clean_paths, pad_paths
 from redraft.infer.engine import Engine, _Clock
 from redraft.infer.stats import Generation, RequestStats, StreamEvent  # noqa: F401  (public re-exports)
-from redraft.infer.tree import Tree
+from redraft.infer.tree import Tree, cached_arange
 from redraft.infer.verify import Verifier
 
 
@@ -225,11 +226,14 @@ class SpeculativeDecoder:
             t = clean_paths(pad_paths(dr.tokens.to(dev), L))
             p = t.shape[1]
             toks.append(t)
-            owner.append(torch.full((p,), i, dtype=torch.long, device=dev))
-            group.append(torch.arange(p, device=dev)[None].expand(B, p) if dr.group is None else dr.group.to(dev).long())
+            owner.append(_filled(p, i, dev))
+            group.append(cached_arange(p, dev)[None].expand(B, p) if dr.group is None else dr.group.to(dev).long())
             slices.append((i, dr, start, start + p))
             start += p
-        paths, owner, group = torch.cat(toks, 1), torch.cat(owner), torch.cat(group, 1)
+        if len(drafts) == 1:  # the common single-drafter step: nothing to merge
+            paths, owner, group = toks[0], owner[0], group[0]
+        else:
+            paths, owner, group = torch.cat(toks, 1), torch.cat(owner), torch.cat(group, 1)
         values = self.stats.values(owner, tuple(paths.shape), group)
         if self.config.budget != "auto":  # fixed budget: rank by the drafter's own path probability
             for i, dr, a, b in slices:
@@ -317,6 +321,12 @@ class SpeculativeDecoder:
                 gain = [max(0, n - max((c[j] for j in called if j != i), default=0)) for n, c in zip(n_acc, credit)]
                 exclusive[i] = sum(gain) / len(gain)
         self.gate.update(secs[0] + secs[1], sum(n_acc) / len(n_acc) + 1.0, exclusive)
+
+
+@functools.lru_cache(maxsize=256)
+def _filled(n: int, value: int, device) -> torch.Tensor:
+    """``[n]`` long filled with ``value`` (made once per shape: the owner of a drafter's paths)."""
+    return torch.full((n,), value, dtype=torch.long, device=device)
 
 
 @torch.no_grad()

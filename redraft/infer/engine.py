@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.accept import RowSampling, emitted_tokens, sample_tokens
+from redraft.infer.accept import RowSampling, emitted_tokens, sample_tokens, seed_uniforms
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState, Feedback
 from redraft.infer.stats import Generation, RequestStats, StreamEvent
@@ -48,6 +48,7 @@ class _Row:
     params: SamplingParams
     generator: torch.Generator | None
     text: TextStream
+    uniforms: torch.Tensor | None = None  # a seeded request's own random numbers, one per output token
     tokens: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
     length: int = 0  # tokens in the state's buffer (prompt + output so far)
@@ -120,20 +121,27 @@ class Engine:
     def add(self, prompt: list[int], params: SamplingParams | None = None, generator=None) -> int:
         """Queue a request (token ids, checked) to join the batch at the next step; returns its id.
 
-        ``generator``: the ``torch.Generator`` its samples come from; default a new one seeded
-        with ``params.seed`` when given, else the global generator.
+        A request with ``params.seed`` samples its ``i``-th output token with the ``i``-th
+        uniform of its seed (inverse CDF): its output depends only on its seed and its own
+        logits, whoever shares the batch. ``generator``: without a seed, the ``torch.Generator``
+        its samples come from (default: the decoder's shared one).
         """
         params = params or SamplingParams()
         if not params.greedy and self.dec.config.acceptance == "greedy":
             raise ConfigError("temperature > 0 needs the decoder's acceptance 'rejection' (lossless) or "
                               "'typical'; this decoder verifies greedily.", param="temperature")
         check_prompt(prompt, self.dec.target.vocab_size, self._context, params.max_new_tokens)
-        if generator is None and params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
+        uniforms = None
+        if params.seed is not None:
+            # one per output token, and slack for draws a tree makes past the last one
+            uniforms = seed_uniforms(params.seed, params.max_new_tokens + 256)
+            if generator is None:  # drafters that sample (HSDDW's chains) draw from it
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
         rid = self._next_id
         self._next_id += 1
-        self.waiting.append(_Row(rid, list(prompt), params, generator, TextStream(self.dec.target.tokenizer, params.stop)))
+        self.waiting.append(_Row(rid, list(prompt), params, generator, TextStream(self.dec.target.tokenizer, params.stop),
+                                 uniforms))
         return rid
 
     def cancel(self, rid: int) -> None:
@@ -171,6 +179,7 @@ class Engine:
         tree = build_tree(prop.paths, prop.values, budget, root=state.last, size=size)
         t1 = clock.mark()
         hidden = self.verifier.verify(tree.tokens, tree.depth, tree.anc, cache)  # [B, N, H]
+        self.sampling.offset = state.lengths - state.prompt_lengths  # output tokens so far, per row
         acc = dec.accept(tree, self.verifier.logits(hidden), self.sampling)
         credit, hit = dec.credit(prop, tree, acc)  # [B, drafters] accepted tokens each proposed
         emitted = emitted_tokens(tree, acc)  # [B, D+1]
@@ -278,7 +287,8 @@ class Engine:
     def _sampling(self, rows: list[_Row] | None = None) -> RowSampling:
         rows = self.rows if rows is None else rows
         return RowSampling([r.params.temperature for r in rows], [r.params.top_p for r in rows],
-                           [r.generator or self.dec.generator for r in rows], self.device)
+                           [r.generator or self.dec.generator for r in rows], self.device,
+                           uniforms=[r.uniforms for r in rows])
 
     def _join(self) -> list[StreamEvent]:
         """Prefill the waiting requests together, sample their first token, and append them to

@@ -161,8 +161,8 @@ class TreeKVCache(Cache):
     def append_rows(self, other: "TreeKVCache") -> None:
         """Add the rows of ``other`` (same model, e.g. new requests just prefilled) after this
         cache's rows. Column counts may differ: the shorter buffer is padded with holes."""
-        cap = max(self.kv.shape[4], other.kv.shape[4])
-        self.ensure_capacity(cap)
+        self.ensure_capacity(other.kv.shape[4])
+        cap = self.kv.shape[4]  # ensure_capacity may grow past what was asked (doubling)
         kv = other.kv
         if kv.shape[4] < cap:
             kv = torch.cat([kv, kv.new_zeros((*kv.shape[:4], cap - kv.shape[4], kv.shape[5]))], dim=4)

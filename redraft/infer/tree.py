@@ -76,7 +76,7 @@ def dedup_paths(paths: torch.Tensor, valid: torch.Tensor | None = None) -> tuple
     eq = (paths[:, :, None, :] == paths[:, None, :, :]) & valid[:, :, None, :]  # [B, P, P, L]
     same = eq.to(torch.int8).cumprod(dim=-1).bool()  # prefix 0..l agrees
     rep = same.to(torch.int8).argmax(dim=2)  # [B, P, L] first True along j (i itself is True)
-    is_new = valid & (rep == _arange(P, paths.device)[None, :, None])
+    is_new = valid & (rep == cached_arange(P, paths.device)[None, :, None])
     return valid, rep, is_new
 
 
@@ -90,11 +90,11 @@ def _kept_entries(valid, rep, is_new, values: torch.Tensor, budget) -> torch.Ten
     dev = valid.device
     neg = torch.finfo(values.dtype).min
     flat_val = torch.where(valid, values, neg).reshape(B, P * L)
-    rep_flat = (rep * L + _arange(L, dev)).reshape(B, P * L)
+    rep_flat = (rep * L + cached_arange(L, dev)).reshape(B, P * L)
     node_val = torch.full_like(flat_val, neg).scatter_reduce(1, rep_flat, flat_val, reduce="amax")
     node_val = torch.where(is_new.reshape(B, -1), node_val, neg)
     order = torch.sort(node_val, dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, _arange(P * L, dev).expand(B, -1))
+    rank = torch.empty_like(order).scatter_(1, order, cached_arange(P * L, dev).expand(B, -1))
     budget = torch.as_tensor(budget, device=dev).reshape(-1, 1) if not isinstance(budget, int) else budget
     keep_node = (rank < budget) & is_new.reshape(B, -1)
     keep = keep_node.gather(1, rep_flat).reshape(B, P, L) & valid
@@ -146,7 +146,7 @@ def build_tree(paths: torch.Tensor, values: torch.Tensor | None = None, budget: 
     num_nodes = 1 + flat_new.sum(dim=1)  # [B]
     N = size if size is not None else (int(num_nodes.max()) if B else 1)
     # every entry's node = the node of (its representative path, same depth)
-    path_node = nid_flat.gather(1, (rep * L + _arange(L, dev)).reshape(B, P * L)).reshape(B, P, L)
+    path_node = nid_flat.gather(1, (rep * L + cached_arange(L, dev)).reshape(B, P * L)).reshape(B, P, L)
     path_node = torch.where(valid, path_node, -1)
     # per node: the path it was first seen on and its depth (new entries write, the rest go to
     # slot 0, the root, which is overwritten; a too-small fixed size drops into the spare slot N)
@@ -158,7 +158,7 @@ def build_tree(paths: torch.Tensor, values: torch.Tensor | None = None, budget: 
     depth[:, 0] = 0
     # a node's ancestors are the nodes on its first path above it: one gather of that path
     on_path = path_node.gather(1, node_path[:, :, None].expand(B, N, L))  # [B, N, L]
-    upto = _arange(L, dev) < depth[:, :, None]  # entries 0..depth-1: the ancestors and the node itself
+    upto = cached_arange(L, dev) < depth[:, :, None]  # entries 0..depth-1: the ancestors and the node itself
     anc = torch.zeros((B, N, N + 1), dtype=torch.bool, device=dev).scatter_(
         2, torch.where(upto, on_path, N), True)[:, :, :N]
     anc[:, :, 0] = True
@@ -166,7 +166,7 @@ def build_tree(paths: torch.Tensor, values: torch.Tensor | None = None, budget: 
     parent = torch.where(depth > 1, on_path.gather(2, (depth - 2).clamp_min(0)[:, :, None])[:, :, 0], 0)
     parent[:, 0] = -1
     tokens = paths.gather(1, node_path[:, :, None].expand(B, N, L)).gather(2, (depth - 1).clamp_min(0)[:, :, None])[:, :, 0]
-    node_valid = _arange(N, dev)[None, :] < num_nodes[:, None]
+    node_valid = cached_arange(N, dev)[None, :] < num_nodes[:, None]
     tokens = torch.where(node_valid, tokens, PAD)
     tokens[:, 0] = PAD if root is None else root
     return Tree(tokens=tokens, parent=parent, depth=depth, valid=node_valid, anc=anc,
@@ -176,7 +176,8 @@ def build_tree(paths: torch.Tensor, values: torch.Tensor | None = None, budget: 
 # small index tensors every step needs, made once per shape and device (each torch op on a small
 # tensor costs microseconds of host time; the decoder's step is a few hundred of them)
 @functools.lru_cache(maxsize=256)
-def _arange(n: int, device) -> torch.Tensor:
+def cached_arange(n: int, device) -> torch.Tensor:
+    """``torch.arange(n)`` on ``device``, made once (callers must not write into it)."""
     return torch.arange(n, device=device)
 
 

@@ -91,6 +91,15 @@ def test_a_seeded_request_samples_the_same_whoever_shares_the_batch(tiny_target,
     a = alone_and_with([])
     b = alone_and_with(["The quick brown fox", "def add(a, b):"])
     assert a == b
+    # and it is plain sampling with the same seed: the i-th token is drawn with the i-th uniform
+    plain = SpeculativeDecoder(tiny_target, [], acceptance="rejection", budget=0)
+    engine = plain.engine()
+    rid = engine.add(p, seeded)
+    out = {}
+    while engine.has_work:
+        out.update({ev.index: ev.generation for ev in engine.step() if ev.done})
+    assert out[rid].tokens == a
+    assert len(set(a)) > 3  # really sampled (temperature 0.9), not a repeated argmax
 
 
 def test_bad_arguments_are_config_errors_naming_the_argument(tiny_target):
@@ -210,3 +219,34 @@ def test_a_decode_step_reads_the_device_once(tiny_target, tmp_path, monkeypatch)
         steps += 1
         assert reads[before:] == ["tolist"], reads[before:]
     assert steps >= 3
+
+
+def test_seeded_rows_keep_the_target_distribution(tiny_target, tiny_tables):
+    """Many requests, each with its own seed (inverse-CDF sampling from per-token uniforms): the
+    second new token, the first one a verify step produces, follows
+    sum_t1 p(t1) p(t2 | prompt, t1) (chi-square)."""
+    from scipy.stats import chisquare
+
+    from redraft.infer.drafters.ngram import TableDrafter
+
+    ids = tiny_target.chat_ids([{"role": "user", "content": "Hello"}])
+    n, V = 1500, tiny_target.vocab_size
+    dec = SpeculativeDecoder(tiny_target, [TableDrafter(tiny_tables, "bigram", k=4)], acceptance="rejection", budget=4)
+    engine = dec.engine()
+    for seed in range(n):
+        engine.add(ids, SamplingParams.checked(max_new_tokens=2, temperature=1.0, seed=seed))
+    out = []
+    while engine.has_work:
+        out += [ev.generation for ev in engine.step() if ev.done]
+    second = torch.tensor([g.tokens[1] for g in out if len(g.tokens) > 1])
+    with torch.no_grad():
+        p1 = tiny_target.model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+        p2 = tiny_target.model(torch.tensor([ids + [t] for t in range(V)])).logits[:, -1].softmax(-1)
+    marg = (p1[:, None] * p2).sum(0).double()
+    obs = torch.bincount(second, minlength=V).double()
+    exp = marg / marg.sum() * obs.sum()
+    keep = exp > 5
+    obs_k = torch.cat([obs[keep], obs[~keep].sum()[None]])
+    exp_k = torch.cat([exp[keep], exp[~keep].sum()[None]])
+    assert chisquare(obs_k, exp_k / exp_k.sum() * obs_k.sum()).pvalue > 1e-3
+    assert sum(g.stats.accepted_hist.get(1, 0) for g in out) > 30  # drafts were accepted

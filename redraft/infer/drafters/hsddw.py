@@ -4,29 +4,41 @@
   exceeds ``tau``; ``tau`` is the running mean of the entropies of the draft tokens its verifier
   rejected so far in this request, starting at 0 (:class:`EntropyThreshold`). The first token of
   a chain is always drafted (with ``tau = 0`` every later one would stop the chain).
-* **Draft models.** Anything that gives next-token distributions over the target vocab
-  (:class:`ProbModel`): any causal LM that shares the target's tokenizer (:class:`CausalLMModel`),
-  an *early-exit* draft cut from the target itself (:func:`early_exit_model`: its first ``L``
-  layers, final norm and head, sharing the weights, so no extra memory), or the tri-gram table
-  (:class:`TrigramModel`). Every target therefore has a hierarchy with no training.
+* **Draft models.** Anything that gives next-token distributions over the target vocab for a
+  batch of rows (:class:`ProbModel`): any causal LM that shares the target's tokenizer
+  (:class:`CausalLMModel`), an *early-exit* draft cut from the target itself
+  (:func:`early_exit_model`: its first ``L`` layers, final norm and head, sharing the weights, so
+  no extra memory), or the tri-gram table (:class:`TrigramModel`). Every target therefore has a
+  hierarchy with no training.
 * **Hierarchy.** M1 drafts with self-verify; M2 pre-verifies M1's tokens by rejection sampling
   (one M2 forward over the chain), keeps its own correction token, and hands the chain back to
   M1 to extend while M2's entropy stays under M2's own ``tau``; when M2 loses confidence the
-  chain goes to the target (:class:`HSDDWDrafter`). Because M2's rejection sampling makes every
-  emitted token a sample of M2's distribution, the draft's ``q`` is M2's distribution and the
-  decoder's rejection sampling against the target stays lossless; in greedy decoding the chain
-  is M2's greedy chain.
+  chain goes to the target (:class:`HSDDWDrafter`). In greedy decoding the chain is M2's greedy
+  chain; when sampling, every chain token is a sample of M2's (temperature/top-p warped)
+  distribution. The decoder verifies the chain's tokens as point masses, which keeps the
+  target's distribution exactly whatever the drafts are (``redraft.infer.accept``).
 * **Stats** (:class:`HierarchyStats`): redundancy ``sigma = 1 - accepted / drafted`` per level
   and target utilisation ``eta = target calls / output length``.
 
-Draft models keep their own KV cache per request row and re-sync it with the committed tokens
-by cropping to the common prefix (no re-prefill of what they already saw).
+**Batching.** All rows draft together: every M1 step is one forward of the whole batch, every
+M2 pre-verification one forward over every row's chain, with masks for rows that stopped. Each
+draft LM keeps one KV cache for the batch (``redraft.infer.kv.TreeKVCache``: rows of different
+lengths). The drafter keeps a token buffer ``[B, W]`` per row (committed tokens, then the chain
+being drafted); a model's cache always holds a prefix of its row's buffer. At each
+:meth:`HSDDWDrafter.propose` the buffer's old chain is compared with what the target committed:
+a row's cache keeps the common prefix and forgets the rest by lowering the row's length (no
+re-prefill), and the first forward feeds each row only the tokens its cache lacks.
+
+Worked example (one row, greedy, ``max_len=4``, ``m1_max=2``): committed ``[a b y]``; M1 feeds
+``y`` and drafts ``c`` (the first token is always kept), feeds ``c`` and drafts ``d``; M2 feeds
+``y c d`` in one forward, agrees on ``c``, prefers ``e`` over ``d`` and adds it: the chain is
+``c e``; both caches drop ``d`` (length back to 4). M1 then feeds ``e`` and drafts on. Next step
+the target committed ``c e z``: the caches keep ``a b y c e`` and feed ``z``.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -35,28 +47,28 @@ import torch
 from torch import nn
 
 from redraft.errors import ConfigError
+from redraft.infer.accept import RowSampling, entropy, greedy_tokens, warp_probs
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback
+from redraft.infer.kv import TreeKVCache
 from redraft.ngrams import as_trigram_table
 
-
-def entropy(probs: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy (nats) of ``[..., V]`` probabilities: ``[...]``."""
-    p = probs.float()
-    return -(p * torch.log(p.clamp_min(1e-30))).sum(-1)
+__all__ = ["EntropyThreshold", "early_exit_model", "ProbModel", "CausalLMModel", "TrigramModel",
+           "frequent_tokens", "LevelStats", "HierarchyStats", "HSDDWDrafter", "default_hierarchy",
+           "bench_methods", "entropy"]
 
 
 class EntropyThreshold:
     """Per-request ``tau``: the running mean entropy of rejected draft tokens, starting at ``init``.
 
     ``tau[b] = mean(entropies of the draft tokens rejected so far in row b)``, ``init`` (0 by
-    default) before any rejection. :meth:`stop` says whether a draft model must stop before a
-    token whose distribution has entropy ``H``: ``H > tau``.
+    default) before any rejection. A draft model must stop before a token whose distribution has
+    entropy ``H > tau`` (:meth:`exceeds` for a batch, :meth:`stop` for one row).
     """
 
-    def __init__(self, batch_size: int, init: float = 0.0):
+    def __init__(self, batch_size: int, init: float = 0.0, device=None):
         self.init = float(init)
-        self.total = torch.zeros(batch_size, dtype=torch.float64)
-        self.count = torch.zeros(batch_size, dtype=torch.long)
+        self.total = torch.zeros(batch_size, dtype=torch.float64, device=device)
+        self.count = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     @property
     def tau(self) -> torch.Tensor:
@@ -64,23 +76,36 @@ class EntropyThreshold:
         return torch.where(self.count > 0, self.total / self.count.clamp_min(1),
                            torch.full_like(self.total, self.init))
 
+    def exceeds(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [B]`` or ``[B, K]`` entropies -> bool, ``h > tau`` of each row."""
+        tau = self.tau
+        return h.double() > (tau if h.dim() == 1 else tau[:, None])
+
     def stop(self, row: int, h: float) -> bool:
+        """Must row ``row`` stop before a token drafted at entropy ``h``? (One row, on the host.)"""
         return h > float(self.tau[row])
 
     def reject(self, rows, entropies) -> None:
         """Record rejected draft tokens: rows ``[n]`` and the entropies they were drafted at."""
-        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
-        ent = torch.as_tensor(entropies, dtype=torch.float64).reshape(-1)
+        dev = self.total.device
+        rows = torch.as_tensor(rows, dtype=torch.long, device=dev).reshape(-1)
+        ent = torch.as_tensor(entropies, dtype=torch.float64, device=dev).reshape(-1)
         self.total.index_add_(0, rows, ent)
         self.count.index_add_(0, rows, torch.ones_like(rows))
 
+    def reject_where(self, mask: torch.Tensor, entropies: torch.Tensor) -> None:
+        """Record one rejected token for every row where ``mask [B]`` holds, drafted at
+        ``entropies [B]`` (other rows unchanged)."""
+        self.total += torch.where(mask, entropies.double(), torch.zeros_like(self.total))
+        self.count += mask.long()
+
     def select_rows(self, keep) -> None:
-        keep = torch.as_tensor(keep, dtype=torch.long).cpu()
+        keep = torch.as_tensor(keep, dtype=torch.long, device=self.total.device)
         self.total, self.count = self.total[keep], self.count[keep]
 
     def add_rows(self, n: int) -> None:
-        self.total = torch.cat([self.total, torch.zeros(n, dtype=torch.float64)])
-        self.count = torch.cat([self.count, torch.zeros(n, dtype=torch.long)])
+        self.total = torch.cat([self.total, self.total.new_zeros(n)])
+        self.count = torch.cat([self.count, self.count.new_zeros(n)])
 
 
 # ---------------------------------------------------------------------------------- draft models
@@ -120,33 +145,60 @@ def early_exit_model(model: nn.Module, num_layers: int) -> nn.Module:
 
 
 class ProbModel:
-    """A draft model as HSDDW needs it: next-token distributions for one request row at a time.
+    """A draft model as HSDDW needs it: next-token logits for a batch of rows at once.
 
-    Subclasses implement :meth:`logits` and may keep per-row state (KV caches).
+    The drafter holds a token buffer ``tokens [B, W]`` (per row: committed tokens, then the chain
+    being drafted) and asks for the logits after some positions of each row. A model may keep
+    per-row state about the tokens it has seen (a KV cache); what it has seen of a row is always
+    a prefix of that row's buffer, because the drafter calls :meth:`truncate` before it changes
+    a token a model may have seen.
+
+    Attributes:
+        name: stats label (a level of the hierarchy).
+        calls: forwards (or table look-ups) so far, one per :meth:`logits` call.
     """
 
     name = "model"
+    calls = 0
 
-    def reset(self, batch_size: int) -> None:
-        """A new batch of requests."""
+    def reset(self, batch_size: int = 0) -> None:
+        """A new batch of ``batch_size`` rows that have seen nothing."""
 
     def add_rows(self, n: int) -> None:
-        """``n`` new request rows join after the current ones."""
+        """``n`` new rows that have seen nothing join after the current ones."""
 
-    def select_rows(self, keep: list[int]) -> None:
-        """Rows ``keep`` stay (renumbered), the others' state is dropped."""
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Rows ``keep`` (``[B']`` long) stay, renumbered; the others' state is dropped."""
 
-    def logits(self, row: int, context: list[int], extra: list[int]) -> torch.Tensor:
-        """Next-token logits after ``context + extra[:i]`` for ``i = 0..len(extra)``:
-        ``[len(extra) + 1, V]`` float (one forward over ``extra`` for an LM)."""
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Row ``b`` forgets every token it has seen at positions ``>= lengths[b]`` (``[B]`` long)."""
+
+    def logits(self, tokens: torch.Tensor, end: torch.Tensor, first: torch.Tensor,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits after positions ``first[b] .. end[b] - 1`` of ``tokens [B, W]``
+        (row ``b``'s context is ``tokens[b, :end[b]]``, ``first[b] < end[b]``).
+
+        Returns ``[B, K, V]`` float, ``K = max(end - first)`` over the rows asked for (``rows
+        [B]`` bool, default all); ``[b, j]`` is the distribution after position
+        ``first[b] + j``. Entries past a row's own count, and rows not asked for, are
+        unspecified (and such rows' state does not change).
+        """
         raise NotImplementedError
+
+
+def _counts(end: torch.Tensor, first: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``end - first`` for the rows asked for, 0 for the others: ``[B]``."""
+    k = end - first
+    return k if rows is None else torch.where(rows, k, torch.zeros_like(k))
 
 
 class CausalLMModel(ProbModel):
     """Any causal LM sharing the target's tokenizer (a small LM, or :func:`early_exit_model`).
 
-    Keeps one ``DynamicCache`` per row holding the tokens it has seen; each call crops it to the
-    prefix it shares with the new context and feeds only the rest.
+    Keeps one :class:`~redraft.infer.kv.TreeKVCache` for the batch, rows of different lengths.
+    A :meth:`logits` call feeds each row only what its cache lacks (``tokens[b, length_b :
+    end_b]``, after cutting the row back to ``first[b]`` so the asked positions are fed), in one
+    forward of the batch with a per-row causal mask, and keeps what it fed.
 
     Args:
         model: the causal LM.
@@ -154,8 +206,7 @@ class CausalLMModel(ProbModel):
         vocab_size: pad (or cut) its logits to this many ids (the target's vocab).
         vocab_subset: ``[S]`` token ids: compute the head over these rows only (the head of a
             small model is most of its cost: 49152 x 576 for SmolLM2, 8 decoder layers' worth of
-            weights), every other token gets probability 0. Its distribution stays a valid
-            ``q`` for lossless rejection sampling. Costs a copy of ``S`` head rows.
+            weights), every other token gets probability 0. Costs a copy of ``S`` head rows.
     """
 
     def __init__(self, model: nn.Module, name: str = "lm", vocab_size: int | None = None,
@@ -163,64 +214,100 @@ class CausalLMModel(ProbModel):
         self.model = model.eval()
         self.name = name
         self.vocab_size = vocab_size
-        self.caches: list = []
-        self.seen: list[list[int]] = []
-        self.forwards = 0
+        self.base = getattr(model, model.base_model_prefix)
+        self.head = model.get_output_embeddings()
+        w = self.head.weight
+        self.device, self.dtype = w.device, next(self.base.parameters()).dtype
+        self.cache: TreeKVCache | None = None
+        self.calls = 0
         self.subset = None
         if vocab_subset is not None:
-            head = model.get_output_embeddings()
-            self.subset = torch.as_tensor(vocab_subset, dtype=torch.long, device=head.weight.device)
-            self.sub_w = head.weight.detach()[self.subset].contiguous()  # [S, H]
-            self.sub_b = None if head.bias is None else head.bias.detach()[self.subset]
-            self.base = getattr(model, model.base_model_prefix)
-            self.full_v = vocab_size or head.weight.shape[0]
+            self.subset = torch.as_tensor(vocab_subset, dtype=torch.long, device=w.device)
+            self.sub_w = w.detach()[self.subset].contiguous()  # [S, H]
+            self.sub_b = None if self.head.bias is None else self.head.bias.detach()[self.subset]
+            self.full_v = vocab_size or w.shape[0]
 
-    def reset(self, batch_size: int) -> None:
-        self.caches = [None] * batch_size
-        self.seen = [[] for _ in range(batch_size)]
+    @property
+    def forwards(self) -> int:
+        """Forwards run so far (one per :meth:`logits` call that fed anything)."""
+        return self.calls
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[B]`` tokens each row's cache holds."""
+        return self.cache.lengths
+
+    def _empty(self, n: int) -> TreeKVCache:
+        return TreeKVCache(self.model.config, n, 64, self.dtype, self.device)
+
+    def reset(self, batch_size: int = 0) -> None:
+        self.cache = self._empty(batch_size)
 
     def add_rows(self, n: int) -> None:
-        self.caches += [None] * n
-        self.seen += [[] for _ in range(n)]
+        if self.cache is None:
+            self.reset(n)
+        elif n:
+            self.cache.append_rows(self._empty(n))
 
-    def select_rows(self, keep: list[int]) -> None:
-        self.caches = [self.caches[i] for i in keep]
-        self.seen = [self.seen[i] for i in keep]
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.cache.select_rows(keep.to(self.device))
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        # columns past a row's length are holes the attention mask hides: nothing to move
+        self.cache.lengths = torch.minimum(self.cache.lengths, lengths.to(self.device))
 
     @torch.no_grad()
-    def logits(self, row: int, context: list[int], extra: list[int]) -> torch.Tensor:
-        from transformers import DynamicCache
+    def logits(self, tokens, end, first, rows=None) -> torch.Tensor:
+        dev, c = self.device, self.cache
+        tokens, end, first = tokens.to(dev), end.to(dev), first.to(dev)
+        rows = None if rows is None else rows.to(dev)
+        B = tokens.shape[0]
+        start = torch.minimum(c.lengths, first)  # the asked positions must be fed to get their logits
+        if rows is not None:
+            start = torch.where(rows, start, c.lengths)
+        c.lengths = start
+        n = _counts(end, start, rows)  # [B] tokens fed per row
+        low = start if rows is None else torch.where(rows, start, torch.iinfo(torch.long).max)
+        # one host read: the forward's width, the logits asked for, the longest row after it,
+        # the longest and the shortest fed row now
+        N, K, longest, top, low = torch.stack([n.max(), _counts(end, first, rows).max(), (start + n).max(),
+                                               start.max(), low.min()]).tolist()
+        V = self.vocab_size or (self.full_v if self.subset is not None else self.head.weight.shape[0])
+        if N == 0:
+            return torch.zeros((B, K, V), device=dev)
+        ar = torch.arange(N, device=dev)
+        ids = tokens.gather(1, (start[:, None] + ar).clamp(max=tokens.shape[1] - 1)).clamp_min(0)  # [B, N]
+        c.physical = top  # the fed tokens go right after the longest row (columns past it are holes)
+        mask = None
+        if low < top:  # some fed row has holes before its tokens: a per-row mask hides them
+            # a fed token sees its row's cache, the row's fed tokens before it, and itself (padding
+            # tokens past a row's count only themselves and what precedes them: no empty softmax)
+            causal = torch.tril(torch.ones((N, N), dtype=torch.bool, device=dev))
+            anc = causal[None] & ((ar[None] < n[:, None])[:, None, :] | torch.eye(N, dtype=torch.bool, device=dev))
+            mask = c.attention_bias(anc, self.dtype)
+        # else every fed row's cache fills columns 0..top-1: the model's own causal mask is right
+        # (and the unmasked attention kernel faster; rows not fed compute garbage nobody reads)
+        h = self.base(input_ids=ids, attention_mask=mask, position_ids=start[:, None] + ar, past_key_values=c,
+                      use_cache=True).last_hidden_state
+        c.commit(ar.expand(B, N), n, physical=longest)  # each row keeps its own n[b] tokens at lengths[b]..
+        self.calls += 1
+        idx = ((first - start)[:, None] + torch.arange(K, device=dev)).clamp(0, N - 1)  # [B, K]
+        return self._head(h.gather(1, idx[:, :, None].expand(-1, -1, h.shape[-1])))
 
-        full = list(context) + list(extra)
-        seen = self.seen[row]
-        n = min(len(seen), len(context) - 1)  # the last context token is always fed: its logits
-        common = next((i for i in range(n) if seen[i] != full[i]), n)
-        cache = self.caches[row]
-        if cache is None or common == 0:
-            cache, common = DynamicCache(config=self.model.config), 0
-        elif cache.get_seq_length() > common:
-            cache.crop(common - cache.get_seq_length())  # negative: drop that many (all versions)
-        dev = next(self.model.parameters()).device
-        ids = torch.tensor([full[common:]], dtype=torch.long, device=dev)
-        pos = torch.arange(common, len(full), device=dev)[None]
-        first = len(context) - 1 - common  # fed position of the context's last token
-        self.forwards += 1
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """``[B, K, H]`` final hidden states -> ``[B, K, V]`` float logits over the target vocab."""
         if self.subset is not None:
-            h = self.base(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
-            sub = h[0, first:] @ self.sub_w.T  # [len(extra)+1, S]
+            sub = h @ self.sub_w.T  # [B, K, S]
             if self.sub_b is not None:
                 sub = sub + self.sub_b
-            logits = sub.new_full((sub.shape[0], self.full_v), float("-inf"))
-            logits[:, self.subset] = sub
+            logits = sub.new_full((*sub.shape[:-1], self.full_v), float("-inf")).index_copy_(-1, self.subset, sub)
         else:
-            out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
-            logits = out.logits[0, first:]  # [len(extra)+1, V']
-        self.caches[row], self.seen[row] = cache, full
+            logits = self.head(h)
         logits = logits.float()
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
-            pad = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            pad = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
             m = min(self.vocab_size, logits.shape[-1])
-            pad[:, :m] = logits[:, :m]
+            pad[..., :m] = logits[..., :m]
             logits = pad
         return logits
 
@@ -235,27 +322,32 @@ def frequent_tokens(docs, vocab_size: int, n: int) -> torch.Tensor:
 
 class TrigramModel(ProbModel):
     """The tri-gram table as a draft distribution: ``P(. | w1, w2)`` over its top-k successors
-    (the rest of the vocabulary has probability 0; an unknown context gives a uniform-free
-    'no idea' distribution of maximal entropy so self-verify stops there)."""
+    (the rest of the vocabulary has probability 0; an unknown context gives the uniform
+    distribution, of maximal entropy, so self-verify stops there). Stateless: one vectorised
+    table look-up per call for every row and position."""
 
     def __init__(self, table, vocab_size: int, top_k: int = 12, name: str = "trigram"):
         self.table = as_trigram_table(table)
         self.V, self.k, self.name = vocab_size, top_k, name
+        self.calls = 0
 
-    def logits(self, row: int, context: list[int], extra: list[int]) -> torch.Tensor:
-        full = list(context) + list(extra)
-        n = len(extra) + 1
-        w1 = np.array([full[len(context) - 2 + i] if len(context) - 2 + i >= 0 else -1 for i in range(n)])
-        w2 = np.array(full[len(context) - 1: len(context) - 1 + n])
-        ids, probs = self.table.successors(w1, w2, self.k)  # [n, k]
-        out = torch.full((n, self.V), float("-inf"))
-        mass = probs.sum(1, keepdims=True)
-        p = torch.from_numpy(np.where(mass > 0, probs / np.maximum(mass, 1e-12), 0.0)).float()
-        ok = torch.from_numpy(ids >= 0)
-        rows = torch.arange(n)[:, None].expand_as(ok)
-        out[rows[ok], torch.from_numpy(ids)[ok]] = p[ok].log()
+    def logits(self, tokens, end, first, rows=None) -> torch.Tensor:
+        B, W = tokens.shape
+        K = int(_counts(end, first, rows).max())
+        pos = first[:, None] + torch.arange(K, device=tokens.device)  # [B, K] position of w2
+        w2 = tokens.gather(1, pos.clamp(0, W - 1))
+        w1 = torch.where(pos >= 1, tokens.gather(1, (pos - 1).clamp(0, W - 1)), -1)
+        ids, probs = self.table.successors(w1.reshape(-1).cpu().numpy(), w2.reshape(-1).cpu().numpy(), self.k)
+        mass = probs.sum(1, keepdims=True)  # [BK, 1]
+        with np.errstate(divide="ignore"):
+            logp = np.log(np.where(ids >= 0, probs / np.maximum(mass, 1e-12), 0.0))
+        # ids -1 (fewer successors) go to a spare column V, dropped after the scatter
+        out = torch.full((B * K, self.V + 1), float("-inf"))
+        out.scatter_(1, torch.from_numpy(np.where(ids >= 0, ids, self.V)), torch.from_numpy(logp).float())
+        out = out[:, :self.V]
         out[torch.from_numpy(mass[:, 0] <= 0)] = 0.0  # unknown context: uniform (max entropy)
-        return out
+        self.calls += 1
+        return out.reshape(B, K, self.V).to(tokens.device)
 
 
 # ---------------------------------------------------------------------------------- hierarchy
@@ -276,7 +368,8 @@ class LevelStats:
 
 @dataclass
 class HierarchyStats:
-    """HSDDW's statistics for one batch: per level redundancy, target utilisation, time."""
+    """HSDDW's statistics for one batch: per level redundancy, target utilisation, time, and
+    ``model_calls``: forwards (table look-ups) of each level's model."""
 
     levels: dict = field(default_factory=dict)
     target_calls: int = 0
@@ -291,19 +384,75 @@ class HierarchyStats:
 
     def to_dict(self) -> dict:
         return {"eta": self.eta, "target_calls": self.target_calls, "output_tokens": self.output_tokens,
-                "draft_seconds": self.draft_seconds,
+                "draft_seconds": self.draft_seconds, "model_calls": dict(self.model_calls),
                 "levels": {k: {"drafted": v.drafted, "accepted": v.accepted, "sigma": v.sigma}
                            for k, v in self.levels.items()}}
 
 
-def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    if temperature <= 0:
-        return logits.float().softmax(-1)
-    return (logits.float() / temperature).softmax(-1)
+# ------------------------------------------------------------------ per-row sampling of drafts
+
+
+def _draft_probs(logits: torch.Tensor, samp: RowSampling) -> torch.Tensor:
+    """``[B, ..., V]`` draft distributions at each row's temperature and top-p (the target's
+    warping, ``warp_probs``). Greedy rows are at temperature 1 without top-p: their entropy is
+    what self-verify reads; their tokens are the argmax either way."""
+    t = samp.temperature.to(logits.device)
+    sampled = t > 0
+    temp = torch.where(sampled, t, torch.ones_like(t))
+    top_p = torch.where(sampled, samp.top_p.to(logits.device), torch.ones_like(t)) if samp.any_top_p else 1.0
+    return warp_probs(logits, temp, top_p)
+
+
+def _by_generator(samp: RowSampling, B: int, draw):
+    """Run ``draw(rows or None, generator)`` once per generator of the batch (``rows``: the
+    ``[n]`` long rows sharing it; ``None``: all of them) and put the results in row order."""
+    if len(samp.groups) == 1:
+        return draw(None, samp.groups[0][0])
+    out = None
+    for gen, idx in samp.groups:
+        rows = torch.tensor(idx, device=samp.temperature.device)
+        part = draw(rows, gen)
+        if out is None:
+            out = part.new_empty((B, *part.shape[1:]))
+        out[rows.to(part.device)] = part
+    return out
+
+
+def _draw(probs: torch.Tensor, greedy: torch.Tensor, samp: RowSampling) -> torch.Tensor:
+    """One token per row: ``greedy [B]`` for greedy rows, else a sample of ``probs [B, V]`` from
+    the row's generator."""
+    if samp.all_greedy:
+        return greedy
+    drawn = _by_generator(samp, probs.shape[0], lambda rows, gen: torch.multinomial(
+        probs if rows is None else probs[rows.to(probs.device)], 1, generator=gen)[:, 0])
+    return torch.where(samp.temperature.to(probs.device) > 0, drawn, greedy)
+
+
+def _uniform(samp: RowSampling, B: int, R: int, device) -> torch.Tensor:
+    """``[B, R]`` uniform draws, each row's from its generator."""
+    return _by_generator(samp, B, lambda rows, gen: torch.rand(
+        (B if rows is None else rows.numel(), R), generator=gen, device=device))
+
+
+@dataclass
+class _Chain:
+    """Tokens drafted by one level for every row: ``tokens [B, R]`` (``PAD`` after ``n[b]``),
+    the entropy ``ent [B, R]`` and log-probability ``logp [B, R]`` each was drafted at, the
+    distributions ``dists [B, R, V]`` (kept only when some row samples), counts ``n [B]``."""
+
+    tokens: torch.Tensor
+    ent: torch.Tensor
+    logp: torch.Tensor
+    dists: torch.Tensor | None
+    n: torch.Tensor
 
 
 class HSDDWDrafter(Drafter):
     """One chain per row from M1 (self-verify), pre-verified and extended by M2 when given.
+
+    All rows draft at once (see the module doc); each row samples at its own temperature and
+    top-p from its own generator (``state.sampling``), so ``generate(seed=...)`` reproduces the
+    sampled chains.
 
     Args:
         m1: the fast draft model (:class:`ProbModel`, or an ``nn.Module`` causal LM).
@@ -317,6 +466,8 @@ class HSDDWDrafter(Drafter):
 
     def __init__(self, m1, m2=None, max_len: int = 8, m1_max: int = 4, tau_init: float = 0.0,
                  name: str = "hsddw"):
+        if max_len < 1 or m1_max < 1:
+            raise ConfigError(f"HSDDW needs max_len >= 1 and m1_max >= 1 (got {max_len}, {m1_max}).")
         self.m1 = m1 if isinstance(m1, ProbModel) else CausalLMModel(m1, "m1")
         self.m2 = None if m2 is None else (m2 if isinstance(m2, ProbModel) else CausalLMModel(m2, "m2"))
         self.max_len, self.m1_max, self.tau_init = max_len, m1_max, tau_init
@@ -324,132 +475,201 @@ class HSDDWDrafter(Drafter):
         self.tau1 = EntropyThreshold(0, tau_init)
         self.tau2 = EntropyThreshold(0, tau_init)
         self.stats = HierarchyStats()
-        self._last_ent: list[list[float]] = []  # per row: entropy of the final level at each chain token
+        self._buf: torch.Tensor | None = None  # [B, W] committed tokens, then the chain being drafted
+        self._synced: torch.Tensor | None = None  # [B] committed tokens at the last propose
+        self._ent: torch.Tensor | None = None  # [B, max_len] final level's entropy at each chain token
+        self._len: torch.Tensor | None = None  # [B] chain lengths of the last propose
+
+    @property
+    def models(self) -> list:
+        return [self.m1] if self.m2 is None else [self.m1, self.m2]
 
     # ------------------------------------------------------------------ life cycle
 
     def add_rows(self, state: DecodeState, start: int) -> None:
-        B, n = state.batch_size, state.batch_size - start
-        if start == 0:
-            self.m1.reset(0)
-            if self.m2 is not None:
-                self.m2.reset(0)
-            self.tau1, self.tau2 = EntropyThreshold(0, self.tau_init), EntropyThreshold(0, self.tau_init)
-            levels = {self.m1.name: LevelStats()}
-            if self.m2 is not None:
-                levels[self.m2.name] = LevelStats()
-            self.stats = HierarchyStats(levels=levels)
-        self.m1.add_rows(n)
-        if self.m2 is not None:
-            self.m2.add_rows(n)
+        B, dev = state.batch_size, state.device
+        n = B - start
+        if start == 0 or self._buf is None:
+            for m in self.models:
+                m.reset(0)
+            self.tau1 = EntropyThreshold(0, self.tau_init, device=dev)
+            self.tau2 = EntropyThreshold(0, self.tau_init, device=dev)
+            self.stats = HierarchyStats(levels={m.name: LevelStats() for m in self.models})
+            self._buf = torch.full((0, 1), PAD, dtype=torch.long, device=dev)
+            self._synced = torch.zeros(0, dtype=torch.long, device=dev)
+        for m in self.models:
+            m.add_rows(n)
         self.tau1.add_rows(n)
         self.tau2.add_rows(n)
+        self._buf = torch.cat([self._buf, self._buf.new_full((n, self._buf.shape[1]), PAD)])
+        self._synced = torch.cat([self._synced, self._synced.new_zeros(n)])
 
     def select_rows(self, keep: torch.Tensor) -> None:
-        k = keep.tolist()
-        self.m1.select_rows(k)
-        if self.m2 is not None:
-            self.m2.select_rows(k)
+        for m in self.models:
+            m.select_rows(keep)
         self.tau1.select_rows(keep)
         self.tau2.select_rows(keep)
+        keep = keep.to(self._buf.device)
+        self._buf, self._synced = self._buf[keep], self._synced[keep]
 
     # ------------------------------------------------------------------ drafting
 
-    def _m1_chain(self, row: int, ctx: list[int], temp: float, gen, room: int):
-        """M1 drafts up to ``room`` tokens, stopping when its entropy exceeds tau1 (the first
-        token always). Returns tokens, their entropies, and the distributions they came from."""
-        toks, ents, dists = [], [], []
-        for i in range(room):
-            p = _probs(self.m1.logits(row, ctx + toks, [])[-1], temp)
-            h = float(entropy(p))
-            if i > 0 and self.tau1.stop(row, h):
-                break
-            t = int(p.argmax()) if temp <= 0 else int(torch.multinomial(p, 1, generator=gen))
-            toks.append(t)
-            ents.append(h)
-            dists.append(p)
-        return toks, ents, dists
+    def _sync(self, state: DecodeState) -> None:
+        """Make the buffer the committed tokens; every model forgets the tokens of its row that
+        the target did not commit (its cache keeps the prefix it shares with them)."""
+        tok, L = state.tokens, state.lengths
+        old = self._buf
+        # below the last sync's length the models saw committed tokens; past it at most a chain
+        cols = self._synced[:, None] + torch.arange(self.max_len + 1, device=tok.device)  # [B, W]
+        same = ((old.gather(1, cols.clamp(max=old.shape[1] - 1)) == tok.gather(1, cols.clamp(max=tok.shape[1] - 1)))
+                & (cols < L[:, None]) & (cols < old.shape[1]))
+        valid = self._synced + same.long().cumprod(dim=1).sum(dim=1)  # [B]
+        for m in self.models:
+            m.truncate(valid)
+        width = int(L.max()) + self.max_len + 2  # room for a chain and M2's last token
+        if tok.shape[1] >= width:
+            self._buf = tok[:, :width].clone()
+        else:
+            self._buf = torch.cat([tok, tok.new_full((tok.shape[0], width - tok.shape[1]), PAD)], dim=1)
+        self._synced = L.clone()
 
-    def _draft_row(self, row: int, ctx: list[int], temp: float, gen):
-        """One chain for one row: ``(tokens, entropies of the final level, q per token)``."""
-        if self.m2 is None:
-            toks, ents, dists = self._m1_chain(row, ctx, temp, gen, self.max_len)
-            self.stats.levels[self.m1.name].drafted += len(toks)
-            return toks, ents, dists
-        out, out_ent, out_q = [], [], []
-        lv1, lv2 = self.stats.levels[self.m1.name], self.stats.levels[self.m2.name]
-        while len(out) < self.max_len:
-            room = min(self.m1_max, self.max_len - len(out))
-            t1, e1, q1 = self._m1_chain(row, ctx + out, temp, gen, room)
-            lv1.drafted += len(t1)
-            p2 = _probs(self.m2.logits(row, ctx + out, t1), temp)  # [n+1, V]: one M2 forward
-            h2 = entropy(p2).tolist()
-            n_ok, extra = 0, None
-            for i, t in enumerate(t1):  # rejection sampling of M1's tokens under M2
-                if temp <= 0:
-                    ok = int(p2[i].argmax()) == t
-                else:
-                    ok = float(torch.rand((), generator=gen)) < min(1.0, float(p2[i, t] / q1[i][t].clamp_min(1e-30)))
-                if not ok:
-                    self.tau1.reject([row], [e1[i]])
-                    if temp <= 0:
-                        extra = int(p2[i].argmax())
-                    else:
-                        res = (p2[i] - q1[i]).clamp_min(0)
-                        res = res / res.sum() if float(res.sum()) > 0 else p2[i]
-                        extra = int(torch.multinomial(res, 1, generator=gen))
-                    break
-                n_ok += 1
-            lv1.accepted += n_ok
-            if extra is None:  # all of M1's tokens passed: M2 adds its own next token
-                i = len(t1)
-                extra = int(p2[i].argmax()) if temp <= 0 else int(torch.multinomial(p2[i], 1, generator=gen))
-            cand = t1[:n_ok] + [extra]
-            # M2's self-verify: keep tokens while M2's entropy stays under tau2 (first one always)
-            keep, confident = 0, True
-            for i in range(len(cand)):
-                if (out or i > 0) and self.tau2.stop(row, h2[i]):
-                    confident = False
-                    break
-                keep += 1
-            keep = min(keep, self.max_len - len(out))
-            out += cand[:keep]
-            out_ent += h2[:keep]
-            out_q += [p2[i] for i in range(keep)]
-            lv2.drafted += keep
-            if not confident or keep < len(cand):
+    def _write(self, pos: torch.Tensor, tok: torch.Tensor, rows: torch.Tensor) -> None:
+        """``buf[b, pos[b]] = tok[b]`` for the rows where ``rows [B]`` holds."""
+        p = pos.clamp(max=self._buf.shape[1] - 1)[:, None]
+        self._buf.scatter_(1, p, torch.where(rows, tok, self._buf.gather(1, p)[:, 0])[:, None])
+
+    def _m1_chain(self, start: torch.Tensor, room: torch.Tensor, samp: RowSampling) -> _Chain:
+        """M1 drafts up to ``room[b]`` tokens after ``buf[b, :start[b]]`` (written to the buffer
+        from ``start``), one forward of the batch per token; a row stops before a token whose
+        entropy exceeds its tau1 (its first token is always drafted). Rows with ``room`` 0 draft
+        nothing. No model has seen the buffer at ``start`` or later."""
+        B, dev = start.shape[0], start.device
+        R = min(self.max_len, self.m1_max) if self.m2 is not None else self.max_len
+        toks = torch.full((B, R), PAD, dtype=torch.long, device=dev)
+        ent, logp = torch.zeros((B, R), device=dev), torch.zeros((B, R), device=dev)
+        dists, n = [], torch.zeros(B, dtype=torch.long, device=dev)
+        going = room > 0
+        for i in range(R):
+            going = going & (room > i)
+            if i and not bool(going.any()):  # host read: every row stopped
                 break
-        return out, out_ent, out_q
+            end = start + n
+            lg = self.m1.logits(self._buf, end, end - 1, going)[:, 0].to(dev)  # [B, V] after each row's last token
+            p = _draft_probs(lg, samp)
+            h = entropy(p)  # [B]
+            if i > 0:
+                going = going & ~self.tau1.exceeds(h)
+            t = torch.where(going, _draw(p, greedy_tokens(lg), samp), PAD)
+            toks[:, i], ent[:, i] = t, h
+            lq = p.gather(1, t.clamp_min(0)[:, None])[:, 0].clamp_min(1e-30).log()
+            logp[:, i] = torch.where(going, lq, torch.zeros_like(lq))
+            if not samp.all_greedy:
+                dists.append(p)
+            self._write(end, t, going)
+            n = n + going.long()
+        r = max(1, int(n.max()))  # host read: the columns some row drafted
+        return _Chain(toks[:, :r], ent[:, :r], logp[:, :r], torch.stack(dists[:r], 1) if dists else None, n)
+
+    def _hierarchy(self, L: torch.Tensor, samp: RowSampling, counts: torch.Tensor):
+        """Rounds of M1 drafting and M2 pre-verifying for every row until M2 loses confidence
+        (or the chain is full). Returns the chains ``(tokens, entropies, logp) [B, max_len]``
+        and their lengths ``[B]``; ``counts`` gets [M1 drafted, M2 accepted of them, M2 kept]."""
+        B, dev, ML = L.shape[0], L.device, self.max_len
+        width = ML + self.m1_max + 1  # scatter room: a round writes at most m1_max + 1 past out
+        chain = torch.full((B, width), PAD, dtype=torch.long, device=dev)
+        chain_ent, chain_logp = torch.zeros((B, width), device=dev), torch.zeros((B, width), device=dev)
+        out = torch.zeros(B, dtype=torch.long, device=dev)  # chain tokens so far
+        active = torch.ones(B, dtype=torch.bool, device=dev)
+        greedy_row = (samp.temperature <= 0).to(dev)
+        while True:
+            start = L + out
+            room = torch.where(active, (ML - out).clamp(max=self.m1_max), torch.zeros_like(out))
+            c1 = self._m1_chain(start, room, samp)
+            R = c1.tokens.shape[1]
+            ar, ar1 = torch.arange(R, device=dev), torch.arange(R + 1, device=dev)
+            # one M2 forward per round: its distributions after start-1 .. start+n1-1   [B, R+1, V]
+            lg2 = self.m2.logits(self._buf, start + c1.n, start - 1, active).to(dev)
+            p2 = _draft_probs(lg2, samp)
+            h2 = entropy(p2)  # [B, R+1]
+            g2 = greedy_tokens(lg2)  # [B, R+1]
+            t1 = c1.tokens.clamp_min(0)
+            # pre-verification of M1's tokens: greedy rows by argmax, sampled rows by rejection
+            # sampling (accept t with probability min(1, p2(t) / q1(t)))
+            ok = g2[:, :R] == c1.tokens
+            if c1.dists is not None:
+                q_t = c1.dists.gather(2, t1[:, :, None])[:, :, 0]  # [B, R] q1 of M1's own tokens
+                ratio = p2[:, :R].gather(2, t1[:, :, None])[:, :, 0] / q_t.clamp_min(1e-30)
+                ok = torch.where(greedy_row[:, None], ok, _uniform(samp, B, R, dev) < ratio)
+            ok = ok & (ar[None] < c1.n[:, None])
+            n_ok = ok.long().cumprod(dim=1).sum(dim=1)  # [B]
+            rejected = active & (n_ok < c1.n)
+            self.tau1.reject_where(rejected, c1.ent.gather(1, n_ok.clamp(max=R - 1)[:, None])[:, 0])
+            # M2's own token after the accepted ones: its correction (greedy: its argmax;
+            # sampled: from the residual max(0, p2 - q1)) or, all accepted, its next token
+            extra = g2.gather(1, n_ok[:, None])[:, 0]
+            if c1.dists is not None:
+                p_at = p2.gather(1, n_ok[:, None, None].expand(-1, 1, p2.shape[-1]))[:, 0]  # [B, V]
+                q_at = c1.dists.gather(1, n_ok.clamp(max=R - 1)[:, None, None].expand(-1, 1, p2.shape[-1]))[:, 0]
+                res = (p_at - q_at * rejected[:, None]).clamp_min(0)
+                mass = res.sum(-1, keepdim=True)
+                extra = _draw(torch.where(mass > 0, res / mass.clamp_min(1e-30), p_at), extra, samp)
+            cand = torch.where(ar1 < n_ok[:, None], torch.cat([c1.tokens, c1.tokens[:, :1]], 1),
+                               torch.where(ar1 == n_ok[:, None], extra[:, None], PAD))  # [B, R+1]
+            c_len = n_ok + 1
+            # M2's self-verify: keep candidates while M2's entropy stays under tau2 (the chain's
+            # first token always)
+            unsure = ((ar1 > 0)[None] | (out > 0)[:, None]) & self.tau2.exceeds(h2) & (ar1[None] < c_len[:, None])
+            confident = ~unsure.any(dim=1)
+            keep = torch.where(confident, c_len, unsure.long().argmax(dim=1))
+            keep = torch.where(active, torch.minimum(keep, ML - out), torch.zeros_like(keep))
+            # the correction goes into the buffer; what follows it is forgotten by both models
+            self._write(start + n_ok, extra, active)
+            cut = torch.where(active, start + n_ok, torch.full_like(start, torch.iinfo(torch.long).max))
+            for m in self.models:
+                m.truncate(cut)
+            pos = out[:, None] + ar1  # [B, R+1] chain positions of the candidates
+            sel = ar1[None] < keep[:, None]
+            lp2 = p2.gather(2, cand.clamp_min(0)[:, :, None])[:, :, 0].clamp_min(1e-30).log()
+            for dst, src in ((chain, cand), (chain_ent, h2), (chain_logp, lp2)):
+                dst.scatter_(1, pos, torch.where(sel, src, dst.gather(1, pos)))
+            counts += torch.stack([c1.n.sum(), n_ok.sum(), keep.sum()])
+            out = out + keep
+            active = active & confident & (keep == c_len) & (out < ML)
+            if not bool(active.any()):  # host read: every chain is done
+                break
+        return chain[:, :ML], chain_ent[:, :ML], chain_logp[:, :ML], out
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Draft:
-        """One chain per row: ``Draft(tokens [B, 1, L], logp, q)`` (``q`` when sampling)."""
+        """One chain per row: ``Draft(tokens [B, 1, L], logp [B, 1, L])`` (``logp``: the final
+        level's log-probability of each token; ``L`` the longest chain)."""
         t0 = time.perf_counter()
-        sampling = state.sampling
-        temp = float(sampling.temperature.max()) if sampling is not None else 0.0
-        gen = sampling.generators[0] if sampling is not None and sampling.generators else None
-        B = state.batch_size
-        toks = state.tokens.tolist()
-        lens = state.lengths.tolist()
-        chains, ents, qs = [], [], []
-        for r in range(B):
-            c, e, q = self._draft_row(r, toks[r][: lens[r]], temp, gen)
-            chains.append(c)
-            ents.append(e)
-            qs.append(q)
-        self._last_ent = ents
-        L = max(1, max(len(c) for c in chains))
-        tokens = torch.full((B, 1, L), PAD, dtype=torch.long)
-        logp = torch.zeros((B, 1, L))
-        for r, (c, q) in enumerate(zip(chains, qs)):
-            if not c:
-                continue
-            tokens[r, 0, : len(c)] = torch.tensor(c)
-            qq = torch.stack(q)  # [n, V]
-            logp[r, 0, : len(c)] = qq[torch.arange(len(c)), torch.tensor(c)].clamp_min(1e-30).log()
+        B, dev = state.batch_size, state.device
+        if self._buf is None or self._buf.shape[0] != B:
+            raise ConfigError(f"HSDDW holds {0 if self._buf is None else self._buf.shape[0]} rows, the state "
+                              f"{B}: call add_rows(state, start) when rows join (the decoder does).")
+        samp = state.sampling if state.sampling is not None else RowSampling.uniform(B, device=dev)
+        calls = [m.calls for m in self.models]
+        self._sync(state)
+        counts = torch.zeros(3, dtype=torch.long, device=dev)
+        if self.m2 is None:
+            c = self._m1_chain(state.lengths, torch.full((B,), self.max_len, device=dev), samp)
+            toks, ent, logp, n = c.tokens, c.ent, c.logp, c.n
+            counts[0] += n.sum()
+        else:
+            toks, ent, logp, n = self._hierarchy(state.lengths, samp, counts)
+        drafted1, accepted1, kept2, longest = torch.cat([counts, n.max()[None]]).tolist()  # one host read
+        self._ent, self._len = ent, n
+        lv = self.stats.levels
+        lv[self.m1.name].drafted += drafted1
+        if self.m2 is not None:
+            lv[self.m1.name].accepted += accepted1
+            lv[self.m2.name].drafted += kept2
+        for m, c0 in zip(self.models, calls):
+            self.stats.model_calls[m.name] = self.stats.model_calls.get(m.name, 0) + m.calls - c0
+        L = max(1, longest)
         self.stats.draft_seconds += time.perf_counter() - t0
-        dev = state.device
-        return Draft(tokens=tokens.to(dev), logp=logp.to(dev))
+        return Draft(tokens=toks[:, None, :L].contiguous(), logp=logp[:, None, :L].contiguous())
 
     def observe(self, state: DecodeState, draft: Draft, feedback: Feedback) -> None:
         """The target's verdict: the first rejected chain token feeds the last level's tau.
@@ -457,20 +677,17 @@ class HSDDWDrafter(Drafter):
         The chain token after the accepted prefix counts as rejected only when it was verified
         (``feedback.verified``: the decoder's node budget may have cut it from the tree).
         """
-        a = feedback.accepted_prefix[:, 0].tolist()  # [B] accepted tokens of the chain
-        verified = feedback.verified[:, 0].tolist()
-        top = self.m2 if self.m2 is not None else self.m1
+        a = feedback.accepted_prefix[:, 0].to(self._len.device)  # [B] accepted tokens of the chain
+        n = self._len
+        rejected = (a < n) & (a < feedback.verified[:, 0].to(n.device))
         thr = self.tau2 if self.m2 is not None else self.tau1
-        rows, ents = [], []
-        for r, (n_ok, e) in enumerate(zip(a, self._last_ent)):
-            if n_ok < len(e) and n_ok < verified[r]:
-                rows.append(r)
-                ents.append(e[n_ok])
-        if rows:
-            thr.reject(rows, ents)
-        self.stats.levels[top.name].accepted += int(sum(min(n, len(e)) for n, e in zip(a, self._last_ent)))
+        thr.reject_where(rejected, self._ent.gather(1, a.clamp(max=self._ent.shape[1] - 1)[:, None])[:, 0])
+        top = self.models[-1]
+        acc, emitted = torch.stack([torch.minimum(a, n).sum(),
+                                    (feedback.num_accepted.to(n.device) + 1).sum()]).tolist()
+        self.stats.levels[top.name].accepted += acc
         self.stats.target_calls += state.batch_size
-        self.stats.output_tokens += int((feedback.num_accepted + 1).sum())
+        self.stats.output_tokens += emitted
 
 
 def default_hierarchy(target, m1_layers: int | None = None, m2_layers: int | None = None,

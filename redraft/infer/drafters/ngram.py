@@ -22,7 +22,7 @@ import torch
 
 from redraft.infer.config import FIELDS
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, pad_paths
-from redraft.infer.tree import _arange
+from redraft.infer.tree import cached_arange
 
 # defaults come from DecoderConfig (one place for each)
 K, W, Q, Q_MAX = (FIELDS[n].default for n in ("ngram_k", "ngram_w", "context_q", "context_q_max"))
@@ -84,7 +84,7 @@ def context_matches_multi(tokens: torch.Tensor, lengths: torch.Tensor, q_min: in
     kk = min(k, vocab_size)
     top = score.topk(kk, dim=1)
     start = recent.gather(1, top.indices)  # [B, kk] first continuation token of the chosen match
-    cont = start[:, :, None] + _arange(w, dev)[None, None]
+    cont = start[:, :, None] + cached_arange(w, dev)[None, None]
     paths = tokens.gather(1, cont.clamp(0, T - 1).reshape(B, -1)).reshape(B, kk, w)
     found = top.values >= 0
     paths = torch.where(found[:, :, None] & (cont < lengths[:, None, None]), paths, PAD)

@@ -1,0 +1,264 @@
+"""Load benchmark for redraft-serve: N concurrent streams, speculation on and off, in one run.
+
+    # start both servers itself (speculation on, and the same flags with --no-speculation):
+    python -m redraft.serve.loadtest --spawn "--preset infer/decode-default.yaml" --markdown docs-table.md
+    # or measure running servers (label each):
+    python -m redraft.serve.loadtest http://127.0.0.1:8000 http://127.0.0.1:8001 --labels on,off
+
+For each concurrency level (1, 2, 4, 8, 16 by default) and each server, ``C`` workers send
+streamed chat/completion requests back to back (``--rounds`` each), greedy, ``--max-tokens``
+new tokens, over the same prompt sequence for every server (held-out ShareGPT chats by default,
+the prompts ``redraft-bench`` uses). Levels are the outer loop and servers the inner one, so
+machine noise hits both alike. Per level and server:
+
+* output tokens/s: completion tokens of all requests / wall time of the level;
+* TTFT: request sent -> first content chunk (p50, p99);
+* ITL: gap between consecutive content chunks (p50, p99) -- with speculation a chunk may hold
+  several tokens, so TPOT (time per output token after the first, mean) is given too;
+* tokens per target call, mean accepted length and draft nodes verified per row per step
+  (from each response's ``redraft`` field: the last shows the per-row budget shrinking with
+  the batch);
+* ``identical``: every output equals the first server's output for the same prompt.
+
+The first server is the reference for the ratios (``x ref``); with ``--spawn`` it is "off".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from redraft.serve.cli import HelpFormatter
+
+LEVELS = (1, 2, 4, 8, 16)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m redraft.serve.loadtest", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("urls", nargs="*", help="base URLs of running servers (http://HOST:PORT)")
+    p.add_argument("--labels", default=None, help="comma-separated names of the URLs (default: the URLs)")
+    p.add_argument("--spawn", default=None, metavar="ARGS",
+                   help="start 'redraft-serve ARGS --no-speculation' (off) and 'redraft-serve ARGS' (on) on free "
+                        "ports instead of URLs, and stop them at the end")
+    p.add_argument("--concurrency", default=",".join(map(str, LEVELS)), help="comma-separated stream counts")
+    p.add_argument("--rounds", type=int, default=2, help="requests each stream sends per level")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--dataset", default="chat", help="'chat' (held-out ShareGPT), 'code' (HumanEval) or a JSONL file")
+    p.add_argument("--prompts", type=int, default=32, help="distinct prompts (cycled)")
+    p.add_argument("--api-key", default=None, help="Bearer key (default: $REDRAFT_API_KEY)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--out", default=None, help="write all figures as JSON here")
+    p.add_argument("--markdown", default=None, help="write the table as Markdown here")
+    return p
+
+
+# ---------------------------------------------------------------------------------- one request
+
+
+async def one_request(client, url: str, prompt, max_tokens: int, timeout: float) -> dict:
+    """Send one streamed request; returns its timings, text and the ``redraft`` stats."""
+    chat = isinstance(prompt, list)
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **({"messages": prompt} if chat else {"prompt": prompt})}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    t0 = time.perf_counter()
+    chunks, text, usage, stats = [], [], None, {}
+    async with client.stream("POST", url + path, json=body, timeout=timeout) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}{path}: HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(f"{url}{path}: {obj['error']}")
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for ch in obj.get("choices", []):
+                piece = ch["delta"].get("content") if chat else ch.get("text")
+                if piece:
+                    chunks.append(time.perf_counter())
+                    text.append(piece)
+            stats = obj.get("redraft") or stats
+    t_end = time.perf_counter()
+    n = usage["completion_tokens"] if usage else 0
+    return {"t0": t0, "ttft": chunks[0] - t0 if chunks else None, "gaps": [b - a for a, b in zip(chunks, chunks[1:])],
+            "tpot": (chunks[-1] - chunks[0]) / (n - 1) if chunks and n > 1 else None, "tokens": n,
+            "text": "".join(text), "end": t_end, "stats": stats}
+
+
+async def run_level(url: str, prompts: list, concurrency: int, rounds: int, max_tokens: int, timeout: float,
+                    headers: dict) -> tuple[float, list]:
+    """``concurrency`` workers, ``rounds`` requests each; returns (wall seconds, results in prompt order)."""
+    import httpx
+
+    n = concurrency * rounds
+    results: list = [None] * n
+    next_i = iter(range(n))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, headers=headers) as client:
+        async def worker():
+            for i in next_i:
+                results[i] = await one_request(client, url, prompts[i % len(prompts)], max_tokens, timeout)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return wall, results
+
+
+# ---------------------------------------------------------------------------------- figures
+
+
+def summarize(wall: float, results: list) -> dict:
+    import numpy as np
+
+    def pct(xs, q):
+        return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+    ttft = [r["ttft"] for r in results if r["ttft"] is not None]
+    gaps = [g for r in results for g in r["gaps"]]
+    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
+    stats = [r["stats"] for r in results if r["stats"]]
+    tokens = sum(r["tokens"] for r in results)
+
+    def mean_stat(key):
+        xs = [s[key] for s in stats if key in s]
+        return float(np.mean(xs)) if xs else None
+
+    return {"requests": len(results), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "itl_p50_ms": 1e3 * pct(gaps, 50), "itl_p99_ms": 1e3 * pct(gaps, 99),
+            "tpot_mean_ms": 1e3 * float(np.mean(tpot)) if tpot else float("nan"),
+            "tokens_per_call": mean_stat("tokens_per_call"), "mean_accepted_length": mean_stat("mean_accepted_length"),
+            "tree_nodes_per_step": mean_stat("tree_nodes_per_step")}
+
+
+def markdown(table: list[dict]) -> str:
+    head = ("| streams | server | output tok/s | x ref | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT (ms) "
+            "| tokens/call | accepted len | nodes/row/step | identical |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def f(x, fmt="{:.1f}"):
+        return "-" if x is None else fmt.format(x)
+
+    for row in table:
+        lines.append(f"| {row['concurrency']} | {row['label']} | {row['tokens_per_s']:.1f} | {row['ratio']:.2f} "
+                     f"| {row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['itl_p50_ms']:.0f} / {row['itl_p99_ms']:.0f} "
+                     f"| {row['tpot_mean_ms']:.1f} | {f(row['tokens_per_call'], '{:.2f}')} "
+                     f"| {f(row['mean_accepted_length'], '{:.2f}')} | {f(row['tree_nodes_per_step'])} "
+                     f"| {'yes' if row['identical'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------- servers
+
+
+def spawn(args_line: str, speculation: bool, api_key: str | None) -> tuple[subprocess.Popen, str]:
+    """Start ``redraft-serve ARGS --port 0 [--no-speculation]``; returns (process, base URL)."""
+    cmd = [sys.executable, "-m", "redraft.serve.cli", *shlex.split(args_line), "--port", "0", "--log-level", "warning"]
+    if not speculation:
+        cmd.append("--no-speculation")
+    if api_key:
+        cmd += ["--api-key", api_key]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if " on http://" not in line:
+        proc.kill()
+        raise RuntimeError(f"{' '.join(cmd)} did not start (exit {proc.wait()}): {line.strip()}")
+    url = line.split(" on ", 1)[1].split()[0].removesuffix("/v1")
+    return proc, url
+
+
+def wait_ready(url: str, timeout: float = 600.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}/health did not answer 200 within {timeout:.0f} s")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    if bool(args.urls) == bool(args.spawn):
+        print("loadtest: give server URLs or --spawn ARGS (one of them).", file=sys.stderr)
+        return 2
+    if min(levels) < 1 or args.rounds < 1 or args.max_tokens < 1:
+        print("loadtest: --concurrency levels, --rounds and --max-tokens must be >= 1.", file=sys.stderr)
+        return 2
+    key = args.api_key or os.environ.get("REDRAFT_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    procs = []
+    try:
+        if args.spawn:
+            servers = []
+            for label, spec in (("off", False), ("on", True)):
+                proc, url = spawn(args.spawn, spec, key)
+                procs.append(proc)
+                servers.append((label, url))
+        else:
+            labels = args.labels.split(",") if args.labels else args.urls
+            if len(labels) != len(args.urls):
+                print("loadtest: --labels must name every URL.", file=sys.stderr)
+                return 2
+            servers = list(zip(labels, [u.rstrip("/") for u in args.urls]))
+        for _, url in servers:
+            wait_ready(url)
+        from redraft.infer.bench import load_prompts
+
+        prompts = load_prompts(args.dataset, args.prompts)
+        table = []
+        for c in levels:
+            ref = None
+            for label, url in servers:
+                wall, results = asyncio.run(run_level(url, prompts, c, args.rounds, args.max_tokens, args.timeout,
+                                                      headers))
+                row = {"concurrency": c, "label": label, **summarize(wall, results)}
+                texts = [r["text"] for r in results]
+                ref = ref or (row, texts)
+                row["ratio"] = row["tokens_per_s"] / ref[0]["tokens_per_s"]
+                row["identical"] = texts == ref[1]
+                table.append(row)
+                print(f"streams {c:>2} {label:>4}: {row['tokens_per_s']:7.1f} tok/s ({row['ratio']:.2f}x), TTFT p50 "
+                      f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.0f} ms, identical {row['identical']}",
+                      flush=True)
+        md = markdown(table)
+        print(md)
+        if args.markdown:
+            Path(args.markdown).write_text(md)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"args": vars(args), "servers": servers, "rows": table}, indent=1))
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, OSError) as exc:
+        print(f"loadtest: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Prometheus metrics of one server (``GET /metrics``), on ``prometheus_client``.
+
+Each server has its own registry (not the process-global one), so several servers in one process
+(the tests) do not share counters. Everything is thread-safe: the scheduler thread records steps
+and finished requests, the HTTP handlers record rejections.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+RATE_WINDOW_S = 10.0  # tokens/s is measured over the steps of the last 10 s
+
+
+class Metrics:
+    """The server's metrics (names as exported, ``redraft_`` prefix):
+
+    * ``requests_total{outcome}``: finished requests by outcome: the finish reason (``eos``,
+      ``length``, ``stop``), ``cancelled`` (client went away), ``invalid`` (400), ``rejected``
+      (429 queue full, 503 draining), ``unauthorized`` (401), ``error`` (failed in the decoder);
+    * ``generated_tokens_total``, ``target_calls_total`` (target forwards, prefills included);
+    * ``tokens_per_second``: output tokens over the last 10 s of steps;
+    * ``mean_accepted_length``: accepted draft tokens + 1 per verify step over all finished
+      requests (vLLM / Spec-Bench definition, prefill excluded);
+    * ``queue_depth`` (requests waiting for a batch row), ``batch_size`` (rows decoding);
+    * ``time_to_first_token_seconds``, ``request_duration_seconds`` histograms.
+    """
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("redraft_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.tokens = Counter("redraft_generated_tokens", "Output tokens generated", registry=r)
+        self.target_calls = Counter("redraft_target_calls", "Target forwards of finished requests (prefill included)",
+                                    registry=r)
+        self.queue_depth = Gauge("redraft_queue_depth", "Requests waiting for a batch row", registry=r)
+        self.batch_size = Gauge("redraft_batch_size", "Rows in the running batch", registry=r)
+        self.ttft = Histogram("redraft_time_to_first_token_seconds", "Arrival to first output token", registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.duration = Histogram("redraft_request_duration_seconds", "Arrival to last output token", registry=r,
+                                  buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        Gauge("redraft_tokens_per_second", f"Output tokens per second over the last {RATE_WINDOW_S:g} s",
+              registry=r).set_function(self.tokens_per_second)
+        Gauge("redraft_mean_accepted_length", "Accepted draft tokens + 1 per verify step, finished requests",
+              registry=r).set_function(self.mean_accepted_length)
+        self._lock = threading.Lock()
+        self._steps: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
+        self._accepted = 0.0  # sum over finished requests of mean accepted length x verify steps
+        self._verify_steps = 0
+        self._started = time.monotonic()
+
+    def step(self, tokens: int, batch: int, queued: int) -> None:
+        """Record one decoder step that emitted ``tokens`` tokens with ``batch`` rows running."""
+        now = time.monotonic()
+        self.tokens.inc(tokens)
+        self.batch_size.set(batch)
+        self.queue_depth.set(queued)
+        with self._lock:
+            self._steps.append((now, tokens))
+            while self._steps and self._steps[0][0] < now - RATE_WINDOW_S:
+                self._steps.popleft()
+
+    def finished(self, generation, ttft: float | None, duration: float) -> None:
+        s = generation.stats
+        self.requests.labels(generation.finish_reason).inc()
+        self.target_calls.inc(s.target_calls)
+        verify_steps = s.verify_steps  # the prefill is not a verify step
+        with self._lock:
+            self._accepted += float(s.mean_accepted_length) * verify_steps
+            self._verify_steps += verify_steps
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        self.duration.observe(duration)
+
+    def outcome(self, name: str) -> None:
+        self.requests.labels(name).inc()
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            recent = [(t, n) for t, n in self._steps if t >= now - RATE_WINDOW_S]
+        # over the window, or over the uptime while that is shorter (at least 1 s)
+        return sum(n for _, n in recent) / min(RATE_WINDOW_S, max(now - self._started, 1.0))
+
+    def mean_accepted_length(self) -> float:
+        with self._lock:
+            return self._accepted / self._verify_steps if self._verify_steps else 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
