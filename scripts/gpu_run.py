@@ -76,7 +76,7 @@ STAGES = {  # name: (title, assets it needs)
     "fetch": ("publish the files still waiting to go back", ()),
 }
 ORDER = ("a", "c", "b", "b32", "d", "e", "e2")
-IMPORTS = ("torch", "transformers", "deepspeed", "datasets", "gguf", "redraft")
+IMPORTS = ("torch", "transformers", "deepspeed", "datasets", "gguf", "fastapi", "uvicorn", "redraft")
 BENCH_METHODS = "greedy,hf-greedy,hf-prompt-lookup,context,ngrammys,aded,hsddw,mix"
 
 
