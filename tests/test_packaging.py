@@ -94,7 +94,10 @@ def test_installed_wheel_runs_from_another_directory(venv, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     bin_dir = venv / "bin"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    # a fresh shell's environment: not this venv's, and not the distributed variables an in-process
+    # train() of an earlier test left behind (the child would join that world's port: EADDRINUSE)
+    dist = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", *dist)}
     env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", REDRAFT_CACHE=str(tmp_path / "cache"))
 
     where = run([bin_dir / "python", "-c", "import redraft, redraft.resources as r; "
