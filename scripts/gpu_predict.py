@@ -14,7 +14,7 @@ token for a forward of one token plus its host work, so::
 which decodes with a tiny random target so that only the decoder's own work is left: the same
 for every target (0 without an overhead file; the table says so). A bench method takes the
 overhead row of the same name, else the row that does its work (:data:`OVERHEAD_ROW`). K is
-the bench's ``tree_nodes_per_call`` where it reports one, else each of ``--nodes``. The tau
+the bench's ``tree_nodes_per_step`` (tree nodes verified per step) where it reports one, else each of ``--nodes``. The tau
 comes from another target (the default 135M one): the result is a what-if for the larger
 target's verify cost, not a measurement on it. Without a bench file, tau runs over 1.5..3.
 
@@ -48,7 +48,7 @@ def taus_from_bench(paths) -> list[dict]:
                 if tau is None or method in ("greedy", "hf-greedy"):
                     continue
                 rows.append({"source": f"{Path(p).stem} ({dtype})", "dataset": ds, "method": method,
-                             "tau": float(tau), "nodes": r.get("tree_nodes_per_call")})
+                             "tau": float(tau), "nodes": r.get("tree_nodes_per_step")})
     return rows
 
 
