@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 from redraft.errors import RedraftError
+from redraft.utils import ArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="redraft-demo",
         description="Build n-gram tables, train a ReDrafter head for a bounded time, then compare "
                     "plain greedy decoding with the unified speculative decoder on held-out prompts.",

@@ -8,7 +8,8 @@
   same directory, then ``os.replace``);
 * :func:`sha256_file`: the hex sha256 of a file, read in blocks (artifacts record it at write time
   and check it on load).
-* :class:`HelpFormatter`: command-line help that prints each default once.
+* :class:`HelpFormatter`: command-line help that prints each default once;
+* :class:`ArgumentParser`: argparse with one-line errors (exit 2, no usage dump), for every CLI.
 
 Nothing here imports torch at module import, so command-line ``--help`` stays fast.
 """
@@ -128,9 +129,19 @@ def sha256_file(path: str | os.PathLike, block: int = 1 << 22) -> str:
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``argparse`` help with each default printed once, as ``(default: X)``, and none where the
-    default is ``None`` or ``False`` (the help text says what leaving the flag out means)."""
+    default is ``None`` or a ``store_true`` flag's ``False`` (the help text says what leaving the
+    flag out means); ``--x/--no-x`` flags say which side is the default."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False:
+        bare_switch = action.default is False and not isinstance(action, argparse.BooleanOptionalAction)
+        if action.default is None or bare_switch:
             return action.help or ""
         return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors (``prog: error: ...``), exit status 2, no usage dump: what
+    every redraft command line uses, so a mistyped flag reads like any other redraft error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

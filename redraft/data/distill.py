@@ -31,7 +31,7 @@ from pathlib import Path
 from redraft.data.records import DataStats, Record, is_heldout, record_to_sharegpt
 from redraft.data.sources import iter_records, parse_spec
 from redraft.errors import ConfigError, DataError, RedraftError
-from redraft.utils import HelpFormatter
+from redraft.utils import ArgumentParser, HelpFormatter
 
 PROG = "redraft-distill-data"
 # Sources whose records are documents (code files), never conversations.
@@ -260,7 +260,7 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG,
         description="Regenerate every assistant turn of a chat dataset with the target model and write "
                     "ShareGPT JSONL (resumable: ids already in --output are skipped).",

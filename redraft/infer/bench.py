@@ -30,6 +30,7 @@ from typing import Callable
 from redraft.errors import ConfigError, DataError, RedraftError
 from redraft.infer.config import FIELDS as DECODER_FIELDS
 from redraft.infer.config import DecoderConfig
+from redraft.utils import ArgumentParser
 
 BENCH_DEFAULTS = {
     "target": "default", "dtype": "float32", "device": None, "datasets": ["chat", "code"], "prompts": 20,
@@ -322,7 +323,7 @@ def markdown(results: dict, bench: dict, device: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="redraft-bench", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="redraft-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Defaults are those of infer/bench-default.yaml's keys when no recipe is given: "
                                        "target default, dtype float32, datasets chat,code, 20 prompts, 128 new tokens.")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from redraft.errors import ConfigError, RedraftError
 from redraft.ngrams.format import KINDS, META_FILE, SHARD_GLOB, SHARDS_SUFFIX, shard_dir_name
-from redraft.utils import HelpFormatter
+from redraft.utils import ArgumentParser, HelpFormatter
 
 logger = logging.getLogger("redraft.ngrams")
 PROG = "redraft-build-ngrams"
@@ -66,7 +66,7 @@ def shards_home(output_dir) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG,
         description="Build n-gram draft tables (model unigram/bigram/extended from the target's "
                     "weights, ADED corpus tri-grams) into an artifact directory the decoder loads. "
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_merge_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=f"{PROG} merge",
         description="Combine the partial tri-gram counts of `--num-shards N` jobs into the "
                     "tri-gram table of --output-dir (equal to a single unsharded build). The "

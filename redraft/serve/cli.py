@@ -17,16 +17,11 @@ import logging
 import os
 import sys
 
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default once: not for ``None`` defaults, whose help says what happens."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+from redraft.utils import ArgumentParser, HelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="redraft-serve", description="The speculative decoder behind an OpenAI-compatible HTTP API (docs/serve.md).",
+    p = ArgumentParser(prog="redraft-serve", description="The speculative decoder behind an OpenAI-compatible HTTP API (docs/serve.md).",
                                 formatter_class=HelpFormatter)
     m = p.add_argument_group("model (flags override the preset's keys)")
     m.add_argument("--preset", default=None,

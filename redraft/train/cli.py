@@ -25,18 +25,12 @@ from redraft.errors import RedraftError
 from redraft.train.config import (
     DEFAULT_TOP_K, HIDDEN_DTYPES, TrainConfig, load_recipe, make_config, parse_set, recipe_names,
 )
+from redraft.utils import ArgumentParser
 
 DEFAULT_RECIPE = "default"
 # the settings redraft-cache-features takes (which records, which target, where it runs)
 CACHE_KEYS = ("target", "data", "max_length", "pack", "heldout_fraction", "train_limit", "num_proc",
               "data_cache_dir", "device", "precision", "threads")
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (``prog: error: ...``), exit status 2, no usage dump."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _shown(value) -> str:
@@ -78,7 +72,7 @@ def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = ArgumentParser(
         prog="redraft-train",
         description="Train a ReDrafter draft head on a frozen target model (DeepSpeed; one process, "
                     "or launch with `deepspeed`/`torchrun`). Settings: dataclass defaults <- --recipe "
@@ -147,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_cache_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = ArgumentParser(
         prog="redraft-cache-features",
         description="Run the frozen target once over the training records and cache, per token, its last hidden "
                     "state and top-k next-token logits, for `redraft-train --features DIR` (no target forward "

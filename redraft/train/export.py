@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from redraft.errors import ConfigError, RedraftError
+from redraft.utils import ArgumentParser
 
 FORMATS = ("apple",)
 DTYPES = ("keep", "float32", "bfloat16", "float16")
@@ -25,7 +26,7 @@ PROG = "redraft-export"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Write a trained ReDrafter head (a redraft-train artifact) in another project's layout: "
                     "'apple' = apple/ml-recurrent-drafter's DrafterConfig/Drafter, which TensorRT-LLM's "
