@@ -139,8 +139,10 @@ class TrainConfig:
                 raise ConfigError(f"{_flag(key)} {getattr(self, key)!r}: use one of {', '.join(allowed)}.", param=key)
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(self.device))):
             raise ConfigError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N.", param="device")
-        if len(self.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.adam_betas):
-            raise ConfigError(f"--adam-betas {list(self.adam_betas)!r}: needs two numbers in [0, 1), e.g. 0.9 0.999.",
+        betas = self.adam_betas
+        if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+            raise ConfigError(f"--adam-betas {betas!r}: needs two numbers in [0, 1), e.g. 0.9 0.999.",
                               param="adam_betas")
         if self.schedule_by_time and not self.max_time_minutes:
             raise ConfigError("--schedule-by-time needs --max-time-minutes (the budget the schedule spans).",
@@ -291,8 +293,8 @@ def recipe_names() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
-def _unknown(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, FIELDS, n=3)
+def _unknown(key, where: str) -> ConfigError:
+    close = difflib.get_close_matches(str(key), FIELDS, n=3)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     return ConfigError(f"Unknown training setting {key!r} in {where}.{hint} "
                        f"Known settings: {', '.join(sorted(FIELDS))}.")
@@ -305,7 +307,11 @@ def coerce(key: str, value: Any, where: str = "the command line") -> Any:
         raise _unknown(key, where)
     default = FIELDS[key].default
     if isinstance(value, str) and not isinstance(default, str):
-        value = yaml.safe_load(value) if value.strip() else None  # '3e-4' -> float, 'true' -> bool
+        try:
+            value = yaml.safe_load(value) if value.strip() else None  # '3e-4' -> float, 'true' -> bool
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"Setting {key}={value!r} in {where} cannot be read ({type(exc).__name__}).",
+                              param=key) from None
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
         return None
     typ = FIELDS[key].type
