@@ -22,7 +22,7 @@ from huggingface_hub.errors import OfflineModeIsEnabled
 from huggingface_hub.utils import _http as hf_http
 from safetensors.torch import save_file
 
-from redraft import hub
+from redraft import hub, hub_card
 from redraft.errors import ArtifactError
 from redraft.utils import split_revision
 
@@ -369,7 +369,7 @@ def test_repo_id_detection(spec, repo, is_repo):
 
 def test_drafter_card_metadata_and_sections(tmp_path):
     art = make_drafter(tmp_path / "run")
-    card = hub.generate_model_card(art, repo_id="org/head", license="mit")
+    card = hub_card.generate_model_card(art, repo_id="org/head", license="mit")
     meta = front_matter(card)
     assert meta["library_name"] == "redraft"
     assert meta["base_model"] == TARGET and meta["base_model_relation"] == "adapter"
@@ -403,7 +403,7 @@ def test_card_without_optional_files_and_local_target(tmp_path):
     cfg = json.loads((art / "config.json").read_text())
     cfg["target_model"] = str(tmp_path / "my-local-target")  # not a Hub id
     (art / "config.json").write_text(json.dumps(cfg))
-    card = hub.generate_model_card(art)
+    card = hub_card.generate_model_card(art)
     meta = front_matter(card)
     assert not {"base_model", "base_model_relation", "datasets", "model-index"} & set(meta)
     assert "## Held-out metrics" not in card and "## Benchmark" not in card
@@ -413,7 +413,7 @@ def test_card_without_optional_files_and_local_target(tmp_path):
 
 def test_ngram_card_lists_tables_and_links_the_right_papers(tmp_path):
     art = make_ngrams(tmp_path / "tables")
-    card = hub.generate_model_card(art, repo_id="org/tables")
+    card = hub_card.generate_model_card(art, repo_id="org/tables")
     meta = front_matter(card)
     assert meta["base_model"] == TARGET
     assert {"n-gram", "n-grammys", "aded"} <= set(meta["tags"]) and "redrafter" not in meta["tags"]
@@ -434,7 +434,7 @@ def test_card_reads_what_the_ngram_builder_writes(tmp_path):
     ids, probs = torch.zeros(32, 3, dtype=torch.int32), torch.zeros(32, 3, dtype=torch.float16)
     art = save_tables(tmp_path / "t", {"vocab_size": 32, "tokenizer_fingerprint": "fp-9", "target_model": TARGET},
                       unigram=(ids[0], probs[0]), bigram=(ids, probs))
-    meta = front_matter(hub.generate_model_card(art))
+    meta = front_matter(hub_card.generate_model_card(art))
     assert {"n-gram", "n-grammys"} <= set(meta["tags"]) and "aded" not in meta["tags"]
     assert hub.check_finished(art) == "ngrams"
     assert hub.upload_files(art) == ["ngrams.json", "unigram.safetensors", "bigram.safetensors"]
@@ -449,12 +449,12 @@ def test_card_reads_what_the_ngram_builder_writes(tmp_path):
     (["sharegpt:a/b", {"spec": "stack:c/d"}, "sharegpt:a/b@main"], ["a/b", "c/d"]),
 ])
 def test_dataset_ids_from_data_specs(spec, expected):
-    assert hub.dataset_ids(spec) == expected
+    assert hub_card.dataset_ids(spec) == expected
 
 
 def test_card_of_an_unfinished_run_states_its_status(tmp_path):
     art = make_drafter(tmp_path / "run", bench=False, state=False, status="interrupted")
-    card = hub.generate_model_card(art)
+    card = hub_card.generate_model_card(art)
     assert "| status | interrupted |" in card and "| global_step | 12 |" in card
     assert "tau_est" not in card and "model-index" not in front_matter(card)
 
@@ -462,7 +462,7 @@ def test_card_of_an_unfinished_run_states_its_status(tmp_path):
 def test_card_for_non_artifact_is_an_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ArtifactError, match="neither config.json"):
-        hub.generate_model_card(tmp_path)
+        hub_card.generate_model_card(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -669,9 +669,9 @@ def test_push_help_prints_each_default_once_and_bare_flags():
 
 def test_write_model_card_is_atomic_and_refreshes(tmp_path):
     art = make_drafter(tmp_path / "run", state=False)
-    path = hub.write_model_card(art, repo_id="org/head")
+    path = hub_card.write_model_card(art, repo_id="org/head")
     assert path == art / "README.md"
-    assert path.read_text() == hub.generate_model_card(art, repo_id="org/head")
+    assert path.read_text() == hub_card.generate_model_card(art, repo_id="org/head")
     assert [p.name for p in art.iterdir() if ".tmp" in p.name] == []
 
 
@@ -684,7 +684,8 @@ def test_hub_module_imports_no_other_stage():
     imported |= {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
     assert {m for m in imported if m.startswith("redraft")} == {"redraft.errors", "redraft.utils"}
     lazy = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} - imported
-    assert {m for m in lazy if m.startswith("redraft")} == {"redraft.models.redrafter"}  # push's drafter check
+    # push's drafter check, and the card module (which imports this one)
+    assert {m for m in lazy if m.startswith("redraft")} == {"redraft.models.redrafter", "redraft.hub_card"}
 
 
 def test_console_script_points_at_push_main():
