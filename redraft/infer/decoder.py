@@ -38,9 +38,9 @@ from redraft.errors import ConfigError
 from redraft.infer.accept import ACCEPT, Acceptance, RowSampling, accepted_tokens
 from redraft.infer.budget import AcceptanceStats, CostCurve, DrafterGate, best_budget
 from redraft.infer.config import DecoderConfig, SamplingParams
-from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback, clean_paths, pad_paths
+from redraft.infer.drafters.base import PAD, DecodeState, Drafter, Feedback, clean_paths, pad_paths
 from redraft.infer.engine import Engine, _Clock
-from redraft.infer.stats import Generation, RequestStats, StreamEvent  # noqa: F401  (public re-exports)
+from redraft.infer.stats import Generation, StreamEvent
 from redraft.infer.tree import Tree, cached_arange
 from redraft.infer.verify import Verifier
 

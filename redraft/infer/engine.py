@@ -33,7 +33,7 @@ import torch
 from redraft.errors import ConfigError
 from redraft.infer.accept import RowSampling, emitted_tokens, sample_tokens, seed_uniforms
 from redraft.infer.config import SamplingParams, check_prompt
-from redraft.infer.drafters.base import PAD, DecodeState, Feedback
+from redraft.infer.drafters.base import PAD, DecodeState
 from redraft.infer.stats import Generation, RequestStats, StreamEvent
 from redraft.infer.text import TextStream
 from redraft.infer.tree import build_tree

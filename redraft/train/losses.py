@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 # The loss lives with the head (ReDrafter.forward(labels=...) uses it too); re-exported here.
 from redraft.models.losses import IGNORE_INDEX as IGNORE, drafter_loss  # noqa: F401
