@@ -258,3 +258,82 @@ class DrafterGate:
         for i, g in exclusive.items():
             old = self.gain[i]
             self.gain[i] = g if old is None else self.GAIN_EMA * old + (1 - self.GAIN_EMA) * g
+
+
+class SpeculationGuard:
+    """Speculate only at batch sizes where it is measured to pay.
+
+    The budget's cost model uses the verify cost of one row (``c(B * (K + 1))``), but a batch
+    of B rows does not cost what one row of as many tokens costs (each row attends over its own
+    cache; on CPUs the matrix kernels change with the row count), and the node values overrate
+    trees whose drafters propose alternatives. So the guard measures instead: per batch-size
+    bucket (1, 2-3, 4-7, 8-15, ...) it alternates runs of speculative and plain steps (plain:
+    no drafter called, one token per row) and keeps, for each, the output tokens per second of
+    its latest run (the first step of a run is not counted: it pays for warm-ups such as the
+    cost-curve measurement or a CUDA graph capture). After the first comparison the faster mode
+    runs; speculation that lost is re-tried after ``explore`` steps, the wait doubling (up to
+    ``MAX_WAIT_FACTOR * explore``) while it keeps losing; speculation that won is re-checked
+    against a short plain run every ``REPROBE`` steps. Batches below ``min_batch`` always
+    speculate (one row's cost is what the cost curve measures). Plain steps are exact: the guard
+    changes the speed, never the output.
+    """
+
+    RUN = 4  # steps of one mode per measurement (the first one not counted)
+    MAX_WAIT_FACTOR = 16
+    REPROBE = 128  # steps of winning speculation between plain re-measurements
+
+    def __init__(self, explore: int = 8, min_batch: int = 2, enabled: bool = True):
+        self.explore, self.min_batch, self.enabled = max(int(explore), 1), min_batch, enabled
+        self._b: dict[int, dict] = {}
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return int(batch).bit_length()
+
+    def _state(self, batch: int) -> dict:
+        return self._b.setdefault(self.bucket(batch), {
+            "mode": True, "left": self.RUN, "run": [0, 0.0, 0], "tps": {}, "wait": self.explore})
+
+    def speculate(self, batch: int) -> bool:
+        """Whether the next step at this batch size drafts."""
+        if not self.enabled or batch < self.min_batch:
+            return True
+        st = self._state(batch)
+        if st["left"] <= 0:
+            self._next_run(st)
+        st["left"] -= 1
+        return st["mode"]
+
+    def _next_run(self, st: dict) -> None:
+        """A run ended: keep its figure, then choose the next run's mode and length."""
+        n, secs, tokens = st["run"]
+        if n > 1 and secs > 0:
+            st["tps"][st["mode"]] = tokens / secs
+        st["run"] = [0, 0.0, 0]
+        last = st["mode"]
+        spec, plain = st["tps"].get(True), st["tps"].get(False)
+        held, st["held"] = st.get("held", False), False
+        if spec is None or plain is None:  # measure the mode that has no figure yet
+            st["mode"], st["left"] = spec is None, self.RUN
+        elif spec >= plain:
+            st["wait"] = self.explore
+            # after a plain run: speculate for a long stretch; after that stretch: a short plain probe
+            st["mode"], st["left"] = (True, self.REPROBE) if not last else (False, self.RUN)
+        elif last or not held:  # speculation lost (tried just now, or against a plain run): plain for a while
+            st["mode"], st["left"], st["held"] = False, st["wait"], True
+            st["wait"] = min(2 * st["wait"], self.MAX_WAIT_FACTOR * self.explore)
+        else:  # the plain stretch is over: try speculation again
+            st["mode"], st["left"] = True, self.RUN
+
+    def record(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """A step at this batch size emitted ``tokens`` (all rows) in ``seconds``."""
+        if not self.enabled or batch < self.min_batch or seconds <= 0:
+            return
+        st = self._state(batch)
+        if speculative != st["mode"]:
+            return
+        run = st["run"]
+        run[0] += 1
+        if run[0] > 1:  # the first step of a run pays the warm-ups
+            run[1] += seconds
+            run[2] += tokens

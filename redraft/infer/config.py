@@ -48,6 +48,9 @@ class DecoderConfig:
                     "gets accepted are worth less than its drafting time (re-tried after growing waits).")
     gate_explore: int = _f(8, "Steps a skipped drafter waits before it is tried again (doubles while useless, "
                            "up to 16x).")
+    guard: bool = _f(True, "With the 'auto' budget and a batch of 2 or more rows, time speculative and plain "
+                     "steps per batch size and run plain steps where speculation is slower (re-tried "
+                     "after growing waits): speculation never makes a loaded batch slower for long.")
     cpu_pack: bool = _f(True, "On CPU, faster weight layouts for multi-token verify forwards (oneDNN-packed float32 "
                         "linears, contiguous LM head); the model itself is not modified.")
     static_verify: Any = _f("auto", "Pad verify trees to a few fixed sizes and capture the forward in a CUDA graph: "
@@ -92,7 +95,7 @@ class DecoderConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1e6 or math.isnan(v):
                 bad(key, "use a number > 0.")
-        for key in ("fp32_logits", "adapt", "gate", "cpu_pack", "aded"):
+        for key in ("fp32_logits", "adapt", "gate", "guard", "cpu_pack", "aded"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, "use true or false.")
         if self.context is not None and not isinstance(self.context, bool):

@@ -36,7 +36,7 @@ import torch
 
 from redraft.errors import ConfigError
 from redraft.infer.accept import ACCEPT, Acceptance, RowSampling, accepted_tokens
-from redraft.infer.budget import AcceptanceStats, CostCurve, DrafterGate, best_budget
+from redraft.infer.budget import AcceptanceStats, CostCurve, DrafterGate, SpeculationGuard, best_budget
 from redraft.infer.config import DecoderConfig, SamplingParams
 from redraft.infer.drafters.base import PAD, DecodeState, Drafter, Feedback, clean_paths, pad_paths
 from redraft.infer.engine import Engine, _Clock
@@ -104,6 +104,7 @@ class SpeculativeDecoder:
         self.stats = AcceptanceStats(len(self.drafters), device=dev)
         self.gate = DrafterGate(len(self.drafters), cfg.gate_explore,
                                 enabled=cfg.gate and len(self.drafters) > 1 and cfg.budget == "auto")
+        self.guard = SpeculationGuard(cfg.gate_explore, enabled=cfg.guard and bool(self.drafters) and cfg.budget == "auto")
         self.generator: torch.Generator | None = None  # the shared sampling generator (None: torch's)
         self._accept = ACCEPT[cfg.acceptance]
         self._clock = _Clock(dev)
@@ -206,11 +207,12 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ the step's pieces
 
-    def propose(self, state: DecodeState) -> Proposal:
-        """Call the drafters the gate lets through; merge their paths and value every entry."""
+    def propose(self, state: DecodeState, speculate: bool = True) -> Proposal:
+        """Call the drafters the gate lets through (none for a plain step, ``speculate=False``);
+        merge their paths and value every entry."""
         B, dev = state.batch_size, state.device
         drafts, marks = [], []
-        for i in self.gate.active():
+        for i in (self.gate.active() if speculate else ()):
             m0 = self._clock.mark()
             dr = self.drafters[i].propose(state)
             marks.append((i, m0, self._clock.mark()))
@@ -307,7 +309,8 @@ class SpeculativeDecoder:
         """Host-side bookkeeping from the step's one read: drafting-time averages, the gate's
         exclusive gains, the next static tree size."""
         nd = len(self.drafters)
-        self._draft_overhead = 0.8 * self._draft_overhead + 0.2 * secs[0]
+        if prop.marks:  # drafters ran (not a plain step)
+            self._draft_overhead = 0.8 * self._draft_overhead + 0.2 * secs[0]
         if prop.k is not None:
             self._k_hint = max(r[-1] for r in host)
         for i, m0, m1 in prop.marks:
@@ -320,7 +323,9 @@ class SpeculativeDecoder:
             for i in called:
                 gain = [max(0, n - max((c[j] for j in called if j != i), default=0)) for n, c in zip(n_acc, credit)]
                 exclusive[i] = sum(gain) / len(gain)
-        self.gate.update(secs[0] + secs[1], sum(n_acc) / len(n_acc) + 1.0, exclusive)
+        if called:  # a plain step (the guard's) says nothing about the drafters
+            self.gate.update(secs[0] + secs[1], sum(n_acc) / len(n_acc) + 1.0, exclusive)
+        self.guard.record(len(n_acc), bool(called), sum(n_acc) + len(n_acc), secs[0] + secs[1])
 
 
 @functools.lru_cache(maxsize=256)

@@ -174,7 +174,7 @@ class Engine:
         dec, state, cache = self.dec, self.state, self.cache
         clock = self._clock
         t0 = clock.mark()
-        prop = dec.propose(state)  # paths [B, P, L] of every drafter called, their values
+        prop = dec.propose(state, dec.guard.speculate(state.batch_size))  # paths [B, P, L] of the drafters called
         budget, size = dec.choose_budget(prop, self.verifier)
         tree = build_tree(prop.paths, prop.values, budget, root=state.last, size=size)
         t1 = clock.mark()

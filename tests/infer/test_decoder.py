@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.budget import CostCurve, DrafterGate
+from redraft.infer.budget import CostCurve, DrafterGate, SpeculationGuard
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.base import DecodeState, Draft, Drafter
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
@@ -265,3 +265,68 @@ def test_gate_calls_every_drafter_until_it_knows_the_cost_of_a_token():
     # nobody pays: the one that loses least is called, the others wait
     assert gate.active() == [0]
     assert DrafterGate(3, enabled=False).active() == [0, 1, 2]
+
+
+def _drive(guard, batch, tps, steps):
+    """Run ``steps`` steps at ``batch`` where a speculative step yields tps[True] tokens per
+    second and a plain one tps[False]; returns the modes chosen."""
+    modes = []
+    for _ in range(steps):
+        spec = guard.speculate(batch)
+        modes.append(spec)
+        guard.record(batch, spec, tokens=int(tps[spec] * 10), seconds=10.0)
+    return modes
+
+
+def test_guard_measures_both_modes_then_runs_the_faster():
+    R = SpeculationGuard.RUN
+    g = SpeculationGuard(explore=4)
+    modes = _drive(g, 8, {True: 100.0, False: 300.0}, 2 * R + 4)
+    # a speculative run, a plain run to compare, then plain (speculation lost)
+    assert modes[:R] == [True] * R and modes[R:2 * R] == [False] * R and modes[2 * R:] == [False] * 4
+    g = SpeculationGuard(explore=4)
+    modes = _drive(g, 8, {True: 300.0, False: 100.0}, 2 * R + SpeculationGuard.REPROBE + 1)
+    assert modes[2 * R:2 * R + SpeculationGuard.REPROBE] == [True] * SpeculationGuard.REPROBE
+    assert modes[-1] is False  # after a long stretch, a short plain probe re-checks
+
+
+def test_guard_backs_off_from_losing_speculation_and_comes_back_when_it_pays():
+    R, explore = SpeculationGuard.RUN, 4
+    g = SpeculationGuard(explore=explore)
+    modes = _drive(g, 4, {True: 100.0, False: 300.0}, 2 * R + 200)
+    tries = [i for i in range(2 * R, len(modes)) if modes[i] and not modes[i - 1]]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # waits grow while it keeps losing
+    assert max(gaps) <= SpeculationGuard.MAX_WAIT_FACTOR * explore + R
+    modes = _drive(g, 4, {True: 500.0, False: 300.0}, 300)  # the batch's drafts got better
+    assert sum(modes[-150:]) > 140
+
+
+def test_guard_ignores_single_rows_the_first_step_of_a_run_and_other_buckets():
+    g = SpeculationGuard()
+    assert all(_drive(g, 1, {True: 1.0, False: 1e9}, 50))  # one row: the cost curve's own case
+    assert all(_drive(SpeculationGuard(enabled=False), 8, {True: 1.0, False: 1e9}, 50))
+    R = SpeculationGuard.RUN
+    g = SpeculationGuard()
+    for i in range(2 * R):  # first step of each run is very slow (a warm-up); the rest win
+        spec = g.speculate(8)
+        g.record(8, spec, tokens=1000 if spec else 100, seconds=1e6 if i % R == 0 else 1.0)
+    assert g.speculate(8) is True
+    assert _drive(g, 16, {True: 1.0, False: 2.0}, R)[0] is True  # 16 is another bucket than 8
+
+
+def test_guard_plain_steps_keep_the_output_and_call_no_drafter(tiny_target, tiny_tables, tiny_prompts):
+    V = tiny_target.vocab_size
+    calls = []
+
+    class Counting(NGrammysDrafter):
+        def propose(self, state):
+            calls.append(state.batch_size)
+            return super().propose(state)
+
+    dec = SpeculativeDecoder(tiny_target, [Counting(tiny_tables, V)], cost_curve=CostCurve.flat())
+    dec.guard.speculate = lambda batch: False  # every step plain
+    out = dec.generate(tiny_prompts[:3], max_new_tokens=12)
+    ref = plain_greedy(tiny_target, tiny_prompts[:3], max_new_tokens=12)
+    assert [g.tokens for g in out] == [g.tokens for g in ref]
+    assert calls == [] and [g.stats.target_calls for g in out] == [g.stats.target_calls for g in ref]
