@@ -39,7 +39,7 @@ def make(name):
     aded = name == "mix-aded"
     if new_api:
         from redraft.infer.config import DecoderConfig
-        cfg = DecoderConfig(aded=aded)
+        cfg = DecoderConfig(aded=aded, **({"guard": False} if "guard" in DecoderConfig.__dataclass_fields__ else {}))
         return SpeculativeDecoder(target, loader.make_drafters(target, (), [tables], cfg), cfg)
     return SpeculativeDecoder(target, loader.make_drafters(target, (), [tables], aded=aded))
 

@@ -109,3 +109,14 @@ def test_overhead_benchmark_reports_every_method_and_batch(capsys, tmp_path):
             assert 1 <= r["steps"] <= 6  # at most one step per new token, fewer when drafts are accepted
     assert res["greedy"]["batch_1"]["steps"] == 5  # plain decoding: one token per step
     assert "host ms/step" in stdout
+
+
+def test_overhead_methods_time_speculative_steps_only(tmp_path):
+    """The guard would swap losing speculative steps for plain ones and hide their cost."""
+    from redraft.infer.overhead import make_method, tiny_setup
+
+    target, tables = tiny_setup(tmp_path)
+    for name in ("ngrammys", "mix-aded"):
+        dec = make_method(name, target, tables)
+        assert dec.drafters and dec.config.budget == "auto" and not dec.guard.enabled
+        assert all(dec.guard.speculate(8) for _ in range(100))
