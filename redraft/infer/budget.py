@@ -22,6 +22,7 @@ node values and the chosen K.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -284,56 +285,69 @@ class SpeculationGuard:
 
     def __init__(self, explore: int = 8, min_batch: int = 2, enabled: bool = True):
         self.explore, self.min_batch, self.enabled = max(int(explore), 1), min_batch, enabled
-        self._b: dict[int, dict] = {}
+        self._buckets: dict[int, _GuardBucket] = {}
 
     @staticmethod
     def bucket(batch: int) -> int:
         return int(batch).bit_length()
 
-    def _state(self, batch: int) -> dict:
-        return self._b.setdefault(self.bucket(batch), {
-            "mode": True, "left": self.RUN, "run": [0, 0.0, 0], "tps": {}, "wait": self.explore})
+    def _state(self, batch: int) -> _GuardBucket:
+        b = self.bucket(batch)
+        if b not in self._buckets:
+            self._buckets[b] = _GuardBucket(left=self.RUN, wait=self.explore)
+        return self._buckets[b]
 
     def speculate(self, batch: int) -> bool:
         """Whether the next step at this batch size drafts."""
         if not self.enabled or batch < self.min_batch:
             return True
         st = self._state(batch)
-        if st["left"] <= 0:
+        if st.left <= 0:
             self._next_run(st)
-        st["left"] -= 1
-        return st["mode"]
+        st.left -= 1
+        return st.speculative
 
-    def _next_run(self, st: dict) -> None:
+    def _next_run(self, st: _GuardBucket) -> None:
         """A run ended: keep its figure, then choose the next run's mode and length."""
-        n, secs, tokens = st["run"]
-        if n > 1 and secs > 0:
-            st["tps"][st["mode"]] = tokens / secs
-        st["run"] = [0, 0.0, 0]
-        last = st["mode"]
-        spec, plain = st["tps"].get(True), st["tps"].get(False)
-        held, st["held"] = st.get("held", False), False
+        if st.steps > 1 and st.secs > 0:
+            st.tps[st.speculative] = st.tokens / st.secs
+        st.steps, st.secs, st.tokens = 0, 0.0, 0
+        last, held, st.held = st.speculative, st.held, False
+        spec, plain = st.tps.get(True), st.tps.get(False)
         if spec is None or plain is None:  # measure the mode that has no figure yet
-            st["mode"], st["left"] = spec is None, self.RUN
+            st.speculative, st.left = spec is None, self.RUN
         elif spec >= plain:
-            st["wait"] = self.explore
+            st.wait = self.explore
             # after a plain run: speculate for a long stretch; after that stretch: a short plain probe
-            st["mode"], st["left"] = (True, self.REPROBE) if not last else (False, self.RUN)
+            st.speculative, st.left = (True, self.REPROBE) if not last else (False, self.RUN)
         elif last or not held:  # speculation lost (tried just now, or against a plain run): plain for a while
-            st["mode"], st["left"], st["held"] = False, st["wait"], True
-            st["wait"] = min(2 * st["wait"], self.MAX_WAIT_FACTOR * self.explore)
+            st.speculative, st.left, st.held = False, st.wait, True
+            st.wait = min(2 * st.wait, self.MAX_WAIT_FACTOR * self.explore)
         else:  # the plain stretch is over: try speculation again
-            st["mode"], st["left"] = True, self.RUN
+            st.speculative, st.left = True, self.RUN
 
     def record(self, batch: int, speculative: bool, tokens: int, seconds: float) -> None:
         """A step at this batch size emitted ``tokens`` (all rows) in ``seconds``."""
         if not self.enabled or batch < self.min_batch or seconds <= 0:
             return
         st = self._state(batch)
-        if speculative != st["mode"]:
+        if speculative != st.speculative:
             return
-        run = st["run"]
-        run[0] += 1
-        if run[0] > 1:  # the first step of a run pays the warm-ups
-            run[1] += seconds
-            run[2] += tokens
+        st.steps += 1
+        if st.steps > 1:  # the first step of a run pays the warm-ups
+            st.secs += seconds
+            st.tokens += tokens
+
+
+@dataclasses.dataclass
+class _GuardBucket:
+    """One batch-size bucket of :class:`SpeculationGuard`: the current run and the figures."""
+
+    left: int  # steps left in the current run
+    wait: int  # plain steps before losing speculation is tried again
+    speculative: bool = True  # the current run's mode
+    held: bool = False  # the current run is a plain stretch after speculation lost
+    steps: int = 0  # the current run's steps so far, and the seconds and tokens of all but its first
+    secs: float = 0.0
+    tokens: int = 0
+    tps: dict = dataclasses.field(default_factory=dict)  # mode -> output tokens/s of its latest run
