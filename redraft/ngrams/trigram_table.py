@@ -312,7 +312,7 @@ class TrigramTable:
         they share memory with the numpy arrays)."""
         import torch
 
-        device = torch.device(device)
+        device = torch.empty(0, device=device).device  # 'cuda' -> 'cuda:0', the key lookups use
         if device not in self._devices:
             host = {"keys_pad": self._keys_pad, "off_pad": self._off_pad, "ids_pad": self._ids_pad,
                     "probs_pad": self._probs_pad}

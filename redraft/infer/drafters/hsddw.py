@@ -50,6 +50,7 @@ from redraft.errors import ConfigError
 from redraft.infer.accept import RowSampling, entropy, greedy_tokens, warp_probs
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback
 from redraft.infer.kv import TreeKVCache
+from redraft.infer.tree import cached_arange
 from redraft.ngrams import as_trigram_table
 
 __all__ = ["EntropyThreshold", "early_exit_model", "ProbModel", "CausalLMModel", "TrigramModel",
@@ -275,7 +276,7 @@ class CausalLMModel(ProbModel):
         V = self.vocab_size or (self.full_v if self.subset is not None else self.head.weight.shape[0])
         if N == 0:
             return torch.zeros((B, K, V), device=dev)
-        ar = torch.arange(N, device=dev)
+        ar = cached_arange(N, dev)
         ids = tokens.gather(1, (start[:, None] + ar).clamp(max=tokens.shape[1] - 1)).clamp_min(0)  # [B, N]
         c.physical = top  # the fed tokens go right after the longest row (columns past it are holes)
         mask = None
@@ -291,7 +292,7 @@ class CausalLMModel(ProbModel):
                       use_cache=True).last_hidden_state
         c.commit(ar.expand(B, N), n, physical=longest)  # each row keeps its own n[b] tokens at lengths[b]..
         self.calls += 1
-        idx = ((first - start)[:, None] + torch.arange(K, device=dev)).clamp(0, N - 1)  # [B, K]
+        idx = ((first - start)[:, None] + cached_arange(K, dev)).clamp(0, N - 1)  # [B, K]
         return self._head(h.gather(1, idx[:, :, None].expand(-1, -1, h.shape[-1])))
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
@@ -334,20 +335,20 @@ class TrigramModel(ProbModel):
     def logits(self, tokens, end, first, rows=None) -> torch.Tensor:
         B, W = tokens.shape
         K = int(_counts(end, first, rows).max())
-        pos = first[:, None] + torch.arange(K, device=tokens.device)  # [B, K] position of w2
+        pos = first[:, None] + cached_arange(K, tokens.device)  # [B, K] position of w2
         w2 = tokens.gather(1, pos.clamp(0, W - 1))
         w1 = torch.where(pos >= 1, tokens.gather(1, (pos - 1).clamp(0, W - 1)), -1)
-        ids, probs = self.table.successors(w1.reshape(-1).cpu().numpy(), w2.reshape(-1).cpu().numpy(), self.k)
-        mass = probs.sum(1, keepdims=True)  # [BK, 1]
-        with np.errstate(divide="ignore"):
-            logp = np.log(np.where(ids >= 0, probs / np.maximum(mass, 1e-12), 0.0))
+        # the table's torch lookup, on the tokens' device: no host round trip per call
+        ids, probs = self.table.successors(w1.reshape(-1), w2.reshape(-1), self.k)  # [BK, k]
+        mass = probs.sum(1, keepdim=True)  # [BK, 1]
+        logp = torch.where(ids >= 0, probs / mass.clamp_min(1e-12), 0.0).log()
         # ids -1 (fewer successors) go to a spare column V, dropped after the scatter
-        out = torch.full((B * K, self.V + 1), float("-inf"))
-        out.scatter_(1, torch.from_numpy(np.where(ids >= 0, ids, self.V)), torch.from_numpy(logp).float())
+        out = torch.full((B * K, self.V + 1), float("-inf"), device=tokens.device)
+        out.scatter_(1, torch.where(ids >= 0, ids.long(), self.V), logp)
         out = out[:, :self.V]
-        out[torch.from_numpy(mass[:, 0] <= 0)] = 0.0  # unknown context: uniform (max entropy)
+        out[mass[:, 0] <= 0] = 0.0  # unknown context: uniform (max entropy)
         self.calls += 1
-        return out.reshape(B, K, self.V).to(tokens.device)
+        return out.reshape(B, K, self.V)
 
 
 # ---------------------------------------------------------------------------------- hierarchy
@@ -520,7 +521,7 @@ class HSDDWDrafter(Drafter):
         tok, L = state.tokens, state.lengths
         old = self._buf
         # below the last sync's length the models saw committed tokens; past it at most a chain
-        cols = self._synced[:, None] + torch.arange(self.max_len + 1, device=tok.device)  # [B, W]
+        cols = self._synced[:, None] + cached_arange(self.max_len + 1, tok.device)  # [B, W]
         same = ((old.gather(1, cols.clamp(max=old.shape[1] - 1)) == tok.gather(1, cols.clamp(max=tok.shape[1] - 1)))
                 & (cols < L[:, None]) & (cols < old.shape[1]))
         valid = self._synced + same.long().cumprod(dim=1).sum(dim=1)  # [B]
@@ -586,7 +587,7 @@ class HSDDWDrafter(Drafter):
             room = torch.where(active, (ML - out).clamp(max=self.m1_max), torch.zeros_like(out))
             c1 = self._m1_chain(start, room, samp)
             R = c1.tokens.shape[1]
-            ar, ar1 = torch.arange(R, device=dev), torch.arange(R + 1, device=dev)
+            ar, ar1 = cached_arange(R, dev), cached_arange(R + 1, dev)
             # one M2 forward per round: its distributions after start-1 .. start+n1-1   [B, R+1, V]
             lg2 = self.m2.logits(self._buf, start + c1.n, start - 1, active).to(dev)
             p2 = _draft_probs(lg2, samp)
