@@ -230,13 +230,12 @@ def check_finished(artifact_dir: str | os.PathLike, *, allow_unfinished: bool = 
             raise ArtifactError(f"{root / info['file']} is not the size {NGRAMS_FILE} records ({info['bytes']} "
                                 f"bytes): it changed after the build. Re-run redraft-build-ngrams into {root}.")
     if kind == KIND_DRAFTER:
-        if (root / "config.json").is_file() and "redraft" in str(_read_json(root / "config.json").get("model_type")):
-            # the weights hold exactly the tensors the config says, and the recorded sha256 (headers
-            # only, no weights loaded): a broken head is not published. Imported here: the drafter
-            # stage is the only one hub.py reaches into, and only for this check.
-            from redraft.models.redrafter import check_artifact
+        # the weights hold exactly the tensors the config says, and the recorded sha256 (headers
+        # only, no weights loaded): a broken head is not published. Imported here: the drafter
+        # stage is the only one hub.py reaches into, and only for this check.
+        from redraft.models.redrafter import check_artifact
 
-            check_artifact(root)
+        check_artifact(root)
         if not allow_unfinished:
             _check_run_ended(root)
     return kind

@@ -202,7 +202,8 @@ def _sections(root, kind, meta, run, metrics, target, data, datasets) -> list[tu
 
 def write_model_card(artifact_dir: str | os.PathLike, **kwargs) -> Path:
     """Write :func:`generate_model_card` (keyword arguments go to it) to ``artifact_dir/README.md``
-    atomically and return its path; the trainer and the n-gram builder call it when they finish."""
+    atomically and return its path; the trainer calls it when it finishes (redraft-push generates
+    the card of any artifact at upload)."""
     path = Path(artifact_dir) / CARD_FILE
     atomic_write_text(path, generate_model_card(artifact_dir, **kwargs))
     return path

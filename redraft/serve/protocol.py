@@ -53,8 +53,8 @@ class APIError(Exception):
 
 
 def config_error(exc) -> APIError:
-    """A 400 from a ``redraft.errors.ConfigError`` (its ``param`` names the field; the decoder's
-    ``max_new_tokens`` is the API's ``max_tokens``)."""
+    """A 400 from a ``redraft.errors.RedraftError`` (a ``ConfigError``'s ``param`` names the
+    field; the decoder's ``max_new_tokens`` is the API's ``max_tokens``)."""
     param = getattr(exc, "param", None)
     return APIError(400, str(exc), param={"max_new_tokens": "max_tokens"}.get(param, param))
 

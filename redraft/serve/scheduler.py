@@ -197,13 +197,9 @@ class Scheduler:
     def _add(self, engine, job: Job) -> None:
         try:
             rid = engine.add(job.prompt_ids, job.params)
-        except ConfigError as exc:
+        except RedraftError as exc:  # a ConfigError's param names the field
             job.state = "done"
             self._post([(job, ("error", config_error(exc)))])
-            return
-        except RedraftError as exc:
-            job.state = "done"
-            self._post([(job, ("error", APIError(400, str(exc))))])
             return
         except Exception as exc:  # noqa: BLE001 - this request's fault stays with it
             logger.exception("engine.add failed")
