@@ -182,8 +182,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
 
     # ---- finish: checkpoint, evaluate, artifact
     ckpt.save_checkpoint(engine, out, state, env.rank, cfg.keep_checkpoints, env.barrier)
+    # on the process's device: NCCL, the multi-GPU backend, reduces no CPU tensors
     tok = torch.tensor([(state["tokens"] - run_tokens0) / max(train_time, 1e-9), state["tokens"]],
-                       dtype=torch.float64)
+                       dtype=torch.float64, device=env.device)
     env.all_reduce(tok)  # summed over ranks: the run's tokens/s and tokens
     if status != "interrupted":
         metrics = evaluate(model, engine, target, eval_dataset, cfg, env, precision)
@@ -328,7 +329,8 @@ def stop_reason(stop: "StopSignal", cfg: TrainConfig, state: dict, env: DistEnv)
     """``"interrupted"`` (a signal on any rank), ``"time_budget"``, or ``"running"``; the same on
     every rank (one all_reduce)."""
     flags = torch.tensor([float(stop.signum != 0),
-                          float(bool(cfg.max_time_minutes) and state["elapsed_s"] >= cfg.max_time_minutes * 60)])
+                          float(bool(cfg.max_time_minutes) and state["elapsed_s"] >= cfg.max_time_minutes * 60)],
+                         device=env.device)  # NCCL reduces no CPU tensors
     env.all_reduce(flags, torch.distributed.ReduceOp.MAX)
     return "interrupted" if flags[0] else ("time_budget" if flags[1] else "running")
 
