@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 import torch
 
 from redraft.infer.config import TYPICAL_DELTA, TYPICAL_EPS
@@ -275,3 +277,82 @@ def emitted_tokens(tree: Tree, acc: Acceptance) -> torch.Tensor:
     out = torch.cat([toks, toks.new_full((toks.shape[0], 1), PAD)], dim=1)
     out = torch.where(ar == acc.num_accepted[:, None], acc.bonus[:, None], out)
     return torch.where(ar <= acc.num_accepted[:, None], out, PAD)
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode step's split: the device picks a token after every tree node (one [R, B, N]
+# tensor, the step's one read), the host walks the tree it built (numpy) to the accepted path.
+
+
+@dataclass
+class HostAcceptance:
+    """The accepted path of every row, on the host (numpy).
+
+    Attributes:
+        path: ``[B, D+1]`` node indices of the accepted path, root first, ``-1`` padded.
+        num_accepted: ``[B]`` accepted draft tokens (the root not counted).
+        last_node: ``[B]`` deepest accepted node.
+        bonus: ``[B]`` the token the target produces after the accepted path.
+        emitted: per row the accepted draft tokens then the bonus (``list[int]``).
+    """
+
+    path: np.ndarray
+    num_accepted: np.ndarray
+    last_node: np.ndarray
+    bonus: np.ndarray
+    emitted: list
+
+
+def step_choices(rule: str, tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, logits: torch.Tensor,
+                 rows: RowSampling, eps: float = TYPICAL_EPS, delta: float = TYPICAL_DELTA) -> torch.Tensor:
+    """``[R, B, N]`` long: what the acceptance ``rule`` needs of every node of the packed trees
+    ``tokens / parent / depth [B, N]`` given the target's ``logits [B, N, V]`` after each node.
+
+    * greedy: ``R = 1``, the argmax after each node;
+    * rejection: ``R = 1``, one draw from the warped target distribution after each node (greedy
+      rows: the argmax), seeded rows with the uniform of the output token the draw would be;
+    * typical: ``R = 3``: whether each node passes the typical test under its parent's
+      distribution (0/1), the argmax after each node, a draw after each node (the bonus).
+    """
+    if rule == "greedy" or (rule == "rejection" and rows.all_greedy):
+        return greedy_tokens(logits)[None]
+    if rule == "rejection":
+        return sample_tokens(logits, rows, depth)[None]
+    temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
+    probs = warp_probs(logits, temp)  # [B, N, V]
+    ent = -(probs * probs.clamp_min(1e-20).log()).sum(dim=-1)  # [B, N]
+    thresh = torch.minimum(torch.full_like(ent, eps), delta * torch.exp(-ent))
+    par = parent.clamp_min(0)
+    p_tok = probs.gather(1, par[:, :, None].expand_as(probs)).gather(2, tokens.clamp_min(0)[:, :, None])[:, :, 0]
+    ok = (p_tok > thresh.gather(1, par)).long()
+    return torch.stack([ok, greedy_tokens(logits), sample_tokens(logits, rows, depth)])
+
+
+def walk(rule: str, tree, choices: np.ndarray) -> HostAcceptance:
+    """Accept on the host: the deepest node of the (numpy) ``tree`` whose every ancestor step
+    matches the rule (``choices [R, B, N]`` from :func:`step_choices`); ties go to the lower
+    node index, as the device rules did."""
+    tokens, parent, depth, valid, anc = tree.tokens, tree.parent, tree.depth, tree.valid, tree.anc
+    B, N = tokens.shape
+    pick = choices[1] if rule == "typical" else choices[0]  # the token followed after each node
+    ok = tokens == np.take_along_axis(pick, np.maximum(parent, 0), axis=1)
+    if rule == "typical":
+        ok |= choices[0].astype(bool)
+    ok[:, 0] = True
+    ok &= valid
+    rows = np.arange(B)
+    if N == 1:
+        last = np.zeros(B, np.int64)
+    else:
+        full = ~(anc & ~ok[:, None, :]).any(axis=2) & valid  # [B, N]
+        score = np.where(full, depth * N + (N - 1 - np.arange(N))[None], -1)
+        last = score.argmax(axis=1)
+    num = depth[rows, last]
+    bonus = (choices[2] if rule == "typical" else pick)[rows, last]
+    D = int(tree.max_depth) + 1
+    path = np.full((B, D), -1, np.int64)
+    on = anc[rows, last] if N > 1 else np.ones((B, 1), bool)  # [B, N] the accepted path's nodes
+    b_idx, n_idx = np.nonzero(on)
+    path[b_idx, depth[b_idx, n_idx]] = n_idx
+    emitted = [tokens[b, path[b, 1:num[b] + 1]].tolist() + [int(bonus[b])] for b in range(B)]
+    return HostAcceptance(path=path, num_accepted=num, last_node=last, bonus=bonus, emitted=emitted)

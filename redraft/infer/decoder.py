@@ -32,43 +32,42 @@ import functools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.accept import ACCEPT, Acceptance, RowSampling, accepted_tokens
-from redraft.infer.budget import AcceptanceStats, CostCurve, DrafterGate, SpeculationGuard, best_budget
+from redraft.infer.accept import HostAcceptance, RowSampling, step_choices, walk
+from redraft.infer.budget import CostCurve, DrafterGate, SpeculationGuard
 from redraft.infer.config import DecoderConfig, SamplingParams
-from redraft.infer.drafters.base import PAD, DecodeState, Drafter, Feedback, clean_paths, pad_paths
-from redraft.infer.engine import Engine, _Clock
+from redraft.infer.drafters.base import (PAD, DecodeState, Draft, Drafter, Feedback, HostFeedback, clean_paths_np,
+                                         pad_paths_np)
+from redraft.infer.engine import Clock, Engine
+from redraft.infer.hostdraft import HostStats, HostTree, best_budget_np, build_tree_np
 from redraft.infer.stats import Generation, StreamEvent
-from redraft.infer.tree import Tree, cached_arange
 from redraft.infer.verify import Verifier
 
 
 @dataclass
 class Proposal:
-    """The paths of every drafter called in one step, merged.
+    """The paths of every drafter called in one step, merged, on the host (numpy).
 
     Attributes:
-        paths: ``[B, P, L]`` all drafters' paths side by side (``PAD``-padded).
-        values: ``[B, P, L]`` estimated acceptance probability of every entry.
-        owner: ``[P]`` long: the drafter (index into ``decoder.drafters``) of every path.
-        group: ``[B, P]`` long: every path's statistics group (its rank when the drafter gave none).
+        paths: ``[B, P, L]`` int64 all drafters' paths side by side (``PAD``-padded, cleaned).
+        values: ``[B, P, L]`` float32 estimated acceptance probability of every entry.
+        owner: ``[P]`` int64: the drafter (index into ``decoder.drafters``) of every path.
+        group: ``[B, P]`` int64: every path's statistics group (its rank when the drafter gave none).
         drafts: ``(drafter index, its Draft, first path, end path)`` per drafter called.
-        raw_entries: ``[B]`` long draft tokens proposed per row (before pruning and sharing).
+        raw_entries: ``[B]`` draft tokens proposed per row (before pruning and sharing).
         marks: ``(drafter index, clock mark before, after)`` for drafting times.
-        k: the budget the cost model chose (``[B]`` on the device) when it is not the tree's own
-            (static trees are filled to their size); read back to size the next step's tree.
     """
 
-    paths: torch.Tensor
-    values: torch.Tensor
-    owner: torch.Tensor
-    group: torch.Tensor
+    paths: np.ndarray
+    values: np.ndarray
+    owner: np.ndarray
+    group: np.ndarray
     drafts: list
-    raw_entries: torch.Tensor
+    raw_entries: np.ndarray
     marks: list
-    k: torch.Tensor | None = None
 
 
 class SpeculativeDecoder:
@@ -101,15 +100,15 @@ class SpeculativeDecoder:
         self.verifier = Verifier(target, fp32_logits=cfg.fp32_logits, cpu_pack=cfg.cpu_pack, static=static)
         self.cost_curve = cost_curve
         self.eos = set(target.eos_token_ids)
-        self.stats = AcceptanceStats(len(self.drafters), device=dev)
+        self.stats = HostStats(len(self.drafters))
         self.gate = DrafterGate(len(self.drafters), cfg.gate_explore,
                                 enabled=cfg.gate and len(self.drafters) > 1 and cfg.budget == "auto")
         self.guard = SpeculationGuard(cfg.gate_explore, enabled=cfg.guard and bool(self.drafters) and cfg.budget == "auto")
         self.generator: torch.Generator | None = None  # the shared sampling generator (None: torch's)
-        self._accept = ACCEPT[cfg.acceptance]
-        self._clock = _Clock(dev)
+        self._clock = Clock(dev)
         self._draft_overhead = 0.0  # EMA of drafting seconds per step (part of the budget's cost)
-        self._k_hint = cfg.max_nodes  # last step's chosen budget: the static tree size of the next
+        self._costs = None  # (cost curve, its table c(0..n) as numpy)
+        self._engine: Engine | None = None  # the engine generate() reuses while idle (its cache and graphs)
 
     # ------------------------------------------------------------------ inputs
 
@@ -178,16 +177,17 @@ class SpeculativeDecoder:
         """
         params = SamplingParams.checked(max_new_tokens, temperature, top_p, stop, seed)
         prompts = self.encode(inputs)
-        engine = self.engine()
+        engine = self._engine if self._engine is not None and not self._engine.has_work else self.engine()
+        self._engine = engine
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.target.device)
             gen.manual_seed(seed)
         shared = dataclasses.replace(params, seed=None)
-        for p in prompts:
-            engine.add(p, shared, generator=gen)
+        index = {engine.add(p, shared, generator=gen): i for i, p in enumerate(prompts)}  # request id -> prompt
         while engine.has_work:
-            yield from engine.step()
+            for ev in engine.step():
+                yield dataclasses.replace(ev, index=index[ev.index])
 
     def generate(self, inputs, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  stop: str | Sequence[str] | None = None, stream: bool = False, seed: int | None = None):
@@ -207,131 +207,185 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ the step's pieces
 
-    def propose(self, state: DecodeState, speculate: bool = True) -> Proposal:
+    @property
+    def device_drafters(self) -> bool:
+        """Whether a drafter drafts on the device (the engine then keeps a device state)."""
+        return any(not d.host for d in self.drafters)
+
+    def propose(self, host, state: DecodeState | None, speculate: bool = True) -> Proposal:
         """Call the drafters the gate lets through (none for a plain step, ``speculate=False``);
-        merge their paths and value every entry."""
-        B, dev = state.batch_size, state.device
+        merge their paths and value every entry (host arrays)."""
+        B = host.batch_size
         drafts, marks = [], []
         for i in (self.gate.active() if speculate else ()):
+            d = self.drafters[i]
             m0 = self._clock.mark()
-            dr = self.drafters[i].propose(state)
+            if d.host:
+                dr = d.propose_host(host)
+            else:
+                orig = d.propose(state)
+                dr = _to_host(orig)
+                dr.device_draft = orig  # what the drafter observes
             marks.append((i, m0, self._clock.mark()))
             if dr.num_paths:
                 drafts.append((i, dr))
         if not drafts:
-            empty = torch.full((B, 0, 1), PAD, dtype=torch.long, device=dev)
-            z = torch.zeros(B, dtype=torch.long, device=dev)
-            return Proposal(empty, empty.float(), empty.new_zeros(0), empty[:, :, 0], [], z, marks)
+            return Proposal(_EMPTY_PATHS[:B], np.zeros((B, 0, 1), np.float32), _EMPTY_OWNER, np.zeros((B, 0), np.int64),
+                            [], np.zeros(B, np.int64), marks)
         L = max(dr.path_length for _, dr in drafts)
         toks, owner, group, slices, start = [], [], [], [], 0
         for i, dr in drafts:
-            t = clean_paths(pad_paths(dr.tokens.to(dev), L))
+            t = clean_paths_np(pad_paths_np(np.asarray(dr.tokens, np.int64), L))
             p = t.shape[1]
             toks.append(t)
-            owner.append(_filled(p, i, dev))
-            group.append(cached_arange(p, dev)[None].expand(B, p) if dr.group is None else dr.group.to(dev).long())
+            owner.append(np.full(p, i, np.int64))
+            group.append(np.broadcast_to(np.arange(p), (B, p)) if dr.group is None else np.asarray(dr.group, np.int64))
             slices.append((i, dr, start, start + p))
             start += p
-        if len(drafts) == 1:  # the common single-drafter step: nothing to merge
-            paths, owner, group = toks[0], owner[0], group[0]
-        else:
-            paths, owner, group = torch.cat(toks, 1), torch.cat(owner), torch.cat(group, 1)
-        values = self.stats.values(owner, tuple(paths.shape), group)
+        paths = toks[0] if len(toks) == 1 else np.concatenate(toks, axis=1)
+        owner = owner[0] if len(owner) == 1 else np.concatenate(owner)
+        group = group[0] if len(group) == 1 else np.concatenate(group, axis=1)
+        values = self.stats.values(owner, paths.shape, group)
         if self.config.budget != "auto":  # fixed budget: rank by the drafter's own path probability
+            values = np.array(values, np.float32)
             for i, dr, a, b in slices:
                 if dr.logp is not None:
-                    values[:, a:b] = pad_paths(dr.logp.float().cumsum(-1).exp().to(dev), L).clamp_min(0)
-        return Proposal(paths, values, owner, group, slices, (paths >= 0).sum(dim=(1, 2)), marks)
+                    lp = pad_paths_np(np.asarray(dr.logp, np.float32), L, fill=0.0)
+                    values[:, a:b] = np.maximum(np.exp(np.cumsum(lp, axis=-1)), 0)
+        return Proposal(paths, values, owner, group, slices, (paths >= 0).sum(axis=(1, 2)), marks)
 
-    def choose_budget(self, prop: Proposal, verifier: Verifier):
-        """``(budget, size)`` for ``build_tree``: nodes to keep per row, and the packed tree size
-        when the verifier needs it static (else ``None``: the real node count)."""
+    def build_tree(self, prop: Proposal, host, verifier: Verifier):
+        """The packed tree of this step (numpy, see ``redraft.infer.hostdraft``): the node
+        budget the cost model chooses (or the fixed one), static sizes when the verifier needs
+        them (a static tree is filled with the best nodes up to its size: they cost nothing)."""
         B, P, L = prop.paths.shape
         cfg = self.config
         if P == 0:
-            return None, (verifier.tree_size(1) if verifier.static else None)
+            return root_tree(host.last, verifier.tree_size(1))
         if cfg.budget != "auto":
-            if not verifier.static:
-                return cfg.budget, None
-            size = verifier.tree_size(1 + min(cfg.budget, P * L), limit=1 + cfg.budget)
-            return size - 1, size
-        if self.cost_curve is None:
-            self.measure_cost()
-        values = torch.where(prop.paths >= 0, prop.values, torch.zeros_like(prop.values)).reshape(B, -1)
-        k = best_budget(values, self.cost_curve, cfg.max_nodes, self._draft_overhead)  # [B] on the device
-        if not verifier.static:
-            return k, None
-        # static shapes: the tree size comes from the host (last step's budget), filled with the best nodes
-        size = verifier.tree_size(1 + min(self._k_hint, P * L, cfg.max_nodes), limit=1 + cfg.max_nodes)
-        prop.k = k
-        return size - 1, size
+            budget, size = cfg.budget, None
+            if verifier.static:
+                size = verifier.tree_size(1 + min(cfg.budget, P * L), limit=1 + cfg.budget)
+                budget = size - 1
+        else:
+            if self.cost_curve is None:
+                self.measure_cost()
+            values = np.where(prop.paths >= 0, prop.values, 0).reshape(B, -1)
+            k = best_budget_np(values, self._cost_table(), cfg.max_nodes, self._draft_overhead)
+            budget, size = k, None
+            if verifier.static:
+                size = verifier.tree_size(1 + min(k, P * L), limit=1 + cfg.max_nodes)
+                budget = size - 1
+        return build_tree_np(prop.paths, prop.values, budget, root=host.last, size=size)
 
-    def accept(self, tree: Tree, logits: torch.Tensor, sampling: RowSampling) -> Acceptance:
-        """The acceptance rule chosen at construction."""
-        if self.config.acceptance == "typical":
-            return self._accept(tree, logits, sampling, self.config.typical_eps, self.config.typical_delta)
-        return self._accept(tree, logits, sampling)
+    def _cost_table(self) -> np.ndarray:
+        B_max = 256 * (self.config.max_nodes + 1)
+        if self._costs is None or self._costs[0] is not self.cost_curve:
+            self._costs = (self.cost_curve, self.cost_curve.table(B_max, "cpu").numpy())
+        return self._costs[1]
 
-    def credit(self, prop: Proposal, tree: Tree, acc: Acceptance) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(credit [B, drafters], hit [B, P, L])``: accepted draft tokens each drafter had
-        proposed (a token several drafters proposed counts for each), and which path entries lie
-        on the accepted path."""
+    def choices(self, step, logits: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
+        """``[R, B, N]``: what the acceptance rule needs of every node (``accept.step_choices``)."""
+        cfg = self.config
+        return step_choices(cfg.acceptance, step.tokens, step.parent, step.depth, logits, sampling,
+                            cfg.typical_eps, cfg.typical_delta)
+
+    def accept(self, tree, readout) -> HostAcceptance:
+        """The accepted path of every row, walked on the host from the step's readout."""
+        return walk(self.config.acceptance, tree, readout.values)
+
+    def feedback(self, host, state: DecodeState | None, prop: Proposal, tree, acc: HostAcceptance) -> np.ndarray:
+        """Tell every drafter called what happened to its paths, update the acceptance rates;
+        returns the credit ``[B, drafters]``: accepted draft tokens each drafter had proposed (a
+        token several drafters proposed counts for each)."""
         B, P, L = prop.paths.shape
-        nd = max(len(self.drafters), 1)
-        dev = prop.paths.device
+        nd = len(self.drafters)
         if P == 0:
-            return torch.zeros((B, len(self.drafters)), dtype=torch.long, device=dev), prop.paths >= 0
-        N = tree.size
-        on_path = tree.anc[torch.arange(B, device=dev), acc.last_node]  # [B, N]
-        node = tree.path_node.clamp_min(0)
-        hit = (tree.path_node >= 0) & on_path.gather(1, node.reshape(B, -1)).reshape(B, P, L)
-        idx = (prop.owner[None, :, None] * N + node).reshape(B, -1)
-        cred = torch.zeros((B, nd * N), dtype=torch.uint8, device=dev)
-        cred.scatter_reduce_(1, idx, hit.reshape(B, -1).to(torch.uint8), reduce="amax")
-        return cred.view(B, nd, N)[:, : len(self.drafters), 1:].sum(dim=-1), hit
-
-    def feedback(self, state: DecodeState, prop: Proposal, tree: Tree, acc: Acceptance, hit: torch.Tensor) -> None:
-        """Tell every drafter called what happened to its paths, and update the acceptance rates."""
-        if not prop.drafts:
-            return
-        prefix = hit.long().cumprod(dim=-1).sum(dim=-1)  # [B, P] accepted leading tokens per path
+            return np.zeros((B, nd), np.int64)
+        rows = np.arange(B)
+        on_path = tree.anc[rows, acc.last_node]  # [B, N]
         kept = tree.path_node >= 0
-        verified = kept.sum(dim=-1)
-        accepted = accepted_tokens(tree, acc)
+        node = np.maximum(tree.path_node, 0)
+        hit = kept & np.take_along_axis(on_path, node.reshape(B, -1), axis=1).reshape(B, P, L)
+        cred = np.zeros((B, nd, tree.tokens.shape[1]), bool)
+        b_i, p_i, l_i = np.nonzero(hit)
+        cred[b_i, prop.owner[p_i], node[b_i, p_i, l_i]] = True
+        credit = cred[:, :, 1:].sum(axis=-1)
+        prefix = np.cumprod(hit, axis=-1).sum(axis=-1)  # [B, P] accepted leading tokens per path
+        verified = kept.sum(axis=-1)
+        fb = None
         for i, dr, a, b in prop.drafts:
-            fb = Feedback(accepted_prefix=prefix[:, a:b], accepted=accepted, num_accepted=acc.num_accepted,
-                          bonus=acc.bonus, verified=verified[:, a:b])
-            self.drafters[i].observe(state, dr, fb)
+            d = self.drafters[i]
+            if d.host:
+                d.observe_host(host, dr, HostFeedback(prefix[:, a:b], acc, verified[:, a:b]))
+            else:
+                fb = fb or _device_feedback(acc, state.device)
+                d.observe(state, dr.device_draft, dataclasses.replace(
+                    fb, accepted_prefix=torch.from_numpy(prefix[:, a:b]).to(state.device),
+                    verified=torch.from_numpy(verified[:, a:b]).to(state.device)))
         if self.config.adapt:
             self.stats.update(prop.owner, prop.paths, prefix, prop.group, kept=kept)
+        return credit
 
-    def after_step(self, prop: Proposal, host: list[list[int]], secs: tuple[float, float], n_acc: list[int]) -> None:
-        """Host-side bookkeeping from the step's one read: drafting-time averages, the gate's
-        exclusive gains, the next static tree size."""
-        nd = len(self.drafters)
+    def after_step(self, prop: Proposal, acc: HostAcceptance, credit: np.ndarray, secs: tuple[float, float]) -> None:
+        """Host-side bookkeeping: drafting-time averages, the gate's exclusive gains, the guard."""
+        n_acc = acc.num_accepted
         if prop.marks:  # drafters ran (not a plain step)
             self._draft_overhead = 0.8 * self._draft_overhead + 0.2 * secs[0]
-        if prop.k is not None:
-            self._k_hint = max(r[-1] for r in host)
         for i, m0, m1 in prop.marks:
             self.gate.record_time(i, self._clock.seconds(m0, m1))
         called = [i for i, _, _ in prop.marks]
         exclusive = {}
-        if nd:
-            D1 = len(host[0]) - 5 - nd
-            credit = [r[1 + D1:1 + D1 + nd] for r in host]
-            for i in called:
-                gain = [max(0, n - max((c[j] for j in called if j != i), default=0)) for n, c in zip(n_acc, credit)]
-                exclusive[i] = sum(gain) / len(gain)
+        for i in called:
+            others = [j for j in called if j != i]
+            best_other = credit[:, others].max(axis=1) if others else 0
+            exclusive[i] = float(np.maximum(0, n_acc - best_other).mean())
         if called:  # a plain step (the guard's) says nothing about the drafters
-            self.gate.update(secs[0] + secs[1], sum(n_acc) / len(n_acc) + 1.0, exclusive)
-        self.guard.record(len(n_acc), bool(called), sum(n_acc) + len(n_acc), secs[0] + secs[1])
+            self.gate.update(secs[0] + secs[1], float(n_acc.mean()) + 1.0, exclusive)
+        self.guard.record(len(n_acc), bool(called), int(n_acc.sum()) + len(n_acc), secs[0] + secs[1])
 
 
-@functools.lru_cache(maxsize=256)
-def _filled(n: int, value: int, device) -> torch.Tensor:
-    """``[n]`` long filled with ``value`` (made once per shape: the owner of a drafter's paths)."""
-    return torch.full((n,), value, dtype=torch.long, device=device)
+_EMPTY_PATHS = np.full((1 << 16, 0, 1), PAD, np.int64)  # [B, 0, 1] views for plain steps
+_EMPTY_OWNER = np.zeros(0, np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _root_parts(B: int, N: int):
+    parent = np.zeros((B, N), np.int64)
+    parent[:, 0] = -1
+    valid = np.zeros((B, N), bool)
+    valid[:, 0] = True
+    anc = np.broadcast_to(np.eye(N, dtype=bool), (B, N, N)).copy()
+    anc[:, :, 0] = True
+    return parent, np.zeros((B, N), np.int64), valid, anc, np.ones(B, np.int64), np.zeros(B, np.int64)
+
+
+def root_tree(last: np.ndarray, size: int) -> HostTree:
+    """The tree of a plain step: the root alone (``last``), padded to ``size`` nodes."""
+    B = len(last)
+    parent, depth, valid, anc, ones, zeros = _root_parts(B, size)
+    tokens = np.full((B, size), PAD, np.int64)
+    tokens[:, 0] = last
+    return HostTree(tokens=tokens, parent=parent, depth=depth, valid=valid, anc=anc,
+                    path_node=np.full((B, 0, 1), -1, np.int64), num_nodes=ones, num_entries=zeros, max_depth=0)
+
+
+def _to_host(dr: Draft) -> Draft:
+    """A device drafter's draft as host arrays (its paths are read back: a device read)."""
+    return Draft(tokens=dr.tokens.cpu().numpy().astype(np.int64),
+                 logp=None if dr.logp is None else dr.logp.float().cpu().numpy(),
+                 group=None if dr.group is None else dr.group.cpu().numpy().astype(np.int64))
+
+
+def _device_feedback(acc: HostAcceptance, device) -> Feedback:
+    """The step's result as device tensors, for drafters that learn on the device."""
+    B = len(acc.num_accepted)
+    A = max(1, int(acc.num_accepted.max()))
+    accepted = np.full((B, A), PAD, np.int64)
+    for b, e in enumerate(acc.emitted):
+        accepted[b, :len(e) - 1] = e[:-1]
+    up = torch.from_numpy(np.concatenate([accepted, acc.num_accepted[:, None], acc.bonus[:, None]], axis=1)).to(device)
+    return Feedback(accepted_prefix=None, accepted=up[:, :A], num_accepted=up[:, A], bonus=up[:, A + 1], verified=None)
 
 
 @torch.no_grad()

@@ -6,20 +6,27 @@
         for event in engine.step():          # StreamEvent: text delta, tokens, done
             ...
 
-One :meth:`Engine.step` is a sequence of named calls::
+One :meth:`Engine.step` is a sequence of named calls, split between the host and the device::
 
-    retire finished rows -> join new rows (prefill) -> draft -> tree -> verify -> accept
-    -> read the step's results (the one host read) -> commit -> advance -> feedback -> emit
+    host:   retire -> join (prefill) -> propose -> choose_budget -> build the tree -> upload
+    device: verify (one forward; one CUDA graph launch) -> logits -> the rule's choices
+    host:   read the choices (the step's one device read) -> accept -> commit -> feedback -> emit
 
-Everything up to the read is device work whose shapes the host knows without looking at the
-device (on CUDA with static trees; on CPU reading a tree size costs nothing); the step's
-results (accepted counts, emitted tokens, per-drafter credit, tree sizes, chosen budget) come
-back in one packed tensor. Text is detokenised incrementally per row (``TextStream``).
+The host keeps every row's tokens, so the learning-free drafters (context n-grams, model
+tables) draft from host memory and the tree is built in numpy (``redraft.infer.hostdraft``); the
+device gets one packed tensor (:class:`~redraft.infer.verify.StepInput`) and gives back one:
+the token each acceptance rule picks after every tree node (:class:`StepReadout`). The accepted
+path is then walked on the host (``redraft.infer.accept.walk``), the cache commits it, and
+the drafters learn from it. Outside the target forward a greedy or N-Grammys step runs a
+handful of tensor ops (``redraft.infer.opcount``; a test keeps it so). Drafters that draft on
+the device (ReDrafter beams, HSDDW, ADED) read their paths back (a second read) and see a
+device :class:`~redraft.infer.drafters.base.DecodeState` the engine keeps only for them.
 
 Rows have their own cache length and sampling settings (temperature, top-p, seed), so the
 server can add a request while others decode (it is prefilled and joins at the next step) and
-remove one whose client left. ``SpeculativeDecoder.generate`` is this loop with every request
-added up front.
+remove one whose client left. The cache and its captured graphs live as long as the engine, so
+a server (one engine) captures each shape once. ``SpeculativeDecoder.generate`` is this loop
+with every request added up front.
 """
 
 from __future__ import annotations
@@ -28,20 +35,22 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.accept import RowSampling, emitted_tokens, sample_tokens, seed_uniforms
+from redraft.infer.accept import HostAcceptance, RowSampling, sample_tokens, seed_uniforms
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState
 from redraft.infer.stats import Generation, RequestStats, StreamEvent
 from redraft.infer.text import TextStream
-from redraft.infer.tree import build_tree
+from redraft.infer.verify import StepInput
 
 
 @dataclass
 class _Row:
-    """Host-side record of one request."""
+    """Host-side record of one request: its tokens (prompt + output, the last one is the token
+    the target produced last, not yet in the cache) in a growing numpy buffer."""
 
     rid: int
     prompt: list[int]
@@ -51,9 +60,24 @@ class _Row:
     uniforms: torch.Tensor | None = None  # a seeded request's own random numbers, one per output token
     tokens: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
-    length: int = 0  # tokens in the state's buffer (prompt + output so far)
+    seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    length: int = 0  # valid entries of seq (prompt + output so far)
     done: bool = False
     t_start: float = 0.0
+
+    def append(self, toks) -> None:
+        """Add tokens to the row's sequence (the buffer doubles when full)."""
+        n = len(toks)
+        if self.length + n > len(self.seq):
+            grown = np.zeros(max(2 * len(self.seq), self.length + n + 64), np.int64)
+            grown[:self.length] = self.seq[:self.length]
+            self.seq = grown
+        self.seq[self.length:self.length + n] = toks
+        self.length += n
+
+    @property
+    def last(self) -> int:
+        return int(self.seq[self.length - 1])
 
     def take(self, toks: list[int], eos: set) -> tuple[list[int], str, str | None]:
         """Append a step's tokens: ``(tokens kept, text delta, finish reason or None)``."""
@@ -77,7 +101,29 @@ class _Row:
         return new, text, reason
 
 
-class _Clock:
+@dataclass
+class HostState:
+    """What host drafters see: ``seqs[b]`` row b's tokens (int64 numpy, prompt + output, the
+    last one is ``last[b]``), ``prompt_lengths [B]``."""
+
+    seqs: list[np.ndarray]
+    last: np.ndarray
+    prompt_lengths: np.ndarray
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)
+
+
+class StepReadout:
+    """The step's one device-to-host transfer: ``choices`` ``[R, B, N]`` (R rules' picks per
+    node, see ``SpeculativeDecoder.choices``) as numpy."""
+
+    def __init__(self, choices: torch.Tensor):
+        self.values = choices.cpu().numpy() if choices.device.type != "cpu" else choices.numpy()
+
+
+class Clock:
     """Step timestamps: CUDA events on a GPU (read after the step's one host read, no extra
     sync), ``perf_counter`` on CPU."""
 
@@ -106,14 +152,14 @@ class Engine:
         self.dec = decoder
         self.verifier = decoder.verifier
         self.device = decoder.target.device
-        self.rows: list[_Row] = []  # aligned with the rows of self.state
+        self.rows: list[_Row] = []  # aligned with the cache's active slots
         self.waiting: list[_Row] = []
-        self.state: DecodeState | None = None
-        self.cache = None
+        self.state: DecodeState | None = None  # only when a drafter drafts on the device
+        self.cache = None  # SlotKVCache, made at the first join, kept for the engine's life
         self.sampling: RowSampling | None = None
         self.steps = 0
         self._next_id = 0
-        self._clock = _Clock(self.device)
+        self._clock = Clock(self.device)
         self._context = getattr(decoder.model.config, "max_position_embeddings", None)
 
     # ------------------------------------------------------------------ requests
@@ -171,82 +217,114 @@ class Engine:
         self._retire()
         if not self.rows:
             return events
-        dec, state, cache = self.dec, self.state, self.cache
-        clock = self._clock
+        dec, clock = self.dec, self._clock
         t0 = clock.mark()
-        prop = dec.propose(state, dec.guard.speculate(state.batch_size))  # paths [B, P, L] of the drafters called
-        budget, size = dec.choose_budget(prop, self.verifier)
-        tree = build_tree(prop.paths, prop.values, budget, root=state.last, size=size)
+        host = self._host_state()
+        prop = dec.propose(host, self.state, dec.guard.speculate(len(self.rows)))
+        tree = dec.build_tree(prop, host, self.verifier)
+        step_in = self._upload(tree)
         t1 = clock.mark()
-        hidden = self.verifier.verify(tree.tokens, tree.depth, tree.anc, cache)  # [B, N, H]
-        self.sampling.offset = state.lengths - state.prompt_lengths  # output tokens so far, per row
-        acc = dec.accept(tree, self.verifier.logits(hidden), self.sampling)
-        credit, hit = dec.credit(prop, tree, acc)  # [B, drafters] accepted tokens each proposed
-        emitted = emitted_tokens(tree, acc)  # [B, D+1]
+        hidden = self.verifier.verify(step_in, self.cache)  # [B, N, H]
+        if self.sampling.seeded:  # output tokens so far: which uniform a seeded row's draw takes
+            self.sampling.offset = torch.tensor([r.length - len(r.prompt) for r in self.rows]).to(self.device)
+        choices = dec.choices(step_in, self.verifier.logits(hidden), self.sampling)  # [R, B, N]
         t2 = clock.mark()
-        host = self._read(acc.num_accepted, emitted, credit, tree, prop, budget if prop.k is None else prop.k)  # the one host read
-        n_acc = [r[0] for r in host]
-        new_len = [row.length + n + 1 for row, n in zip(self.rows, n_acc)]
-        cache.commit(acc.path, acc.num_accepted + 1, physical=max(new_len) - 1)
-        old = state
-        self.state = self._advance(state, emitted, acc, hidden, tree, new_len)
-        dec.feedback(old, prop, tree, acc, hit)
+        acc = dec.accept(tree, StepReadout(choices))  # the one host read, then the walk
+        self._commit(tree, acc)
+        before = self.state  # what the device drafters drafted from
+        if before is not None:
+            self._advance(acc, hidden)
+        credit = dec.feedback(host, before, prop, tree, acc)
         secs = clock.seconds(t0, t1), clock.seconds(t1, t2)  # CUDA events are done: the read synced
-        dec.after_step(prop, host, secs, n_acc)
+        dec.after_step(prop, acc, credit, secs)
         self.steps += 1
-        return events + self._emit(host, secs)
+        return events + self._emit(tree, prop, acc, credit, secs)
 
     # ------------------------------------------------------------------ step pieces
 
-    def _read(self, n_acc, emitted, credit, tree, prop, budget) -> list[list[int]]:
-        """Everything the host needs from this step, in one transfer: per row
-        ``[accepted, emitted tokens (D+1), credit per drafter, nodes, entries kept, entries
-        proposed, budget]``."""
-        B = n_acc.shape[0]
-        budget_col = (budget if isinstance(budget, torch.Tensor) else torch.full((B,), int(budget or 0),
-                                                                                 device=n_acc.device))
-        cols = [n_acc[:, None], emitted, credit, (tree.num_nodes - 1)[:, None],
-                (tree.path_node >= 0).sum(dim=(1, 2))[:, None], prop.raw_entries[:, None], budget_col[:, None]]
-        return torch.cat([c.long() for c in cols], dim=1).tolist()
+    def _host_state(self) -> HostState:
+        rows = self.rows
+        seqs = [r.seq[:r.length] for r in rows]
+        return HostState(seqs, np.array([s[-1] for s in seqs], np.int64),
+                         np.array([len(r.prompt) for r in rows], np.int64))
 
-    def _advance(self, state: DecodeState, emitted, acc, hidden, tree, new_len: list[int]) -> DecodeState:
-        """The state after this step: emitted tokens appended, the bonus as ``last``, the hidden
-        state of the deepest accepted node."""
-        B = state.batch_size
-        buf = state.tokens
+    def _upload(self, tree) -> StepInput:
+        """The tree and the rows' cache lengths in one packed tensor, one host-to-device copy."""
+        B, N = tree.tokens.shape
+        packed = np.empty((B, StepInput.width(N)), np.int64)
+        packed[:, 0] = self.cache.host_lengths
+        packed[:, 1:1 + N] = tree.tokens
+        packed[:, 1 + N:1 + 2 * N] = tree.depth
+        packed[:, 1 + 2 * N:1 + 3 * N] = tree.parent
+        packed[:, 1 + 3 * N:] = tree.anc.reshape(B, N * N)
+        t = torch.from_numpy(packed)
+        if self.device.type != "cpu":
+            t = t.to(self.device)  # the previous step's read synced: nothing to overlap with
+        return StepInput(t, N)
+
+    def _commit(self, tree, acc: HostAcceptance) -> None:
+        """Keep the accepted nodes' keys and values: node ``j`` of row b was written at column
+        ``length_b + j``, the accepted node at depth i belongs at ``length_b + i``; only nodes
+        off the tree's first chain move. Then the rows' lengths grow."""
+        cache = self.cache
+        rows, src, dst = [], [], []
+        for b, (n, path) in enumerate(zip(acc.num_accepted.tolist(), acc.path.tolist())):
+            L = cache.host_lengths[b]
+            for i in range(1, n + 1):
+                if path[i] != i:
+                    rows.append(b)
+                    src.append(L + path[i])
+                    dst.append(L + i)
+            cache.host_lengths[b] = L + n + 1
+        cache.commit_moves(rows, src, dst)
+        for row, toks in zip(self.rows, acc.emitted):
+            row.append(toks)
+
+    def _advance(self, acc: HostAcceptance, hidden: torch.Tensor) -> None:
+        """The device state the device drafters see: emitted tokens appended, the bonus as
+        ``last``, the hidden state of the deepest accepted node (one upload)."""
+        s = self.state
+        B = s.batch_size
+        D1 = max(len(e) for e in acc.emitted)
+        buf = s.tokens
+        new_len = [r.length for r in self.rows]
         if max(new_len) + 1 > buf.shape[1]:
             buf = torch.cat([buf, buf.new_full((B, max(new_len) + 1 - buf.shape[1] + 64), PAD)], dim=1)
-        pos = (state.lengths[:, None] + torch.arange(emitted.shape[1], device=buf.device)[None]).clamp(max=buf.shape[1] - 1)
-        buf = buf.scatter(1, pos, torch.where(emitted >= 0, emitted, buf.gather(1, pos)))
-        for row, n in zip(self.rows, new_len):
-            row.length = n
+        up = np.full((B, 3 + D1), PAD, np.int64)
+        for b, e in enumerate(acc.emitted):
+            up[b, 3:3 + len(e)] = e
+        up[:, 0] = new_len
+        up[:, 1] = acc.last_node
+        up[:, 2] = acc.bonus
+        u = torch.from_numpy(up).to(self.device)
+        old_len = s.lengths
+        pos = (old_len[:, None] + torch.arange(D1, device=buf.device)[None]).clamp(max=buf.shape[1] - 1)
+        em = u[:, 3:]
+        buf = buf.scatter(1, pos, torch.where(em >= 0, em, buf.gather(1, pos)))
         rows = torch.arange(B, device=buf.device)
-        return dataclasses.replace(state, tokens=buf, lengths=state.lengths + acc.num_accepted + 1, last=acc.bonus,
-                                   hidden=hidden[rows, acc.last_node], step=state.step + 1)
+        self.state = dataclasses.replace(s, tokens=buf, lengths=u[:, 0], last=u[:, 2],
+                                         hidden=hidden[rows, u[:, 1]].clone(), step=s.step + 1)
 
-    def _emit(self, host: list[list[int]], secs: tuple[float, float]) -> list[StreamEvent]:
+    def _emit(self, tree, prop, acc: HostAcceptance, credit: np.ndarray, secs) -> list[StreamEvent]:
         """Per row: stats, new tokens and text; a finished row gets its final event."""
         events = []
-        nd = len(self.dec.drafters)
         names = [d.name for d in self.dec.drafters]
-        for row, vals in zip(self.rows, host):
-            n = vals[0]
-            D1 = len(vals) - 5 - nd  # emitted tokens per row (D + 1)
-            toks = vals[1:1 + n + 1]
-            credit = vals[1 + D1:1 + D1 + nd]
-            nodes, kept, raw = vals[1 + D1 + nd:4 + D1 + nd]
+        nodes = tree.num_nodes - 1
+        kept = (tree.path_node >= 0).sum(axis=(1, 2)) if tree.path_node.size else np.zeros(len(self.rows), int)
+        for b, row in enumerate(self.rows):
+            n = int(acc.num_accepted[b])
             s = row.stats
             s.target_calls += 1
             s.accepted_hist[n] += 1
             s.draft_time += secs[0]
             s.verify_time += secs[1]
-            s.tree_nodes += nodes
-            s.tree_entries += kept
-            s.tree_entries_raw += raw
-            for name, c in zip(names, credit):
+            s.tree_nodes += int(nodes[b])
+            s.tree_entries += int(kept[b])
+            s.tree_entries_raw += int(prop.raw_entries[b])
+            for name, c in zip(names, credit[b].tolist() if len(names) else ()):
                 if c:
                     s.drafter_accepted[name] += c
-            events += self._row_event(row, toks)
+            events += self._row_event(row, acc.emitted[b])
         return events
 
     def _row_event(self, row: _Row, toks: list[int]) -> list[StreamEvent]:
@@ -263,21 +341,19 @@ class Engine:
     # ------------------------------------------------------------------ rows joining and leaving
 
     def _retire(self) -> None:
-        """Drop finished and cancelled rows from the batch (state, cache, drafters)."""
+        """Drop finished and cancelled rows from the batch (cache, state, drafters)."""
         keep = [i for i, r in enumerate(self.rows) if not r.done]
         if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self.state = self.cache = self.sampling = None
-            return
-        idx = torch.tensor(keep, device=self.device)
-        self.cache.select_rows(idx, physical=max(r.length - 1 for r in self.rows))
-        s = self.state
-        self.sampling = self._sampling()
-        self.state = dataclasses.replace(s, tokens=s.tokens[idx], lengths=s.lengths[idx], last=s.last[idx],
-                                         hidden=s.hidden[idx], prompt_lengths=s.prompt_lengths[idx],
-                                         request_ids=s.request_ids[idx], sampling=self.sampling)
+        self.cache.keep_rows(keep)
+        self.sampling = self._sampling() if keep else None
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if self.state is not None:
+            s = self.state
+            self.state = None if not keep else dataclasses.replace(
+                s, tokens=s.tokens[idx], lengths=s.lengths[idx], last=s.last[idx], hidden=s.hidden[idx],
+                prompt_lengths=s.prompt_lengths[idx], request_ids=s.request_ids[idx], sampling=self.sampling)
         for d in self.dec.drafters:
             d.select_rows(idx)
 
@@ -287,50 +363,68 @@ class Engine:
                            [r.generator or self.dec.generator for r in rows], self.device,
                            uniforms=[r.uniforms for r in rows])
 
+    def _reserve(self, new: list[_Row]) -> None:
+        """A cache with room for the running rows and ``new`` (made once, grown by doubling)."""
+        dec = self.dec
+        slack = dec.config.max_nodes + 2 if dec.drafters else 2
+        width = max(len(r.prompt) + r.params.max_new_tokens for r in new) + slack + 1
+        width = max([width] + [r.length + r.params.max_new_tokens - len(r.tokens) + slack + 1 for r in self.rows])
+        if self.cache is None:
+            self.cache = self.verifier.new_cache(len(new), width)
+        else:
+            self.cache.reserve(self.cache.batch + len(new), width)
+
     def _join(self) -> list[StreamEvent]:
-        """Prefill the waiting requests together, sample their first token, and append them to
-        the batch (state, cache, drafters)."""
+        """Prefill the waiting requests together into the next free slots, sample their first
+        token, and append them to the batch (cache, state, drafters)."""
         new, self.waiting = self.waiting, []
         dev, dec = self.device, self.dec
         t0 = time.perf_counter()
-        slack = dec.config.max_nodes + 2 if dec.drafters else 2
-        width = max(len(r.prompt) + r.params.max_new_tokens for r in new) + slack + 1
-        cache = self.verifier.new_cache(len(new), width)
-        h_last = self.verifier.prefill([r.prompt for r in new], cache)  # [n, H]
+        self._reserve(new)
+        cache = self.cache
+        start = cache.batch
+        h_last = self.verifier.prefill([r.prompt for r in new], cache, first_slot=start)  # [n, H]
         y = sample_tokens(self.verifier.logits(h_last), self._sampling(new))  # [n]
         y_host = y.tolist()
         prefill = time.perf_counter() - t0
-        buf = torch.full((len(new), width), PAD, dtype=torch.long)
-        for i, r in enumerate(new):
-            buf[i, :len(r.prompt)] = torch.tensor(r.prompt)
-            buf[i, len(r.prompt)] = y_host[i]
-            r.length = len(r.prompt) + 1
+        cache.host_lengths += [len(r.prompt) for r in new]
+        cache.batch += len(new)
+        for r, t in zip(new, y_host):
+            r.append(r.prompt + [t])
             r.t_start, r.stats.prefill_time = t0, prefill
-        plen = torch.tensor([len(r.prompt) for r in new], device=dev)
-        part = DecodeState(tokens=buf.to(dev), lengths=plen + 1, last=y, hidden=h_last, prompt_lengths=plen,
-                           step=0, request_ids=torch.tensor([r.rid for r in new], device=dev))
-        start = len(self.rows)
-        if self.state is None:
-            self.state, self.cache = part, cache
-        else:
-            s = self.state
-            W = max(s.tokens.shape[1], part.tokens.shape[1])
-            toks = torch.cat([_widen(s.tokens, W), _widen(part.tokens, W)])
-            self.cache.append_rows(cache)
-            self.state = dataclasses.replace(
-                s, tokens=toks, lengths=torch.cat([s.lengths, part.lengths]), last=torch.cat([s.last, y]),
-                hidden=torch.cat([s.hidden, h_last.to(s.hidden.dtype)]),
-                prompt_lengths=torch.cat([s.prompt_lengths, plen]),
-                request_ids=torch.cat([s.request_ids, part.request_ids]))
         self.rows += new
         self.sampling = self._sampling()
-        self.state = dataclasses.replace(self.state, sampling=self.sampling)
+        if dec.device_drafters:
+            self._join_state(new, y, h_last, start)
         for d in dec.drafters:
             d.add_rows(self.state, start)
         events = []
         for r, t in zip(new, y_host):
             events += self._row_event(r, [t])
         return events
+
+    def _join_state(self, new: list[_Row], y: torch.Tensor, h_last: torch.Tensor, start: int) -> None:
+        """The device state of the new rows, appended to the running rows' (device drafters)."""
+        dev = self.device
+        width = max(r.length for r in new) + 64
+        buf = torch.full((len(new), width), PAD, dtype=torch.long)
+        for i, r in enumerate(new):
+            buf[i, :r.length] = torch.from_numpy(r.seq[:r.length])
+        plen = torch.tensor([len(r.prompt) for r in new], device=dev)
+        part = DecodeState(tokens=buf.to(dev), lengths=plen + 1, last=y, hidden=h_last, prompt_lengths=plen,
+                           step=0, request_ids=torch.tensor([r.rid for r in new], device=dev))
+        if self.state is None or start == 0:
+            self.state = part
+        else:
+            s = self.state
+            W = max(s.tokens.shape[1], part.tokens.shape[1])
+            self.state = dataclasses.replace(
+                s, tokens=torch.cat([_widen(s.tokens, W), _widen(part.tokens, W)]),
+                lengths=torch.cat([s.lengths, part.lengths]), last=torch.cat([s.last, y]),
+                hidden=torch.cat([s.hidden, h_last.to(s.hidden.dtype)]),
+                prompt_lengths=torch.cat([s.prompt_lengths, plen]),
+                request_ids=torch.cat([s.request_ids, part.request_ids]))
+        self.state = dataclasses.replace(self.state, sampling=self.sampling)
 
 
 def _widen(tokens: torch.Tensor, width: int) -> torch.Tensor:

@@ -196,3 +196,148 @@ class TreeKVCache(Cache):
         bias = torch.zeros(vis.shape, dtype=dtype, device=vis.device)
         bias.masked_fill_(~vis, torch.finfo(dtype).min)
         return bias[:, None]
+
+
+class _SlotLayer(_BufferLayer):
+    """One layer of a :class:`SlotKVCache`: per-row writes at each row's own length."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        c = self.cache
+        lo, hi = c.window
+        idx = c.write_index.expand_as(key_states)  # [B, heads, n, head_dim]: column of every written entry
+        k = c.kv[self.idx, 0, lo:hi]  # [B, heads, capacity, head_dim] view of the active slots
+        v = c.kv[self.idx, 1, lo:hi]
+        k.scatter_(2, idx, key_states)
+        v.scatter_(2, idx, value_states)
+        return k[:, :, :c.span], v[:, :, :c.span]
+
+    @property
+    def keys(self):
+        lo, hi = self.cache.window
+        return self.cache.kv[self.idx, 0, lo:hi, :, :self.cache.span]
+
+    @keys.setter
+    def keys(self, value):
+        pass
+
+    @property
+    def values(self):
+        lo, hi = self.cache.window
+        return self.cache.kv[self.idx, 1, lo:hi, :, :self.cache.span]
+
+    @values.setter
+    def values(self, value):
+        pass
+
+    def get_mask_sizes(self, query_length: int):
+        return self.cache.span, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.span
+
+
+class SlotKVCache(Cache):
+    """The target's KV cache for decoding: fixed slots and capacity, no holes, no per-step moves.
+
+    ``kv [layers, 2, slots, kv_heads, capacity, head_dim]`` is allocated once (it grows by
+    doubling only when a request needs more rows or columns than it has, which drops the
+    captured graphs over it). The batch's active rows are slots ``0 .. B-1`` (rows leaving are
+    compacted in place, rows joining are prefilled straight into the next free slots); row ``b``
+    holds ``lengths[b]`` tokens at columns ``0 .. lengths[b]-1``.
+
+    A forward of ``n`` tokens per row writes row b's tokens at columns ``lengths[b] ..
+    lengths[b]+n-1`` (one scatter per layer: every index comes from the device tensor
+    ``lengths``, so a captured forward is valid for any lengths) and attends over the first
+    ``span`` columns: the longest row plus ``n`` (a host int), or the whole capacity when the
+    forward runs in a CUDA graph (``static``). :meth:`attention_bias` shows a row its own cache
+    columns and its tree's ancestors. Committing a greedy step or an accepted path that is the
+    tree's first chain moves nothing: the entries are already where they belong; other accepted
+    nodes are moved with one gather and one scatter for the whole batch (:meth:`commit`).
+
+    Host state (no device reads): ``host_lengths`` (list of int per row); device state:
+    ``lengths`` ``[B]`` long, set by the caller before every forward.
+    """
+
+    def __init__(self, model_config, slots: int, capacity: int, dtype, device):
+        cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        self.num_layers = int(cfg.num_hidden_layers)
+        heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.kv = torch.zeros((self.num_layers, 2, max(slots, 1), heads, capacity, head_dim), dtype=dtype,
+                              device=device)
+        self.batch = 0  # active rows (slots 0..batch-1)
+        self.host_lengths: list[int] = []
+        self.lengths = torch.zeros(0, dtype=torch.long, device=device)
+        self.window = (0, 0)  # slots the current forward runs over
+        self.span = 0  # columns the current forward attends over
+        self.write_index: torch.Tensor | None = None  # [B, 1, n, 1] columns the forward writes
+        self.generation = 0  # bumped whenever `kv` is reallocated (captured graphs hold its address)
+        super().__init__(layers=[_SlotLayer(self, i) for i in range(self.num_layers)])
+
+    @property
+    def slots(self) -> int:
+        return int(self.kv.shape[2])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.kv.shape[4])
+
+    @property
+    def physical(self) -> int:
+        """Columns in use by the longest active row (host int)."""
+        return max(self.host_lengths, default=0)
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.span
+
+    def reserve(self, slots: int, capacity: int) -> bool:
+        """Make room for ``slots`` rows of ``capacity`` columns; returns whether the buffer moved."""
+        if slots <= self.slots and capacity <= self.capacity:
+            return False
+        new_slots = max(slots, self.slots * 2 if slots > self.slots else self.slots)
+        new_cap = max(capacity, self.capacity * 2 if capacity > self.capacity else self.capacity)
+        new = self.kv.new_zeros((*self.kv.shape[:2], new_slots, self.kv.shape[3], new_cap, self.kv.shape[5]))
+        new[:, :, :self.slots, :, :self.capacity] = self.kv
+        self.kv = new
+        self.generation += 1
+        return True
+
+    def begin(self, lengths: torch.Tensor, n: int, span: int, rows: tuple[int, int] | None = None) -> None:
+        """Set up a forward of ``n`` tokens per row over slots ``rows`` (default: the batch) whose
+        rows hold ``lengths [B]`` tokens (device), attending over the first ``span`` columns."""
+        self.window = rows or (0, self.batch)
+        self.lengths = lengths
+        self.write_index = (lengths[:, None] + torch.arange(n, device=lengths.device)[None])[:, None, :, None]
+        self.span = span
+
+    def attention_bias(self, anc: torch.Tensor, dtype, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """Additive mask ``[B, 1, n, span]`` for the current forward: row b's token i sees cache
+        columns ``< lengths[b]`` and the tree columns ``lengths[b] + m`` of its ancestors m
+        (``anc [B, n, n]`` bool, ``anc[b, i, m]``). ``columns``: ``arange(span)`` if cached."""
+        B, n, _ = anc.shape
+        c = torch.arange(self.span, device=anc.device) if columns is None else columns
+        rel = c[None, :] - self.lengths[:, None]  # [B, span]: tree node of each column, < 0 = cache
+        tree = anc.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(B, n, self.span))  # [B, n, span]
+        vis = (rel < 0)[:, None, :] | (tree & (rel < n)[:, None, :])
+        return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(
+            ~vis, torch.finfo(dtype).min)[:, None]
+
+    def commit_moves(self, rows: list[int], src: list[int], dst: list[int]) -> None:
+        """Move entries ``(row, src column) -> (row, dst column)`` for every layer (host lists;
+        one upload, one gather, one scatter)."""
+        if not rows:
+            return
+        idx = torch.tensor([rows, src, dst], dtype=torch.long).to(self.kv.device, non_blocking=True)
+        self.kv[:, :, idx[0], :, idx[2]] = self.kv[:, :, idx[0], :, idx[1]]
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Rows ``keep`` (indices of active rows, in order) stay, compacted into slots 0..len-1."""
+        if keep != list(range(len(keep))):
+            idx = torch.tensor(keep, dtype=torch.long).to(self.kv.device)
+            self.kv[:, :, :len(keep)] = self.kv[:, :, idx]
+        self.host_lengths = [self.host_lengths[i] for i in keep]
+        self.batch = len(keep)

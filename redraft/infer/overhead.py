@@ -7,8 +7,11 @@ detokenisation. On a GPU serving a 7-8B target, whose forward costs 7-15 ms at b
 the time the device waits for the host each step.
 
 Per method and batch size it reports ``host_ms_per_step`` = (decode wall time - time inside
-target forwards) / steps, and ``forward_ms`` = the mean forward time per step of the same tiny
-model (the tree sizes the method verified), best of ``repeats`` runs. Methods:
+target forwards) / steps, ``forward_ms`` = the mean forward time per step of the same tiny
+model (the tree sizes the method verified), best of ``repeats`` runs, and ``ops_per_step``: the
+tensor ops a step dispatches outside the target forward (``redraft.infer.opcount``; on a GPU
+each is a kernel launch, so this is the figure that bounds host time there, and it is the same
+on every machine). Methods:
 
 * ``greedy``: plain decoding (no drafter);
 * ``context-16`` / ``context-64``: the context n-gram drafter, fixed budgets of 16 / 64 nodes;
@@ -81,6 +84,25 @@ def _prompts(target, batch: int) -> list[list[int]]:
 
 
 @torch.no_grad()
+def ops_per_step(decoder, prompts: list[list[int]], steps: int = 8) -> float:
+    """Mean tensor ops per decode step outside the target forward (after the join and a warm-up
+    step), over ``steps`` steps."""
+    from redraft.infer.config import SamplingParams
+    from redraft.infer.opcount import OpCounter
+
+    decoder.eos = set()
+    engine = decoder.engine()
+    for p in prompts:
+        engine.add(p, SamplingParams.checked(max_new_tokens=steps + 4))
+    engine.step()
+    engine.step()
+    with OpCounter() as ops:
+        for _ in range(steps):
+            engine.step()
+    return ops.total / steps
+
+
+@torch.no_grad()
 def measure(decoder, prompts: list[list[int]], new_tokens: int) -> dict:
     """One decode of ``prompts``: wall seconds, seconds inside forwards, engine steps."""
     from redraft.infer.config import SamplingParams
@@ -117,21 +139,23 @@ def overhead_benchmark(device="cpu", dtype="float32", batches=(1, 8), new_tokens
                 steps = max(best["steps"], 1)
                 row = {"host_ms_per_step": round(1e3 * (best["wall_s"] - best["forward_s"]) / steps, 3),
                        "forward_ms": round(1e3 * best["forward_s"] / (steps + 1), 3),
-                       "steps": best["steps"], "tokens_per_step": round(B * new_tokens / steps, 3)}
+                       "steps": best["steps"], "tokens_per_step": round(B * new_tokens / steps, 3),
+                       "ops_per_step": round(ops_per_step(dec, prompts), 1)}
                 out.setdefault(name, {})[f"batch_{B}"] = row
                 progress(f"[overhead] {name:12s} batch {B}: host {row['host_ms_per_step']:.2f} ms/step, "
-                         f"forward {row['forward_ms']:.2f} ms, {row['steps']} steps")
+                         f"{row['ops_per_step']:.0f} ops/step, forward {row['forward_ms']:.2f} ms, {row['steps']} steps")
     return {"overhead": out}
 
 
 def overhead_markdown(result: dict, device: str) -> str:
     rows = result["overhead"]
     batches = sorted({b for r in rows.values() for b in r}, key=lambda b: int(b.split("_")[1]))
-    head = "| method | " + " | ".join(f"host ms/step ({b.replace('_', ' ')}) | forward ms ({b.replace('_', ' ')})"
-                                      for b in batches) + " |"
+    head = "| method | " + " | ".join(f"host ms/step ({b.replace('_', ' ')}) | ops/step ({b.replace('_', ' ')}) | "
+                                      f"forward ms ({b.replace('_', ' ')})" for b in batches) + " |"
     lines = [f"Host overhead per decode step, tiny random target (hidden 32, 1 layer), {device}.", "", head,
-             "|---|" + "---:|---:|" * len(batches)]
+             "|---|" + "---:|---:|---:|" * len(batches)]
     for name, r in rows.items():
-        cells = [f"{r[b]['host_ms_per_step']:.2f} | {r[b]['forward_ms']:.2f}" if b in r else "- | -" for b in batches]
+        cells = [f"{r[b]['host_ms_per_step']:.2f} | {r[b].get('ops_per_step', float('nan')):.0f} | "
+                 f"{r[b]['forward_ms']:.2f}" if b in r else "- | - | -" for b in batches]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

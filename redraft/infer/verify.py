@@ -3,52 +3,140 @@
 :class:`Verifier` is everything the decoder asks of the target model. It hides how the forward
 runs fast on each device: on CPU, faster weight layouts for multi-token forwards
 (``redraft.models.cpu``: oneDNN-packed float32 linears and a contiguous LM head, used only
-inside these forwards); on CUDA, optionally a static-shape verify whose forward is captured
-once per tree size in a CUDA graph (``static=True``; see :meth:`Verifier.verify`).
+inside these forwards); on CUDA, a static-shape verify captured once per (batch, tree size) in a
+CUDA graph and replayed (``static=True``, the default there).
 
-A verify forward of ``n`` tree tokens attends to each row's cache (its own length) plus the
-tree's ancestor mask, with positions ``cache length + depth`` (transformers models take a 4D
-additive mask and explicit position ids with a KV cache).
+What one verify forward gets is one packed tensor, :class:`StepInput` (the host builds the tree
+and uploads it in one copy): per row the cache length, then the tree's tokens, depths, parents
+and ancestor mask. Everything the model needs is derived from it *inside* the forward (ids,
+positions ``length + depth``, the 4D attention mask, the columns the cache writes), so on CUDA
+the whole verify, mask included, is one graph launch, and the step outside it is a handful of
+ops (``redraft.infer.opcount`` counts them).
 
-Static verify (``static=True``, the default on CUDA): trees are padded to :data:`STATIC_SIZES`
-and the cache runs in its static mode (writes at a device index, attends over its whole
-capacity), so a verify forward has the same shapes and addresses every step. On CUDA it is then
-captured in a CUDA graph per (batch, tree size, cache buffer) and replayed: one launch instead of
-hundreds of kernel launches from Python. A shape is captured the second step in a row it is
-used (rows joining or leaving a server's batch every step would otherwise cost a capture per
-step); the eager forward runs until then. Outputs are the eager forward's (the same kernels on
-the same inputs; a ``cuda`` test checks it).
+Graphs (:class:`GraphSet`) belong to the cache they were captured over (its buffer address is in
+them): one set per :class:`~redraft.infer.kv.SlotKVCache`, with its own memory pool, captured
+once per shape and reused across requests, dropped together (graphs and pool) when the buffer
+grows. A shape is captured the second step in a row it is used (a server's batch changes often);
+the eager forward runs until then. **A capture that fails never changes or stops decoding**: it
+is logged once, that shape stays eager, and the step runs the eager forward (a CPU test injects
+a failing capture).
+
+Attention backend: the mask is an explicit tree mask, so FlashAttention cannot run it; on CUDA
+the forwards run under ``sdpa_kernel([EFFICIENT_ATTENTION, MATH])``. PyTorch's cuDNN SDPA backend
+(which it may otherwise pick) builds a new execution plan for every new masked shape, ~30 ms of
+CPU per call on an H100 (docs/infer.md, "Attention backend").
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
+import time
+from dataclasses import dataclass
 
 import torch
 
 from redraft.infer.budget import SIZES, CostCurve, measure_cost_curve
-from redraft.infer.kv import TreeKVCache
+from redraft.infer.kv import SlotKVCache
 from redraft.infer.opcount import not_counted
 from redraft.models import cpu
+
+log = logging.getLogger(__name__)
 
 # tree sizes (root included) a static verify pads to: one captured graph each
 STATIC_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+@dataclass
+class StepInput:
+    """One step's device input, uploaded by the host in one copy: ``packed [B, 1 + 3N + N*N]``
+    long = per row ``[cache length | tokens (N) | depth (N) | parent (N) | ancestor mask (N*N,
+    0/1)]``; node 0 is the root (the token the target produced last), ``tokens`` < 0 are padding
+    nodes. The fields are views."""
+
+    packed: torch.Tensor
+    size: int  # N
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.packed[:, 0]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.packed[:, 1:1 + self.size]
+
+    @property
+    def depth(self) -> torch.Tensor:
+        return self.packed[:, 1 + self.size:1 + 2 * self.size]
+
+    @property
+    def parent(self) -> torch.Tensor:
+        return self.packed[:, 1 + 2 * self.size:1 + 3 * self.size]
+
+    @property
+    def anc(self) -> torch.Tensor:
+        """``[B, N, N]`` long 0/1."""
+        N = self.size
+        return self.packed[:, 1 + 3 * N:].view(-1, N, N)
+
+    @staticmethod
+    def width(size: int) -> int:
+        return 1 + 3 * size + size * size
+
+
+class GraphSet:
+    """The CUDA graphs captured over one cache buffer and their memory pool (one owner, one
+    lifetime): ``entries[(batch, size)]``, shapes whose capture failed in ``eager``."""
+
+    def __init__(self):
+        self.entries: dict = {}
+        self.eager: set = set()
+        self.pool = None
+        self.generation = -1  # the cache buffer generation the entries were captured over
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def clear(self) -> None:
+        """Drop every graph and the pool with them (a later capture starts a new pool: reusing
+        the handle of a pool whose graphs were all freed trips the CUDA caching allocator)."""
+        self.entries.clear()
+        self.pool = None
+
+
+def cuda_capture(fn, device, pool):
+    """Capture ``fn()`` (over static input buffers) in a CUDA graph: PyTorch's recipe, warm-up on
+    a side stream then capture. Returns ``(graph, output)``."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class Verifier:
-    """Target forwards over a :class:`TreeKVCache`.
+    """Target forwards over a :class:`~redraft.infer.kv.SlotKVCache`.
 
     Args:
         target: a :class:`redraft.models.Target`.
         fp32_logits: compute logits with a float32 LM head (bf16 targets: fewer near-tie flips).
         cpu_pack: on CPU, use ``redraft.models.cpu``'s faster layouts (the model is not
             modified; derived weights are shared by every verifier over the model).
-        static: pad trees to :data:`STATIC_SIZES` (shapes the caller can rely on without
-            reading the device, and the precondition of graph capture on CUDA).
+        static: pad trees to :data:`STATIC_SIZES` and attend over the cache's whole capacity
+            (shapes and addresses that do not change from step to step: the precondition of graph
+            capture on CUDA).
+        graphs: capture static verifies in CUDA graphs (default: ``static`` on CUDA).
+        capture: the capture function (``cuda_capture``); tests inject their own.
     """
 
     def __init__(self, target, fp32_logits: bool = False, cpu_pack: bool = True, static: bool = False,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, capture=None):
         self.target = target
         self.model = target.model
         self.base = getattr(self.model, self.model.base_model_prefix)
@@ -67,8 +155,13 @@ class Verifier:
         self.forward_seconds = 0.0  # wall time inside forwards (synchronised), when `timing`
         self.timing = False
         self.graphs = static and self.device.type == "cuda" if graphs is None else graphs
+        self.capture = capture or cuda_capture
         self._last_key = None  # the previous verify's shape key (capture on a repeat)
-        self._pool = None
+        self._warned = False
+        params = inspect.signature(self.base.forward).parameters
+        # transformers 5.x renames `past_key_values` to `cache` (the old name goes in 5.40)
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._attention = _sdpa_backends(self.device)
 
     # ------------------------------------------------------------------ shapes
 
@@ -83,8 +176,10 @@ class Verifier:
             size = max((s for s in STATIC_SIZES if s <= limit), default=limit)
         return size
 
-    def new_cache(self, batch: int, capacity: int) -> TreeKVCache:
-        return TreeKVCache(self.model.config, batch, capacity, self.dtype, self.device)
+    def new_cache(self, slots: int, capacity: int) -> SlotKVCache:
+        cache = SlotKVCache(self.model.config, slots, capacity, self.dtype, self.device)
+        cache.graph_set = GraphSet()
+        return cache
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -101,98 +196,88 @@ class Verifier:
         out = h @ self._head_wt
         return out if self._head_b is None else out + self._head_b
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, bias: torch.Tensor, cache) -> torch.Tensor:
-        timer = contextlib.nullcontext()
-        if self.timing:
-            timer = _Timer(self)
-        with timer, not_counted(), cpu.use_packed(self._packs):
-            out = self.base(input_ids=ids, attention_mask=bias, position_ids=positions,
-                            past_key_values=cache, use_cache=True)
+    def _model(self, ids, positions, bias, cache) -> torch.Tensor:
+        with self._attention, cpu.use_packed(self._packs):
+            out = self.base(input_ids=ids, attention_mask=bias, position_ids=positions, use_cache=True,
+                            **{self._cache_arg: cache})
         return out.last_hidden_state  # [B, n, H] after the final norm
 
-    def prefill(self, prompts: list[list[int]], cache: TreeKVCache) -> torch.Tensor:
-        """Run right-padded prompts (each row sees its own tokens only) into ``cache`` (empty,
-        one row per prompt); returns each row's last hidden state ``[B, H]``."""
+    def _tree_forward(self, step: StepInput, cache: SlotKVCache, static: bool) -> torch.Tensor:
+        """The verify forward, everything derived from ``step`` inside it (one graph on CUDA)."""
+        with not_counted():
+            N = step.size
+            lengths = step.lengths
+            cache.begin(lengths, N, cache.capacity if static else min(cache.capacity, cache.physical + N))
+            bias = cache.attention_bias(step.anc.bool(), self.dtype)
+            return self._model(step.tokens.clamp_min(0), lengths[:, None] + step.depth, bias, cache)
+
+    def prefill(self, prompts: list[list[int]], cache: SlotKVCache, first_slot: int = 0) -> torch.Tensor:
+        """Run right-padded prompts (each row sees its own tokens only) into slots
+        ``first_slot ..`` of ``cache`` (their rows start empty); returns each row's last hidden
+        state ``[n, H]``. The caller sets ``cache.host_lengths`` for these rows afterwards."""
         dev = self.device
         B, T = len(prompts), max(len(p) for p in prompts)
-        plen_host = [len(p) for p in prompts]
-        plen = torch.tensor(plen_host, device=dev)
         ids = torch.zeros((B, T), dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = torch.tensor(p)
+        plen = torch.tensor([len(p) for p in prompts]).to(dev)
         ids = ids.to(dev)
-        ar = torch.arange(T, device=dev)
-        causal = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < plen[:, None, None])
-        cache.lengths = torch.zeros(B, dtype=torch.long, device=dev)
-        cache.physical = 0
-        hid = self._forward(ids, ar[None].expand(B, -1), cache.attention_bias(causal, self.dtype), cache)
-        cache.set_prefill(plen, physical=max(plen_host))
+        with not_counted(), _Timer(self) if self.timing else contextlib.nullcontext():
+            ar = torch.arange(T, device=dev)
+            cache.begin(torch.zeros(B, dtype=torch.long, device=dev), T, span=T, rows=(first_slot, first_slot + B))
+            causal = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < plen[:, None, None])
+            hid = self._model(ids, ar[None].expand(B, -1), cache.attention_bias(causal, self.dtype), cache)
         return hid[torch.arange(B, device=dev), plen - 1]
 
-    def verify(self, tokens: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor,
-               cache: TreeKVCache) -> torch.Tensor:
-        """One forward over packed trees ``tokens [B, N]`` (``PAD`` allowed in padding nodes)
-        with depths ``[B, N]`` and ancestor mask ``anc [B, N, N]``; returns hidden ``[B, N, H]``
-        (the tokens' keys and values are appended to the cache, to be committed; with a static
-        verify the tensor is the graph's output buffer, valid until the next verify)."""
-        positions = cache.lengths[:, None] + depth
-        ids = tokens.clamp_min(0)
+    def verify(self, step: StepInput, cache: SlotKVCache) -> torch.Tensor:
+        """One forward over the packed trees of ``step``; returns hidden ``[B, N, H]`` (the tree
+        tokens' keys and values are written at each row's length, to be committed; with a
+        captured graph the tensor is the graph's output buffer, valid until the next verify)."""
         if not self.static:
-            return self._forward(ids, positions, cache.attention_bias(anc, self.dtype), cache)
-        n = tokens.shape[1]
-        cache.ensure_capacity(cache.physical + n)  # before any address is captured
-        cache.static = True
-        try:
-            cache.write_pos = cache.physical + torch.arange(n, device=tokens.device)
-            bias = cache.attention_bias(anc, self.dtype)
-            key = (cache.kv.data_ptr(), tuple(tokens.shape), cache.capacity)
-            if self.graphs and (key in cache.graphs or key == self._last_key):
-                self._last_key = key
-                return self._replay(key, ids, positions, bias, cache)
-            self._last_key = key
-            return self._forward(ids, positions, bias, cache)
-        finally:
-            cache.static = False
-
-    def _replay(self, key, ids, positions, bias, cache: TreeKVCache) -> torch.Tensor:
-        """Replay (capturing first if needed) the verify forward for this shape and buffer."""
-        entry = cache.graphs.get(key)
+            with _Timer(self) if self.timing else contextlib.nullcontext():
+                return self._tree_forward(step, cache, static=False)
+        key = (cache.batch, step.size)
+        graphs: GraphSet = cache.graph_set
+        if graphs.generation != cache.generation:  # the buffer moved: its graphs are stale
+            graphs.clear()
+            graphs.generation = cache.generation
+        repeat, self._last_key = key == self._last_key, key
+        entry = graphs.entries.get(key)
+        if entry is None and self.graphs and repeat and key not in graphs.eager:
+            entry = self._capture(key, step, cache, graphs)
         if entry is None:
-            entry = cache.graphs[key] = self._capture(ids, positions, bias, cache)
-        entry["ids"].copy_(ids)
-        entry["pos"].copy_(positions)
-        entry["bias"].copy_(bias)
-        entry["write_pos"].copy_(cache.write_pos)
-        cache.write_pos = entry["write_pos"]
-        if self.timing:
-            with _Timer(self):
-                entry["graph"].replay()
-        else:
+            with _Timer(self) if self.timing else contextlib.nullcontext():
+                return self._tree_forward(step, cache, static=True)
+        entry["step"].packed.copy_(step.packed)
+        with _Timer(self) if self.timing else contextlib.nullcontext():
             entry["graph"].replay()
-        cache.pending = ids.shape[1]
         return entry["out"]
 
-    def _capture(self, ids, positions, bias, cache: TreeKVCache) -> dict:
-        """Capture one verify forward over static input buffers (PyTorch's recipe: warm up on
-        a side stream, then capture; the warm-up forwards write the same keys and values at the
-        same columns as the real one, so they are harmless)."""
-        entry = {"ids": ids.clone(), "pos": positions.clone(), "bias": bias.clone(),
-                 "write_pos": cache.write_pos.clone()}
+    def _capture(self, key, step: StepInput, cache: SlotKVCache, graphs: GraphSet) -> dict | None:
+        """Capture the verify forward for this shape over static input buffers; ``None`` (and
+        the shape stays eager) if the capture fails for any reason."""
+        static = StepInput(step.packed.clone(), step.size)
         timing, self.timing = self.timing, False  # no synchronising inside a capture
-        cache.write_pos = entry["write_pos"]
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(entry["ids"], entry["pos"], entry["bias"], cache)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            entry["out"] = self._forward(entry["ids"], entry["pos"], entry["bias"], cache)
-        entry["graph"] = graph
-        self.timing = timing
+        try:
+            if graphs.pool is None and self.device.type == "cuda":
+                graphs.pool = torch.cuda.graph_pool_handle()
+            graph, out = self.capture(lambda: self._tree_forward(static, cache, static=True), self.device,
+                                      graphs.pool)
+        except Exception as exc:  # noqa: BLE001 - any capture failure must leave decoding intact
+            graphs.eager.add(key)
+            graphs.pool = None  # a failed capture may leave its pool unusable: the next one starts anew
+            if self.device.type == "cuda":
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize(self.device)
+            if not self._warned:
+                log.warning("CUDA graph capture of the verify forward failed for batch %d, tree size %d "
+                            "(%s: %s); this shape runs eagerly from now on (the output is unchanged).",
+                            key[0], key[1], type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                self._warned = True
+            return None
+        finally:
+            self.timing = timing
+        entry = graphs.entries[key] = {"step": static, "graph": graph, "out": out}
         return entry
 
     # ------------------------------------------------------------------ cost
@@ -200,22 +285,52 @@ class Verifier:
     @torch.no_grad()
     def measure_cost(self, max_nodes: int = 64, context: int = 256, sizes=None) -> CostCurve:
         """Measure the verify-cost curve on this device: one row over a ``context``-token cache,
-        trees of ``sizes`` tokens (up to ``max_nodes + 1``)."""
+        trees of ``sizes`` tokens (up to ``max_nodes + 1``), logits included."""
         sizes = [s for s in (sizes or SIZES) if s <= max(max_nodes + 1, 1)] or [1]
         if sizes[-1] < max_nodes + 1:
             sizes.append(max_nodes + 1)
-        dev = self.device
         cache = self.new_cache(1, context + max(sizes) + 1)
         self.prefill([[0] * context], cache)
+        cache.batch, cache.host_lengths = 1, [context]
 
         def fwd(n):
-            anc = torch.tril(torch.ones((1, n, n), dtype=torch.bool, device=dev))
-            h = self.verify(torch.zeros((1, n), dtype=torch.long, device=dev),
-                            torch.arange(n, device=dev)[None], anc, cache)
-            self.logits(h)
-            cache.physical = context  # drop what this forward appended
+            self.logits(self.verify(chain_step([context], n, self.device), cache))
 
         return measure_cost_curve(fwd, sizes, sync=self.sync)
+
+
+def chain_step(lengths: list[int], n: int, device, token: int = 0) -> StepInput:
+    """A :class:`StepInput` of one chain of ``n`` tokens per row (for measurements and tests)."""
+    B = len(lengths)
+    ar = torch.arange(n)
+    packed = torch.cat([torch.tensor(lengths)[:, None], torch.full((B, n), token), ar.expand(B, n),
+                        (ar - 1).expand(B, n), torch.tril(torch.ones(n, n, dtype=torch.long)).reshape(1, -1).expand(B, -1)],
+                       dim=1)
+    return StepInput(packed.to(device), n)
+
+
+def _sdpa_backends(device):
+    """The attention kernels the forwards may use: on CUDA the memory-efficient kernel (it takes
+    an explicit mask) and the math fallback, never cuDNN's plan-per-shape path (module doc)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return _Reusable(lambda: sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
+
+
+class _Reusable:
+    """A context manager made fresh on every ``with`` (``sdpa_kernel`` is single-use)."""
+
+    def __init__(self, make):
+        self.make, self.cm = make, None
+
+    def __enter__(self):
+        self.cm = self.make()
+        return self.cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc)
 
 
 class _Timer:
@@ -226,13 +341,9 @@ class _Timer:
         self.v = verifier
 
     def __enter__(self):
-        import time
-
         self.v.sync()
         self.t0 = time.perf_counter()
 
     def __exit__(self, *exc):
-        import time
-
         self.v.sync()
         self.v.forward_seconds += time.perf_counter() - self.t0

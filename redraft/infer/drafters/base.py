@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PAD = -1  # "no token" in paths and token buffers
@@ -132,14 +133,36 @@ class Feedback:
     verified: torch.Tensor
 
 
+@dataclass
+class HostFeedback:
+    """What verification did with a host drafter's paths (numpy; see :class:`Feedback`):
+    ``accepted_prefix [B, P]``, ``acceptance`` (``redraft.infer.accept.HostAcceptance``: the
+    accepted path, tokens and bonus of every row), ``verified [B, P]``."""
+
+    accepted_prefix: object
+    acceptance: object
+    verified: object
+
+
 class Drafter:
-    """Base class of all drafters. Subclasses implement :meth:`propose`; the rest is optional.
+    """Base class of all drafters. Subclasses implement :meth:`propose` (device drafters) or
+    set ``host = True`` and implement :meth:`propose_host`; the rest is optional.
 
     Class attributes:
         name: short name used in stats and benchmark tables.
+        host: drafts from the host's token lists (``redraft.infer.engine.HostState``) with numpy
+            and returns a :class:`Draft` of numpy arrays: no device work, no device read.
     """
 
     name: str = "drafter"
+    host: bool = False
+
+    def propose_host(self, host) -> "Draft":
+        """Candidate paths (numpy ``[B, P, L]``) continuing ``host.last`` for every row."""
+        raise NotImplementedError
+
+    def observe_host(self, host, draft: "Draft", feedback: HostFeedback) -> None:
+        """A host drafter's :meth:`observe`."""
 
     def add_rows(self, state: DecodeState, start: int) -> None:
         """Rows ``start .. state.batch_size - 1`` of ``state`` are new requests (appended after
@@ -176,3 +199,17 @@ def clean_paths(tokens: torch.Tensor) -> torch.Tensor:
     """Make every token after a path's first ``PAD`` (or negative id) a ``PAD`` too."""
     valid = (tokens >= 0).long().cumprod(dim=-1).bool()
     return tokens.masked_fill(~valid, PAD)
+
+
+def pad_paths_np(a: np.ndarray, length: int, fill=PAD) -> np.ndarray:
+    """Right-pad (or cut) ``[..., L]`` paths to ``length``."""
+    cur = a.shape[-1]
+    if cur >= length:
+        return a[..., :length]
+    return np.concatenate([a, np.full((*a.shape[:-1], length - cur), fill, a.dtype)], axis=-1)
+
+
+def clean_paths_np(a: np.ndarray) -> np.ndarray:
+    """Every token after a path's first ``PAD`` (or negative id) becomes a ``PAD`` too."""
+    valid = np.cumprod(a >= 0, axis=-1).astype(bool)
+    return a if valid.all() else np.where(valid, a, PAD)

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from redraft.infer.config import FIELDS
-from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, pad_paths
+from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, pad_paths, pad_paths_np
+from redraft.infer.hostdraft import HostTables, context_matches_np
 from redraft.infer.tree import cached_arange
 
 # defaults come from DecoderConfig (one place for each)
@@ -108,6 +110,12 @@ class ContextNGramDrafter(Drafter):
         self.vocab_size, self.q, self.k, self.w, self.window, self.name = vocab_size, q, k, w, window, name
         self.q_max = max(q_max or q, q)
 
+    host = True
+
+    def propose_host(self, host) -> Draft:
+        paths, group = context_matches_np(host.seqs, self.q, self.q_max, self.k, self.w, self.vocab_size, self.window)
+        return Draft(tokens=paths, group=group)
+
     def propose(self, state: DecodeState) -> Draft:
         paths, group = context_matches_multi(state.tokens, state.lengths, self.q, self.q_max, self.k, self.w,
                                              self.vocab_size, self.window)
@@ -126,6 +134,24 @@ class TableDrafter(Drafter):
             raise ConfigError(f"table drafter kind {kind!r} is unknown; use one of {self.KINDS}.")
         self.tables, self.kind, self.k, self.w = tables, kind, k, w
         self.name = name or kind
+        self._host = None
+
+    host = True
+
+    def propose_host(self, host) -> Draft:
+        t = self._host = self._host or HostTables(self.tables)
+        B = host.batch_size
+        if self.kind == "unigram":
+            ids, probs = t.unigram_topk(self.k)
+            logp = np.log(np.maximum(probs.astype(np.float32), 1e-12))
+            return Draft(tokens=np.broadcast_to(ids.astype(np.int64)[None, :, None], (B, len(ids), 1)),
+                         logp=np.broadcast_to(logp[None, :, None], (B, len(ids), 1)))
+        if self.kind == "bigram":
+            ids, probs = t.bigram_topk(host.last, self.k)
+            return Draft(tokens=ids.astype(np.int64)[:, :, None],
+                         logp=np.log(np.maximum(probs.astype(np.float32), 1e-12))[:, :, None])
+        ids = t.extended(host.last, self.k, self.w).astype(np.int64)  # [B, k, w]
+        return Draft(tokens=ids)
 
     def propose(self, state: DecodeState) -> Draft:
         B, dev = state.batch_size, state.device
@@ -156,6 +182,23 @@ class NGrammysDrafter(Drafter):
         self.tables, self.vocab_size, self.k, self.w, self.q, self.window = tables, vocab_size, k, w, q, window
         self.q_max = max(q_max or q, q)
         self.name = name
+        self._host = None
+
+    host = True
+
+    def propose_host(self, host) -> Draft:
+        t = self._host = self._host or HostTables(self.tables)
+        ctx, cgroup = context_matches_np(host.seqs, self.q, self.q_max, self.k, self.w, self.vocab_size, self.window)
+        ext = pad_paths_np(t.extended(host.last, self.k, self.w).astype(np.int64), self.w)
+        B, E = ext.shape[:2]
+        table_class = (self.q_max - self.q + 1) * GROUPS_PER_CLASS
+        egroup = np.broadcast_to(table_class + np.minimum(np.arange(E), GROUPS_PER_CLASS - 1), (B, E))
+        rows = np.concatenate([ctx, ext], axis=1)  # [B, k + k', w]
+        group = np.concatenate([cgroup, egroup], axis=1)
+        # context rows that exist come first, then table rows; keep the first k
+        order = np.argsort(rows[:, :, 0] < 0, axis=1, kind="stable")[:, : self.k]
+        return Draft(tokens=np.take_along_axis(rows, order[:, :, None], axis=1),
+                     group=np.take_along_axis(group, order, axis=1))
 
     def propose(self, state: DecodeState) -> Draft:
         ctx, cgroup = context_matches_multi(state.tokens, state.lengths, self.q, self.q_max, self.k, self.w,

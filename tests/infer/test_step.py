@@ -1,0 +1,145 @@
+"""The decode step's device budget and its graph capture, checked on the CPU.
+
+* ops per step: tensor ops a step dispatches outside the target forward (each one a kernel
+  launch on a GPU) stay within the budget of issue 22;
+* CUDA-graph capture: a capture that fails leaves that shape eager with one warning and the
+  output unchanged; captured graphs are replayed, reused across requests and dropped with their
+  pool when the cache buffer grows (a fake capture replays the forward on the static buffers, so
+  the same code path runs on the CPU).
+"""
+
+import logging
+
+import pytest
+import torch
+
+from redraft.infer.budget import CostCurve
+from redraft.infer.config import SamplingParams
+from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
+from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter
+from redraft.infer.opcount import OpCounter
+
+CURVE = CostCurve([1, 8, 64], [1.0, 1.1, 1.5])
+
+# issue 22's aims: plain greedy <= 10 ops per step, N-Grammys <= 60 at batch 1 and 8
+BUDGET = {"greedy": 10, "ngrammys": 60}
+
+
+@pytest.fixture(scope="module")
+def overhead_setup(tmp_path_factory):
+    from redraft.infer.overhead import tiny_setup
+
+    return tiny_setup(tmp_path_factory.mktemp("ops"))
+
+
+@pytest.mark.parametrize("method", ["greedy", "ngrammys"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_step_dispatches_few_ops_outside_the_forward(overhead_setup, method, batch):
+    from redraft.infer.overhead import _prompts, make_method
+
+    target, tables = overhead_setup
+    dec = make_method(method, target, tables)
+    dec.eos = set()
+    eng = dec.engine()
+    for p in _prompts(target, batch):
+        eng.add(p, SamplingParams.checked(max_new_tokens=48))
+    for _ in range(4):  # joins, the cost curve, warm caches
+        eng.step()
+    counts = []
+    for _ in range(6):
+        with OpCounter() as ops:
+            eng.step()
+        counts.append(ops.total)
+        assert ops.host_reads <= 1  # CPU: no device reads to count; the contract is one per step
+    assert max(counts) <= BUDGET[method], (counts, ops.by_name.most_common(8))
+    assert min(counts) >= 2  # the LM head and the rule's pick are always there: the counter counts
+
+
+def test_the_counter_skips_the_forward_and_view_ops():
+    from redraft.infer.opcount import not_counted
+
+    x = torch.arange(12.0).reshape(3, 4)
+    with OpCounter() as ops:
+        y = x.view(4, 3).T[0]  # views only
+        with not_counted():
+            x @ x.T
+        z = y + 1
+    assert ops.total == 1 and ops.by_name["add"] == 1 and z.shape == (4,)
+
+
+class FakeGraph:
+    """Replays the captured function on its static buffers (what a CUDA graph does)."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self):
+        self.out.copy_(self.fn())
+        self.replays += 1
+
+
+def fake_capture(captures):
+    def capture(fn, device, pool):
+        out = fn()
+        g = FakeGraph(fn, out)
+        captures.append(g)
+        return g, out
+    return capture
+
+
+def _static_decoder(target, capture, drafters):
+    dec = SpeculativeDecoder(target, drafters, budget=8, cost_curve=CURVE, static_verify=True)
+    dec.verifier.graphs = True
+    dec.verifier.capture = capture
+    return dec
+
+
+def test_replayed_graphs_give_plain_greedy_and_are_reused_across_requests(tiny_target, tiny_tables, tiny_prompts):
+    V = tiny_target.vocab_size
+    captures = []
+    dec = _static_decoder(tiny_target, fake_capture(captures), [NGrammysDrafter(tiny_tables, V), ContextNGramDrafter(V)])
+    ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=30)
+    out = dec.generate(tiny_prompts, max_new_tokens=30)
+    assert [g.tokens for g in out] == [g.tokens for g in ref]
+    assert captures and sum(g.replays for g in captures) > 0
+    n = len(captures)
+    again = dec.generate(tiny_prompts, max_new_tokens=30)  # the same engine, cache and graphs
+    assert [g.tokens for g in again] == [g.tokens for g in ref]
+    assert len(captures) == n  # nothing captured twice
+
+
+def test_a_failing_capture_warns_once_and_decoding_goes_on_eagerly(tiny_target, tiny_tables, tiny_prompts, caplog):
+    attempts = []
+
+    def broken(fn, device, pool):
+        attempts.append(1)
+        fn()  # half-way through a capture, like CUBLAS_STATUS_EXECUTION_FAILED on the H100
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    dec = _static_decoder(tiny_target, broken, [NGrammysDrafter(tiny_tables, tiny_target.vocab_size)])
+    ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=30)
+    with caplog.at_level(logging.WARNING, logger="redraft.infer.verify"):
+        out = dec.generate(tiny_prompts, max_new_tokens=30)
+    assert [g.tokens for g in out] == [g.tokens for g in ref]
+    warnings = [r for r in caplog.records if "capture" in r.getMessage()]
+    assert len(warnings) == 1 and "eagerly" in warnings[0].getMessage()
+    eng = dec._engine
+    assert attempts and len(eng.cache.graph_set.eager) == len(attempts)  # each shape tried once
+
+
+def test_growing_the_cache_drops_its_graphs_and_their_pool(tiny_target, tiny_tables, tiny_prompts):
+    captures = []
+    dec = _static_decoder(tiny_target, fake_capture(captures), [NGrammysDrafter(tiny_tables, tiny_target.vocab_size)])
+    eng = dec.engine()
+    eng.add(dec.encode(tiny_prompts[2])[0], SamplingParams.checked(max_new_tokens=20))
+    for _ in range(6):
+        eng.step()
+    graphs = eng.cache.graph_set
+    assert len(graphs) >= 1
+    gen = eng.cache.generation
+    eng.add(dec.encode(tiny_prompts[1])[0], SamplingParams.checked(max_new_tokens=400))  # more slots and columns
+    eng.step()
+    assert eng.cache.generation > gen
+    while eng.has_work:
+        eng.step()
+    assert graphs.generation == eng.cache.generation  # stale graphs were dropped, new ones made
