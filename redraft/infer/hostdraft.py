@@ -1,0 +1,228 @@
+"""Learning-free drafting on the host: numpy mirrors of the n-gram drafters and the budget.
+
+On a GPU every small tensor op of a decode step is a kernel launch; the n-gram drafters, the
+acceptance statistics and the budget rule are a few hundred of them per step. Everything they
+need is already on the host (the token lists of the rows, tables mirrored once in host memory),
+so these functions do the same work in numpy: no kernels, tens of microseconds per step.
+
+Each function returns exactly what its torch counterpart returns for the same inputs (the
+tests compare them on random inputs):
+
+=========================  ==========================================================
+here                       torch original
+=========================  ==========================================================
+:func:`context_matches_np`  ``drafters.ngram.context_matches_multi``
+:class:`HostTables`         ``NGramTables.extended / bigram_topk / unigram_topk``
+:func:`ngrammys_np`         ``NGrammysDrafter.propose``
+:func:`table_rows_np`       ``TableDrafter.propose``
+:class:`HostStats`          ``budget.AcceptanceStats``
+:func:`best_budget_np`      ``budget.best_budget`` (one K for the batch, a host int)
+=========================  ==========================================================
+
+The tree built from the paths is in :mod:`redraft.infer.hosttree`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from redraft.infer.drafters.base import PAD
+from redraft.infer.drafters.ngram import GROUPS_PER_CLASS
+
+
+def _empty(k: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.full((k, w), PAD, dtype=np.int64), np.zeros(k, dtype=np.int64)
+
+
+def _match_lengths(row: np.ndarray, q_max: int) -> np.ndarray:
+    """``ell [n-1]``: for each position ``p = 1..n-1``, how many tokens before p agree with the
+    row's last tokens (the suffix), capped at ``q_max`` and at ``p`` and ``n - 1``."""
+    n = len(row)
+    p = np.arange(1, n)
+    ell = np.zeros(n - 1, dtype=np.int64)
+    alive = np.ones(n - 1, dtype=bool)
+    for i in range(min(q_max, n - 1)):  # a few passes over the row, one per suffix token
+        # row[p - 1 - i] exists for p > i; the suffix token i is row[n - 1 - i]
+        alive[: i] = False
+        alive[i:] &= row[: n - 1 - i] == row[n - 1 - i]
+        ell += alive
+    return ell
+
+
+def _context_row(row: np.ndarray, q_min: int, q_max: int, k: int, w: int, vocab_size: int,
+                 window: int) -> tuple[np.ndarray, np.ndarray]:
+    """One row of :func:`context_matches_np`: ``(paths [k, w], group [k])``."""
+    paths, group = _empty(k, w)
+    n = len(row)
+    if n <= q_min:
+        return paths, group
+    ell = _match_lengths(row, q_max)
+    p = np.arange(1, n)
+    ok = ell >= q_min
+    ok &= p - ell >= n - window  # the match lies inside the window (always true for n <= window)
+    cand = np.flatnonzero(ok)
+    if not len(cand):
+        return paths, group
+    pc, lc = p[cand], ell[cand]
+    # each first token competes in its longest match length (class), by count then recency there:
+    # sort by (token, length, position); per token the last run of equal (token, length) is its class
+    key = row[pc].astype(np.int64) * (q_max + 1) + lc
+    order = np.lexsort((pc, key))
+    ks, ps = key[order], pc[order]
+    m = len(ks)
+    run_start = np.r_[True, ks[1:] != ks[:-1]]
+    first_of_run = np.maximum.accumulate(np.where(run_start, np.arange(m), 0))
+    tok = ks // (q_max + 1)
+    end = np.flatnonzero(np.r_[tok[1:] != tok[:-1], True])  # last entry of each token
+    best, recent = ks[end] % (q_max + 1), ps[end]
+    count = end - first_of_run[end] + 1
+    # (best, count, recent) is unique per token (recent is a position): descending, no ties
+    top = np.lexsort((recent, count, best))[::-1][: min(k, vocab_size)]
+    f = len(top)
+    start = recent[top]
+    cont = start[:, None] + np.arange(w)[None]  # [f, w]
+    paths[:f] = np.where(cont < n, row[np.minimum(cont, n - 1)], PAD)
+    C = q_max - q_min + 1
+    cls = np.clip(q_max - best[top], 0, C - 1)  # 0 = the longest match length
+    # rank inside the class: classes come in order (sorted by length first)
+    pos = np.arange(f)
+    cls_start = np.maximum.accumulate(np.where(np.r_[True, cls[1:] != cls[:-1]], pos, 0))
+    group[:f] = cls * GROUPS_PER_CLASS + np.minimum(pos - cls_start, GROUPS_PER_CLASS - 1)
+    return paths, group
+
+
+def context_matches_np(rows, q_min: int, q_max: int, k: int, w: int, vocab_size: int,
+                       window: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Context matches of every length ``q_max .. q_min``, longest first, on host token lists.
+
+    Args:
+        rows: ``B`` 1-D integer arrays, ``rows[b]`` = the row's tokens (prompt + output so far,
+            its last token being ``y``), i.e. ``tokens[b, :lengths[b]]``.
+        q_min, q_max, k, w, vocab_size, window: as in ``context_matches_multi``.
+
+    Returns:
+        ``(paths int64 [B, k, w], group int64 [B, k])``, equal to
+        ``context_matches_multi(tokens, lengths, ...)``.
+    """
+    out = [_context_row(np.asarray(r), q_min, q_max, k, w, vocab_size, window) for r in rows]
+    if not out:
+        return np.full((0, k, w), PAD, dtype=np.int64), np.zeros((0, k), dtype=np.int64)
+    return np.stack([o[0] for o in out]), np.stack([o[1] for o in out])
+
+
+def _np(x, dtype) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor
+        x = x.detach().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(x), dtype=dtype)
+
+
+def _cols(k, have: int, name: str) -> int:
+    """The columns to read (``NGramTables._cols``)."""
+    if k is None:
+        return have
+    if not 1 <= int(k) <= have:
+        from redraft.errors import ConfigError
+
+        raise ConfigError(f"{name}={k} but the table stores {have} columns; rebuild with a larger {name}.",
+                          param=name)
+    return int(k)
+
+
+class HostTables:
+    """Host (numpy) copies of an ``NGramTables``' unigram / bigram / extended rows, made once.
+
+    Ids are int32 and probabilities float32 (the stored float16, widened exactly as the torch
+    lookups widen them), so a lookup is one fancy index into host memory.
+    """
+
+    def __init__(self, tables=None, *, unigram=None, bigram=None, extended=None):
+        """``tables``: an ``NGramTables`` (every kind it holds of the three), or the arrays:
+        ``unigram=(ids [k], probs [k])``, ``bigram=(ids [V, k], probs [V, k])``,
+        ``extended=ids [V, k, w]`` (numpy or torch)."""
+        if tables is not None:
+            kinds = set(getattr(tables, "kinds", ()))
+            if "unigram" in kinds:
+                u = tables.table("unigram")
+                unigram = (u["ids"], u["probs"])
+            if "bigram" in kinds:
+                b = tables.table("bigram")
+                bigram = (b["ids"], b["probs"])
+            if "extended" in kinds:
+                extended = tables.table("extended")["ids"]
+        self.unigram = None if unigram is None else (_np(unigram[0], np.int32), _np(unigram[1], np.float32))
+        self.bigram = None if bigram is None else (_np(bigram[0], np.int32), _np(bigram[1], np.float32))
+        self.ext = None if extended is None else _np(extended, np.int32)
+
+    def _need(self, kind: str, arr):
+        if arr is None:
+            from redraft.errors import ArtifactError
+
+            raise ArtifactError(f"these host tables hold no {kind} table; load the n-gram artifact with "
+                                f"the {kind} kind (redraft-build-ngrams --kinds {kind}).")
+        return arr
+
+    def unigram_topk(self, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids int64 [k], probs float32 [k])``."""
+        ids, probs = self._need("unigram", self.unigram)
+        k = _cols(k, ids.shape[0], "k")
+        return ids[:k].astype(np.int64), probs[:k]
+
+    def bigram_topk(self, last, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``last [N]`` -> ``(ids int64 [N, k], probs float32 [N, k])``."""
+        ids, probs = self._need("bigram", self.bigram)
+        k = _cols(k, ids.shape[1], "k")
+        last = np.asarray(last, dtype=np.int64)
+        return ids[last, :k].astype(np.int64), probs[last, :k]
+
+    def extended(self, last, k: int | None = None, w: int | None = None) -> np.ndarray:
+        """``last [N]`` -> ``ids int64 [N, k, w]`` (``[:, j, 0]`` is the j-th bigram successor)."""
+        e = self._need("extended", self.ext)
+        k = _cols(k, e.shape[1], "k")
+        w = _cols(w, e.shape[2], "w")
+        return e[np.asarray(last, dtype=np.int64), :k, :w].astype(np.int64)
+
+
+def _pad_w(paths: np.ndarray, w: int) -> np.ndarray:
+    """Right-pad (or cut) ``[..., L]`` to ``w`` with ``PAD`` (``pad_paths``)."""
+    L = paths.shape[-1]
+    if L >= w:
+        return paths[..., :w]
+    return np.concatenate([paths, np.full((*paths.shape[:-1], w - L), PAD, dtype=paths.dtype)], axis=-1)
+
+
+def ngrammys_np(rows, last, tables: HostTables, vocab_size: int, k: int, w: int, q: int, q_max: int | None = None,
+                window: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """``NGrammysDrafter.propose`` on the host: context rows first, then the extended rows of
+    ``last``; the first ``k`` that exist. Returns ``(paths int64 [B, k, w], group int64 [B, k])``."""
+    q_max = max(q_max or q, q)
+    ctx, cgroup = context_matches_np(rows, q, q_max, k, w, vocab_size, window)
+    ext = _pad_w(tables.extended(last)[:, :k, :w], w)  # [B, E, w]
+    B, E = ext.shape[:2]
+    table_class = (q_max - q + 1) * GROUPS_PER_CLASS
+    egroup = np.broadcast_to(table_class + np.minimum(np.arange(E), GROUPS_PER_CLASS - 1), (B, E))
+    allp = np.concatenate([ctx, ext], axis=1)  # [B, k + E, w]
+    group = np.concatenate([cgroup, egroup], axis=1)
+    order = np.argsort(allp[:, :, 0] < 0, axis=1, kind="stable")[:, :k]  # rows that exist first
+    return np.take_along_axis(allp, order[:, :, None], 1), np.take_along_axis(group, order, 1)
+
+
+def table_rows_np(kind: str, tables: HostTables, last, k: int, w: int | None = None
+                  ) -> tuple[np.ndarray, np.ndarray | None]:
+    """``TableDrafter.propose`` on the host: ``(tokens int64 [B, P, L], logp float32 [B, P, L]
+    or None)`` for ``kind`` "bigram", "extended" or "unigram" (``last [B]``)."""
+    last = np.asarray(last, dtype=np.int64)
+    B = len(last)
+    if kind == "unigram":
+        ids, probs = tables.unigram_topk(k)
+        logp = np.log(np.maximum(probs, np.float32(1e-12)))
+        return (np.broadcast_to(ids[None, :, None], (B, len(ids), 1)).copy(),
+                np.broadcast_to(logp[None, :, None], (B, len(ids), 1)).copy())
+    if kind == "bigram":
+        ids, probs = tables.bigram_topk(last, k)
+        return ids[:, :, None], np.log(np.maximum(probs, np.float32(1e-12)))[:, :, None]
+    if kind == "extended":
+        ids = tables.extended(last)[:, :k]
+        return (ids if w is None else ids[:, :, :w]), None
+    from redraft.errors import ConfigError
+
+    raise ConfigError(f"table drafter kind {kind!r} is unknown; use one of ('bigram', 'extended', 'unigram').")
