@@ -226,3 +226,96 @@ def table_rows_np(kind: str, tables: HostTables, last, k: int, w: int | None = N
     from redraft.errors import ConfigError
 
     raise ConfigError(f"table drafter kind {kind!r} is unknown; use one of ('bigram', 'extended', 'unigram').")
+
+
+class HostStats:
+    """``budget.AcceptanceStats`` in host float32 arrays: the same rates after the same updates.
+
+    ``rate[d, g, l]`` estimates P(the entry at depth l of a drafter-d path of group g is
+    accepted | its parent was), with a Beta prior and a decay per update of a drafter.
+    """
+
+    def __init__(self, num_drafters: int, max_groups: int = 32, max_depth: int = 16,
+                 prior_rate: float = 0.3, prior_weight: float = 2.0, decay: float = 0.98):
+        shape = (max(num_drafters, 1), max_groups, max_depth)
+        self.max_groups, self.max_depth, self.decay = max_groups, max_depth, np.float32(decay)
+        self.prior = (prior_rate * prior_weight, prior_weight)
+        self.hits = np.zeros(shape, dtype=np.float32)
+        self.tries = np.zeros(shape, dtype=np.float32)
+
+    def reset(self) -> None:
+        self.hits.fill(0)
+        self.tries.fill(0)
+
+    def rates(self) -> np.ndarray:
+        """``[drafters, groups, depths]`` float32 estimated acceptance rates."""
+        return (self.hits + np.float32(self.prior[0])) / (self.tries + np.float32(self.prior[1]))
+
+    def _groups(self, B: int, P: int, group) -> np.ndarray:
+        g = np.broadcast_to(np.arange(P), (B, P)) if group is None else np.asarray(group, dtype=np.int64)
+        return np.clip(g, 0, self.max_groups - 1)
+
+    def values(self, owner, shape: tuple[int, int, int], group=None) -> np.ndarray:
+        """``[B, P, L]`` float32 path-product of rates: ``owner`` an int or ``[P]`` (the drafter
+        of every path), ``group [B, P]`` (default: the rank)."""
+        B, P, L = shape
+        d = np.broadcast_to(np.asarray(owner, dtype=np.int64), (P,))[None]  # [1, P]
+        depths = np.minimum(np.arange(L), self.max_depth - 1)
+        per = self.rates()[d[:, :, None], self._groups(B, P, group)[:, :, None], depths[None, None]]
+        # torch's CPU cumprod accumulates float32 in double and rounds each output: the same here
+        return np.cumprod(per, axis=2, dtype=np.float64).astype(np.float32)
+
+    def update(self, owner, paths, accepted_prefix, group=None, kept=None) -> None:
+        """Record one step (``AcceptanceStats.update``): ``paths [B, P, L]``, ``accepted_prefix
+        [B, P]``, ``group [B, P]`` (default: rank), ``kept [B, P, L]`` bool (default: valid)."""
+        paths = np.asarray(paths)
+        B, P, L = paths.shape
+        if P == 0:
+            return
+        L_ = min(L, self.max_depth)
+        depth = np.arange(L_)
+        valid = (paths[:, :, :L_] >= 0) if kept is None else np.asarray(kept)[:, :, :L_]
+        pre = np.asarray(accepted_prefix)[:, :, None]
+        tried = valid & (depth <= pre)  # the parent was accepted
+        hit = tried & (depth < pre)
+        d = np.broadcast_to(np.asarray(owner, dtype=np.int64), (P,))
+        flat = ((d * self.max_groups + self._groups(B, P, group)) * self.max_depth)[:, :, None] + depth
+        decay = np.ones(self.hits.shape[0], dtype=np.float32)
+        decay[d] = self.decay
+        self.hits *= decay[:, None, None]
+        self.tries *= decay[:, None, None]
+        # one add per entry, in order (as index_add_): repeated adds round like the torch ones
+        np.add.at(self.hits.reshape(-1), flat.reshape(-1), hit.reshape(-1).astype(np.float32))
+        np.add.at(self.tries.reshape(-1), flat.reshape(-1), tried.reshape(-1).astype(np.float32))
+
+
+def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0) -> int:
+    """``budget.best_budget`` on the host: the one K (nodes per row) for the batch.
+
+    Args:
+        values: ``[B, M]`` estimated acceptance probability of every candidate node (0 for
+            padding).
+        cost: a ``CostCurve``, or its table ``cost.table(n, "cpu").numpy()`` (``c(0..n)``,
+            float32) with ``n >= B * (min(M, max_nodes) + 1)``.
+        max_nodes: upper bound on K.
+        overhead_s: fixed per-step seconds outside the forward.
+    """
+    values = np.asarray(values)
+    B, M = values.shape
+    M = min(M, max_nodes)
+    if M == 0 or B == 0:
+        return 0
+    n = B * (M + 1)
+    table = cost.table(n, "cpu").numpy() if hasattr(cost, "table") else np.asarray(cost, dtype=np.float32)
+    if len(table) <= n:
+        from redraft.errors import ConfigError
+
+        raise ConfigError(f"best_budget_np: the cost table covers c(0..{len(table) - 1}) but a batch of {B} rows "
+                          f"with {M} candidate nodes needs c({n}); pass cost.table({n}, 'cpu').numpy() or larger.")
+    top = -np.sort(-np.clip(values.astype(np.float32), 0, 1), axis=1)[:, :M]  # [B, M] descending
+    total = top[0].copy()
+    for b in range(1, B):  # the row sum in float32, row by row (torch's order over dim 0)
+        total += top[b]
+    gain = np.float32(B) + np.concatenate([[0], np.cumsum(total, dtype=np.float64)]).astype(np.float32)
+    secs = table[B * np.arange(1, M + 2)]
+    return int(np.argmax(gain / (secs + np.float32(overhead_s))))
