@@ -42,7 +42,7 @@ class HostTree:
         return int(self.tokens.shape[1])
 
     def pack(self) -> np.ndarray:
-        """``int64 [B, 5N + N*N + 2 + P*L]`` in the layout of the module doc (one upload)."""
+        """``int64 [B, 4N + N*N + 2 + P*L]`` in the layout of the module doc (one upload)."""
         B, N = self.tokens.shape
         P, L = self.path_node.shape[1:]
         return np.concatenate([self.tokens, self.parent, self.depth, self.num_nodes[:, None],
@@ -52,7 +52,7 @@ class HostTree:
 
 def packed_width(N: int, P: int, L: int) -> int:
     """Columns of :meth:`HostTree.pack` for ``N`` nodes and ``P x L`` paths."""
-    return 5 * N + N * N + 2 + P * L
+    return 4 * N + N * N + 2 + P * L
 
 
 def unpack_tree(t, N: int, max_depth: int, P: int, L: int):
