@@ -30,70 +30,36 @@ from redraft.infer.drafters.base import PAD
 from redraft.infer.drafters.ngram import GROUPS_PER_CLASS
 
 
-def _empty(k: int, w: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.full((k, w), PAD, dtype=np.int64), np.zeros(k, dtype=np.int64)
-
-
-def _match_lengths(row: np.ndarray, q_max: int) -> np.ndarray:
-    """``ell [n-1]``: for each position ``p = 1..n-1``, how many tokens before p agree with the
-    row's last tokens (the suffix), capped at ``q_max`` and at ``p`` and ``n - 1``."""
-    n = len(row)
-    p = np.arange(1, n)
-    ell = np.zeros(n - 1, dtype=np.int64)
-    alive = np.ones(n - 1, dtype=bool)
-    for i in range(min(q_max, n - 1)):  # a few passes over the row, one per suffix token
-        # row[p - 1 - i] exists for p > i; the suffix token i is row[n - 1 - i]
-        alive[: i] = False
-        alive[i:] &= row[: n - 1 - i] == row[n - 1 - i]
+def _match_lengths(cat: np.ndarray, pos: np.ndarray, n: np.ndarray, end: np.ndarray, rid: np.ndarray,
+                   q_max: int) -> np.ndarray:
+    """``ell [S]``: at every flat position (``pos`` = its index in its row), how many tokens
+    before it agree with its row's last tokens (the suffix), capped at ``q_max``, at ``pos`` and
+    at the row's length - 1 (``context_matches_multi``'s ``ell``)."""
+    S = len(cat)
+    ell = np.zeros(S, dtype=np.int64)
+    alive = pos >= 1
+    for i in range(min(q_max, S - 1)):  # one pass over all rows per suffix token (pos <= S - 1)
+        # suffix token i of each row; -2 (no token) where the row is too short to use it
+        suf = np.where(n - 1 > i, cat[np.clip(end - 1 - i, 0, S - 1)], -2)
+        alive[: i + 1] = False
+        alive[i + 1:] &= cat[: S - 1 - i] == suf[rid[i + 1:]]  # token pos-1-i (same row while pos > i)
+        alive &= pos > i
         ell += alive
     return ell
 
 
-def _context_row(row: np.ndarray, q_min: int, q_max: int, k: int, w: int, vocab_size: int,
-                 window: int) -> tuple[np.ndarray, np.ndarray]:
-    """One row of :func:`context_matches_np`: ``(paths [k, w], group [k])``."""
-    paths, group = _empty(k, w)
-    n = len(row)
-    if n <= q_min:
-        return paths, group
-    ell = _match_lengths(row, q_max)
-    p = np.arange(1, n)
-    ok = ell >= q_min
-    ok &= p - ell >= n - window  # the match lies inside the window (always true for n <= window)
-    cand = np.flatnonzero(ok)
-    if not len(cand):
-        return paths, group
-    pc, lc = p[cand], ell[cand]
-    # each first token competes in its longest match length (class), by count then recency there:
-    # sort by (token, length, position); per token the last run of equal (token, length) is its class
-    key = row[pc].astype(np.int64) * (q_max + 1) + lc
-    order = np.lexsort((pc, key))
-    ks, ps = key[order], pc[order]
-    m = len(ks)
-    run_start = np.r_[True, ks[1:] != ks[:-1]]
-    first_of_run = np.maximum.accumulate(np.where(run_start, np.arange(m), 0))
-    tok = ks // (q_max + 1)
-    end = np.flatnonzero(np.r_[tok[1:] != tok[:-1], True])  # last entry of each token
-    best, recent = ks[end] % (q_max + 1), ps[end]
-    count = end - first_of_run[end] + 1
-    # (best, count, recent) is unique per token (recent is a position): descending, no ties
-    top = np.lexsort((recent, count, best))[::-1][: min(k, vocab_size)]
-    f = len(top)
-    start = recent[top]
-    cont = start[:, None] + np.arange(w)[None]  # [f, w]
-    paths[:f] = np.where(cont < n, row[np.minimum(cont, n - 1)], PAD)
-    C = q_max - q_min + 1
-    cls = np.clip(q_max - best[top], 0, C - 1)  # 0 = the longest match length
-    # rank inside the class: classes come in order (sorted by length first)
-    pos = np.arange(f)
-    cls_start = np.maximum.accumulate(np.where(np.r_[True, cls[1:] != cls[:-1]], pos, 0))
-    group[:f] = cls * GROUPS_PER_CLASS + np.minimum(pos - cls_start, GROUPS_PER_CLASS - 1)
-    return paths, group
+def _first_of_run(keys: np.ndarray) -> np.ndarray:
+    """``[M]``: for each entry of a sorted key array, the index where its run of equal keys starts."""
+    m = len(keys)
+    return np.maximum.accumulate(np.where(np.r_[True, keys[1:] != keys[:-1]], np.arange(m), 0))
 
 
 def context_matches_np(rows, q_min: int, q_max: int, k: int, w: int, vocab_size: int,
                        window: int = 4096) -> tuple[np.ndarray, np.ndarray]:
     """Context matches of every length ``q_max .. q_min``, longest first, on host token lists.
+
+    All rows are handled together on their concatenation (a fixed number of numpy calls per
+    step, whatever the batch size).
 
     Args:
         rows: ``B`` 1-D integer arrays, ``rows[b]`` = the row's tokens (prompt + output so far,
@@ -104,10 +70,46 @@ def context_matches_np(rows, q_min: int, q_max: int, k: int, w: int, vocab_size:
         ``(paths int64 [B, k, w], group int64 [B, k])``, equal to
         ``context_matches_multi(tokens, lengths, ...)``.
     """
-    out = [_context_row(np.asarray(r), q_min, q_max, k, w, vocab_size, window) for r in rows]
-    if not out:
-        return np.full((0, k, w), PAD, dtype=np.int64), np.zeros((0, k), dtype=np.int64)
-    return np.stack([o[0] for o in out]), np.stack([o[1] for o in out])
+    B = len(rows)
+    paths = np.full((B, k, w), PAD, dtype=np.int64)
+    group = np.zeros((B, k), dtype=np.int64)
+    n = np.array([len(r) for r in rows], dtype=np.int64)
+    if not B or n.max() <= q_min:
+        return paths, group
+    cat = np.concatenate(rows).astype(np.int64, copy=False)  # [S]
+    end = np.cumsum(n)
+    rid = np.repeat(np.arange(B), n)  # row of every flat position
+    pos = np.arange(len(cat)) - (end - n)[rid]
+    ell = _match_lengths(cat, pos, n, end, rid, q_max)
+    # a match at p (first continuation token p) of length >= q_min inside the row's window
+    cand = np.flatnonzero((ell >= q_min) & (pos >= 1) & (pos - ell >= n[rid] - window))
+    if not len(cand):
+        return paths, group
+    rc, pc, lc = rid[cand], pos[cand], ell[cand]
+    # each first token competes in its longest match length (class), by count then recency there:
+    # sort by (row, token, length, position); per (row, token) the last run of equal
+    # (row, token, length) is its class, its length the best, its last position the most recent
+    Q = q_max + 1
+    key = (rc * vocab_size + cat[cand]) * Q + lc
+    order = np.lexsort((pc, key))
+    ks, ps = key[order], pc[order]
+    tok = ks // Q
+    last = np.flatnonzero(np.r_[tok[1:] != tok[:-1], True])  # last entry of each (row, token)
+    best, recent, row = ks[last] % Q, ps[last], tok[last] // vocab_size
+    count = last - _first_of_run(ks)[last] + 1
+    # per row: longest class, then count, then recency ((best, count, recent) is unique in a row)
+    top = np.lexsort((-recent, -count, -best, row))
+    row, best, start = row[top], best[top], recent[top]
+    slot = np.arange(len(top)) - _first_of_run(row)  # rank inside the row
+    keep = slot < min(k, vocab_size)
+    row, best, start, slot = row[keep], best[keep], start[keep], slot[keep]
+    cont = start[:, None] + np.arange(w)[None]  # [F, w] positions of the continuation
+    nr = n[row][:, None]
+    paths[row, slot] = np.where(cont < nr, cat[(end[row] - n[row])[:, None] + np.minimum(cont, nr - 1)], PAD)
+    cls = np.clip(q_max - best, 0, q_max - q_min)  # 0 = the longest match length
+    rank = slot - slot[_first_of_run(row * Q + cls)]  # rank among the row's rows of that class
+    group[row, slot] = cls * GROUPS_PER_CLASS + np.minimum(rank, GROUPS_PER_CLASS - 1)
+    return paths, group
 
 
 def _np(x, dtype) -> np.ndarray:

@@ -12,11 +12,28 @@ from redraft.infer.accept import accept_greedy
 from redraft.infer.budget import AcceptanceStats, CostCurve, best_budget
 from redraft.infer.decoder import SpeculativeDecoder
 from redraft.infer.drafters.base import DecodeState, pad_paths
-from redraft.infer.drafters.ngram import NGrammysDrafter, TableDrafter, context_matches_multi
-from redraft.infer.hostdraft import (HostStats, HostTables, best_budget_np, context_matches_np, ngrammys_np,
-                                     table_rows_np, table_values_np)
-from redraft.infer.hosttree import (accepted_prefix_np, build_tree_np, credit_np, hit_np, packed_width,
-                                    unpack_tree)
+from redraft.infer.drafters.ngram import (
+    NGrammysDrafter,
+    TableDrafter,
+    context_matches_multi,
+)
+from redraft.infer.hostdraft import (
+    HostStats,
+    HostTables,
+    best_budget_np,
+    context_matches_np,
+    ngrammys_np,
+    table_rows_np,
+    table_values_np,
+)
+from redraft.infer.hosttree import (
+    accepted_prefix_np,
+    build_tree_np,
+    credit_np,
+    hit_np,
+    packed_width,
+    unpack_tree,
+)
 from redraft.infer.tree import build_tree
 from redraft.ngrams import NGramTables
 
@@ -279,7 +296,7 @@ def test_credit_hit_and_prefix_equal_the_decoder_ones(seed):
     for _ in range(60):
         nd = int(rng.integers(1, 4))
         paths, values = random_case(rng, P=int(rng.integers(0, 9)), L=int(rng.integers(1, 5)), V=2)
-        B, P, L = paths.shape
+        B, P, _ = paths.shape
         owner = np.sort(rng.integers(0, nd, P))
         budget = None if rng.random() < 0.5 else int(rng.integers(0, 8))
         size = None if rng.random() < 0.5 else 1 + 8 + int(rng.integers(0, 3))
