@@ -15,6 +15,7 @@ reads back (:func:`hit_np`, :func:`credit_np`, :func:`accepted_prefix_np`: the d
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,32 +75,51 @@ def clean_paths_np(paths: np.ndarray) -> np.ndarray:
     return np.where(np.logical_and.accumulate(paths >= 0, axis=-1), paths, PAD)
 
 
+@functools.lru_cache(maxsize=256)
+def _index(*shape: int) -> tuple[np.ndarray, ...]:
+    """Read-only ``arange`` s shaped to broadcast along each axis of ``shape`` (made once per
+    shape: a numpy call costs about a microsecond, the whole tree a few dozen of them)."""
+    out = []
+    for axis, n in enumerate(shape):
+        a = np.arange(n).reshape([n if i == axis else 1 for i in range(len(shape))])
+        a.flags.writeable = False
+        out.append(a)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _eye(n: int) -> np.ndarray:
+    e = np.eye(n, dtype=bool)
+    e.flags.writeable = False
+    return e
+
+
 def dedup_paths_np(paths: np.ndarray, valid: np.ndarray):
     """``tree.dedup_paths``: ``(valid, rep, is_new)`` all ``[B, P, L]``."""
-    P = paths.shape[1]
+    B, P, L = paths.shape
     eq = (paths[:, :, None, :] == paths[:, None, :, :]) & valid[:, :, None, :]  # [B, P, P, L]
     rep = np.logical_and.accumulate(eq, axis=-1).argmax(axis=2)  # first path sharing the prefix
-    return valid, rep, valid & (rep == np.arange(P)[None, :, None])
+    return valid, rep, valid & (rep == _index(1, P, 1)[1])
 
 
 def _kept_entries_np(valid, rep, is_new, values: np.ndarray, budget) -> np.ndarray:
     """``tree._kept_entries``: ``[B, P, L]`` bool, the entries of the ``budget`` best nodes."""
     B, P, L = valid.shape
     values = np.asarray(values)
-    dtype = values.dtype if np.issubdtype(values.dtype, np.floating) else np.float32
+    dtype = values.dtype if values.dtype.kind == "f" else np.float32
     neg = np.finfo(dtype).min
     val = np.where(valid, values, neg).astype(dtype, copy=False)  # [B, P, L]
     # a node's value: the max over the entries sharing it (rep[b, j, l] == i)
-    owns = rep[:, None, :, :] == np.arange(P)[None, :, None, None]  # [B, P(i), P(j), L]
+    owns = rep[:, None, :, :] == _index(1, P, 1, 1)[1]  # [B, P(i), P(j), L]
     node_val = np.where(owns, val[:, None], neg).max(axis=2)
     node_val = np.where(is_new, node_val, neg).reshape(B, P * L)
     order = np.argsort(-node_val, axis=1, kind="stable")  # descending, earlier entries win ties
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(P * L)[None].repeat(B, 0), axis=1)
     budget = np.asarray(budget).reshape(-1, 1) if not isinstance(budget, int) else budget
-    keep_node = (rank < budget) & is_new.reshape(B, -1)
-    rep_flat = (rep * L + np.arange(L)).reshape(B, P * L)
-    keep = np.take_along_axis(keep_node, rep_flat, 1).reshape(B, P, L) & valid
+    rows, ranks = _index(B, P * L)
+    keep_node = np.empty((B, P * L), dtype=bool)
+    keep_node[rows, order] = np.broadcast_to(ranks < budget, (B, P * L))  # the first `budget` in that order
+    keep_node &= is_new.reshape(B, -1)
+    keep = keep_node[rows, (rep * L + _index(1, 1, L)[2]).reshape(B, P * L)].reshape(B, P, L) & valid
     return np.logical_and.accumulate(keep, axis=-1)  # an entry stays only if its whole prefix does
 
 
@@ -112,7 +132,7 @@ def _root_only(paths, root, size, num_entries) -> HostTree:
         tokens[:, 0] = root
     valid = np.zeros((B, N), dtype=bool)
     valid[:, 0] = True
-    anc = np.broadcast_to(np.eye(N, dtype=bool), (B, N, N)).copy()
+    anc = np.broadcast_to(_eye(N), (B, N, N)).copy()
     anc[:, :, 0] = True
     parent = np.zeros((B, N), dtype=np.int64)
     parent[:, 0] = -1
@@ -143,8 +163,8 @@ def build_tree_np(paths, values=None, budget=None, root=None, size: int | None =
     nid_flat = np.cumsum(flat_new, axis=1) * flat_new  # node id of each new entry, 0 elsewhere
     num_nodes = 1 + flat_new.sum(axis=1)
     N = size if size is not None else (int(num_nodes.max()) if B else 1)
-    ar_l = np.arange(L)
-    path_node = np.take_along_axis(nid_flat, (rep * L + ar_l).reshape(B, P * L), 1).reshape(B, P, L)
+    rows, _ = _index(B, P * L)
+    path_node = nid_flat[rows, (rep * L + _index(1, 1, L)[2]).reshape(B, P * L)].reshape(B, P, L)
     path_node = np.where(valid, path_node, -1)
     # per node: the path it was first seen on and its depth (nodes past a too-small size dropped)
     bi, ei = np.nonzero(flat_new & (nid_flat < N))
@@ -153,21 +173,19 @@ def build_tree_np(paths, values=None, budget=None, root=None, size: int | None =
     depth = np.zeros((B, N), dtype=np.int64)
     node_path[bi, nid] = ei // L
     depth[bi, nid] = ei % L + 1
-    # a node's ancestors are the nodes on its first path above it
-    rows = np.arange(B)[:, None]
-    on_path = path_node[rows, node_path]  # [B, N, L]
-    upto = ar_l < depth[:, :, None]
+    # a node's ancestors are the nodes on its first path above it (depths 0..depth-1 of it)
+    rows3, nodes3, depths3 = _index(B, N, L)
+    on_path = path_node[rows3, node_path[:, :, None], depths3]  # [B, N, L]
     anc = np.zeros((B, N, N + 1), dtype=bool)
-    anc[rows[:, :, None], np.arange(N)[None, :, None], np.where(upto, on_path, N)] = True
+    anc[rows3, nodes3, np.where(depths3 < depth[:, :, None], on_path, N)] = True
     anc = anc[:, :, :N]
     anc[:, :, 0] = True
-    anc |= np.eye(N, dtype=bool)
-    dm2 = np.maximum(depth - 2, 0)[:, :, None]
-    parent = np.where(depth > 1, np.take_along_axis(on_path, dm2, 2)[:, :, 0], 0)
+    anc |= _eye(N)
+    rows2, nodes2 = _index(B, N)
+    parent = np.where(depth > 1, on_path[rows2, nodes2, np.maximum(depth - 2, 0)], 0)
     parent[:, 0] = -1
-    dm1 = np.maximum(depth - 1, 0)
-    node_valid = np.arange(N)[None, :] < num_nodes[:, None]
-    tokens = np.where(node_valid, paths[rows, node_path, dm1], PAD)
+    node_valid = nodes2 < num_nodes[:, None]
+    tokens = np.where(node_valid, paths[rows2, node_path, np.maximum(depth - 1, 0)], PAD)
     tokens[:, 0] = PAD if root is None else np.asarray(root, dtype=np.int64)
     return HostTree(tokens=tokens, parent=parent, depth=depth, valid=node_valid, anc=anc, path_node=path_node,
                     num_nodes=num_nodes, num_entries=num_entries, max_depth=L)
