@@ -30,28 +30,41 @@ from redraft.infer.drafters.base import PAD
 from redraft.infer.drafters.ngram import GROUPS_PER_CLASS
 
 
-def _match_lengths(cat: np.ndarray, pos: np.ndarray, n: np.ndarray, end: np.ndarray, rid: np.ndarray,
-                   q_max: int) -> np.ndarray:
-    """``ell [S]``: at every flat position (``pos`` = its index in its row), how many tokens
-    before it agree with its row's last tokens (the suffix), capped at ``q_max``, at ``pos`` and
-    at the row's length - 1 (``context_matches_multi``'s ``ell``)."""
-    S = len(cat)
-    ell = np.zeros(S, dtype=np.int64)
-    alive = pos >= 1
-    for i in range(min(q_max, S - 1)):  # one pass over all rows per suffix token (pos <= S - 1)
-        # suffix token i of each row; -2 (no token) where the row is too short to use it
-        suf = np.where(n - 1 > i, cat[np.clip(end - 1 - i, 0, S - 1)], -2)
-        alive[: i + 1] = False
-        alive[i + 1:] &= cat[: S - 1 - i] == suf[rid[i + 1:]]  # token pos-1-i (same row while pos > i)
-        alive &= pos > i
+def _matches(cat: np.ndarray, pos: np.ndarray, n: np.ndarray, end: np.ndarray, rid: np.ndarray, q_min: int,
+             q_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(cand, ell)``: the flat positions whose preceding tokens agree with their row's last
+    ``q_min`` or more tokens, and how many agree (capped at ``q_max``, at the position in the row
+    and at the row's length - 1): ``context_matches_multi``'s ``ell >= q_min``."""
+    # suffix token i of each row [q_max, B]; -2 (no token) where the row is too short to use it
+    ar = np.arange(q_max)[:, None]
+    suffix = np.where(n - 1 > ar, cat[np.maximum(end - 1 - ar, 0)], -2)
+    if q_min >= 1:  # the token before a match equals the row's last one: few positions do
+        cand = np.flatnonzero(cat[:-1] == suffix[0][rid[1:]]) + 1
+        cand = cand[pos[cand] >= 1]
+        first = 1
+    else:
+        cand, first = np.flatnonzero(pos >= 1), 0
+    ell = np.full(len(cand), first, dtype=np.int64)
+    alive = np.ones(len(cand), dtype=bool)
+    pc, rc = pos[cand], rid[cand]
+    for i in range(first, q_max):  # token p-1-i (in the same row while p > i) against suffix token i
+        alive &= (pc > i) & (cat[np.maximum(cand - 1 - i, 0)] == suffix[i][rc])
         ell += alive
-    return ell
+    return cand, ell
+
+
+def _run_starts(keys: np.ndarray) -> np.ndarray:
+    """``[M]`` bool: where a run of equal keys starts in a sorted key array (the first entry
+    included)."""
+    starts = np.empty(len(keys), dtype=bool)
+    starts[:1] = True
+    np.not_equal(keys[1:], keys[:-1], out=starts[1:])
+    return starts
 
 
 def _first_of_run(keys: np.ndarray) -> np.ndarray:
     """``[M]``: for each entry of a sorted key array, the index where its run of equal keys starts."""
-    m = len(keys)
-    return np.maximum.accumulate(np.where(np.r_[True, keys[1:] != keys[:-1]], np.arange(m), 0))
+    return np.maximum.accumulate(np.where(_run_starts(keys), np.arange(len(keys)), 0))
 
 
 def context_matches_np(rows, q_min: int, q_max: int, k: int, w: int, vocab_size: int,
@@ -80,12 +93,13 @@ def context_matches_np(rows, q_min: int, q_max: int, k: int, w: int, vocab_size:
     end = np.cumsum(n)
     rid = np.repeat(np.arange(B), n)  # row of every flat position
     pos = np.arange(len(cat)) - (end - n)[rid]
-    ell = _match_lengths(cat, pos, n, end, rid, q_max)
+    cand, ell = _matches(cat, pos, n, end, rid, q_min, q_max)
     # a match at p (first continuation token p) of length >= q_min inside the row's window
-    cand = np.flatnonzero((ell >= q_min) & (pos >= 1) & (pos - ell >= n[rid] - window))
+    ok = (ell >= q_min) & (pos[cand] - ell >= n[rid[cand]] - window)
+    cand, lc = cand[ok], ell[ok]
     if not len(cand):
         return paths, group
-    rc, pc, lc = rid[cand], pos[cand], ell[cand]
+    rc, pc = rid[cand], pos[cand]
     # each first token competes in its longest match length (class), by count then recency there:
     # sort by (row, token, length, position); per (row, token) the last run of equal
     # (row, token, length) is its class, its length the best, its last position the most recent
@@ -94,7 +108,7 @@ def context_matches_np(rows, q_min: int, q_max: int, k: int, w: int, vocab_size:
     order = np.lexsort((pc, key))
     ks, ps = key[order], pc[order]
     tok = ks // Q
-    last = np.flatnonzero(np.r_[tok[1:] != tok[:-1], True])  # last entry of each (row, token)
+    last = np.flatnonzero(_run_starts(tok[::-1])[::-1])  # last entry of each (row, token)
     best, recent, row = ks[last] % Q, ps[last], tok[last] // vocab_size
     count = last - _first_of_run(ks)[last] + 1
     # per row: longest class, then count, then recency ((best, count, recent) is unique in a row)
@@ -106,7 +120,7 @@ def context_matches_np(rows, q_min: int, q_max: int, k: int, w: int, vocab_size:
     cont = start[:, None] + np.arange(w)[None]  # [F, w] positions of the continuation
     nr = n[row][:, None]
     paths[row, slot] = np.where(cont < nr, cat[(end[row] - n[row])[:, None] + np.minimum(cont, nr - 1)], PAD)
-    cls = np.clip(q_max - best, 0, q_max - q_min)  # 0 = the longest match length
+    cls = q_max - best  # 0 = the longest match length (q_min <= best <= q_max)
     rank = slot - slot[_first_of_run(row * Q + cls)]  # rank among the row's rows of that class
     group[row, slot] = cls * GROUPS_PER_CLASS + np.minimum(rank, GROUPS_PER_CLASS - 1)
     return paths, group
