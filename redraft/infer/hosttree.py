@@ -42,13 +42,16 @@ class HostTree:
     def size(self) -> int:
         return int(self.tokens.shape[1])
 
-    def pack(self) -> np.ndarray:
-        """``int64 [B, 4N + N*N + 2 + P*L]`` in the layout of the module doc (one upload)."""
+    def pack(self, out: np.ndarray | None = None) -> np.ndarray:
+        """``int64 [B, 4N + N*N + 2 + P*L]`` in the layout of the module doc (one upload);
+        ``out``: write there instead (e.g. a view of a pinned host buffer) and return it."""
         B, N = self.tokens.shape
         P, L = self.path_node.shape[1:]
-        return np.concatenate([self.tokens, self.parent, self.depth, self.num_nodes[:, None],
-                               self.num_entries[:, None], self.path_node.reshape(B, P * L),
-                               self.valid, self.anc.reshape(B, N * N)], axis=1, dtype=np.int64)
+        parts = [self.tokens, self.parent, self.depth, self.num_nodes[:, None], self.num_entries[:, None],
+                 self.path_node.reshape(B, P * L), self.valid, self.anc.reshape(B, N * N)]
+        if out is not None:
+            return np.concatenate(parts, axis=1, out=out)
+        return np.concatenate(parts, axis=1, dtype=np.int64)
 
 
 def packed_width(N: int, P: int, L: int) -> int:

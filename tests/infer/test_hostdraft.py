@@ -277,6 +277,9 @@ def test_pack_and_unpack_give_the_tree_back_as_views():
         assert_same_tree(tree, host)
         assert tree.tokens.data_ptr() == t.data_ptr() and tree.path_node.dtype == torch.long
         assert tree.anc.dtype == torch.bool and tree.anc.data_ptr() == tree.valid.data_ptr() + N
+        buf = np.full((4, packed.shape[1]), 99, dtype=np.int64)  # e.g. a pinned staging buffer
+        host.pack(out=buf[1:])
+        assert (buf[1:] == packed).all() and (buf[0] == 99).all()
 
 
 # ---------------------------------------------------------------------------- after the step
