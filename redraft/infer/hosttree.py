@@ -99,7 +99,7 @@ def _eye(n: int) -> np.ndarray:
 
 def dedup_paths_np(paths: np.ndarray, valid: np.ndarray):
     """``tree.dedup_paths``: ``(valid, rep, is_new)`` all ``[B, P, L]``."""
-    B, P, L = paths.shape
+    P = paths.shape[1]
     eq = (paths[:, :, None, :] == paths[:, None, :, :]) & valid[:, :, None, :]  # [B, P, P, L]
     rep = np.logical_and.accumulate(eq, axis=-1).argmax(axis=2)  # first path sharing the prefix
     return valid, rep, valid & (rep == _index(1, P, 1)[1])
