@@ -76,7 +76,7 @@ def context_matches_np(rows, q_min: int, q_max: int, k: int, w: int, vocab_size:
 
     Args:
         rows: ``B`` 1-D integer arrays, ``rows[b]`` = the row's tokens (prompt + output so far,
-            its last token being ``y``), i.e. ``tokens[b, :lengths[b]]``.
+            its last token being ``y``), i.e. ``tokens[b, :lengths[b]]``; ids in ``[0, vocab_size)``.
         q_min, q_max, k, w, vocab_size, window: as in ``context_matches_multi``.
 
     Returns:
