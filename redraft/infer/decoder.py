@@ -39,10 +39,11 @@ from redraft.errors import ConfigError
 from redraft.infer.accept import HostAcceptance, RowSampling, step_choices, walk
 from redraft.infer.budget import CostCurve, DrafterGate, SpeculationGuard
 from redraft.infer.config import DecoderConfig, SamplingParams
-from redraft.infer.drafters.base import (PAD, DecodeState, Draft, Drafter, Feedback, HostFeedback, clean_paths_np,
-                                         pad_paths_np)
+from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback, HostFeedback, pad_paths_np
 from redraft.infer.engine import Clock, Engine
-from redraft.infer.hostdraft import HostStats, HostTree, best_budget_np, build_tree_np
+from redraft.infer.hostdraft import HostStats, best_budget_np
+from redraft.infer.hosttree import (HostTree, accepted_prefix_np, build_tree_np, clean_paths_np, credit_np,
+                                    hit_np)
 from redraft.infer.stats import Generation, StreamEvent
 from redraft.infer.verify import Verifier
 
@@ -302,16 +303,10 @@ class SpeculativeDecoder:
         nd = len(self.drafters)
         if P == 0:
             return np.zeros((B, nd), np.int64)
-        rows = np.arange(B)
-        on_path = tree.anc[rows, acc.last_node]  # [B, N]
+        hit = hit_np(tree, acc.path)  # [B, P, L] path entries on the accepted path
+        credit = credit_np(tree, acc.path, prop.owner, nd, hit=hit)
+        prefix = accepted_prefix_np(hit)  # [B, P] accepted leading tokens per path
         kept = tree.path_node >= 0
-        node = np.maximum(tree.path_node, 0)
-        hit = kept & np.take_along_axis(on_path, node.reshape(B, -1), axis=1).reshape(B, P, L)
-        cred = np.zeros((B, nd, tree.tokens.shape[1]), bool)
-        b_i, p_i, l_i = np.nonzero(hit)
-        cred[b_i, prop.owner[p_i], node[b_i, p_i, l_i]] = True
-        credit = cred[:, :, 1:].sum(axis=-1)
-        prefix = np.cumprod(hit, axis=-1).sum(axis=-1)  # [B, P] accepted leading tokens per path
         verified = kept.sum(axis=-1)
         fb = None
         for i, dr, a, b in prop.drafts:

@@ -1,83 +1,375 @@
-"""TEMPORARY shim (replaced by the numpy implementation from the hostdraft branch)."""
+"""Learning-free drafting on the host: numpy mirrors of the n-gram drafters and the budget.
+
+On a GPU every small tensor op of a decode step is a kernel launch; the n-gram drafters, the
+acceptance statistics and the budget rule are a few hundred of them per step. Everything they
+need is already on the host (the token lists of the rows, tables mirrored once in host memory),
+so these functions do the same work in numpy: no kernels, tens of microseconds per step.
+
+Each function returns exactly what its torch counterpart returns for the same inputs (the
+tests compare them on random inputs):
+
+=========================  ==========================================================
+here                       torch original
+=========================  ==========================================================
+:func:`context_matches_np`  ``drafters.ngram.context_matches_multi``
+:class:`HostTables`         ``NGramTables.extended / bigram_topk / unigram_topk``
+:func:`ngrammys_np`         ``NGrammysDrafter.propose``
+:func:`table_rows_np`       ``TableDrafter.propose``
+:class:`HostStats`          ``budget.AcceptanceStats``
+:func:`best_budget_np`      ``budget.best_budget`` (one K for the batch, a host int)
+=========================  ==========================================================
+
+The tree built from the paths is in :mod:`redraft.infer.hosttree`.
+"""
+
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
-import torch
 
-from redraft.infer.budget import AcceptanceStats, best_budget
-from redraft.infer.tree import build_tree
+from redraft.infer.drafters.base import PAD
+
+GROUPS_PER_CLASS = 4  # statistics groups per match length: ranks 0, 1, 2 and the rest
 
 
-def context_matches_np(rows, q_min, q_max, k, w, vocab_size, window=4096):
-    from redraft.infer.drafters.ngram import context_matches_multi
+def _matches(cat: np.ndarray, pos: np.ndarray, n: np.ndarray, end: np.ndarray, rid: np.ndarray, q_min: int,
+             q_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(cand, ell)``: the flat positions whose preceding tokens agree with their row's last
+    ``q_min`` or more tokens, and how many agree (capped at ``q_max``, at the position in the row
+    and at the row's length - 1): ``context_matches_multi``'s ``ell >= q_min``."""
+    # suffix token i of each row [q_max, B]; -2 (no token) where the row is too short to use it
+    ar = np.arange(q_max)[:, None]
+    suffix = np.where(n - 1 > ar, cat[np.maximum(end - 1 - ar, 0)], -2)
+    if q_min >= 1:  # the token before a match equals the row's last one: few positions do
+        cand = np.flatnonzero(cat[:-1] == suffix[0][rid[1:]]) + 1
+        cand = cand[pos[cand] >= 1]
+        first = 1
+    else:
+        cand, first = np.flatnonzero(pos >= 1), 0
+    ell = np.full(len(cand), first, dtype=np.int64)
+    alive = np.ones(len(cand), dtype=bool)
+    pc, rc = pos[cand], rid[cand]
+    for i in range(first, q_max):  # token p-1-i (in the same row while p > i) against suffix token i
+        alive &= (pc > i) & (cat[np.maximum(cand - 1 - i, 0)] == suffix[i][rc])
+        ell += alive
+    return cand, ell
+
+
+def _run_starts(keys: np.ndarray) -> np.ndarray:
+    """``[M]`` bool: where a run of equal keys starts in a sorted key array (the first entry
+    included)."""
+    starts = np.empty(len(keys), dtype=bool)
+    starts[:1] = True
+    np.not_equal(keys[1:], keys[:-1], out=starts[1:])
+    return starts
+
+
+def _first_of_run(keys: np.ndarray) -> np.ndarray:
+    """``[M]``: for each entry of a sorted key array, the index where its run of equal keys starts."""
+    return np.maximum.accumulate(np.where(_run_starts(keys), np.arange(len(keys)), 0))
+
+
+def context_matches_np(rows, q_min: int, q_max: int, k: int, w: int, vocab_size: int,
+                       window: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Context matches of every length ``q_max .. q_min``, longest first, on host token lists.
+
+    All rows are handled together on their concatenation (a fixed number of numpy calls per
+    step, whatever the batch size).
+
+    Args:
+        rows: ``B`` 1-D integer arrays, ``rows[b]`` = the row's tokens (prompt + output so far,
+            its last token being ``y``), i.e. ``tokens[b, :lengths[b]]``; ids in ``[0, vocab_size)``.
+        q_min, q_max, k, w, vocab_size, window: as in ``context_matches_multi``.
+
+    Returns:
+        ``(paths int64 [B, k, w], group int64 [B, k])``, equal to
+        ``context_matches_multi(tokens, lengths, ...)``.
+    """
     B = len(rows)
-    T = max(len(r) for r in rows)
-    t = torch.full((B, T), -1, dtype=torch.long)
-    for b, r in enumerate(rows):
-        t[b, :len(r)] = torch.as_tensor(r)
-    p, g = context_matches_multi(t, torch.tensor([len(r) for r in rows]), q_min, q_max, k, w, vocab_size, window)
-    return p.numpy(), g.numpy()
+    paths = np.full((B, k, w), PAD, dtype=np.int64)
+    group = np.zeros((B, k), dtype=np.int64)
+    n = np.array([len(r) for r in rows], dtype=np.int64)
+    if not B or n.max() <= q_min:
+        return paths, group
+    cat = np.concatenate(rows).astype(np.int64, copy=False)  # [S]
+    end = np.cumsum(n)
+    rid = np.repeat(np.arange(B), n)  # row of every flat position
+    pos = np.arange(len(cat)) - (end - n)[rid]
+    cand, ell = _matches(cat, pos, n, end, rid, q_min, q_max)
+    # a match at p (first continuation token p) of length >= q_min inside the row's window
+    ok = (ell >= q_min) & (pos[cand] - ell >= n[rid[cand]] - window)
+    cand, lc = cand[ok], ell[ok]
+    if not len(cand):
+        return paths, group
+    rc, pc = rid[cand], pos[cand]
+    # each first token competes in its longest match length (class), by count then recency there:
+    # sort by (row, token, length, position); per (row, token) the last run of equal
+    # (row, token, length) is its class, its length the best, its last position the most recent
+    Q = q_max + 1
+    key = (rc * vocab_size + cat[cand]) * Q + lc
+    order = np.lexsort((pc, key))
+    ks, ps = key[order], pc[order]
+    tok = ks // Q
+    last = np.flatnonzero(_run_starts(tok[::-1])[::-1])  # last entry of each (row, token)
+    best, recent, row = ks[last] % Q, ps[last], tok[last] // vocab_size
+    count = last - _first_of_run(ks)[last] + 1
+    # per row: longest class, then count, then recency ((best, count, recent) is unique in a row)
+    top = np.lexsort((-recent, -count, -best, row))
+    row, best, start = row[top], best[top], recent[top]
+    slot = np.arange(len(top)) - _first_of_run(row)  # rank inside the row
+    keep = slot < min(k, vocab_size)
+    row, best, start, slot = row[keep], best[keep], start[keep], slot[keep]
+    cont = start[:, None] + np.arange(w)[None]  # [F, w] positions of the continuation
+    nr = n[row][:, None]
+    paths[row, slot] = np.where(cont < nr, cat[(end[row] - n[row])[:, None] + np.minimum(cont, nr - 1)], PAD)
+    cls = q_max - best  # 0 = the longest match length (q_min <= best <= q_max)
+    rank = slot - slot[_first_of_run(row * Q + cls)]  # rank among the row's rows of that class
+    group[row, slot] = cls * GROUPS_PER_CLASS + np.minimum(rank, GROUPS_PER_CLASS - 1)
+    return paths, group
+
+
+def _np(x, dtype) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor
+        x = x.detach().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(x), dtype=dtype)
+
+
+def _cols(k, have: int, name: str) -> int:
+    """The columns to read (``NGramTables._cols``)."""
+    if k is None:
+        return have
+    if not 1 <= int(k) <= have:
+        from redraft.errors import ConfigError
+
+        raise ConfigError(f"{name}={k} but the table stores {have} columns; rebuild with a larger {name}.",
+                          param=name)
+    return int(k)
 
 
 class HostTables:
-    def __init__(self, tables):
-        self.t = tables
+    """Host (numpy) copies of an ``NGramTables``' unigram / bigram / extended rows, made once.
 
-    def extended(self, last, k=None, w=None):
-        return self.t.extended(torch.as_tensor(last)).cpu().numpy()[:, :k, :w]
+    Ids are int32 and probabilities float32 (the stored float16, widened exactly as the torch
+    lookups widen them), so a lookup is one fancy index into host memory.
+    """
 
-    def bigram_topk(self, last, k=None):
-        i, p = self.t.bigram_topk(torch.as_tensor(last), k)
-        return i.cpu().numpy(), p.cpu().numpy()
+    def __init__(self, tables=None, *, unigram=None, bigram=None, extended=None):
+        """``tables``: an ``NGramTables`` (every kind it holds of the three), or the arrays:
+        ``unigram=(ids [k], probs [k])``, ``bigram=(ids [V, k], probs [V, k])``,
+        ``extended=ids [V, k, w]`` (numpy or torch)."""
+        if tables is not None:
+            kinds = set(getattr(tables, "kinds", ()))
+            if "unigram" in kinds:
+                u = tables.table("unigram")
+                unigram = (u["ids"], u["probs"])
+            if "bigram" in kinds:
+                b = tables.table("bigram")
+                bigram = (b["ids"], b["probs"])
+            if "extended" in kinds:
+                extended = tables.table("extended")["ids"]
+        self.unigram = None if unigram is None else (_np(unigram[0], np.int32), _np(unigram[1], np.float32))
+        self.bigram = None if bigram is None else (_np(bigram[0], np.int32), _np(bigram[1], np.float32))
+        self.ext = None if extended is None else _np(extended, np.int32)
+        # log-probabilities and their exp (a fixed budget's node values), made once with torch's
+        # own kernels: numpy's log differs from torch's in the last bit for ~20% of inputs
+        self.unigram_logp, self.unigram_value = _logp(self.unigram)
+        self.bigram_logp, self.bigram_value = _logp(self.bigram)
 
-    def unigram_topk(self, k=None):
-        i, p = self.t.unigram_topk(k)
-        return i.cpu().numpy(), p.cpu().numpy()
+    def _need(self, kind: str, arr):
+        if arr is None:
+            from redraft.errors import ArtifactError
+
+            raise ArtifactError(f"these host tables hold no {kind} table; load the n-gram artifact with "
+                                f"the {kind} kind (redraft-build-ngrams --kinds {kind}).")
+        return arr
+
+    def unigram_topk(self, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids int64 [k], probs float32 [k])``."""
+        ids, probs = self._need("unigram", self.unigram)
+        k = _cols(k, ids.shape[0], "k")
+        return ids[:k].astype(np.int64), probs[:k]
+
+    def bigram_topk(self, last, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``last [N]`` -> ``(ids int64 [N, k], probs float32 [N, k])``."""
+        ids, probs = self._need("bigram", self.bigram)
+        k = _cols(k, ids.shape[1], "k")
+        last = np.asarray(last, dtype=np.int64)
+        return ids[last, :k].astype(np.int64), probs[last, :k]
+
+    def extended(self, last, k: int | None = None, w: int | None = None) -> np.ndarray:
+        """``last [N]`` -> ``ids int64 [N, k, w]`` (``[:, j, 0]`` is the j-th bigram successor)."""
+        e = self._need("extended", self.ext)
+        k = _cols(k, e.shape[1], "k")
+        w = _cols(w, e.shape[2], "w")
+        return e[np.asarray(last, dtype=np.int64), :k, :w].astype(np.int64)
+
+
+def _logp(pair):
+    """``(logp, exp(logp))`` float32 of a ``(ids, probs)`` table, as ``TableDrafter`` and the
+    decoder compute them (``probs.clamp_min(1e-12).log()``, then ``.cumsum(-1).exp()``)."""
+    if pair is None:
+        return None, None
+    import torch
+
+    logp = torch.from_numpy(pair[1]).clamp_min(1e-12).log()
+    return logp.numpy(), logp[..., None].cumsum(-1).exp()[..., 0].numpy()
+
+
+def _pad_w(paths: np.ndarray, w: int) -> np.ndarray:
+    """Right-pad (or cut) ``[..., L]`` to ``w`` with ``PAD`` (``pad_paths``)."""
+    L = paths.shape[-1]
+    if L >= w:
+        return paths[..., :w]
+    return np.concatenate([paths, np.full((*paths.shape[:-1], w - L), PAD, dtype=paths.dtype)], axis=-1)
+
+
+def ngrammys_np(rows, last, tables: HostTables, vocab_size: int, k: int, w: int, q: int, q_max: int | None = None,
+                window: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """``NGrammysDrafter.propose`` on the host: context rows first, then the extended rows of
+    ``last``; the first ``k`` that exist. Returns ``(paths int64 [B, k, w], group int64 [B, k])``."""
+    q_max = max(q_max or q, q)
+    ctx, cgroup = context_matches_np(rows, q, q_max, k, w, vocab_size, window)
+    ext = _pad_w(tables.extended(last)[:, :k, :w], w)  # [B, E, w]
+    B, E = ext.shape[:2]
+    table_class = (q_max - q + 1) * GROUPS_PER_CLASS
+    egroup = np.broadcast_to(table_class + np.minimum(np.arange(E), GROUPS_PER_CLASS - 1), (B, E))
+    allp = np.concatenate([ctx, ext], axis=1)  # [B, k + E, w]
+    group = np.concatenate([cgroup, egroup], axis=1)
+    order = np.argsort(allp[:, :, 0] < 0, axis=1, kind="stable")[:, :k]  # rows that exist first
+    return np.take_along_axis(allp, order[:, :, None], 1), np.take_along_axis(group, order, 1)
+
+
+def table_rows_np(kind: str, tables: HostTables, last, k: int, w: int | None = None
+                  ) -> tuple[np.ndarray, np.ndarray | None]:
+    """``TableDrafter.propose`` on the host: ``(tokens int64 [B, P, L], logp float32 [B, P, L]
+    or None)`` for ``kind`` "bigram", "extended" or "unigram" (``last [B]``)."""
+    last = np.asarray(last, dtype=np.int64)
+    B = len(last)
+    if kind == "unigram":
+        ids, _ = tables.unigram_topk(k)
+        logp = tables.unigram_logp[: len(ids)]
+        return (np.broadcast_to(ids[None, :, None], (B, len(ids), 1)).copy(),
+                np.broadcast_to(logp[None, :, None], (B, len(ids), 1)).copy())
+    if kind == "bigram":
+        ids, _ = tables.bigram_topk(last, k)
+        return ids[:, :, None], tables.bigram_logp[last, : ids.shape[1], None]
+    if kind == "extended":
+        ids = tables.extended(last)[:, :k]
+        return (ids if w is None else ids[:, :, :w]), None
+    from redraft.errors import ConfigError
+
+    raise ConfigError(f"table drafter kind {kind!r} is unknown; use one of ('bigram', 'extended', 'unigram').")
 
 
 class HostStats:
-    def __init__(self, num_drafters, **kw):
-        self.s = AcceptanceStats(num_drafters, **kw)
+    """``budget.AcceptanceStats`` in host float32 arrays: the same rates after the same updates.
 
-    def values(self, owner, shape, group=None):
-        return self.s.values(torch.as_tensor(owner), shape, None if group is None else torch.as_tensor(group)).numpy()
+    ``rate[d, g, l]`` estimates P(the entry at depth l of a drafter-d path of group g is
+    accepted | its parent was), with a Beta prior and a decay per update of a drafter.
+    """
 
-    def update(self, owner, paths, prefix, group=None, kept=None):
-        self.s.update(torch.as_tensor(owner), torch.as_tensor(paths), torch.as_tensor(prefix),
-                      None if group is None else torch.as_tensor(group), None if kept is None else torch.as_tensor(kept))
+    def __init__(self, num_drafters: int, max_groups: int = 32, max_depth: int = 16,
+                 prior_rate: float = 0.3, prior_weight: float = 2.0, decay: float = 0.98):
+        shape = (max(num_drafters, 1), max_groups, max_depth)
+        self.max_groups, self.max_depth, self.decay = max_groups, max_depth, np.float32(decay)
+        self.prior = (prior_rate * prior_weight, prior_weight)
+        self.hits = np.zeros(shape, dtype=np.float32)
+        self.tries = np.zeros(shape, dtype=np.float32)
 
-    def reset(self):
-        self.s.reset()
+    def reset(self) -> None:
+        self.hits.fill(0)
+        self.tries.fill(0)
 
-    def rates(self):
-        return self.s.rates().numpy()
+    def rates(self) -> np.ndarray:
+        """``[drafters, groups, depths]`` float32 estimated acceptance rates."""
+        return (self.hits + np.float32(self.prior[0])) / (self.tries + np.float32(self.prior[1]))
+
+    def _groups(self, B: int, P: int, group) -> np.ndarray:
+        g = np.broadcast_to(np.arange(P), (B, P)) if group is None else np.asarray(group, dtype=np.int64)
+        return np.clip(g, 0, self.max_groups - 1)
+
+    def values(self, owner, shape: tuple[int, int, int], group=None) -> np.ndarray:
+        """``[B, P, L]`` float32 path-product of rates: ``owner`` an int or ``[P]`` (the drafter
+        of every path), ``group [B, P]`` (default: the rank)."""
+        B, P, L = shape
+        d = np.broadcast_to(np.asarray(owner, dtype=np.int64), (P,))[None]  # [1, P]
+        depths = np.minimum(np.arange(L), self.max_depth - 1)
+        per = self.rates()[d[:, :, None], self._groups(B, P, group)[:, :, None], depths[None, None]]
+        # torch's CPU cumprod accumulates float32 in double and rounds each output: the same here
+        return np.cumprod(per, axis=2, dtype=np.float64).astype(np.float32)
+
+    def update(self, owner, paths, accepted_prefix, group=None, kept=None) -> None:
+        """Record one step (``AcceptanceStats.update``): ``paths [B, P, L]``, ``accepted_prefix
+        [B, P]``, ``group [B, P]`` (default: rank), ``kept [B, P, L]`` bool (default: valid)."""
+        paths = np.asarray(paths)
+        B, P, L = paths.shape
+        if P == 0:
+            return
+        L_ = min(L, self.max_depth)
+        depth = np.arange(L_)
+        valid = (paths[:, :, :L_] >= 0) if kept is None else np.asarray(kept)[:, :, :L_]
+        pre = np.asarray(accepted_prefix)[:, :, None]
+        tried = valid & (depth <= pre)  # the parent was accepted
+        hit = tried & (depth < pre)
+        d = np.broadcast_to(np.asarray(owner, dtype=np.int64), (P,))
+        flat = ((d * self.max_groups + self._groups(B, P, group)) * self.max_depth)[:, :, None] + depth
+        decay = np.ones(self.hits.shape[0], dtype=np.float32)
+        decay[d] = self.decay
+        self.hits *= decay[:, None, None]
+        self.tries *= decay[:, None, None]
+        # one add per entry, in order (as index_add_): repeated adds round like the torch ones
+        np.add.at(self.hits.reshape(-1), flat.reshape(-1), hit.reshape(-1).astype(np.float32))
+        np.add.at(self.tries.reshape(-1), flat.reshape(-1), tried.reshape(-1).astype(np.float32))
 
 
-def best_budget_np(values, cost_table, max_nodes, overhead_s=0.0):
-    from redraft.infer.budget import CostCurve
+def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0) -> int:
+    """``budget.best_budget`` on the host: the one K (nodes per row) for the batch.
 
-    n = len(cost_table) - 1
-    curve = CostCurve(list(range(1, n + 1)), list(cost_table[1:]))
-    return int(best_budget(torch.as_tensor(values), curve, max_nodes, overhead_s)[0]) if values.shape[0] else 0
+    Args:
+        values: ``[B, M]`` estimated acceptance probability of every candidate node (0 for
+            padding).
+        cost: a ``CostCurve``, or its table ``cost.table(n, "cpu").numpy()`` (``c(0..n)``,
+            float32) with ``n >= B * (min(M, max_nodes) + 1)``.
+        max_nodes: upper bound on K.
+        overhead_s: fixed per-step seconds outside the forward.
+    """
+    values = np.asarray(values)
+    B, M = values.shape
+    M = min(M, max_nodes)
+    if M == 0 or B == 0:
+        return 0
+    n = B * (M + 1)
+    table = cost.table(n, "cpu").numpy() if hasattr(cost, "table") else np.asarray(cost, dtype=np.float32)
+    if len(table) <= n:
+        from redraft.errors import ConfigError
+
+        raise ConfigError(f"best_budget_np: the cost table covers c(0..{len(table) - 1}) but a batch of {B} rows "
+                          f"with {M} candidate nodes needs c({n}); pass cost.table({n}, 'cpu').numpy() or larger.")
+    top = -np.sort(-np.clip(values.astype(np.float32), 0, 1), axis=1)[:, :M]  # [B, M] descending
+    total = top[0].copy()
+    for b in range(1, B):  # the row sum in float32, row by row (torch's order over dim 0)
+        total += top[b]
+    gain = np.float32(B) + np.concatenate([[0], np.cumsum(total, dtype=np.float64)]).astype(np.float32)
+    secs = table[B * np.arange(1, M + 2)]
+    return int(np.argmax(gain / (secs + np.float32(overhead_s))))
 
 
-@dataclass
-class HostTree:
-    tokens: np.ndarray
-    parent: np.ndarray
-    depth: np.ndarray
-    valid: np.ndarray
-    anc: np.ndarray
-    path_node: np.ndarray
-    num_nodes: np.ndarray
-    num_entries: np.ndarray
-    max_depth: int
+def table_values_np(kind: str, tables: HostTables, last, k: int, L: int) -> np.ndarray:
+    """``[B, k, L]`` float32: the node values a fixed budget ranks a bigram or unigram drafter's
+    paths by (the decoder's ``pad_paths(logp.cumsum(-1).exp(), L).clamp_min(0)``: the probability
+    at depth 0, 0 after)."""
+    last = np.asarray(last, dtype=np.int64)
+    if kind == "unigram":
+        tables._need("unigram", tables.unigram)
+        k = _cols(k, len(tables.unigram_value), "k")
+        v = np.broadcast_to(tables.unigram_value[None, :k], (len(last), k))
+    elif kind == "bigram":
+        tables._need("bigram", tables.bigram)
+        k = _cols(k, tables.bigram_value.shape[1], "k")
+        v = tables.bigram_value[last, :k]
+    else:
+        from redraft.errors import ConfigError
 
-
-def build_tree_np(paths, values, budget, root, size):
-    t = build_tree(torch.as_tensor(paths), None if values is None else torch.as_tensor(values), budget,
-                   torch.as_tensor(root), size)
-    return HostTree(*(x.numpy() for x in (t.tokens, t.parent, t.depth, t.valid, t.anc, t.path_node, t.num_nodes,
-                                            t.num_entries)), t.max_depth)
+        raise ConfigError(f"table_values_np: kind {kind!r} carries no probabilities; use 'bigram' or 'unigram'.")
+    out = np.zeros((len(last), k, max(L, 1)), dtype=np.float32)
+    out[:, :, 0] = np.maximum(v, 0)
+    return out[:, :, :L]

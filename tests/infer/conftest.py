@@ -19,6 +19,17 @@ class TinyTables:
             chains.append(p[chains[-1]].argmax(-1))
         self.ext = torch.stack(chains, dim=-1)  # [V, k, w]
 
+    kinds = ("unigram", "bigram", "extended")
+
+    def table(self, kind):
+        """The stored arrays, as ``NGramTables.table`` gives them (host drafters mirror them)."""
+        if kind == "unigram":
+            ids, probs = self.unigram_topk(self.ids.shape[1])
+            return {"ids": ids, "probs": probs}
+        if kind == "bigram":
+            return {"ids": self.ids, "probs": self.probs}
+        return {"ids": self.ext}
+
     def unigram_topk(self, k):
         top = self.p.mean(0).topk(k)
         return top.indices, top.values

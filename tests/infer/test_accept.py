@@ -119,3 +119,35 @@ def test_rows_of_one_batch_sample_with_their_own_settings():
     greedy = emitted_tokens(tree, accept_greedy(tree, logits))
     assert a[0].tolist() == greedy[0].tolist()
     assert a[2].tolist() == b[2].tolist()  # the seeded row does not depend on the others
+
+
+@pytest.mark.parametrize("rule", ["greedy", "rejection", "typical"])
+def test_the_host_walk_over_device_choices_equals_the_device_rules(rule):
+    """The decoder's split (``step_choices`` on the device, ``walk`` on the host over the numpy
+    tree) accepts exactly what the device rules accept, path, count and bonus."""
+    import numpy as np
+
+    from redraft.infer.accept import ACCEPT, RowSampling, seed_uniforms, step_choices, walk
+    from redraft.infer.hosttree import build_tree_np
+    from redraft.infer.tree import build_tree
+
+    rng = np.random.default_rng(7)
+    V = 5
+    for case in range(40):
+        B, P, L = 3, int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        paths = rng.integers(-1, V, (B, P, L))
+        root = rng.integers(0, V, B)
+        size = None if case % 2 else 1 + P * L + 2
+        tree = build_tree(torch.tensor(paths), root=torch.tensor(root), size=size)
+        host = build_tree_np(paths, root=root, size=size)
+        logits = torch.randn(B, tree.size, V, generator=torch.Generator().manual_seed(case)) * 2
+        temps = [0.0, 0.8, 1.3] if rule != "greedy" else [0.0] * 3
+        rows = RowSampling(temps, [1.0, 0.9, 1.0], None, "cpu",
+                           uniforms=[seed_uniforms(case * 3 + r, 64) for r in range(B)])
+        rows.offset = torch.tensor([2, 0, 5])
+        ref = ACCEPT[rule](tree, logits, rows)
+        got = walk(rule, host, step_choices(rule, tree.tokens, tree.parent, tree.depth, logits, rows).numpy())
+        assert got.num_accepted.tolist() == ref.num_accepted.tolist()
+        assert got.last_node.tolist() == ref.last_node.tolist()
+        assert got.bonus.tolist() == ref.bonus.tolist()
+        assert got.path.tolist() == ref.path.tolist()

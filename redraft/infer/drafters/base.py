@@ -207,9 +207,3 @@ def pad_paths_np(a: np.ndarray, length: int, fill=PAD) -> np.ndarray:
     if cur >= length:
         return a[..., :length]
     return np.concatenate([a, np.full((*a.shape[:-1], length - cur), fill, a.dtype)], axis=-1)
-
-
-def clean_paths_np(a: np.ndarray) -> np.ndarray:
-    """Every token after a path's first ``PAD`` (or negative id) becomes a ``PAD`` too."""
-    valid = np.cumprod(a >= 0, axis=-1).astype(bool)
-    return a if valid.all() else np.where(valid, a, PAD)

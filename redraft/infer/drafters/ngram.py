@@ -23,14 +23,13 @@ import torch
 
 from redraft.infer.config import FIELDS
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, pad_paths, pad_paths_np
-from redraft.infer.hostdraft import HostTables, context_matches_np
+from redraft.infer.hostdraft import GROUPS_PER_CLASS, HostTables, context_matches_np, ngrammys_np, table_rows_np
 from redraft.infer.tree import cached_arange
 
 # defaults come from DecoderConfig (one place for each)
 K, W, Q, Q_MAX = (FIELDS[n].default for n in ("ngram_k", "ngram_w", "context_q", "context_q_max"))
 
 
-GROUPS_PER_CLASS = 4  # statistics groups per match length: ranks 0, 1, 2 and the rest
 
 
 @functools.lru_cache(maxsize=64)
@@ -139,19 +138,9 @@ class TableDrafter(Drafter):
     host = True
 
     def propose_host(self, host) -> Draft:
-        t = self._host = self._host or HostTables(self.tables)
-        B = host.batch_size
-        if self.kind == "unigram":
-            ids, probs = t.unigram_topk(self.k)
-            logp = np.log(np.maximum(probs.astype(np.float32), 1e-12))
-            return Draft(tokens=np.broadcast_to(ids.astype(np.int64)[None, :, None], (B, len(ids), 1)),
-                         logp=np.broadcast_to(logp[None, :, None], (B, len(ids), 1)))
-        if self.kind == "bigram":
-            ids, probs = t.bigram_topk(host.last, self.k)
-            return Draft(tokens=ids.astype(np.int64)[:, :, None],
-                         logp=np.log(np.maximum(probs.astype(np.float32), 1e-12))[:, :, None])
-        ids = t.extended(host.last, self.k, self.w).astype(np.int64)  # [B, k, w]
-        return Draft(tokens=ids)
+        self._host = self._host or HostTables(self.tables)
+        tokens, logp = table_rows_np(self.kind, self._host, host.last, self.k, self.w)
+        return Draft(tokens=tokens, logp=logp)
 
     def propose(self, state: DecodeState) -> Draft:
         B, dev = state.batch_size, state.device
@@ -187,18 +176,10 @@ class NGrammysDrafter(Drafter):
     host = True
 
     def propose_host(self, host) -> Draft:
-        t = self._host = self._host or HostTables(self.tables)
-        ctx, cgroup = context_matches_np(host.seqs, self.q, self.q_max, self.k, self.w, self.vocab_size, self.window)
-        ext = pad_paths_np(t.extended(host.last, self.k, self.w).astype(np.int64), self.w)
-        B, E = ext.shape[:2]
-        table_class = (self.q_max - self.q + 1) * GROUPS_PER_CLASS
-        egroup = np.broadcast_to(table_class + np.minimum(np.arange(E), GROUPS_PER_CLASS - 1), (B, E))
-        rows = np.concatenate([ctx, ext], axis=1)  # [B, k + k', w]
-        group = np.concatenate([cgroup, egroup], axis=1)
-        # context rows that exist come first, then table rows; keep the first k
-        order = np.argsort(rows[:, :, 0] < 0, axis=1, kind="stable")[:, : self.k]
-        return Draft(tokens=np.take_along_axis(rows, order[:, :, None], axis=1),
-                     group=np.take_along_axis(group, order, axis=1))
+        self._host = self._host or HostTables(self.tables)
+        paths, group = ngrammys_np(host.seqs, host.last, self._host, self.vocab_size, self.k, self.w, self.q,
+                                   self.q_max, self.window)
+        return Draft(tokens=paths, group=group)
 
     def propose(self, state: DecodeState) -> Draft:
         ctx, cgroup = context_matches_multi(state.tokens, state.lengths, self.q, self.q_max, self.k, self.w,

@@ -1,0 +1,227 @@
+"""The draft tree built on the host (numpy), packed into one array for one upload per step.
+
+:func:`build_tree_np` is ``redraft.infer.tree.build_tree`` in numpy (same node numbering,
+pruning, ties and padding: see that module's doc for the idea and a worked example).
+:meth:`HostTree.pack` lays the fields the device needs into one int64 array ``[B, W]``;
+after the caller uploads it, :func:`unpack_tree` rebuilds a device ``Tree`` from views of it
+and one bool conversion. Layout per row (``N`` nodes, ``P x L`` path entries)::
+
+    tokens N | parent N | depth N | num_nodes 1 | num_entries 1 | path_node P*L | valid N | anc N*N
+
+The host keeps the :class:`HostTree` and does the step's bookkeeping from the accepted path it
+reads back (:func:`hit_np`, :func:`credit_np`, :func:`accepted_prefix_np`: the decoder's
+``credit`` and ``feedback`` without kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from redraft.infer.drafters.base import PAD
+
+
+@dataclass
+class HostTree:
+    """``redraft.infer.tree.Tree`` with numpy fields (same meaning, shapes and dtypes: int64,
+    ``valid`` and ``anc`` bool)."""
+
+    tokens: np.ndarray  # [B, N]
+    parent: np.ndarray  # [B, N]
+    depth: np.ndarray  # [B, N]
+    valid: np.ndarray  # [B, N] bool
+    anc: np.ndarray  # [B, N, N] bool
+    path_node: np.ndarray  # [B, P, L]
+    num_nodes: np.ndarray  # [B]
+    num_entries: np.ndarray  # [B]
+    max_depth: int = 0
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def pack(self, out: np.ndarray | None = None) -> np.ndarray:
+        """``int64 [B, 4N + N*N + 2 + P*L]`` in the layout of the module doc (one upload);
+        ``out``: write there instead (e.g. a view of a pinned host buffer) and return it."""
+        B, N = self.tokens.shape
+        P, L = self.path_node.shape[1:]
+        parts = [self.tokens, self.parent, self.depth, self.num_nodes[:, None], self.num_entries[:, None],
+                 self.path_node.reshape(B, P * L), self.valid, self.anc.reshape(B, N * N)]
+        if out is not None:
+            return np.concatenate(parts, axis=1, out=out)
+        return np.concatenate(parts, axis=1, dtype=np.int64)
+
+
+def packed_width(N: int, P: int, L: int) -> int:
+    """Columns of :meth:`HostTree.pack` for ``N`` nodes and ``P x L`` paths."""
+    return 4 * N + N * N + 2 + P * L
+
+
+def unpack_tree(t, N: int, max_depth: int, P: int, L: int):
+    """A device ``redraft.infer.tree.Tree`` from an uploaded :meth:`HostTree.pack` tensor
+    ``t [B, packed_width(N, P, L)]`` (int64): int fields are views of ``t``, ``valid`` and
+    ``anc`` views of one bool conversion."""
+    from redraft.infer.tree import Tree
+
+    B = t.shape[0]
+    o = 3 * N + 2 + P * L
+    flags = t[:, o:].bool()  # [B, N + N*N], the only new tensor
+    return Tree(tokens=t[:, :N], parent=t[:, N:2 * N], depth=t[:, 2 * N:3 * N], valid=flags[:, :N],
+                anc=flags[:, N:].view(B, N, N), path_node=t[:, 3 * N + 2:o].view(B, P, L),
+                num_nodes=t[:, 3 * N], num_entries=t[:, 3 * N + 1], max_depth=max_depth)
+
+
+def clean_paths_np(paths: np.ndarray) -> np.ndarray:
+    """Every token after a path's first ``PAD`` (or negative id) made ``PAD`` (``clean_paths``)."""
+    return np.where(np.logical_and.accumulate(paths >= 0, axis=-1), paths, PAD)
+
+
+@functools.lru_cache(maxsize=256)
+def _index(*shape: int) -> tuple[np.ndarray, ...]:
+    """Read-only ``arange`` s shaped to broadcast along each axis of ``shape`` (made once per
+    shape: a numpy call costs about a microsecond, the whole tree a few dozen of them)."""
+    out = []
+    for axis, n in enumerate(shape):
+        a = np.arange(n).reshape([n if i == axis else 1 for i in range(len(shape))])
+        a.flags.writeable = False
+        out.append(a)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _eye(n: int) -> np.ndarray:
+    e = np.eye(n, dtype=bool)
+    e.flags.writeable = False
+    return e
+
+
+def dedup_paths_np(paths: np.ndarray, valid: np.ndarray):
+    """``tree.dedup_paths``: ``(valid, rep, is_new)`` all ``[B, P, L]``."""
+    P = paths.shape[1]
+    eq = (paths[:, :, None, :] == paths[:, None, :, :]) & valid[:, :, None, :]  # [B, P, P, L]
+    rep = np.logical_and.accumulate(eq, axis=-1).argmax(axis=2)  # first path sharing the prefix
+    return valid, rep, valid & (rep == _index(1, P, 1)[1])
+
+
+def _kept_entries_np(valid, rep, is_new, values: np.ndarray, budget) -> np.ndarray:
+    """``tree._kept_entries``: ``[B, P, L]`` bool, the entries of the ``budget`` best nodes."""
+    B, P, L = valid.shape
+    values = np.asarray(values)
+    dtype = values.dtype if values.dtype.kind == "f" else np.float32
+    neg = np.finfo(dtype).min
+    val = np.where(valid, values, neg).astype(dtype, copy=False)  # [B, P, L]
+    # a node's value: the max over the entries sharing it (rep[b, j, l] == i)
+    owns = rep[:, None, :, :] == _index(1, P, 1, 1)[1]  # [B, P(i), P(j), L]
+    node_val = np.where(owns, val[:, None], neg).max(axis=2)
+    node_val = np.where(is_new, node_val, neg).reshape(B, P * L)
+    order = np.argsort(-node_val, axis=1, kind="stable")  # descending, earlier entries win ties
+    budget = np.asarray(budget).reshape(-1, 1) if not isinstance(budget, int) else budget
+    rows, ranks = _index(B, P * L)
+    keep_node = np.empty((B, P * L), dtype=bool)
+    keep_node[rows, order] = np.broadcast_to(ranks < budget, (B, P * L))  # the first `budget` in that order
+    keep_node &= is_new.reshape(B, -1)
+    keep = keep_node[rows, (rep * L + _index(1, 1, L)[2]).reshape(B, P * L)].reshape(B, P, L) & valid
+    return np.logical_and.accumulate(keep, axis=-1)  # an entry stays only if its whole prefix does
+
+
+def _root_only(paths, root, size, num_entries) -> HostTree:
+    """No drafts: the root alone, padded to ``size``."""
+    B, P, L = paths.shape
+    N = size or 1
+    tokens = np.full((B, N), PAD, dtype=np.int64)
+    if root is not None:
+        tokens[:, 0] = root
+    valid = np.zeros((B, N), dtype=bool)
+    valid[:, 0] = True
+    anc = np.broadcast_to(_eye(N), (B, N, N)).copy()
+    anc[:, :, 0] = True
+    parent = np.zeros((B, N), dtype=np.int64)
+    parent[:, 0] = -1
+    return HostTree(tokens=tokens, parent=parent, depth=np.zeros((B, N), dtype=np.int64), valid=valid, anc=anc,
+                    path_node=np.full((B, P, L), -1, dtype=np.int64), num_nodes=np.ones(B, dtype=np.int64),
+                    num_entries=num_entries, max_depth=0)
+
+
+def build_tree_np(paths, values=None, budget=None, root=None, size: int | None = None,
+                  clean: bool = True) -> HostTree:
+    """``tree.build_tree`` on the host: merge ``paths [B, P, L]`` into one :class:`HostTree`,
+    keeping the ``budget`` (int or ``[B]``) most valuable nodes per row by ``values [B, P, L]``
+    (non-increasing along a path); ``root [B]`` is node 0's token; ``size`` the packed node
+    count (``None``: the largest row's). Every field equals ``build_tree``'s."""
+    paths = np.asarray(paths, dtype=np.int64)
+    if clean:
+        paths = clean_paths_np(paths)
+    B, P, L = paths.shape
+    valid = paths >= 0
+    num_entries = valid.sum(axis=(1, 2))
+    if P == 0 or L == 0:
+        return _root_only(paths, root, size, num_entries)
+    valid, rep, is_new = dedup_paths_np(paths, valid)
+    if budget is not None:
+        keep = _kept_entries_np(valid, rep, is_new, values, budget)
+        valid, is_new = keep, is_new & keep
+    flat_new = is_new.reshape(B, P * L)
+    nid_flat = np.cumsum(flat_new, axis=1) * flat_new  # node id of each new entry, 0 elsewhere
+    num_nodes = 1 + flat_new.sum(axis=1)
+    N = size if size is not None else (int(num_nodes.max()) if B else 1)
+    rows, _ = _index(B, P * L)
+    path_node = nid_flat[rows, (rep * L + _index(1, 1, L)[2]).reshape(B, P * L)].reshape(B, P, L)
+    path_node = np.where(valid, path_node, -1)
+    # per node: the path it was first seen on and its depth (nodes past a too-small size dropped)
+    bi, ei = np.nonzero(flat_new & (nid_flat < N))
+    nid = nid_flat[bi, ei]
+    node_path = np.zeros((B, N), dtype=np.int64)
+    depth = np.zeros((B, N), dtype=np.int64)
+    node_path[bi, nid] = ei // L
+    depth[bi, nid] = ei % L + 1
+    # a node's ancestors are the nodes on its first path above it (depths 0..depth-1 of it)
+    rows3, nodes3, depths3 = _index(B, N, L)
+    on_path = path_node[rows3, node_path[:, :, None], depths3]  # [B, N, L]
+    anc = np.zeros((B, N, N + 1), dtype=bool)
+    anc[rows3, nodes3, np.where(depths3 < depth[:, :, None], on_path, N)] = True
+    anc = anc[:, :, :N]
+    anc[:, :, 0] = True
+    anc |= _eye(N)
+    rows2, nodes2 = _index(B, N)
+    parent = np.where(depth > 1, on_path[rows2, nodes2, np.maximum(depth - 2, 0)], 0)
+    parent[:, 0] = -1
+    node_valid = nodes2 < num_nodes[:, None]
+    tokens = np.where(node_valid, paths[rows2, node_path, np.maximum(depth - 1, 0)], PAD)
+    tokens[:, 0] = PAD if root is None else np.asarray(root, dtype=np.int64)
+    return HostTree(tokens=tokens, parent=parent, depth=depth, valid=node_valid, anc=anc, path_node=path_node,
+                    num_nodes=num_nodes, num_entries=num_entries, max_depth=L)
+
+
+# ---------------------------------------------------------------------- after the step
+
+
+def hit_np(tree: HostTree, path) -> np.ndarray:
+    """``[B, P, L]`` bool: path entries whose node lies on the accepted path ``path [B, D+1]``
+    (node indices root first, -1 padded, as the device's ``Acceptance.path``)."""
+    B, N = tree.tokens.shape
+    path = np.asarray(path, dtype=np.int64)
+    on_path = np.zeros((B, N + 1), dtype=bool)
+    on_path[np.arange(B)[:, None], np.where(path >= 0, path, N)] = True
+    pn = tree.path_node
+    return (pn >= 0) & np.take_along_axis(on_path[:, :N], np.maximum(pn, 0).reshape(B, -1), 1).reshape(pn.shape)
+
+
+def credit_np(tree: HostTree, path, owner, num_drafters: int, hit: np.ndarray | None = None) -> np.ndarray:
+    """``SpeculativeDecoder.credit``'s first output: ``int64 [B, num_drafters]`` accepted draft
+    tokens each drafter proposed (a node several of its paths share counts once; a node several
+    drafters proposed counts for each). ``owner [P]``: the drafter of every path."""
+    B, N = tree.tokens.shape
+    hit = hit_np(tree, path) if hit is None else hit
+    if hit.shape[1] == 0 or num_drafters == 0:
+        return np.zeros((B, num_drafters), dtype=np.int64)
+    mark = np.zeros((B, num_drafters, N), dtype=bool)
+    b, p, l = np.nonzero(hit)
+    mark[b, np.asarray(owner, dtype=np.int64)[p], tree.path_node[b, p, l]] = True
+    return mark[:, :, 1:].sum(axis=-1, dtype=np.int64)
+
+
+def accepted_prefix_np(hit: np.ndarray) -> np.ndarray:
+    """``[B, P]`` int64 accepted leading tokens per path (``feedback``'s ``prefix``)."""
+    return np.logical_and.accumulate(hit, axis=-1).sum(axis=-1, dtype=np.int64)
