@@ -38,4 +38,4 @@ def test_graphs_are_captured_and_replayed(cuda_target, tiny_prompts):
     eng.add(dec.encode(tiny_prompts[2])[0])
     for _ in range(6):
         eng.step()
-    assert eng.cache is not None and len(eng.cache.graphs) >= 1
+    assert eng.cache is not None and len(eng.cache.graph_set) >= 1
