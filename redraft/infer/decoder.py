@@ -174,18 +174,19 @@ class SpeculativeDecoder:
                 "typical").
             top_p: nucleus sampling threshold (with temperature > 0).
             stop: a string or strings that end a request (the text is cut before the first).
-            seed: seeds the batch's sampling generator (drafters that sample use it too).
+            seed: makes sampling reproducible: prompt ``i`` samples with its own seed
+                (:func:`row_seed`; drafters that sample use it too), so the same seed gives the
+                same text on any decoder.
         """
         params = SamplingParams.checked(max_new_tokens, temperature, top_p, stop, seed)
         prompts = self.encode(inputs)
         engine = self._engine if self._engine is not None and not self._engine.has_work else self.engine()
         self._engine = engine
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=self.target.device)
-            gen.manual_seed(seed)
-        shared = dataclasses.replace(params, seed=None)
-        index = {engine.add(p, shared, generator=gen): i for i, p in enumerate(prompts)}  # request id -> prompt
+        # a seed is per request (prompt i: row_seed(seed, i)): its tokens are drawn with its own
+        # uniforms, so the same seed gives the same text on any decoder, whatever the drafts,
+        # the batch or what the decoder learnt from earlier requests
+        index = {engine.add(p, params if seed is None else dataclasses.replace(params, seed=row_seed(seed, i))): i
+                 for i, p in enumerate(prompts)}  # request id -> prompt
         while engine.has_work:
             for ev in engine.step():
                 yield dataclasses.replace(ev, index=index[ev.index])
@@ -381,6 +382,11 @@ def _device_feedback(acc: HostAcceptance, device) -> Feedback:
         accepted[b, :len(e) - 1] = e[:-1]
     up = torch.from_numpy(np.concatenate([accepted, acc.num_accepted[:, None], acc.bonus[:, None]], axis=1)).to(device)
     return Feedback(accepted_prefix=None, accepted=up[:, :A], num_accepted=up[:, A], bonus=up[:, A + 1], verified=None)
+
+
+def row_seed(seed: int, i: int) -> int:
+    """The seed of prompt ``i`` of a batch given ``seed`` (prompt 0 keeps ``seed`` itself)."""
+    return (int(seed) * 1_000_003 + i) % (1 << 63)
 
 
 @torch.no_grad()

@@ -330,3 +330,20 @@ def test_guard_plain_steps_keep_the_output_and_call_no_drafter(tiny_target, tiny
     ref = plain_greedy(tiny_target, tiny_prompts[:3], max_new_tokens=12)
     assert [g.tokens for g in out] == [g.tokens for g in ref]
     assert calls == [] and [g.stats.target_calls for g in out] == [g.stats.target_calls for g in ref]
+
+
+def test_the_same_seed_gives_the_same_text_on_one_decoder_and_with_any_drafts(tiny_target, tiny_tables, tiny_prompts):
+    """Issue 24: a seed is the request's own (per-token uniforms), so a decoder that adapts its
+    tree between calls (auto budget, rates, gate, guard) repeats itself, and equals plain sampling
+    with no drafter at all."""
+    V = tiny_target.vocab_size
+    dec = SpeculativeDecoder(tiny_target, [NGrammysDrafter(tiny_tables, V), TableDrafter(tiny_tables, "bigram")],
+                             acceptance="rejection", cost_curve=CostCurve.flat())
+    runs = [[g.tokens for g in dec.generate(tiny_prompts, max_new_tokens=24, temperature=0.8, top_p=0.95, seed=0)]
+            for _ in range(4)]
+    assert all(r == runs[0] for r in runs)
+    plain = SpeculativeDecoder(tiny_target, [], acceptance="rejection", budget=0)
+    assert [g.tokens for g in plain.generate(tiny_prompts, max_new_tokens=24, temperature=0.8, top_p=0.95,
+                                             seed=0)] == runs[0]
+    other = [g.tokens for g in dec.generate(tiny_prompts, max_new_tokens=24, temperature=0.8, top_p=0.95, seed=1)]
+    assert other != runs[0]
