@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -45,6 +46,9 @@ from redraft.infer.drafters.base import PAD, DecodeState
 from redraft.infer.stats import Generation, RequestStats, StreamEvent
 from redraft.infer.text import TextStream
 from redraft.infer.verify import StepInput
+
+if TYPE_CHECKING:  # the decoder imports the engine
+    from redraft.infer.decoder import SpeculativeDecoder
 
 
 @dataclass
@@ -142,13 +146,15 @@ class Clock:
 
 
 class Engine:
-    """Continuous batching over a :class:`~redraft.infer.decoder.SpeculativeDecoder`.
+    """Continuous batching over a :class:`~redraft.infer.decoder.SpeculativeDecoder`, whose public
+    step pieces it calls in order (``propose``, ``build_tree``, ``choices``, ``accept``,
+    ``feedback``, ``after_step``) and whose ``verifier`` runs the forwards.
 
     Not thread-safe: one thread owns an engine (the server runs it in its decode thread and
     passes ``add``/``cancel`` in between steps).
     """
 
-    def __init__(self, decoder):
+    def __init__(self, decoder: SpeculativeDecoder):
         self.dec = decoder
         self.verifier = decoder.verifier
         self.device = decoder.target.device
