@@ -402,11 +402,12 @@ def run_merge(args) -> dict:
     _clean_spills(out)
 
     from redraft.ngrams.tables import save_tables
-    from redraft.ngrams.trigrams import _open_run, build_trigram_table, load_counts
+    from redraft.ngrams.trigram_runs import open_run
+    from redraft.ngrams.trigrams import build_trigram_table, load_counts
 
     t0 = time.perf_counter()
     counts = load_counts(shards, memory_mb=args.memory_mb)  # checksums, completeness, agreement
-    first = _open_run(shards[0])[2]
+    first = open_run(shards[0])[2]
     table = build_trigram_table(counts, t=args.t, min_count=args.min_count, progress=not args.quiet)
     seconds = time.perf_counter() - t0
     target_fields = {k: first[k] for k in ("target_model", "target_vocab_size", "target_hidden_size",
@@ -420,7 +421,7 @@ def run_merge(args) -> dict:
                 trigram={"t": args.t, "min_count": args.min_count, "data": first.get("data"),
                          "split": first.get("split"), "corpus": table.stats,
                          "shards": len(shards), "table_bytes": table.nbytes(),
-                         "count_seconds_per_shard": [_open_run(s)[2].get("count_seconds")
+                         "count_seconds_per_shard": [open_run(s)[2].get("count_seconds")
                                                      for s in shards]})
     save_tables(out, meta, trigram=table)
     # Only now, with the table and ngrams.json written: a kill before this leaves the shards

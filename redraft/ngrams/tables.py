@@ -381,3 +381,20 @@ class NGramTables:
     def __repr__(self) -> str:
         return (f"NGramTables(kinds={self.kinds}, vocab_size={self.vocab_size}, k={self.k}, "
                 f"w={self.w}, t={self.t}, fingerprint={self.fingerprint!r}, device={self.device})")
+
+
+def as_trigram_table(tables) -> TrigramTable:
+    """The tri-gram table of what a drafter is given: a :class:`TrigramTable` (returned as it is)
+    or loaded :class:`NGramTables` (their :attr:`trigram`).
+
+    Raises:
+        ArtifactError: n-gram tables without a tri-gram kind (the message says how to build one).
+        ConfigError: anything else.
+    """
+    if isinstance(tables, TrigramTable):
+        return tables
+    if isinstance(tables, NGramTables):
+        return tables.trigram
+    raise ConfigError(f"expected a redraft.ngrams.TrigramTable or NGramTables, got "
+                      f"{type(tables).__name__}; load tables with NGramTables.load(DIR) or build "
+                      f"one with TrigramTable.from_csr(...) / trigram_table_from_token_arrays(...).")
