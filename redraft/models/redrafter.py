@@ -123,7 +123,7 @@ class ReDrafterConfig(PretrainedConfig):
         activation: ``f`` of the recurrence and of the ResNet blocks (a transformers ACT2FN name).
         num_steps: the training horizon n (draft tokens predicted per hidden state).
         target_model, tokenizer_fingerprint, target_vocab_size, target_hidden_size: the target
-            this head belongs to (DESIGN.md); ``load_drafter`` checks the fingerprint.
+            this head belongs to (docs/hub.md); ``load_drafter`` checks the fingerprint.
         initializer_range: std of the normal init of every linear layer.
     """
 

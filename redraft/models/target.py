@@ -109,7 +109,7 @@ class Target:
         return ids
 
     def artifact_metadata(self) -> dict:
-        """The fields every artifact records about its target (DESIGN.md)."""
+        """The fields every artifact records about its target (README.md, "Layout"; docs/hub.md)."""
         return {
             "target_model": self.model_id,
             "target_vocab_size": self.vocab_size,

@@ -28,7 +28,7 @@ import logging
 import torch
 from tqdm.auto import tqdm
 
-from redraft.utils import resolve_dtype
+from redraft.utils import cache_kwargs, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ def build_extended_with_model(target, bigram_ids: torch.Tensor, w: int = 10, k: 
         cache = DynamicCache()
         step = seq
         for i in range(1, int(w)):
-            logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=step, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
             step = logits.float().argmax(-1, keepdim=True)  # [B, 1]
             out[s:s + len(x), i] = step[:, 0].to("cpu", torch.int32)
         bar.update(len(x))

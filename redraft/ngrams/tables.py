@@ -1,6 +1,6 @@
 """The n-gram artifact on disk and the decoder's batched lookups.
 
-An artifact is a directory (DESIGN.md):
+An artifact is a directory (docs/ngrams.md has the format):
 
     ngrams.json            kinds, vocab_size, k, w, t, min_count, target + tokenizer fingerprint,
                            bigram context (BOS prefix), corpus stats, build seconds, build args,

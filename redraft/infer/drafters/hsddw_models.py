@@ -18,6 +18,7 @@ from redraft.errors import ConfigError
 from redraft.infer.kv import TreeKVCache
 from redraft.infer.tree import cached_arange
 from redraft.ngrams import as_trigram_table
+from redraft.utils import cache_kwargs
 
 __all__ = ["CausalLMModel", "ProbModel", "TrigramModel", "early_exit_model", "frequent_tokens"]
 
@@ -198,8 +199,8 @@ class CausalLMModel(ProbModel):
             mask = c.attention_bias(anc, self.dtype)
         # else every fed row's cache fills columns 0..top-1: the model's own causal mask is right
         # (and the unmasked attention kernel faster; rows not fed compute garbage nobody reads)
-        h = self.base(input_ids=ids, attention_mask=mask, position_ids=start[:, None] + ar, past_key_values=c,
-                      use_cache=True).last_hidden_state
+        h = self.base(input_ids=ids, attention_mask=mask, position_ids=start[:, None] + ar,
+                      **cache_kwargs(self.base, c), use_cache=True).last_hidden_state
         c.commit(ar.expand(B, N), n, physical=longest)  # each row keeps its own n[b] tokens at lengths[b]..
         self.calls += 1
         idx = ((first - start)[:, None] + cached_arange(K, dev)).clamp(0, N - 1)  # [B, K]
