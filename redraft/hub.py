@@ -24,16 +24,37 @@ import sys
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
-from huggingface_hub.errors import (HFValidationError, LocalTokenNotFoundError, OfflineModeIsEnabled,
-                                    RepositoryNotFoundError)
+from huggingface_hub.errors import (
+    HFValidationError,
+    LocalTokenNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+)
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 
 from redraft.errors import ArtifactError, RedraftError
 from redraft.hub_card import generate_model_card
 from redraft.hub_resolve import (  # noqa: F401  (re-exported: redraft.hub.resolve_artifact and friends)
-    BENCH_FILE, CARD_FILE, KIND_DRAFTER, KIND_NGRAMS, KINDS, METRICS_FILE, NGRAMS_FILE, NOT_ARTIFACT,
-    RUN_CONFIG_FILE, artifact_kind, first_line, hub_cache_dir, hub_offline, looks_like_repo_id, manifest,
-    read_json, require_kind, resolve_artifact, safetensors_header)
+    BENCH_FILE,
+    CARD_FILE,
+    KIND_DRAFTER,
+    KIND_NGRAMS,
+    KINDS,
+    METRICS_FILE,
+    NGRAMS_FILE,
+    NOT_ARTIFACT,
+    RUN_CONFIG_FILE,
+    artifact_kind,
+    first_line,
+    hub_cache_dir,
+    hub_offline,
+    looks_like_repo_id,
+    manifest,
+    read_json,
+    require_kind,
+    resolve_artifact,
+    safetensors_header,
+)
 from redraft.utils import ArgumentParser, HelpFormatter, atomic_write_text, split_revision
 
 # metrics.json "status" of a run that ended normally: every step done, or --max-time-minutes reached.

@@ -19,8 +19,18 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from redraft.errors import ArtifactError
-from redraft.hub_resolve import (BENCH_FILE, CARD_FILE, KIND_DRAFTER, METRICS_FILE, NGRAMS_FILE, RUN_CONFIG_FILE,
-                                 looks_like_repo_id, read_json, require_kind, safetensors_header)
+from redraft.hub_resolve import (
+    BENCH_FILE,
+    CARD_FILE,
+    KIND_DRAFTER,
+    METRICS_FILE,
+    NGRAMS_FILE,
+    RUN_CONFIG_FILE,
+    looks_like_repo_id,
+    read_json,
+    require_kind,
+    safetensors_header,
+)
 from redraft.utils import atomic_write_text, split_revision
 
 CARD_TEMPLATE = "hub_card.md"  # Jinja, shipped with the package (huggingface_hub.ModelCard.from_template)

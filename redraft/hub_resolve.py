@@ -15,8 +15,14 @@ import os
 from pathlib import Path
 
 from huggingface_hub import constants, snapshot_download
-from huggingface_hub.errors import (GatedRepoError, HFValidationError, HfHubHTTPError, LocalEntryNotFoundError,
-                                    RepositoryNotFoundError, RevisionNotFoundError)
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
 
@@ -179,8 +185,8 @@ def manifest(root: Path, kind: str) -> tuple[list[str], list[str]]:
         weights = ([index.name, *sorted(set(read_json(index).get("weight_map", {}).values()))]
                    if index.is_file() else ["model.safetensors"])
         # the module auto_map names (AutoModel with trust_remote_code reads it from the repo)
-        remote = sorted({v.split(".")[0] + ".py" for v in (read_json(root / "config.json").get("auto_map") or {}).values()
-                         if isinstance(v, str)})
+        auto_map = read_json(root / "config.json").get("auto_map") or {}
+        remote = sorted({v.split(".")[0] + ".py" for v in auto_map.values() if isinstance(v, str)})
         return ["config.json", *weights, *remote], [METRICS_FILE, RUN_CONFIG_FILE, BENCH_FILE, CARD_FILE]
     files = read_json(root / NGRAMS_FILE).get("files")
     if not files or not isinstance(files, dict) or not all(

@@ -34,8 +34,8 @@ import os
 import signal
 import sys
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 

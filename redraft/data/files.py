@@ -10,8 +10,8 @@ import io
 import json
 import logging
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from redraft.data.records import DataStats
 from redraft.errors import DataError
@@ -39,7 +39,8 @@ def _first_char(path: Path) -> str:
         try:
             chunk = f.read(4096)
         except UnicodeDecodeError as exc:
-            raise DataError(f"{path} is not UTF-8 text (byte offset {exc.start}); pass a JSON, JSONL or parquet file.") from exc
+            raise DataError(f"{path} is not UTF-8 text (byte offset {exc.start}); pass a JSON, JSONL or "
+                            f"parquet file.") from exc
     stripped = chunk.lstrip()
     return stripped[:1]
 

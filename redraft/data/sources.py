@@ -33,11 +33,19 @@ import logging
 import math
 import os
 import sysconfig
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 from urllib.parse import parse_qsl
 
+from redraft.data.files import (  # noqa: F401  (re-exported: the file readers' old home)
+    DATA_SUFFIXES,
+    data_files,
+    iter_file,
+    iter_json_list,
+    iter_jsonl,
+    iter_parquet,
+)
 from redraft.data.records import (
     DataStats,
     Record,
@@ -47,8 +55,6 @@ from redraft.data.records import (
     stack_record,
     ultrachat_record,
 )
-from redraft.data.files import (  # noqa: F401  (re-exported: the file readers' old home)
-    DATA_SUFFIXES, data_files, iter_file, iter_json_list, iter_jsonl, iter_parquet)
 from redraft.errors import DataError
 
 logger = logging.getLogger(__name__)

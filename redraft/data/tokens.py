@@ -20,13 +20,12 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-from redraft.data.encode import (  # noqa: F401  (ChatRenderer, END_OF_TURN_TOKENS: re-exported)
-    END_OF_TURN_TOKENS, ChatRenderer, Chunk, Encoder, map_chunks)
+from redraft.data.encode import END_OF_TURN_TOKENS, ChatRenderer, Chunk, Encoder, map_chunks  # noqa: F401  (ChatRenderer, END_OF_TURN_TOKENS: re-exported)
 from redraft.data.records import DataStats, Record, is_heldout
 from redraft.data.sources import iter_records, source_state
 from redraft.errors import DataError

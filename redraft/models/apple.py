@@ -149,8 +149,9 @@ def _field(raw: dict, key: str, where: Path, kind: type, minimum: int | None = N
 
 def config_from_apple(raw: dict, where: Path, config_class: type[ReDrafterConfig]) -> ReDrafterConfig:
     """The ``config_class`` (:class:`~redraft.models.redrafter.ReDrafterConfig`) of an Apple-layout
-    ``config.json`` (``raw``) read from directory ``where``. Values of the wrong type, and an ``exit_dim`` other than ``2 * hidden_size`` (an ``input_proj`` layer,
-    which redraft's head does not have), are ArtifactErrors naming the key."""
+    ``config.json`` (``raw``) read from directory ``where``. Values of the wrong type, and an
+    ``exit_dim`` other than ``2 * hidden_size`` (an ``input_proj`` layer, which redraft's head
+    does not have), are ArtifactErrors naming the key."""
     H = _field(raw, "hidden_size", where, int, 1)
     V = _field(raw, "vocab_size", where, int, 1)
     L = _field(raw, "num_draft_layers", where, int, 0)

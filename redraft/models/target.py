@@ -32,7 +32,12 @@ import torch
 
 from redraft.errors import FingerprintMismatchError, TargetLoadError
 from redraft.models.dummy import (  # noqa: F401  (DUMMY_SHAPES, dummy_config: re-exported)
-    DUMMY_FINGERPRINT_PREFIX, DUMMY_PREFIX, DUMMY_SHAPES, dummy_config, load_dummy)
+    DUMMY_FINGERPRINT_PREFIX,
+    DUMMY_PREFIX,
+    DUMMY_SHAPES,
+    dummy_config,
+    load_dummy,
+)
 from redraft.utils import resolve_device, resolve_dtype, split_revision
 
 logger = logging.getLogger(__name__)

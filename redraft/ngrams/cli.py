@@ -27,7 +27,14 @@ from pathlib import Path
 
 from redraft.errors import ConfigError, RedraftError
 from redraft.ngrams.build import (  # noqa: F401  (shard_dir: re-exported)
-    TableWriter, build_bigram, build_extended, build_trigram, build_unigram, load_build_target, shard_dir)
+    TableWriter,
+    build_bigram,
+    build_extended,
+    build_trigram,
+    build_unigram,
+    load_build_target,
+    shard_dir,
+)
 from redraft.ngrams.format import KINDS, META_FILE, SHARD_GLOB, SHARDS_SUFFIX
 from redraft.utils import ArgumentParser, HelpFormatter
 

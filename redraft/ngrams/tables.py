@@ -230,7 +230,7 @@ class NGramTables:
     # ---------------------------------------------------------------- loading
 
     @classmethod
-    def load(cls, path_or_dir, target=None, kinds=None, device=None, verify: bool = True) -> "NGramTables":
+    def load(cls, path_or_dir, target=None, kinds=None, device=None, verify: bool = True) -> NGramTables:
         """Load an artifact directory (or hub ``REPO_ID[@rev]``).
 
         Args:
@@ -293,7 +293,7 @@ class NGramTables:
         tables = cls(tensors, meta, path=directory, trigram=trigram)
         return tables.to(device) if device is not None else tables
 
-    def to(self, device) -> "NGramTables":
+    def to(self, device) -> NGramTables:
         """Move every table to ``device`` (in place); returns self. The tri-gram table keeps its
         host arrays (ADED searches there) and prepares a copy on ``device`` for torch lookups."""
         self._t = {kind: {n: v.to(device) for n, v in d.items()} for kind, d in self._t.items()}

@@ -106,7 +106,7 @@ class TrigramTable:
 
     @classmethod
     def from_csr(cls, context_keys, offsets, ids, probs, vocab_size: int, *, sort: bool = True,
-                 **kwargs) -> "TrigramTable":
+                 **kwargs) -> TrigramTable:
         """A table from its four CSR arrays (numpy, lists or torch tensors).
 
         Args:
@@ -132,7 +132,7 @@ class TrigramTable:
         return cls(keys, offsets, ids, probs, vocab_size, **kwargs)
 
     @classmethod
-    def empty(cls, vocab_size: int, *, t: int = 12, min_count: int = 1) -> "TrigramTable":
+    def empty(cls, vocab_size: int, *, t: int = 12, min_count: int = 1) -> TrigramTable:
         """A table with no context: every lookup misses."""
         z = np.zeros(0, np.int64)
         return cls(z, np.zeros(1, np.int64), z, np.zeros(0, np.float32), vocab_size, t=t,
@@ -269,7 +269,7 @@ class TrigramTable:
             self._devices[device] = {n: torch.from_numpy(a).to(device) for n, a in host.items()}
         return self._devices[device]
 
-    def to(self, device) -> "TrigramTable":
+    def to(self, device) -> TrigramTable:
         """Prepare lookups of torch tensors on ``device`` now rather than at the first lookup.
         The numpy arrays stay on the host. Returns self."""
         self._on(device)

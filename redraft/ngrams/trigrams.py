@@ -29,18 +29,33 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from redraft.errors import ArtifactError, ConfigError, DataError
-from redraft.ngrams.trigram_keys import (WIDE, context_floor, key_dtype, make_keys, merge_runs, packable,
-                                         sorted_counts, split_keys, trigram_keys)
-from redraft.ngrams.trigram_runs import (COUNTS_FORMAT, COUNTS_FORMAT_VERSION, SpillDir,
-                                         clean_stale_spills, open_run, write_run)
+from redraft.ngrams.trigram_keys import (
+    WIDE,
+    context_floor,
+    key_dtype,
+    make_keys,
+    merge_runs,
+    packable,
+    sorted_counts,
+    split_keys,
+    trigram_keys,
+)
+from redraft.ngrams.trigram_runs import (
+    COUNTS_FORMAT,
+    COUNTS_FORMAT_VERSION,
+    SpillDir,
+    clean_stale_spills,
+    open_run,
+    write_run,
+)
 from redraft.ngrams.trigram_table import TrigramTable, host_array
 
 logger = logging.getLogger("redraft.ngrams")
@@ -75,7 +90,7 @@ class TrigramCounts:
             self._tmpdir.cleanup()
             self.spilled, self._tmpdir = [], None
 
-    def __enter__(self) -> "TrigramCounts":
+    def __enter__(self) -> TrigramCounts:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -194,7 +209,7 @@ class TrigramCounter:
         if self._pending_tokens >= self.chunk_tokens:
             self._flush()
 
-    def add_many(self, arrays: Iterable) -> "TrigramCounter":
+    def add_many(self, arrays: Iterable) -> TrigramCounter:
         for a in arrays:
             self.add(a)
         return self

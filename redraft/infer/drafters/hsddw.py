@@ -46,8 +46,13 @@ import torch
 from redraft.errors import ConfigError
 from redraft.infer.accept import RowSampling, entropy, greedy_tokens, warp_probs
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback
-from redraft.infer.drafters.hsddw_models import (CausalLMModel, ProbModel, TrigramModel, early_exit_model,
-                                                 frequent_tokens)
+from redraft.infer.drafters.hsddw_models import (
+    CausalLMModel,
+    ProbModel,
+    TrigramModel,
+    early_exit_model,
+    frequent_tokens,
+)
 from redraft.infer.tree import cached_arange
 
 # The draft models live in hsddw_models.py; their names are re-exported here.
