@@ -1,4 +1,5 @@
 # make demo / make test / make bench / make serve: each creates .venv when missing and installs what it needs.
+# make test runs make lint (ruff check + ruff format --check) first.
 # make gpu-bundle: the offline GPU run's parts in .gpu-bundle/ (docs/gpu.md).
 # Installation is skipped when pyproject.toml has not changed since the last install (stamp file).
 PY      ?= python3
@@ -8,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut 
 PYTEST_ARGS ?=
 SERVE_ARGS  ?=
 
-.PHONY: install test demo bench serve gpu-bundle clean
+.PHONY: install lint test demo bench serve gpu-bundle clean
 
 install: $(STAMP)
 
@@ -23,7 +24,12 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-test: install
+# ruff (settings in pyproject.toml): lint, and the formatter's check (`ruff format .` fixes it)
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: install
