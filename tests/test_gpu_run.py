@@ -141,8 +141,16 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     for k in a:  # bf16 shards: the joined head is the trained one rounded to bf16
         assert b[k].shape == a[k].shape
         assert (b[k].float() - a[k].float()).abs().max() <= a[k].float().abs().max() * 2 ** -8 + 1e-12, k
-    assert json.loads((joined / "config.json").read_text()) == json.loads(
-        (work / "runs" / "e-default" / "config.json").read_text())
+    trained = json.loads((work / "runs" / "e-default" / "config.json").read_text())
+    config = json.loads((joined / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k != "weights_sha256"} == {
+        k: v for k, v in trained.items() if k != "weights_sha256"}
+    # the joined head passes load_drafter's checks, its checksum included (it failed it once)
+    from redraft.models import load_target
+    from redraft.models.redrafter import load_drafter
+
+    head = load_drafter(joined, load_target(str(work / "tiny-target")))
+    assert sum(p.numel() for p in head.parameters()) > 0
 
 
 def _load_script(name):
@@ -165,7 +173,9 @@ def test_head_shards_cut_big_tensors_into_rows_and_join_back(tmp_path):
     state = {"lm_head.weight": torch.randn(1000, 64), "blocks.0.linear.weight": torch.randn(64, 64),
              "blocks.0.linear.bias": torch.randn(64), "draft_to_target": torch.arange(1000)}
     save_file(state, str(run / "model.safetensors"))
-    (run / "config.json").write_text(json.dumps({"model_type": "redrafter", "hidden_size": 32}))
+    # the trained run's config records the sha256 of its float32 weights
+    (run / "config.json").write_text(json.dumps({"model_type": "redrafter", "hidden_size": 32,
+                                                 "weights_sha256": {"model.safetensors": "f" * 64}}))
     (run / "metrics.json").write_text(json.dumps({"eval_tau_est": 2.5}))
     shards = head.split(run, tmp_path / "shards", max_mib=0.1)
     assert len(shards) >= 3 and all(s.stat().st_size <= 0.1 * 2**20 for s in shards)
@@ -175,6 +185,11 @@ def test_head_shards_cut_big_tensors_into_rows_and_join_back(tmp_path):
         want = v.to(torch.bfloat16) if v.is_floating_point() else v
         assert torch.equal(got[k], want), k
     assert json.loads((back / "metrics.json").read_text()) == {"eval_tau_est": 2.5}
+    # the joined (bf16) file records its own checksum, not the float32 run's
+    config = json.loads((back / "config.json").read_text())
+    assert config["weights_sha256"] == {
+        "model.safetensors": hashlib.sha256((back / "model.safetensors").read_bytes()).hexdigest()}
+    assert {k: v for k, v in config.items() if k != "weights_sha256"} == {"model_type": "redrafter", "hidden_size": 32}
     with pytest.raises(ValueError, match="shards \\[2\\] of"):
         head.join([s for s in shards if "-00002-" not in s.name], tmp_path / "again")
 
