@@ -712,6 +712,10 @@ class Runner:
     # ---- main
 
     def run(self, stages: list[str]) -> int:
+        try:  # pending.json and the staged parts live here; a fresh machine has none of it
+            self.work.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunnerError(f"cannot create the work folder {self.work} ({exc.strerror}); pass --work DIR.") from None
         self.stage_parts()
         self.install()
         runnable, blocked = [], []
@@ -721,9 +725,11 @@ class Runner:
         for s, miss in blocked:
             what = "; ".join(f"part{p} ({', '.join(files)})" if p else "every part (nothing staged yet)"
                              for p, files in sorted(miss.items()))
-            self.say(f"stage {s} cannot run yet: missing {what}. Carry the missing part(s), e.g. "
-                     f"carry=[\".gpu-bundle/part{min(miss) or 1}\"], in runs that each start within 30 s of the "
-                     f"previous one's end (see docs/gpu.md).")
+            how = ("pass the parts of a dry-run bundle: scripts/gpu_bundle.py --dry-run --out B, then --bundle "
+                   "B/part1 --bundle B/part2 --bundle B/part3" if self.dry else
+                   f"carry the missing part(s), e.g. carry=[\".gpu-bundle/part{min(miss) or 1}\"], in runs that "
+                   f"each start within 30 s of the previous one's end (see docs/gpu.md)")
+            self.say(f"stage {s} cannot run yet: missing {what}. To run it, {how}.")
         if any(STAGES[s][1] for s, _ in runnable):
             self.check_machine()
             if self.machine.get("errors") and any(k in self.machine["errors"] for k in ("torch", "redraft")):

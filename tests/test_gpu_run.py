@@ -57,6 +57,19 @@ def test_bundle_parts_hold_the_manifest_and_the_split_gguf(bundle):
     assert any(w.startswith("redraft-") for w in m["assets"]["wheels"]["files"])
 
 
+def test_a_dry_run_without_a_bundle_says_what_to_pass_in_one_line(tmp_path):
+    work = tmp_path / "fresh" / "work"  # a fresh machine: the work folder does not exist yet
+    r = runner("--work", work, "--out", tmp_path / "out")
+    assert r.returncode == 0 and "no bundle staged" in r.stdout and not r.stderr, r.stdout + r.stderr
+    r = runner("--work", work, "--out", tmp_path / "out", "--stage", "a")
+    assert r.returncode == 3 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "stage a cannot run yet: missing every part" in r.stdout and "--bundle B/part1" in r.stdout
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = runner("--work", blocker / "work", "--out", tmp_path / "out")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot create the work folder" in r.stderr
+
+
 def test_parts_staged_run_by_run_name_what_is_missing_and_refuse_corruption(bundle, tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
     r = runner("--work", work, "--out", out, "--bundle", bundle / "part1", "--stage", "b")
