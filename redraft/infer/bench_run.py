@@ -133,7 +133,7 @@ def run_dataset(runners: dict, prompts: list[list[int]], bench: dict, label: str
 def _guarded(name: str, a: _Agg, where: str, fn):
     try:
         return fn()
-    except Exception as exc:  # noqa: BLE001: any failure of one method must not cost the others' table
+    except Exception as exc:  # noqa: BLE001 (one method's failure must not cost the others' table)
         if name == "greedy":
             raise
         a.error = _failed(name, exc, where)
