@@ -26,9 +26,9 @@ DESCRIPTION = "``redraft-bench``: decoding methods side by side, in one run, on 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="redraft-bench", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Defaults are those of infer/bench-default.yaml's keys when no recipe is given: "
-                                       "target default, dtype float32, datasets chat,code, 20 prompts, 128 new tokens.")
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="Defaults are those of infer/bench-default.yaml's keys when no recipe is given: "
+                              "target default, dtype float32, datasets chat,code, 20 prompts, 128 new tokens.")
     g = p.add_argument_group("what to run")
     g.add_argument("--recipe", help="YAML file with any of these settings (flags override it)")
     g.add_argument("--target", help="target spec: 'default', hub id, local dir, .gguf or dummy:<shape>")

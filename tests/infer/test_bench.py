@@ -150,7 +150,8 @@ def test_a_failing_method_keeps_the_others_and_the_file_holds_what_was_measured(
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     code, _, err = run(capsys, "--target", tiny_target_dir, "--datasets", _prompts_file(tmp_path, PROMPTS),
                         "--prompts", 3, "--max-new-tokens", 8, "--methods", "greedy,context,mix",
-                        "--no-warmup", "--cost-curve", "1:1,64:2", "--out", out, "--markdown", md)
+                        "--no-warmup", "--cost-curve", "1:1,64:2", "--out", out, "--markdown", md,
+                        "--report", tmp_path / "rep")
     assert code == 1 and "method 'context' failed on" in err and "INTERNAL ASSERT" in err, err
     res = json.loads(out.read_text())
     assert res["complete"] is True
@@ -160,6 +161,7 @@ def test_a_failing_method_keeps_the_others_and_the_file_holds_what_was_measured(
     assert r["context"]["identical_prompts"] == "1/3" and r["context"]["identical_to_ar"] is False
     assert r["context"]["new_tokens"] > 0  # its first prompt was measured and kept
     assert "| context |" in md.read_text() and "failed after 1 prompt(s)" in md.read_text()
+    assert "failed after 1 prompt(s)" in (tmp_path / "rep" / "index.md").read_text()
 
 
 def test_a_run_stopped_midway_keeps_every_finished_prompt(capsys, tiny_target_dir, tmp_path, monkeypatch):
@@ -188,6 +190,9 @@ def test_a_run_stopped_midway_keeps_every_finished_prompt(capsys, tiny_target_di
     assert r["greedy"]["new_tokens"] == 8 and r["greedy"]["speedup_vs_ar"] == 1.0
     assert "| greedy |" in md.read_text() and "| context |" in md.read_text()
     assert not list(tmp_path.glob("*.tmp*"))  # atomic writes leave nothing behind
+    code, _, err = run(capsys, "--from-json", out, "--report", tmp_path / "rep")  # its plots say it is partial
+    assert code == 0, err
+    assert "**Partial run**" in (tmp_path / "rep" / "index.md").read_text()
 
 
 def test_a_prompt_longer_than_the_context_is_skipped_with_a_note(capsys, tiny_target_dir, tmp_path):
