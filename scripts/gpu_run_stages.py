@@ -15,7 +15,6 @@ from gpu_run_base import NGRAM_METHODS, REPO, SCRIPTS, StageRun, Step, free_port
 class Stages:
     """The stages (``stage_<name>``) and the steps they share."""
 
-
     def pytest(self, st: StageRun, marker: str) -> None:
         xml = self.results / st.name / f"pytest-{st.name}.xml"
         # a module that cannot be imported there (a test-only package the image lacks) must not
