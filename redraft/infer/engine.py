@@ -66,9 +66,12 @@ class _Row:
             if t in eos:
                 reason = "eos"
                 break
+            if t in self.params.stop_token_ids:  # kept in the tokens, its text left out (as vLLM does)
+                reason = "stop"
+                break
         if reason is None and len(self.tokens) >= self.params.max_new_tokens:
             reason = "length"
-        text = self.text.add(new)
+        text = self.text.add(new[:-1] if reason == "stop" else new)
         if self.text.stopped:
             reason = "stop"
         if reason:
@@ -159,6 +162,13 @@ class Engine:
     def batch_size(self) -> int:
         """Requests decoding now (not counting those waiting to join)."""
         return sum(not r.done for r in self.rows)
+
+    @property
+    def kv_usage(self) -> tuple[int, int]:
+        """(tokens the running rows hold in the KV cache, token slots allocated over all rows)."""
+        if self.cache is None:
+            return 0, 0
+        return sum(r.length - 1 for r in self.rows if not r.done), self.cache.capacity * self.cache.batch_size
 
     # ------------------------------------------------------------------ the step
 

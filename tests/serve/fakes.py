@@ -5,7 +5,9 @@ each request's exact output without a model. The live tests with a real tiny tar
 test_live.py.
 
 Output of a row: the prompt's characters in order, cycled, ``per_step`` tokens per step, until
-``max_new_tokens`` ("length") or a stop string ("stop", text cut before it).
+``max_new_tokens`` ("length"), a stop string ("stop", text cut before it) or a stop token id
+("stop", its character left out of the text). A seeded row starts at character ``seed % len(prompt)``
+(so choices with different seeds differ).
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ class FakeParams:
     top_p: float = 1.0
     stop: tuple = ()
     seed: int | None = None
+    stop_token_ids: tuple = ()
 
     @classmethod
     def checked(cls, **kw) -> "FakeParams":
-        return cls(**{**kw, "stop": tuple(kw.get("stop") or ())})
+        return cls(**{**kw, "stop": tuple(kw.get("stop") or ()), "stop_token_ids": tuple(kw.get("stop_token_ids") or ())})
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -86,9 +89,16 @@ class FakeStats:
         return {"new_tokens": self.new_tokens}
 
 
-def expected(prompt: str, max_new_tokens: int, stop=()) -> tuple[str, str]:
+def expected(prompt: str, max_new_tokens: int, stop=(), seed: int | None = None,
+             stop_token_ids=()) -> tuple[str, str]:
     """(text, finish_reason) the fake engine produces for ``prompt`` (plain text prompt)."""
-    text = "".join(itertools.islice(itertools.cycle(prompt), max_new_tokens))
+    start = (seed or 0) % len(prompt)
+    text = "".join(itertools.islice(itertools.cycle(prompt[start:] + prompt[:start]), max_new_tokens))
+    for i, c in enumerate(text):
+        if ord(c) in stop_token_ids:
+            text = text[:i]
+            cut = min((text.find(s) for s in stop if s in text), default=-1)
+            return (text[:cut] if cut >= 0 else text), "stop"
     cut = min((text.find(s) for s in stop if s in text), default=-1)
     return (text[:cut], "stop") if cut >= 0 else (text, "length")
 
@@ -146,6 +156,11 @@ class FakeEngine:
     def has_work(self) -> bool:
         return bool(self.rows or self.joining)
 
+    @property
+    def kv_usage(self) -> tuple[int, int]:
+        """(tokens held, slots allocated): prompt + output of running rows, CONTEXT slots per row."""
+        return sum(len(r.prompt) + len(r.out) for r in self.rows.values()), CONTEXT * len(self.rows)
+
     def step(self) -> list[StreamEvent]:
         self.thread_ids.add(threading.get_ident())
         self.rows.update(self.joining)
@@ -159,12 +174,15 @@ class FakeEngine:
         events = []
         for rid, r in list(self.rows.items()):
             p = r.params
+            start = (p.seed or 0) % len(r.prompt)
+            hit = False
             for _ in range(self.owner.per_step):
-                if len(r.out) < p.max_new_tokens:
-                    r.out.append(r.prompt[len(r.out) % len(r.prompt)])
-            text = "".join(map(chr, r.out))
+                if len(r.out) < p.max_new_tokens and not hit:
+                    r.out.append(r.prompt[(start + len(r.out)) % len(r.prompt)])
+                    hit = r.out[-1] in p.stop_token_ids
+            text = "".join(map(chr, r.out[:-1] if hit else r.out))
             cut = min((text.find(s) for s in p.stop if s in text), default=-1)
-            reason = "stop" if cut >= 0 else ("length" if len(r.out) >= p.max_new_tokens else None)
+            reason = "stop" if cut >= 0 or hit else ("length" if len(r.out) >= p.max_new_tokens else None)
             if cut >= 0:
                 text = text[:cut]
             new = r.out[r.sent:]
