@@ -287,11 +287,15 @@ def check_body(data) -> None:
             stack.extend((v, (*loc, i)) for i, v in enumerate(x))
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_request(raw: bytes, model: type[_Request]) -> _Request:
     """Parse a request body; malformed JSON, invalid Unicode, deep nesting or any invalid field
     -> a 400 :class:`APIError` that names the (first) field at fault."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
         raise APIError(400, f"the request body is nested too deeply; at most {MAX_DEPTH} levels are allowed.",
                        code="invalid_json") from None

@@ -47,6 +47,8 @@ class FakeParams:
             raise ConfigError(f"top_p={self.top_p} must lie in (0, 1].", param="top_p")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty.", param="stop")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
+            raise ConfigError(f"seed={self.seed}: use an integer in [0, 2**63) or none.", param="seed")
 
 
 @dataclass
@@ -205,6 +207,9 @@ class FakeDecoder:
     def __init__(self, step_delay: float = 0.0, per_step: int = 2):
         self.step_delay, self.per_step = step_delay, per_step
         self.engines: list[FakeEngine] = []
+        # a prompt holding "SLOW" is tokenized only once this is set (a tokenizer busy on a huge prompt)
+        self.slow_encode = threading.Event()
+        self.encoding = threading.Event()  # set while such a prompt waits
         self.target = SimpleNamespace(vocab_size=0x110000, spec="fake",
                                       model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT)))
 
@@ -221,4 +226,7 @@ class FakeDecoder:
             x = x[-1]["content"]
         if not x:
             raise ConfigError("prompt 0 is empty after tokenisation; give at least one token.")
+        if "SLOW" in x:
+            self.encoding.set()
+            self.slow_encode.wait(60)
         return [[ord(c) for c in x]]  # a batch of one, like SpeculativeDecoder.encode
