@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from redraft.errors import ConfigError
 
 CONTEXT = 96
+VOCAB = 0x110000  # tokens are Unicode code points
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,8 @@ class FakeEngine:
 
     def add(self, prompt_ids, params) -> int:
         self.thread_ids.add(threading.get_ident())
-        if not prompt_ids or min(prompt_ids) < 0:
-            raise ConfigError("prompt is empty or holds a negative token id.", param="prompt")
+        if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= VOCAB:
+            raise ConfigError(f"prompt is empty or holds a token id outside [0, {VOCAB}).", param="prompt")
         text = "".join(map(chr, prompt_ids))
         if "FAIL_ADD" in text:
             raise RuntimeError("fake add failure")
@@ -210,7 +211,7 @@ class FakeDecoder:
         # a prompt holding "SLOW" is tokenized only once this is set (a tokenizer busy on a huge prompt)
         self.slow_encode = threading.Event()
         self.encoding = threading.Event()  # set while such a prompt waits
-        self.target = SimpleNamespace(vocab_size=0x110000, spec="fake",
+        self.target = SimpleNamespace(vocab_size=VOCAB, spec="fake",
                                       model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT)))
 
     @property
