@@ -323,4 +323,8 @@ def test_loadtest_against_two_servers(fake_server, tmp_path, capsys):
     assert all(r["identical"] for r in rows) and rows[0]["ratio"] == 1.0
     assert rows[0]["tree_nodes_per_step"] is None and rows[0]["mean_accepted_length"] == 2.0
     assert rows[0]["ttft_p50_ms"] > 0 and rows[2]["itl_p50_ms"] > 0
-    assert (tmp_path / "t.md").read_text().count("\n") == 6
+    md = (tmp_path / "t.md").read_text()
+    assert md.count("\n") == 6
+    out, err = capsys.readouterr()
+    assert out == md  # stdout: the table once, each row once; the progress lines went to stderr
+    assert err.count("streams  3") == 2 and "| 3 | b |" not in err
