@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from redraft.errors import ConfigError, RedraftError
+from redraft.errors import ConfigError, DataError, RedraftError
 from redraft.ngrams.format import KINDS, META_FILE, SHARD_GLOB, SHARDS_SUFFIX, shard_dir_name
 from redraft.utils import ArgumentParser, HelpFormatter
 
@@ -48,6 +48,21 @@ def _kinds(text: str) -> list[str]:
         raise ConfigError(f"unknown n-gram kind(s) {bad or text!r} in --kinds; use a comma-separated "
                           f"subset of {','.join(KINDS)}.", param="kinds")
     return kinds
+
+
+def report_records(args, read: dict) -> None:
+    """Say what reading ``--data`` skipped (as redraft-train and distill do), and refuse a
+    corpus of which nothing was usable, naming why each record was skipped."""
+    src = read.get("source_stats", {})
+    skipped = {**src.get("skipped", {}), **read.get("tokenize_skipped", {})}
+    if skipped:
+        reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(skipped.items(), key=lambda kv: -kv[1]))
+        logger.warning("--data %s: kept %s records, skipped %s malformed or unusable ones (%s)", args.data,
+                       f"{src.get('kept', read.get('records', 0)):,}", f"{sum(skipped.values()):,}", reasons)
+    if read and not read.get("records"):
+        why = f"every record was skipped ({reasons})" if skipped else "it holds no record"
+        raise DataError(f"--data {args.data} (split {args.split}): no usable record, {why}. Fix the file or "
+                        f"choose another --data (docs/data.md lists the formats).")
 
 
 def _peak_rss_mb() -> float:
@@ -316,8 +331,9 @@ def run_build(args) -> dict:
         from redraft.data import iter_token_arrays
 
         t0 = time.perf_counter()
+        read: dict = {}  # what reading --data kept and skipped (filled once counting starts)
         arrays = iter_token_arrays(args.data, target.tokenizer, split=args.split, limit=args.limit,
-                                   num_proc=args.num_proc, progress=progress)
+                                   num_proc=args.num_proc, progress=progress, meta=read)
         if args.num_shards > 1:
             arrays = itertools.islice(arrays, args.shard_id, None, args.num_shards)
         # Spilled runs go into a private folder under --spill-dir (default: the output dir, on
@@ -327,6 +343,7 @@ def run_build(args) -> dict:
                                 memory_mb=args.memory_mb, spill_dir=args.spill_dir or out,
                                 progress=progress)
         with counts:
+            report_records(args, read)
             t_count = time.perf_counter() - t0
             if args.num_shards > 1:
                 d = counts.save(shard_dir(out, args.shard_id, args.num_shards), meta=dict(
