@@ -24,15 +24,15 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from redraft.errors import ConfigError
 from redraft.serve import protocol as P
-from redraft.serve.metrics import Metrics
 from redraft.serve.choices import FanIn, choice_seed
+from redraft.serve.metrics import Metrics
 from redraft.serve.scheduler import Job, Scheduler
 
 logger = logging.getLogger(__name__)
