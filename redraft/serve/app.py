@@ -6,13 +6,15 @@
     # uvicorn.run(app) -- or redraft-serve, which also drains on SIGTERM
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
-events when ``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+events when ``stream`` is true), ``GET /v1/models``, ``GET|HEAD /health``, ``GET /metrics``.
 
-A request's life: parse and check the body (400 naming the field), tokenize (chat template for
-chat), build ``SamplingParams`` (they check their own ranges), submit to the :class:`Scheduler`
-(429/503), wait for admission (``engine.add`` may still answer 400: prompt longer than the
-context...), then stream the decoder's events or collect them into one response. A client that
-goes away has its row cancelled at the next step, streaming or not.
+A request's life: read the body (413 past ``max_request_bytes``); on a worker thread, parse and
+check it (400 naming the field), tokenize (chat template for chat) and build one job per choice
+with its ``SamplingParams`` (:class:`~redraft.serve.choices.JobBuilder`); submit them together
+to the :class:`Scheduler` (429/503), wait for admission (``engine.add`` may still answer 400:
+prompt longer than the context...), then stream the decoder's events (choices interleaved) or
+collect them into one response. A client that goes away has its rows cancelled at the next
+step, streaming or not.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from starlette.requests import ClientDisconnect
 
 from redraft.errors import ConfigError
 from redraft.serve import protocol as P
-from redraft.serve.choices import FanIn, choice_seed
+from redraft.serve.choices import FanIn, JobBuilder
 from redraft.serve.metrics import Metrics
-from redraft.serve.scheduler import Job, Scheduler
+from redraft.serve.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
     metrics = Metrics()
     sched = Scheduler(decoder, max_batch, max_queue, metrics, make_params=make_params, warmup=warmup)
     metrics.bind(sched.counts)  # batch size and queue depth: the scheduler's counts, as /health reports them
-    vocab = getattr(decoder.target, "vocab_size", None)
+    build = JobBuilder(decoder, model_name, make_params, default_max_tokens, context, max_batch + max_queue)
     key = None if api_key is None else _digest(api_key)
 
     @asynccontextmanager
@@ -181,55 +183,9 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
 
     # ---------------------------------------------------------------- requests
 
-    def params_for(body: P._Request, n_prompt: int, seed: int | None):
-        max_new = body.max_new_tokens
-        if max_new is None:
-            max_new = default_max_tokens if context is None else max(1, min(default_max_tokens, context - n_prompt))
-        extra = {}
-        if body.stop_token_ids:  # only when asked: a params class without the field still serves the rest
-            if vocab and (bad := [t for t in body.stop_token_ids if not 0 <= t < vocab]):
-                raise P.APIError(400, f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab}).",
-                                 param="stop_token_ids")
-            extra["stop_token_ids"] = tuple(body.stop_token_ids)
-        try:
-            return make_params(max_new_tokens=max_new, temperature=0.0 if body.temperature is None else body.temperature,
-                               top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops, seed=seed, **extra)
-        except ConfigError as exc:
-            raise P.config_error(exc, body.max_tokens_name) from None
-
-    def encode(x, param: str) -> list[int]:
-        from jinja2.exceptions import TemplateError
-
-        try:
-            return decoder.encode(x)[0]  # encode normalises to a batch; this is one prompt
-        except ConfigError as exc:
-            raise P.APIError(400, f"{param}: {exc}", param=param) from None
-        except TemplateError as exc:  # e.g. a template that insists on alternating roles
-            raise P.APIError(400, f"{param}: the model's chat template rejected these messages ({exc}).",
-                             param=param) from None
-
-    def prepare(raw: bytes, kind: str, loop) -> tuple[P._Request, list[int], list[Job]]:
-        """Parse, check and tokenize a request (on a worker thread: a long prompt's tokenisation
-        must not hold the event loop); returns (body, prompt lengths, one job per choice)."""
-        body = P.parse_request(raw, P.ChatRequest if kind == "chat" else P.CompletionRequest)
-        body.check(model_name)
-        if kind == "chat":
-            prompts = [encode(body.chat(), "messages")]
-        else:  # token ids are checked (non-empty, in the vocabulary, within the context) by engine.add
-            prompts = [list(x) if isinstance(x, list) else encode(x, "prompt") for x in body.prompts]
-        if len(prompts) * body.choices > max_batch + max_queue:
-            raise P.APIError(400, f"{len(prompts)} prompt(s) x n={body.choices} choices exceed what this server "
-                                  f"holds at once ({max_batch + max_queue}: --max-batch + --max-queue); "
-                                  f"send fewer.", param="n" if body.choices > 1 else "prompt")
-        jobs = [Job(ids, params_for(body, len(ids), choice_seed(body.seed, j)), loop)
-                for ids in prompts for j in range(body.choices)]
-        for job in jobs:
-            job.max_tokens_name = body.max_tokens_name  # engine.add's errors name the client's field
-        return body, [len(ids) for ids in prompts], jobs
-
     async def handle(request: Request, kind: str) -> Response:
         raw = await read_body(request, max_request_bytes)
-        body, lengths, jobs = await asyncio.to_thread(prepare, raw, kind, asyncio.get_running_loop())
+        body, lengths, jobs = await asyncio.to_thread(build, raw, kind, asyncio.get_running_loop())
         sched.submit(*jobs)
         fan, disconnect = FanIn(jobs), asyncio.ensure_future(_disconnected(request))
         streaming = False
