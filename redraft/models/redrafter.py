@@ -190,10 +190,17 @@ class ReDrafter(PreTrainedModel):
         """Target ids (any shape) -> draft ids, ``-1`` where a token is outside the draft vocab."""
         if self.config.draft_vocab_size is None:
             return target_ids
-        lut = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=target_ids.device)
-        lut[self.draft_to_target.to(target_ids.device)] = torch.arange(
-            self.config.draft_vocab_size, device=target_ids.device)
+        lut = self._draft_lut(target_ids.device)
         return torch.where(target_ids >= 0, lut[target_ids.clamp(min=0)], target_ids)
+
+    def _draft_lut(self, device) -> torch.Tensor:
+        """``[V]`` draft id of each target id (-1 outside), built once per vocabulary and device."""
+        key = (self.draft_to_target.data_ptr(), self.draft_to_target._version, str(device))
+        if getattr(self, "_lut_key", None) != key:
+            lut = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=device)
+            lut[self.draft_to_target.to(device)] = torch.arange(self.config.draft_vocab_size, device=device)
+            self._lut, self._lut_key = lut, key
+        return self._lut
 
     # ---------------------------------------------------------------- the math
 
@@ -206,15 +213,19 @@ class ReDrafter(PreTrainedModel):
         # U @ 0 + b = b; the module is called (not .bias read) so ZeRO-3 gathers its weights.
         return self.act(we + self.rnn_u(torch.zeros_like(we) if state is None else state))
 
-    def head(self, state: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """``[s, x]`` -> ResNet blocks -> output layer. ``state`` [..., S], ``context`` [..., H]
-        (broadcast against each other) -> logits [..., Vd]."""
+    def head_features(self, state: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """``[s, x]`` -> ResNet blocks: the output layer's input. ``state`` [..., S], ``context``
+        [..., H] (broadcast against each other) -> [..., S + H]."""
         if context.shape[:-1] != state.shape[:-1]:
             context = context.expand(*state.shape[:-1], context.shape[-1])
         h = torch.cat([state, context.to(state.dtype)], dim=-1)  # [..., S + H]
         for block in self.blocks:
             h = block(h)
-        return self.lm_head(h)
+        return h
+
+    def head(self, state: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """``[s, x]`` -> ResNet blocks -> output layer: logits [..., Vd]."""
+        return self.lm_head(self.head_features(state, context))
 
     def states(self, tokens: torch.Tensor) -> torch.Tensor:
         """RNN states of a chain: target ids ``[..., L]`` -> ``[..., L, S]`` (s_0 .. s_{L-1})."""
@@ -230,7 +241,7 @@ class ReDrafter(PreTrainedModel):
 
     def forward(self, context: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor | None = None, *,
                 target_logprobs: torch.Tensor | None = None, ce_weight: float = 1.0, kd_weight: float = 0.0,
-                return_dict: bool | None = None):
+                return_dict: bool | None = None, return_features: bool = False):
         """Teacher-forced logits of a whole chain in one pass (and the training loss with ``labels``).
 
         Args:
@@ -246,12 +257,16 @@ class ReDrafter(PreTrainedModel):
                 ``--loss ce`` / ``kd`` / ``ce+kd``).
             return_dict: return a :class:`ReDrafterOutput`; default: only when ``labels`` is given
                 (the trainer and the decoder take the bare logits tensor).
+            return_features: return the output layer's input ``[..., L, S + H]`` instead of the
+                logits (the trainer's fused loss applies the output layer chunk by chunk).
 
         Returns:
             ``[..., L, Vd]`` logits (``logits[..., i, :]`` predicts the token after
             ``tokens[..., i]``), or a :class:`ReDrafterOutput` with ``loss`` and ``logits``.
         """
         s = self.states(tokens)  # [..., L, S]
+        if return_features:
+            return self.head_features(s, context.unsqueeze(-2))  # [..., L, S + H]
         logits = self.head(s, context.unsqueeze(-2))  # [..., L, Vd]
         if return_dict is None:
             return_dict = labels is not None

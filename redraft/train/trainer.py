@@ -33,12 +33,15 @@ from redraft.train.batches import (
     load_datasets, micro_batch, sequence_lengths,
 )
 from redraft.train.config import TrainConfig, config_diff, parse_report_to
+from redraft.train.distilled import distilled_data
 from redraft.train.distributed import DistEnv, setup_distributed
 from redraft.train.fingerprint import describe, record_mismatch, target_record
 from redraft.train.logger import Meter, Trackers, memory_mb
 from redraft.train.precision import autocast, deepspeed_config, resolve_precision, target_dtype
 from redraft.train.schedule import WarmupCosine
-from redraft.train.step import batch_loss, evaluate, target_greedy, target_hidden, warm_start_from_target
+from redraft.train.step import (
+    batch_loss, evaluate, resolve_loss_impl, target_greedy, target_hidden, warm_start_from_target,
+)
 
 # Names importable from here before the trainer was split into modules (kept for callers).
 __all__ = [
@@ -73,6 +76,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
         read_features_meta(cfg.features)  # exists and is finished
     env = setup_distributed(cfg)
     precision = resolve_precision(cfg, env.device)
+    loss_impl = resolve_loss_impl(cfg, env.device)
     resuming = ckpt.prepare_output_dir(out, resume, overwrite, env.rank)
     env.barrier()
     saved = ckpt.load_run_config(out) if resuming else None
@@ -97,17 +101,20 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
 
         env.say("redraft-train: resolved config\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
         env.say(f"redraft-train: {env.world_size} process(es), device {env.device}, precision {precision}, "
-                f"ZeRO {cfg.zero_stage}, output {out}")
+                f"ZeRO {cfg.zero_stage}, loss {cfg.loss} ({loss_impl}), output {out}")
     if cfg.features:
         from redraft.train.features import FeatureRecords
 
         records = FeatureRecords(cfg.features, cfg=cfg, record=record)
         env.say(f"redraft-train: training from the features cached in {cfg.features} (no target forward)")
         if eval_dataset is None:
-            _, eval_dataset = load_datasets(cfg, target.tokenizer, env, train=False)
+            data_cfg = distilled_data(cfg, target, record, env, train=False)
+            _, eval_dataset = load_datasets(data_cfg, target.tokenizer, env, train=False)
     else:
         if train_dataset is None or eval_dataset is None:
-            tr, ev = load_datasets(cfg, target.tokenizer, env, train=train_dataset is None)
+            # self_distill: the target's own replies (made once, then cached) replace the data's
+            data_cfg = distilled_data(cfg, target, record, env, train=train_dataset is None)
+            tr, ev = load_datasets(data_cfg, target.tokenizer, env, train=train_dataset is None)
             train_dataset = tr if train_dataset is None else train_dataset
             eval_dataset = ev if eval_dataset is None else eval_dataset
         records = TokenRecords(train_dataset)
@@ -153,7 +160,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
             while state["batch_in_epoch"] < len(batches):
                 log_now = (state["global_step"] + 1) % cfg.log_every == 0
                 tokens, loss_tokens = optimizer_step(engine, model, target, records, batches[state["batch_in_epoch"]],
-                                                     cfg, env, precision, hidden_dtype, meter, sched, t_start, log_now)
+                                                     cfg, env, (precision, loss_impl), hidden_dtype, meter, sched,
+                                                     t_start, log_now)
                 state["tokens"] += tokens
                 state["loss_tokens"] += loss_tokens
                 state["global_step"] += 1
@@ -285,17 +293,20 @@ def build_engine(cfg: TrainConfig, model: ReDrafter, total_steps: int, precision
 
 
 def optimizer_step(engine, model: ReDrafter, target, records, global_batch, cfg: TrainConfig, env: DistEnv,
-                   precision: str, hidden_dtype: torch.dtype, meter: Meter, sched: WarmupCosine,
+                   modes: tuple[str, str], hidden_dtype: torch.dtype, meter: Meter, sched: WarmupCosine,
                    t_start: float, log_now: bool) -> tuple[int, int]:
     """One optimizer step over this rank's ``grad_accum`` micro batches of ``global_batch``.
+    ``modes``: the resolved ``(precision, loss_impl)``.
 
     Returns ``(tokens, loss_tokens)`` this rank saw (host ints, no device sync).
     """
     tokens = loss_tokens = 0
+    precision, impl = modes
     for k in range(cfg.grad_accum):
         batch = records.batch(micro_batch(global_batch, k, env.rank, env.world_size, cfg.micro_batch_size),
                               env.device)
-        loss, stats, logits, win, targets = batch_loss(model, engine, target, batch, cfg, precision, hidden_dtype)
+        loss, stats, logits, win, targets = batch_loss(model, engine, target, batch, cfg, precision, hidden_dtype,
+                                                       impl)
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
             sched.elapsed_s = time.perf_counter() - t_start  # the schedule may follow the time budget
@@ -304,8 +315,10 @@ def optimizer_step(engine, model: ReDrafter, target, records, global_batch, cfg:
                     [p.grad.float().norm() for p in model.parameters() if p.grad is not None]))
         engine.step()
         meter.add(loss, stats, batch.tokens)
-        if log_now:
+        if log_now and logits is not None:
             meter.add_accuracy(logits, targets, win.valid)
+        elif log_now and "top1" in stats:
+            meter.add_top1(stats["top1"], win.valid)
         tokens += batch.tokens
         loss_tokens += batch.loss_tokens
     return tokens, loss_tokens
@@ -387,7 +400,8 @@ def evaluate_artifact(cfg: TrainConfig, path=None, target=None, eval_dataset=Non
 
         target = load_target(cfg.target, dtype=target_dtype(precision, env.device), device=env.device)
     if eval_dataset is None:
-        _, eval_dataset = load_datasets(cfg, target.tokenizer, env, train=False)
+        data_cfg = distilled_data(cfg, target, target_record(target), env, train=False)
+        _, eval_dataset = load_datasets(data_cfg, target.tokenizer, env, train=False)
     check_dataset(eval_dataset, "held-out")
     drafter = load_drafter(path, target, dtype=torch.float32)
     cfg = TrainConfig(**{**cfg.to_dict(), "num_steps": drafter.config.num_steps,

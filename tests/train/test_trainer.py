@@ -310,3 +310,29 @@ def test_a_partial_stage_is_discarded_and_the_old_artifact_kept(tmp_path, tiny_t
     (stage / "model.safetensors").write_bytes(b"half a file")  # killed while staging: no .complete
     assert ckpt.recover_artifact(out) == "discarded"
     assert not stage.exists() and (out / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("loss", ["ce", "ce+kd"])
+def test_the_fused_loss_trains_the_same_head_as_the_dense_reference(tmp_path, tiny_target, tiny_data, loss):
+    runs = {}
+    for impl in ("dense", "fused"):
+        cfg = _cfg(tmp_path, name=f"{impl}-{loss}", max_steps=6, lr=0.01, loss=loss, loss_impl=impl,
+                   draft_vocab_size=48)
+        runs[impl] = _run(cfg, tiny_target, tiny_data)
+        runs[impl + "_w"] = _weights(cfg.resolved_output_dir())
+    for key, w in runs["dense_w"].items():
+        torch.testing.assert_close(runs["fused_w"][key], w, rtol=1e-4, atol=1e-5, msg=key)
+    assert runs["fused"]["eval_loss"] == pytest.approx(runs["dense"]["eval_loss"], rel=1e-4)
+    assert not torch.equal(runs["dense_w"]["lm_head.weight"], torch.zeros_like(runs["dense_w"]["lm_head.weight"]))
+
+
+def test_zero3_refuses_the_fused_loss_and_auto_falls_back_to_dense(tmp_path):
+    from redraft.train.step import resolve_loss_impl
+
+    cpu = torch.device("cpu")
+    assert resolve_loss_impl(_cfg(tmp_path), cpu) == "fused"
+    assert resolve_loss_impl(_cfg(tmp_path, zero_stage=3), cpu) == "dense"
+    with pytest.raises(ConfigError, match="ZeRO-3"):
+        resolve_loss_impl(_cfg(tmp_path, zero_stage=3, loss_impl="fused"), cpu)
+    with pytest.raises(ConfigError, match="CUDA"):
+        resolve_loss_impl(_cfg(tmp_path, loss_impl="liger"), cpu)
