@@ -108,15 +108,24 @@ class _FusedLinearDrafterLoss(torch.autograd.Function):
         # h [N, D], weight [Vd, D], targets [N] (>= 0), w_ce / w_kd [N] float32,
         # t_ids / t_probs [N, k] (k = 0: no KD term)
         N = h.shape[0]
+        dev = h.device.type
+        # the matmuls run in the autocast dtype (bf16 under amp) with the weight cast once, not per chunk
+        cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+        with torch.autocast(dev, enabled=False):
+            return _FusedLinearDrafterLoss._chunks(ctx, h, weight, weight.to(cd), h.to(cd), targets, w_ce, w_kd,
+                                                   t_ids, t_probs, chunk_rows)
+
+    @staticmethod
+    def _chunks(ctx, h, weight, w_c, h_c, targets, w_ce, w_kd, t_ids, t_probs, chunk_rows):
+        N = h.shape[0]
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         per_tok = torch.empty(N, dtype=torch.float32, device=h.device)
         top1 = torch.empty(N, dtype=torch.bool, device=h.device)
         for s in range(0, N, chunk_rows):
             e = min(s + chunk_rows, N)
-            hc, tgt, wce = h[s:e], targets[s:e, None], w_ce[s:e]
-            z_mm = torch.matmul(hc, weight.t())  # [c, Vd]; bf16 under autocast
-            z = z_mm.float()
+            hc, tgt, wce = h_c[s:e], targets[s:e, None], w_ce[s:e]
+            z = torch.matmul(hc, w_c.t()).float()  # [c, Vd]
             lse = z.logsumexp(-1, keepdim=True)  # [c, 1]
             top1[s:e] = z.argmax(-1) == targets[s:e]
             loss_c = wce * (lse - z.gather(-1, tgt)).squeeze(-1)
@@ -133,9 +142,9 @@ class _FusedLinearDrafterLoss(torch.autograd.Function):
             if t_ids.shape[-1]:
                 g.scatter_add_(-1, ids, -wkd[:, None] * p)
             per_tok[s:e] = loss_c
-            g = g.to(z_mm.dtype)
-            grad_h[s:e] = torch.matmul(g, weight.to(g.dtype)).to(h.dtype)
-            grad_w += torch.matmul(g.t(), hc.to(g.dtype)).float()
+            g = g.to(w_c.dtype)
+            grad_h[s:e] = torch.matmul(g, w_c).to(h.dtype)  # [c, D]
+            grad_w += torch.matmul(g.t(), hc).float()  # [Vd, D]
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         ctx.mark_non_differentiable(per_tok, top1)
         return per_tok.sum(), per_tok, top1

@@ -35,15 +35,20 @@ def beam_search(head, context: torch.Tensor, last: torch.Tensor, width: int, len
     Returns:
         ``(tokens [B, W, L] target ids, logp [B, W, L] per-token draft log-probs,
         score [B, W] beam log-probs)``, beams sorted by score.
+
+    The W best extensions of W beams are among the top W tokens of each beam, so each step takes
+    the top W of every beam's logits (``[B*W, W]``) and then the best W of those ``W*W``
+    candidates; the normaliser of each beam is one ``logsumexp``: no ``[B, W*Vd]`` scores and no
+    full log-softmax are written. Everything stays on the device (no host reads).
     """
     B = last.shape[0]
     dtype = next(head.parameters()).dtype
     ctx = context.to(dtype)
     state, logits = head.step(None, ctx, last)  # [B, S], [B, Vd]
-    logp = logits.float().log_softmax(dim=-1)
-    Vd = logp.shape[-1]
+    Vd = logits.shape[-1]
     W = min(width, Vd)
-    score, tok = logp.topk(W, dim=-1)  # [B, W]
+    top, tok = logits.topk(W, dim=-1)  # [B, W]
+    score = top.float() - logits.float().logsumexp(-1, keepdim=True)  # [B, W] log-probs
     draft_ids = tok[:, :, None]  # [B, W, 1] draft-vocab ids
     tok_logp = score[:, :, None]
     state = state.repeat_interleave(W, dim=0)  # [B*W, S]
@@ -51,14 +56,15 @@ def beam_search(head, context: torch.Tensor, last: torch.Tensor, width: int, len
     rows = torch.arange(B, device=last.device)[:, None]
     for _ in range(1, length):
         last_t = head.to_target_ids(draft_ids[:, :, -1]).reshape(B * W)
-        state, logits = head.step(state, ctx_w, last_t)
-        lp = logits.float().log_softmax(dim=-1).reshape(B, W, Vd)
-        total = (score[:, :, None] + lp).reshape(B, W * Vd)
-        score, flat = total.topk(W, dim=-1)  # [B, W]
-        parent, tok = flat // Vd, flat % Vd
+        state, logits = head.step(state, ctx_w, last_t)  # [B*W, Vd]
+        top, cand = logits.topk(W, dim=-1)  # [B*W, W]: each beam's best W tokens
+        lp = (top.float() - logits.float().logsumexp(-1, keepdim=True)).view(B, W, W)
+        score, flat = (score[:, :, None] + lp).view(B, W * W).topk(W, dim=-1)  # [B, W]
+        parent, k = flat // W, flat % W
+        tok = cand.view(B, W, W)[rows, parent, k]  # [B, W] draft ids
         draft_ids = torch.cat([draft_ids[rows, parent], tok[:, :, None]], dim=2)
-        tok_logp = torch.cat([tok_logp[rows, parent], lp[rows, parent, tok][:, :, None]], dim=2)
-        state = state.reshape(B, W, -1)[rows, parent].reshape(B * W, -1)
+        tok_logp = torch.cat([tok_logp[rows, parent], lp[rows, parent, k][:, :, None]], dim=2)
+        state = state.view(B, W, -1)[rows, parent].reshape(B * W, -1)
     return head.to_target_ids(draft_ids), tok_logp, score
 
 
