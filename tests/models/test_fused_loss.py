@@ -74,3 +74,38 @@ def test_fused_loss_under_bf16_autocast_is_close_to_fp32():
     amp.backward()
     assert w.grad.dtype == torch.float32 and f.grad.dtype == torch.float32
     assert abs(amp.item() - ref.item()) < 0.05 * abs(ref.item())
+
+
+def test_the_liger_wiring_gives_the_drafter_loss(monkeypatch):
+    """liger-kernel cannot run here (CUDA, Triton): a stand-in with its interface (mean CE over the
+    rows that are not ignore_index, from the weight and the features) checks how redraft combines
+    its per-step means into the drafter loss."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    from redraft.train import liger
+
+    class FakeLigerCE(torch.nn.Module):
+        def __init__(self, ignore_index=-100, reduction="mean"):
+            super().__init__()
+            self.ignore_index, self.reduction = ignore_index, reduction
+
+        def forward(self, lin_weight, _input, target):
+            return F.cross_entropy(_input @ lin_weight.t(), target, ignore_index=self.ignore_index)
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.LigerFusedLinearCrossEntropyLoss = FakeLigerCE
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    feats, weight, targets, valid, *_ = _case()
+    f1, w1 = feats.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref, ref_stats = drafter_loss(f1 @ w1.t(), targets, valid)
+    ref.backward()
+    f2, w2 = feats.clone().requires_grad_(), weight.clone().requires_grad_()
+    out, stats = liger.liger_drafter_loss(f2, w2, targets, valid)
+    out.backward()
+    torch.testing.assert_close(out.double(), ref.double())
+    torch.testing.assert_close(w2.grad, w1.grad)
+    torch.testing.assert_close(stats["step_loss"].double(), ref_stats["step_loss"].double())
