@@ -337,3 +337,18 @@ def test_zero3_refuses_the_fused_loss_and_auto_falls_back_to_dense(tmp_path):
         resolve_loss_impl(_cfg(tmp_path, zero_stage=3, loss_impl="fused"), cpu)
     with pytest.raises(ConfigError, match="CUDA"):
         resolve_loss_impl(_cfg(tmp_path, loss_impl="liger"), cpu)
+
+
+def test_evaluation_in_chunks_of_positions_equals_one_pass(tmp_path, tiny_target, tiny_data, monkeypatch):
+    from redraft.train import step
+
+    cfg = _cfg(tmp_path, max_steps=2, lr=0.01)
+    _run(cfg, tiny_target, tiny_data)
+    head = load_drafter(cfg.output_dir, tiny_target, dtype=torch.float32)
+    env = DistEnv(0, 1, 0, torch.device("cpu"))
+    whole = evaluate(head, head, tiny_target, tiny_data[1], cfg, env, "fp32")
+    monkeypatch.setattr(step, "EVAL_LOGITS", 1)  # one position per chunk
+    chunked = evaluate(head, head, tiny_target, tiny_data[1], cfg, env, "fp32")
+    assert chunked["eval_positions"] == whole["eval_positions"] > 0
+    for key in ("eval_loss", "eval_top1", "eval_top5", "eval_tau_est"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-6), key
