@@ -165,6 +165,7 @@ class Stages:
             out = self.runs / f"d-{label}"
             self.run_step(st, f"train-{label}", self.train_argv(recipe, target, out, [
                 *extra, "--max-steps", steps, "--eval-every", "0", "--save-every", "0", "--eval-limit", "8",
+                "--no-self-distill",  # tokens/s of the trainer, not minutes of distilling first
                 "--overwrite"]), min_s=90, grace_s=60)
             m = read_json(out / "metrics.json")
             cfg = (out / "run_config.yaml").read_text() if (out / "run_config.yaml").is_file() else ""

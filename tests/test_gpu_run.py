@@ -180,7 +180,7 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
         k: v for k, v in trained.items() if k != "weights_sha256"}
     # the joined head passes load_drafter's checks, its checksum included (it failed it once)
     from redraft.models import load_target
-    from redraft.models.redrafter import load_drafter
+    from redraft.models.drafter_io import load_drafter
 
     head = load_drafter(joined, load_target(str(work / "tiny-target")))
     assert sum(p.numel() for p in head.parameters()) > 0

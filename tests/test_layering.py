@@ -183,7 +183,7 @@ def test_the_import_reader_sees_every_kind_of_import():
     assert "redraft.models.redrafter" in imports("redraft.hub")  # inside check_finished
     assert "redraft.ngrams.tables" in imports("redraft.ngrams")  # the lazy _EXPORTS table
     assert "redraft.infer.decoder" in imports("redraft.infer")  # _WHERE, module names relative
-    assert "redraft.hub_resolve" in imports("redraft.models.redrafter")  # importlib.import_module
+    assert "redraft.hub_resolve" in imports("redraft.models.drafter_io")  # importlib.import_module
     assert "redraft.models.redrafter" not in imports("redraft.models.apple")  # TYPE_CHECKING only
     assert exports("redraft.data")["heldout_prompts"] == "redraft.data.prompts"  # eager re-export
 

@@ -110,19 +110,20 @@ def generate_replies(target, prompts: list[list[int]], *, max_new_tokens: int, t
 
 
 def distill_batch(target, records: list[Record], *, max_new_tokens: int, temperature: float, top_p: float,
-                  max_prompt_tokens: int, counts: dict) -> list[Record]:
+                  max_prompt_tokens: int, counts: dict, max_turns: int | None = None) -> list[Record]:
     """Regenerate the assistant turns of a batch of conversations, turn by turn.
 
     At step ``t`` every conversation that has a ``t``-th user turn (and is still going) gets one
     reply in the same ``generate`` call. A conversation ends early when its prompt would exceed
-    ``max_prompt_tokens``, its reply is empty, or its reply ran into ``max_new_tokens``.
+    ``max_prompt_tokens``, its reply is empty, or its reply ran into ``max_new_tokens``; with
+    ``max_turns`` only its first ``max_turns`` user turns get replies.
     Conversations with no reply at all are not returned.
     """
     tok = target.tokenizer
     convs = []
     for r in records:
         head = [dict(m) for m in r.messages[:1] if m["role"] == "system"]
-        users = [m["content"] for m in r.messages if m["role"] == "user"]
+        users = [m["content"] for m in r.messages if m["role"] == "user"][:max_turns]
         convs.append({"record": r, "messages": head, "users": users, "open": True})
     for t in range(max((len(c["users"]) for c in convs), default=0)):
         active, prompts = [], []
@@ -175,7 +176,7 @@ def _length_sorted_batches(records, batch_size: int, window: int):
 def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size: int = 8,
             temperature: float = 0.0, top_p: float = 1.0, limit: int | None = None, split: str = "all",
             heldout_fraction: float = 0.02, max_prompt_tokens: int = 2048, seed: int = 0,
-            sort_window: int = 8, progress: bool = True) -> dict:
+            sort_window: int = 8, progress: bool = True, max_turns: int | None = None) -> dict:
     """Write the target's own replies for the chats of ``spec`` to ``output`` (ShareGPT JSONL).
 
     Args:
@@ -191,6 +192,8 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
         seed: torch seed for sampling.
         sort_window: batches read ahead and sorted by prompt length (less padding); 1 keeps the
             source order.
+        progress: show a progress bar (conversations, and new tokens per second).
+        max_turns: reply to at most this many user turns per conversation (None: all).
 
     Returns:
         Counts: written, skipped_done, new_tokens, seconds and why conversations ended early.
@@ -233,11 +236,12 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
     with open(output, "a", encoding="utf-8") as f:
         for batch in _length_sorted_batches(todo(), batch_size, sort_window):
             for r in distill_batch(target, batch, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_p=top_p, max_prompt_tokens=max_prompt_tokens, counts=counts):
+                                   top_p=top_p, max_prompt_tokens=max_prompt_tokens, counts=counts,
+                                   max_turns=max_turns):
                 obj = record_to_sharegpt(r)
                 obj["source"] = r.source
                 obj["distilled_with"] = {"target": target.model_id, "temperature": temperature,
-                                         "top_p": top_p, "max_new_tokens": max_new_tokens}
+                                         "top_p": top_p, "max_new_tokens": max_new_tokens, "max_turns": max_turns}
                 f.write(json.dumps(obj, ensure_ascii=False) + "\n")
                 f.flush()
                 done.add(r.id)
@@ -272,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "sharegpt:FILE.jsonl, ultrachat:HuggingFaceH4/ultrachat_200k?split=train_sft")
     p.add_argument("--output", required=True, help="output JSONL file; appended to when it exists")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply in tokens (at least 1)")
+    p.add_argument("--max-turns", type=int, default=None, help="reply to at most this many user turns per "
+                   "conversation (at least 1; default: all)")
     p.add_argument("--batch-size", type=int, default=8, help="conversations generated together (at least 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else the sampling temperature "
                    "(a finite number >= 0)")
@@ -287,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "bfloat16 on CUDA)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; on a "
+                   "CPU shared with other jobs 1 thread can be several times faster)")
     p.add_argument("--sort-window", type=int, default=8, help="read this many batches ahead and sort them by "
                    "prompt length to pad less; 1 keeps the source order")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
@@ -305,9 +313,13 @@ def check_args(args) -> None:
         value = getattr(args, name)
         return ConfigError(f"--{name.replace('_', '-')} {value} is out of range: {rule}.", param=name)
 
+    if args.threads is not None and args.threads < 1:
+        raise bad("threads", "it must be at least 1 (leave it out for torch's choice)")
     for name in ("max_new_tokens", "batch_size", "max_prompt_tokens", "sort_window"):
         if getattr(args, name) < 1:
             raise bad(name, "it must be at least 1")
+    if args.max_turns is not None and args.max_turns < 1:
+        raise bad("max_turns", "it must be at least 1 (leave it out to reply to every turn)")
     if args.limit is not None and args.limit < 1:
         raise bad("limit", "it must be at least 1 (leave it out to distill every conversation)")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -343,13 +355,17 @@ def main(argv: list[str] | None = None) -> int:
         from redraft.utils import resolve_device, resolve_dtype
 
         device = resolve_device(args.device)  # "cuda" without CUDA: one line, before the load
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         dtype = resolve_dtype(args.dtype, device) if args.dtype is not None else None
         target = load_target(args.target, dtype=dtype, device=device)
         result = distill(target, args.data, args.output, max_new_tokens=args.max_new_tokens,
                          batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
                          limit=args.limit, split=args.split, heldout_fraction=args.heldout_fraction,
                          max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                         sort_window=args.sort_window, progress=args.progress)
+                         sort_window=args.sort_window, progress=args.progress, max_turns=args.max_turns)
     except RedraftError as exc:
         print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

@@ -29,7 +29,7 @@ LOAD_KEYS = ("target", "drafters", "ngrams", "dtype", "device")  # load_decoder'
 def load_redrafter(path, target, width: int = 8, length: int | None = None, name: str = "redrafter"):
     """A :class:`ReDrafterDrafter` from a drafter artifact (``length`` defaults to the head's
     training horizon ``num_steps``)."""
-    from redraft.models.redrafter import load_drafter
+    from redraft.models.drafter_io import load_drafter
 
     return ReDrafterDrafter(load_drafter(path, target), width=width, length=length, name=name)
 

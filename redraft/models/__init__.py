@@ -16,8 +16,8 @@ _EXPORTS = {
     "ReDrafter": "redraft.models.redrafter",
     "ReDrafterConfig": "redraft.models.redrafter",
     "ReDrafterOutput": "redraft.models.redrafter",
-    "load_drafter": "redraft.models.redrafter",
-    "read_drafter": "redraft.models.redrafter",
+    "load_drafter": "redraft.models.drafter_io",
+    "read_drafter": "redraft.models.drafter_io",
     "drafter_loss": "redraft.models.losses",
 }
 

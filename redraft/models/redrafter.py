@@ -55,159 +55,26 @@ name the key. :func:`load_drafter` also reads Apple's layout (:mod:`redraft.mode
 
 from __future__ import annotations
 
-import importlib
-import numbers
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModel, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
-from redraft.errors import ArtifactError, ConfigError, RedraftError
+from redraft.errors import ArtifactError, RedraftError
 from redraft.models import artifact
 from redraft.models.losses import IGNORE_INDEX, drafter_loss
-from redraft.models.target import Target, check_fingerprint
-from redraft.utils import atomic_write_text, resolve_dtype
-
-__all__ = ["ReDrafterConfig", "ReDrafter", "ReDrafterOutput", "load_drafter", "read_drafter"]
-
-MODEL_TYPE = "redrafter"
-# transformers' trust_remote_code loads this file from a saved head; it re-exports redraft's own
-# classes (so the objects are the same as after ``import redraft``), instead of the copy of this
-# whole module that transformers' register_for_auto_class would write into every head.
-AUTO_MODULE = "redraft_head"
-AUTO_MAP = {"AutoConfig": f"{AUTO_MODULE}.ReDrafterConfig", "AutoModel": f"{AUTO_MODULE}.ReDrafter"}
-AUTO_MODULE_SOURCE = (
-    '"""Written by redraft: lets transformers load this ReDrafter head with trust_remote_code=True\n'
-    'before redraft is imported. The classes are redraft\'s own: `pip install redraft` is needed."""\n'
-    "from redraft.models.redrafter import ReDrafter, ReDrafterConfig  # noqa: F401\n"
+from redraft.models.redrafter_config import (  # noqa: F401  (public names of this module)
+    AUTO_MAP, AUTO_MODULE, AUTO_MODULE_SOURCE, MODEL_TYPE, ReDrafterConfig,
 )
+from redraft.models.target import Target
+from redraft.utils import atomic_write_text
 
-
-def _int(name: str, value, minimum: int, optional: bool = False) -> int | None:
-    """``value`` as an int >= ``minimum`` (``None`` allowed when ``optional``); anything else --
-    a bool, a float, a string such as ``"576"`` -- is a ConfigError naming ``name``."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ConfigError(f"ReDrafterConfig {name}={value!r} ({type(value).__name__}) must be an integer "
-                          f">= {minimum}{' or null' if optional else ''}.", param=name)
-    return int(value)
-
-
-def _str(name: str, value) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise ConfigError(f"ReDrafterConfig {name}={value!r} ({type(value).__name__}) must be a string or null.",
-                          param=name)
-    return value
-
-
-class ReDrafterConfig(PretrainedConfig):
-    """Configuration of a :class:`ReDrafter` head.
-
-    Args:
-        hidden_size: width H of the target's last hidden state ``x``.
-        embedding_dim: width E of the target's input embedding (= the RNN state width S);
-            ``None`` means ``hidden_size``.
-        vocab_size: the target's vocabulary size V (rows of its input embedding).
-        draft_vocab_size: size Vd of the reduced draft vocabulary (the Vd most frequent target
-            tokens in the training data), or ``None`` for the full vocabulary (the default).
-        num_layers: number of ResNet blocks ``h + act(Linear(h))`` before the output layer.
-        rnn: ``True`` for the recurrence ``s_i = f(U s_{i-1} + W e_i + b)``; ``False`` for the
-            paper's ablation ``s_i = s_{i-1} + e_i``.
-        activation: ``f`` of the recurrence and of the ResNet blocks (a transformers ACT2FN name).
-        num_steps: the training horizon n (draft tokens predicted per hidden state).
-        target_model, tokenizer_fingerprint, target_vocab_size, target_hidden_size: the target
-            this head belongs to (docs/hub.md); ``load_drafter`` checks the fingerprint.
-        initializer_range: std of the normal init of every linear layer.
-    """
-
-    model_type = MODEL_TYPE
-
-    def __init__(
-        self,
-        hidden_size: int = 576,
-        embedding_dim: int | None = None,
-        vocab_size: int = 49152,
-        draft_vocab_size: int | None = None,
-        num_layers: int = 2,
-        rnn: bool = True,
-        activation: str = "silu",
-        num_steps: int = 5,
-        target_model: str | None = None,
-        tokenizer_fingerprint: str | None = None,
-        target_vocab_size: int | None = None,
-        target_hidden_size: int | None = None,
-        initializer_range: float = 0.02,
-        **kwargs,
-    ):
-        kwargs.setdefault("tie_word_embeddings", False)  # the head owns its output layer
-        # Recorded by save_pretrained for the file it just wrote and checked by the loader; never
-        # kept on the object, where it would go stale as soon as the weights change.
-        kwargs.pop(artifact.SHA_KEY, None)
-        kwargs.pop("auto_map", None)  # always ours (AUTO_MAP), set below
-        self.hidden_size = _int("hidden_size", hidden_size, 1)
-        self.embedding_dim = _int("embedding_dim", embedding_dim, 1, optional=True) or self.hidden_size
-        self.vocab_size = _int("vocab_size", vocab_size, 1)
-        # 0 was written by old configs for "full vocabulary"; None is the spelling now.
-        self.draft_vocab_size = _int("draft_vocab_size", draft_vocab_size, 0, optional=True) or None
-        self.num_layers = _int("num_layers", num_layers, 0)
-        if not isinstance(rnn, bool):
-            raise ConfigError(f"ReDrafterConfig rnn={rnn!r} ({type(rnn).__name__}) must be true or false.", param="rnn")
-        self.rnn = rnn
-        if not isinstance(activation, str) or activation not in ACT2FN:
-            raise ConfigError(f"ReDrafterConfig activation={activation!r} is not one of {sorted(ACT2FN)}.",
-                              param="activation")
-        self.activation = activation
-        self.num_steps = _int("num_steps", num_steps, 1)
-        self.target_model = _str("target_model", target_model)
-        self.tokenizer_fingerprint = _str("tokenizer_fingerprint", tokenizer_fingerprint)
-        self.target_vocab_size = _int("target_vocab_size", target_vocab_size, 1, optional=True) or self.vocab_size
-        self.target_hidden_size = (_int("target_hidden_size", target_hidden_size, 1, optional=True)
-                                   or self.hidden_size)
-        if isinstance(initializer_range, bool) or not isinstance(initializer_range, numbers.Real) \
-                or not initializer_range >= 0:
-            raise ConfigError(f"ReDrafterConfig initializer_range={initializer_range!r} must be a number >= 0.",
-                              param="initializer_range")
-        self.initializer_range = float(initializer_range)
-        super().__init__(**kwargs)
-        self.auto_map = dict(AUTO_MAP)
-        if self.draft_vocab_size is not None and not self.draft_vocab_size <= self.vocab_size:
-            raise ConfigError(
-                f"ReDrafterConfig draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size="
-                f"{self.vocab_size}] (or null for the full vocabulary).", param="draft_vocab_size")
-
-    @classmethod
-    def register_for_auto_class(cls, auto_class="AutoConfig"):
-        """A no-op: redraft registers its Auto classes itself and saves ``auto_map`` pointing at
-        ``redraft_head.py`` (transformers would copy this whole module into every saved head)."""
-
-    @property
-    def state_size(self) -> int:
-        """Width S of the RNN state (= E: the ablation adds embeddings into it)."""
-        return self.embedding_dim
-
-    @property
-    def out_vocab_size(self) -> int:
-        """Vd: rows of the output layer."""
-        return self.draft_vocab_size or self.vocab_size
-
-    @classmethod
-    def for_target(cls, target: Target, **kwargs) -> "ReDrafterConfig":
-        """A config sized for ``target`` that records its id, sizes and tokenizer fingerprint."""
-        meta = target.artifact_metadata()
-        return cls(
-            hidden_size=target.hidden_size,
-            embedding_dim=int(target.input_embedding.weight.shape[1]),
-            vocab_size=int(target.input_embedding.weight.shape[0]),
-            **meta,
-            **kwargs,
-        )
+__all__ = ["ReDrafterConfig", "ReDrafter", "ReDrafterOutput", "check_artifact", "expected_shapes", "parse_config"]
 
 
 class ResBlock(nn.Module):
@@ -286,7 +153,7 @@ class ReDrafter(PreTrainedModel):
         if not self._embedding:
             raise RedraftError(
                 "This ReDrafter has no input embedding attached: call drafter.attach_target(target) "
-                "(or load it with redraft.models.redrafter.load_drafter(path, target))."
+                "(or load it with redraft.models.load_drafter(path, target))."
             )
         return self._embedding[0]
 
@@ -323,10 +190,17 @@ class ReDrafter(PreTrainedModel):
         """Target ids (any shape) -> draft ids, ``-1`` where a token is outside the draft vocab."""
         if self.config.draft_vocab_size is None:
             return target_ids
-        lut = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=target_ids.device)
-        lut[self.draft_to_target.to(target_ids.device)] = torch.arange(
-            self.config.draft_vocab_size, device=target_ids.device)
+        lut = self._draft_lut(target_ids.device)
         return torch.where(target_ids >= 0, lut[target_ids.clamp(min=0)], target_ids)
+
+    def _draft_lut(self, device) -> torch.Tensor:
+        """``[V]`` draft id of each target id (-1 outside), built once per vocabulary and device."""
+        key = (self.draft_to_target.data_ptr(), self.draft_to_target._version, str(device))
+        if getattr(self, "_lut_key", None) != key:
+            lut = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=device)
+            lut[self.draft_to_target.to(device)] = torch.arange(self.config.draft_vocab_size, device=device)
+            self._lut, self._lut_key = lut, key
+        return self._lut
 
     # ---------------------------------------------------------------- the math
 
@@ -339,15 +213,19 @@ class ReDrafter(PreTrainedModel):
         # U @ 0 + b = b; the module is called (not .bias read) so ZeRO-3 gathers its weights.
         return self.act(we + self.rnn_u(torch.zeros_like(we) if state is None else state))
 
-    def head(self, state: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """``[s, x]`` -> ResNet blocks -> output layer. ``state`` [..., S], ``context`` [..., H]
-        (broadcast against each other) -> logits [..., Vd]."""
+    def head_features(self, state: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """``[s, x]`` -> ResNet blocks: the output layer's input. ``state`` [..., S], ``context``
+        [..., H] (broadcast against each other) -> [..., S + H]."""
         if context.shape[:-1] != state.shape[:-1]:
             context = context.expand(*state.shape[:-1], context.shape[-1])
         h = torch.cat([state, context.to(state.dtype)], dim=-1)  # [..., S + H]
         for block in self.blocks:
             h = block(h)
-        return self.lm_head(h)
+        return h
+
+    def head(self, state: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """``[s, x]`` -> ResNet blocks -> output layer: logits [..., Vd]."""
+        return self.lm_head(self.head_features(state, context))
 
     def states(self, tokens: torch.Tensor) -> torch.Tensor:
         """RNN states of a chain: target ids ``[..., L]`` -> ``[..., L, S]`` (s_0 .. s_{L-1})."""
@@ -363,7 +241,7 @@ class ReDrafter(PreTrainedModel):
 
     def forward(self, context: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor | None = None, *,
                 target_logprobs: torch.Tensor | None = None, ce_weight: float = 1.0, kd_weight: float = 0.0,
-                return_dict: bool | None = None):
+                return_dict: bool | None = None, return_features: bool = False):
         """Teacher-forced logits of a whole chain in one pass (and the training loss with ``labels``).
 
         Args:
@@ -379,12 +257,16 @@ class ReDrafter(PreTrainedModel):
                 ``--loss ce`` / ``kd`` / ``ce+kd``).
             return_dict: return a :class:`ReDrafterOutput`; default: only when ``labels`` is given
                 (the trainer and the decoder take the bare logits tensor).
+            return_features: return the output layer's input ``[..., L, S + H]`` instead of the
+                logits (the trainer's fused loss applies the output layer chunk by chunk).
 
         Returns:
             ``[..., L, Vd]`` logits (``logits[..., i, :]`` predicts the token after
             ``tokens[..., i]``), or a :class:`ReDrafterOutput` with ``loss`` and ``logits``.
         """
         s = self.states(tokens)  # [..., L, S]
+        if return_features:
+            return self.head_features(s, context.unsqueeze(-2))  # [..., L, S + H]
         logits = self.head(s, context.unsqueeze(-2))  # [..., L, Vd]
         if return_dict is None:
             return_dict = labels is not None
@@ -466,25 +348,16 @@ class ReDrafter(PreTrainedModel):
         return (model, info) if want_info else model
 
 
-# ------------------------------------------------------------------------------------ loading
+def _register_auto_classes() -> None:
+    """``AutoConfig``/``AutoModel`` resolve model_type ``redrafter`` to these classes."""
+    AutoConfig.register(MODEL_TYPE, ReDrafterConfig, exist_ok=True)
+    AutoModel.register(ReDrafterConfig, ReDrafter, exist_ok=True)
 
 
-def _resolve(path) -> Path:
-    """A local directory, or ``REPO_ID[@rev]`` through ``redraft.hub_resolve.resolve_artifact`` when the
-    hub module exists."""
-    p = Path(os.path.expanduser(str(path)))
-    if p.exists():
-        return p
-    try:
-        hub = importlib.import_module("redraft.hub_resolve")
-    except ImportError:
-        hub = None
-    if hub is not None and hasattr(hub, "resolve_artifact"):
-        return Path(hub.resolve_artifact(str(path)))
-    raise ArtifactError(
-        f"Drafter artifact {path} does not exist. Pass the directory redraft-train wrote "
-        f"(it holds config.json and model.safetensors) or a hub id REPO_ID[@revision]."
-    )
+_register_auto_classes()
+
+
+# ------------------------------------------------------------------ checking an artifact's layout
 
 
 def expected_shapes(config: ReDrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -528,91 +401,3 @@ def check_artifact(directory: Path, verify: bool = True) -> ReDrafterConfig:
     if verify:
         artifact.verify_sha256(directory, raw, files)
     return config
-
-
-def read_drafter(path, dtype: torch.dtype | str | None = None, *, verify: bool = True) -> ReDrafter:
-    """Load a drafter artifact (redraft's layout or Apple's) without a target: checked exactly
-    (:mod:`redraft.models.artifact`), no embedding attached, on the CPU, eval mode.
-
-    Args:
-        path: artifact directory or hub ``REPO_ID[@rev]``.
-        dtype: weights dtype; ``None`` keeps the stored one.
-        verify: check the weights against the sha256 recorded in ``config.json``.
-    """
-    p = _resolve(path)
-    raw = artifact.read_config_json(p)
-    dtype = None if dtype is None else resolve_dtype(dtype)
-    if raw.get("model_type") == _apple().APPLE_MODEL_TYPE:
-        return _apple().read_apple_drafter(p, ReDrafter, raw, dtype=dtype, verify=verify).eval()
-    parse_config(raw, p)  # the model_type and value checks first, with the file's name
-    try:
-        model = ReDrafter.from_pretrained(str(p), dtype=dtype or "auto", verify=verify)
-    except RedraftError:
-        raise
-    except Exception as exc:
-        raise ArtifactError(f"Could not load the drafter weights from {p} ({type(exc).__name__}: {exc}). The "
-                            f"directory should hold model.safetensors as written by redraft-train.") from exc
-    return model.eval()
-
-
-def _apple():
-    from redraft.models import apple  # on use: only Apple-layout heads need it
-
-    return apple
-
-
-def load_drafter(path, target: Target, dtype: torch.dtype | str | None = None, *, verify: bool = True) -> ReDrafter:
-    """Load a drafter artifact for ``target``: check it exactly, check its tokenizer fingerprint,
-    attach the target's input embedding, move it to the target's device, eval mode.
-
-    Reads redraft's layout (model_type ``redrafter``) and Apple's ml-recurrent-drafter layout
-    (model_type ``recurrent_drafting_drafter``, as ``redraft-export`` writes it or Apple's
-    trainer does). A head in Apple's layout that records no tokenizer fingerprint (trained with
-    Apple's code) is checked against the target's sizes only, with a warning.
-
-    Args:
-        path: artifact directory (or ``REPO_ID[@rev]`` through ``redraft.hub``).
-        target: the loaded :class:`~redraft.models.target.Target`.
-        dtype: weights dtype; default the target's dtype.
-        verify: check the weights against the sha256 recorded at write time.
-
-    Raises:
-        ArtifactError: the directory is missing, not a drafter, or its weights do not match its
-            config exactly (names the key), or were changed since they were written.
-        FingerprintMismatchError: the drafter was trained for another tokenizer (names both).
-    """
-    p = _resolve(path)
-    raw = artifact.read_config_json(p)
-    dtype = target.dtype if dtype is None else resolve_dtype(dtype)
-    if raw.get("model_type") == _apple().APPLE_MODEL_TYPE:
-        config = _apple().config_from_apple(raw, p, ReDrafterConfig)
-    else:
-        config = parse_config(raw, p)
-    if config.tokenizer_fingerprint is None and raw.get("model_type") != MODEL_TYPE:
-        _check_sizes(config, target, p)
-        warnings.warn(f"{p} records no tokenizer fingerprint (a head trained outside redraft); only its sizes "
-                      f"were checked against {target.model_id!r}. Make sure it was trained for this target.",
-                      UserWarning, stacklevel=2)
-    else:
-        check_fingerprint(config.tokenizer_fingerprint, target, p)
-    drafter = read_drafter(p, dtype=dtype, verify=verify)
-    drafter.attach_target(target)
-    return drafter.to(target.device).eval()
-
-
-def _check_sizes(config: ReDrafterConfig, target: Target, where: Path) -> None:
-    E = target.input_embedding.weight
-    want = {"vocab_size": int(E.shape[0]), "hidden_size": int(target.hidden_size), "embedding_dim": int(E.shape[1])}
-    for key, value in want.items():
-        if getattr(config, key) != value:
-            raise ArtifactError(f"{where / artifact.CONFIG_NAME} has {key}={getattr(config, key)}, but target "
-                                f"{target.model_id!r} has {value}: the head was trained for another model.")
-
-
-def _register_auto_classes() -> None:
-    """``AutoConfig``/``AutoModel`` resolve model_type ``redrafter`` to these classes."""
-    AutoConfig.register(MODEL_TYPE, ReDrafterConfig, exist_ok=True)
-    AutoModel.register(ReDrafterConfig, ReDrafter, exist_ok=True)
-
-
-_register_auto_classes()

@@ -3,6 +3,7 @@
     python -m redraft.train.bench                       # default target, default ShareGPT, CPU
     python -m redraft.train.bench --records 8 --repeats 2 --draft-vocab 0 16384 --json out.json
     python -m redraft.train.bench --features --precision amp-bf16 --draft-vocab 0 8192 --loss ce ce+kd
+    python -m redraft.train.bench --loss-impl dense fused --precision amp-bf16   # the fused loss vs the reference
 
 For each setting it times, over the same records, (a) the frozen target's forward that makes
 the hidden states and (b) one full training micro step (target forward + drafter forward over
@@ -10,7 +11,8 @@ all positions x n steps + backward + AdamW). With ``--features`` the records are
 (``redraft-cache-features``: hidden states + top-8 logits) and (c) the same micro steps are
 timed reading the cache instead of running the target; the cache's disk bytes per token are
 reported. Tokens/s count every token of the records (the target processes all of them); ratios
-are against the first row of each kind (fp32 / full vocabulary / online).
+are against the first row of each kind (fp32 / full vocabulary / first loss implementation /
+online).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def _time(fn, repeats: int, warmup=None) -> float:
 
 
 def run(target_spec: str, data: str, records: int, max_length: int, repeats: int, vocab_sizes: list[int],
-        precisions: list[str], micro_batch: int, report=None, losses=("ce",), features: bool = False) -> dict:
+        precisions: list[str], micro_batch: int, report=None, losses=("ce",), features: bool = False,
+        impls=("fused",)) -> dict:
     import tempfile
 
     from redraft.data import build_token_dataset
@@ -68,7 +71,7 @@ def run(target_spec: str, data: str, records: int, max_length: int, repeats: int
         out["features_bytes_per_token"] = disk_bytes(tmp.name) / n_tokens
         out["features_top_k"] = meta["top_k"]
         out["rows"].append({"what": "cache features", "precision": precisions[-1], "draft_vocab": None,
-                            "loss": None, "source": "target", "seconds": t, "tokens_per_s": n_tokens / t})
+                            "loss": None, "impl": None, "source": "target", "seconds": t, "tokens_per_s": n_tokens / t})
         if report:
             report(out["rows"][-1])
         cached = FeatureRecords(tmp.name, load_topk=True)
@@ -81,36 +84,35 @@ def run(target_spec: str, data: str, records: int, max_length: int, repeats: int
     for precision in precisions:
         t = _time(lambda: fwd(precision), repeats, warmup=lambda: fwd(precision, batches["online"][:1]))
         out["rows"].append({"what": "target forward", "precision": precision, "draft_vocab": None, "loss": None,
-                            "source": "target", "seconds": t, "tokens_per_s": n_tokens / t})
+                            "impl": None, "source": "target", "seconds": t, "tokens_per_s": n_tokens / t})
         if report:
             report(out["rows"][-1])
-    for vocab in vocab_sizes:
-        for loss_name in losses:
-            for precision in precisions:
-                cfg = make_config(None, {"max_length": max_length, "loss": loss_name})
-                for source, bs in batches.items():
-                    torch.manual_seed(0)
-                    dcfg = ReDrafterConfig.for_target(target, draft_vocab_size=vocab or None)
-                    model = ReDrafter(dcfg).to(device)
-                    if vocab:
-                        model.set_draft_vocab(draft_vocab_from_data(ds, dcfg.vocab_size, vocab))
-                    model.attach_target(target).train()
-                    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                    hidden_dtype = target_dtype(precision, device)
+    settings = [(v, ln, p, i) for v in vocab_sizes for ln in losses for p in precisions for i in impls]
+    for vocab, loss_name, precision, impl in settings:
+            cfg = make_config(None, {"max_length": max_length, "loss": loss_name})
+            for source, bs in batches.items():
+                torch.manual_seed(0)
+                dcfg = ReDrafterConfig.for_target(target, draft_vocab_size=vocab or None)
+                model = ReDrafter(dcfg).to(device)
+                if vocab:
+                    model.set_draft_vocab(draft_vocab_from_data(ds, dcfg.vocab_size, vocab))
+                model.attach_target(target).train()
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                hidden_dtype = target_dtype(precision, device)
 
-                    def step(bs=bs):
-                        for b in bs:
-                            loss, *_ = batch_loss(model, model, target, b, cfg, precision, hidden_dtype)
-                            loss.backward()
-                            opt.step()
-                            opt.zero_grad(set_to_none=True)
+                def step(bs=bs):
+                    for b in bs:
+                        loss, *_ = batch_loss(model, model, target, b, cfg, precision, hidden_dtype, impl)
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
 
-                    t = _time(step, repeats, warmup=lambda: step(bs[:1]))
-                    out["rows"].append({"what": "train step", "precision": precision, "draft_vocab": vocab or "full",
-                                        "loss": loss_name, "source": source, "seconds": t,
-                                        "tokens_per_s": n_tokens / t})
-                    if report:
-                        report(out["rows"][-1])
+                t = _time(step, repeats, warmup=lambda: step(bs[:1]))
+                out["rows"].append({"what": "train step", "precision": precision, "draft_vocab": vocab or "full",
+                                    "loss": loss_name, "impl": impl, "source": source, "seconds": t,
+                                    "tokens_per_s": n_tokens / t})
+                if report:
+                    report(out["rows"][-1])
     tmp.cleanup()
     base = {r["what"]: r["tokens_per_s"] for r in reversed(out["rows"])}  # first row of each kind
     for r in out["rows"]:
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="Draft vocabulary sizes to compare (0 = full).")
     p.add_argument("--precision", nargs="+", default=["fp32", "amp-bf16"], help="Precisions to compare.")
     p.add_argument("--loss", nargs="+", default=["ce"], help="Losses to compare (ce, kd, ce+kd).")
+    p.add_argument("--loss-impl", nargs="+", default=["dense", "fused"], choices=["dense", "fused", "liger"],
+                   help="Loss implementations to compare (redraft-train --loss-impl).")
     p.add_argument("--features", action="store_true",
                    help="Also cache the records' features and time training steps that read them.")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice).")
@@ -140,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         res = run(args.target, args.data, args.records, args.max_length, args.repeats, args.draft_vocab,
-                  args.precision, args.micro_batch, losses=args.loss, features=args.features,
+                  args.precision, args.micro_batch, losses=args.loss, features=args.features, impls=args.loss_impl,
                   report=lambda r: print(f"  measured: {r['what']} {r['source']} {r['precision']} "
-                                         f"vocab={r['draft_vocab']} loss={r['loss']}: {r['tokens_per_s']:.1f} tokens/s",
+                                         f"vocab={r['draft_vocab']} loss={r['loss']} {r['impl'] or ''}: "
+                                         f"{r['tokens_per_s']:.1f} tokens/s",
                                          flush=True))
     except RedraftError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
@@ -151,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['tokens']} tokens (max_length {res['max_length']}, micro batch {res['micro_batch']})")
     if "features_bytes_per_token" in res:
         print(f"features cache: {res['features_bytes_per_token']:.0f} bytes/token on disk (top-{res['features_top_k']})")
-    print(f"{'what':<16}{'source':<10}{'precision':<11}{'draft vocab':<13}{'loss':<7}{'seconds':>9}{'tokens/s':>11}"
-          f"{'vs first':>10}")
+    print(f"{'what':<16}{'source':<10}{'precision':<11}{'draft vocab':<13}{'loss':<7}{'impl':<7}{'seconds':>9}"
+          f"{'tokens/s':>11}{'vs first':>10}")
     for r in res["rows"]:
         print(f"{r['what']:<16}{r['source']:<10}{r['precision']:<11}{str(r['draft_vocab'] or '-'):<13}"
-              f"{str(r['loss'] or '-'):<7}{r['seconds']:>9.2f}{r['tokens_per_s']:>11.1f}{r['speedup']:>9.2f}x")
+              f"{str(r['loss'] or '-'):<7}{str(r['impl'] or '-'):<7}{r['seconds']:>9.2f}{r['tokens_per_s']:>11.1f}{r['speedup']:>9.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

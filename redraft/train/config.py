@@ -40,6 +40,18 @@ class TrainConfig:
                    "'sharegpt:FILE.jsonl', a mixture).")
     eval_data: str | None = _f(None, "Held-out data spec; none = the held-out split of --data.")
     max_length: int = _f(2048, "Truncate each tokenized record to this many tokens.")
+    self_distill: bool = _f(False, "Train and evaluate on the target's own greedy replies to the prompts of --data "
+                            "(made once with redraft-distill-data's code, cached in --distill-dir, resumable) "
+                            "instead of the replies in the data.")
+    distill_dir: str | None = _f(None, "Where the self-distilled JSONL files go; none = <redraft cache>/distilled/"
+                                 "<target>-<hash of the target and the distill settings>.")
+    distill_limit: int | None = _f(2000, "Conversations of --data's train split to self-distill (held-out: "
+                                   "--eval-limit); none = all.")
+    distill_max_new_tokens: int = _f(256, "Longest self-distilled reply in tokens.")
+    distill_max_turns: int | None = _f(None, "Self-distill at most this many user turns per conversation; none = all.")
+    distill_max_prompt_tokens: int = _f(1024, "Self-distill no turn whose prompt is longer (the prompt's prefill "
+                                        "dominates generation time on a CPU); at most --max-length is used.")
+    distill_batch_size: int = _f(8, "Conversations generated together when self-distilling.")
     pack: bool = _f(False, "Pack records into max_length sequences (redraft.data).")
     heldout_fraction: float = _f(0.02, "Fraction of records (by id hash) held out for evaluation.")
     train_limit: int | None = _f(None, "Use at most this many training records.")
@@ -64,6 +76,12 @@ class TrainConfig:
     # ---- objective
     loss: str = _f("ce", "'ce' (cross-entropy on the data), 'kd' (KL to the target's distribution) or 'ce+kd'.")
     kd_weight: float = _f(1.0, "Weight of the KL term in 'ce+kd'.")
+    kd_top_k: int = _f(8, "KD teacher: the target's top-k next tokens, renormalised over those in the draft "
+                       "vocabulary (cached features hold their own top-k).")
+    loss_impl: str = _f("auto", "'fused' (chunked linear loss: never holds the [positions, steps, vocab] logits), "
+                        "'liger' (liger-kernel's fused linear cross-entropy; CUDA, loss ce), 'dense' (the "
+                        "reference) or 'auto' (liger where it applies and is installed, else fused; dense "
+                        "under ZeRO-3).")
 
     # ---- optimisation (paper / Apple recipe defaults)
     epochs: float = _f(2, "Passes over the training data (fractions allowed).")
@@ -220,12 +238,18 @@ RANGES = {
     "max_length": Range(3),
     "heldout_fraction": Range(0, 1, hi_open=True),
     "train_limit": Range(1, optional=True),
+    "distill_limit": Range(1, optional=True),
+    "distill_max_new_tokens": Range(1),
+    "distill_max_turns": Range(1, optional=True),
+    "distill_batch_size": Range(1),
+    "distill_max_prompt_tokens": Range(1),
     "eval_limit": Range(1, optional=True),
     "num_proc": Range(1, optional=True),
     "num_steps": Range(1),
     "num_layers": Range(0),
     "draft_vocab_size": Range(1, optional=True),
     "kd_weight": Range(0),
+    "kd_top_k": Range(1),
     "epochs": Range(0, lo_open=True),
     "max_steps": Range(1, optional=True),
     "max_time_minutes": Range(0, lo_open=True, optional=True),
@@ -255,6 +279,7 @@ RANGE_HINTS = {
 }
 CHOICES = {
     "loss": ("ce", "kd", "ce+kd"),
+    "loss_impl": ("auto", "fused", "liger", "dense"),
     "init_head": ("random", "target"),
     "precision": ("auto", "bf16", "fp16", "fp32", "amp-bf16"),
 }
@@ -270,6 +295,7 @@ RESUMABLE_CHANGES = {
     "max_time_minutes", "eval_every", "save_every", "keep_checkpoints", "log_every", "report_to",
     "output_dir", "run_name", "push_to_hub", "hub_private", "hub_revision", "eval_limit",
     "eval_batch_size", "num_proc", "data_cache_dir", "device", "target", "threads", "features",
+    "loss_impl", "distill_dir", "distill_batch_size",
 }
 
 # Keys a run_config.yaml holds that are records, not settings: a recipe may contain them (so a

@@ -78,7 +78,7 @@ def export_head(head, out_dir, fmt: str = "apple", dtype: str = "keep", overwrit
         raise ConfigError(f"--dtype {dtype!r} is not one of {list(DTYPES)}.", param="dtype")
     out = check_output(head, out_dir, overwrite)
     from redraft.models import apple
-    from redraft.models.redrafter import read_drafter
+    from redraft.models.drafter_io import read_drafter
     from redraft.utils import resolve_dtype
 
     model = read_drafter(head, verify=verify)

@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 FORMAT = "redraft-features/1"
 META_FILE = "features.json"
 # the data settings that decide which records (and tokens) a run trains on
-DATA_KEYS = ("data", "max_length", "pack", "heldout_fraction", "train_limit")
+DATA_KEYS = ("data", "max_length", "pack", "heldout_fraction", "train_limit", "self_distill", "distill_limit",
+             "distill_max_new_tokens", "distill_max_turns", "distill_max_prompt_tokens")
 # safetensors dtype -> numpy dtype of the memory map (bfloat16 is read as uint16, viewed by torch)
 _NP = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "I32": np.int32, "U8": np.uint8, "I64": np.int64}
 
@@ -150,9 +151,13 @@ def check_features_match(meta: dict, path, cfg: TrainConfig, record: dict) -> No
             f"--features {path} were cached from target {describe(saved)}, but this run's target "
             f"{cfg.target!r} is {describe(record)}. Train with the features' target, or cache features for "
             f"this one (redraft-cache-features --target {cfg.target} ...).")
-    diff = [k for k in DATA_KEYS if meta["data"].get(k) != getattr(cfg, k)]
+    from redraft.train.config import FIELDS
+
+    # a key a cache predates holds its default (self-distillation came later)
+    saved_data = {k: meta["data"].get(k, FIELDS[k].default) for k in DATA_KEYS}
+    diff = [k for k in DATA_KEYS if saved_data[k] != getattr(cfg, k)]
     if diff:
-        both = ", ".join(f"{k} (features {meta['data'].get(k)!r}, this run {getattr(cfg, k)!r})" for k in diff)
+        both = ", ".join(f"{k} (features {saved_data[k]!r}, this run {getattr(cfg, k)!r})" for k in diff)
         raise ConfigError(
             f"--features {path} were cached for other training records: {both}. Pass the features' settings, "
             f"or cache features for these (redraft-cache-features with the same --recipe/--data/--max-length "
@@ -280,9 +285,15 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
         raise ConfigError(f"--top-k {top_k} is out of range: the target has {target.vocab_size} tokens.",
                           param="top_k")
     if dataset is None:
-        from redraft.data import build_token_dataset
+        import types
 
-        dataset = build_token_dataset(cfg.data, target.tokenizer, split="train", limit=cfg.train_limit,
+        from redraft.data import build_token_dataset
+        from redraft.train.distilled import distilled_data
+
+        # self_distill: the features of the target's own replies (made once and cached)
+        solo = types.SimpleNamespace(is_main=True, say=lambda m: print(m, flush=True), barrier=lambda: None)
+        data = distilled_data(cfg, target, target_record(target), solo).data
+        dataset = build_token_dataset(data, target.tokenizer, split="train", limit=cfg.train_limit,
                                       max_length=cfg.max_length, pack=cfg.pack, heldout_fraction=cfg.heldout_fraction,
                                       num_proc=cfg.num_proc, cache_dir=cfg.data_cache_dir, progress=progress)
     from redraft.train.batches import TokenRecords, token_arrays

@@ -102,6 +102,7 @@ class Meter:
         self.acc = EvalAccumulator(self.n, device=self.device)
         self.micro = 0
         self.tokens = 0
+        self.top5_seen = True  # False once add_top1 (no top-5) has been used
         self.grad_norm: torch.Tensor | None = None
         self.t0 = time.perf_counter()
 
@@ -120,6 +121,13 @@ class Meter:
         if len(logits):
             self.acc.add(logits.detach(), targets_draft, targets_draft, torch.ones_like(valid), valid)
 
+    @torch.no_grad()
+    def add_top1(self, top1: torch.Tensor, valid: torch.Tensor) -> None:
+        """Top-1 hits ``[P, n]`` bool (the fused loss gives them; it has no top-5)."""
+        self.acc.sums[0] += valid.double().sum(0)
+        self.acc.sums[1] += (top1 & valid).double().sum(0)
+        self.top5_seen = False
+
     def read(self, env) -> dict:
         """The figures as host numbers (the one host sync per log line); tokens/s summed over ranks."""
         dt = max(time.perf_counter() - self.t0, 1e-9)
@@ -132,7 +140,7 @@ class Meter:
             "train/loss": float(self.loss) / max(1, self.micro),
             "train/step_loss": step_loss,
             "train/top1": (acc[1] / seen).tolist() if has_acc else None,
-            "train/top5": (acc[2] / seen).tolist() if has_acc else None,
+            "train/top5": (acc[2] / seen).tolist() if has_acc and self.top5_seen else None,
             "train/grad_norm": None if self.grad_norm is None else float(self.grad_norm),
             "train/tokens_per_s": float(tok_s),
         }

@@ -2,9 +2,11 @@
 
     hidden   = target_hidden(target, ids)              [B, T, H]  (or cached: batch.hidden)
     windows  = make_windows(ids, mask, n)              P positions x n steps (losses.py)
-    logits   = head(hidden[windows], windows.tokens)   [P, n, Vd] every position, every step, one pass
-    teacher  = log p_target(. | prefix) at each target [P, n, Vd] (only for the KD loss)
-    loss     = drafter_loss(logits, targets, valid, teacher)
+    feats    = head features(hidden[windows], tokens)  [P, n, S+H] every position, every step, one pass
+    teacher  = the target's top-k at each target       [P, n, k]  (only for the KD loss)
+    loss     = fused_drafter_loss(feats, O, targets, valid, teacher)
+               (the output layer O [Vd, S+H] applied chunk by chunk: the [P, n, Vd] logits are
+               never held; ``loss_impl: dense`` computes them and calls drafter_loss instead)
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import math
 import numpy as np
 import torch
 
+from redraft.errors import ConfigError
+from redraft.models.losses import fused_drafter_loss, sparse_teacher
 from redraft.models.redrafter import ReDrafter
 from redraft.train.batches import Batch, collate, sequence_lengths
 from redraft.train.config import TrainConfig
@@ -58,34 +62,10 @@ def target_topk(target, hidden: torch.Tensor, precision: str, k: int,
 
 
 def topk_teacher_logprobs(model: ReDrafter, topk_ids: torch.Tensor, topk_logits: torch.Tensor) -> torch.Tensor:
-    """Dense teacher log-probabilities ``[P, n, Vd]`` from the target's top-k logits ``[P, n, k]``.
-
-    The distribution is the softmax over the top-k ids that lie in the draft vocabulary (the
-    online teacher is the softmax over the whole draft vocabulary: the two agree when the top k
-    hold all the mass). Every other entry is the most negative float, whose probability is
-    exactly 0, so ``p * (log p - log q)`` is 0 there (with -inf it would be NaN).
-    """
-    d = model.to_draft_ids(topk_ids.long())  # [P, n, k], -1 outside the draft vocabulary
-    inside = d >= 0
-    vals = topk_logits.float().masked_fill(~inside, float("-inf"))
-    logp = vals - vals.logsumexp(-1, keepdim=True)  # NaN only in rows with nothing inside: masked below
-    low = torch.finfo(torch.float32).min
-    Vd = model.config.out_vocab_size
-    # ids outside the draft vocabulary go to a spare last column, dropped after the scatter
-    dense = torch.full((*d.shape[:-1], Vd + 1), low, device=d.device)
-    dense.scatter_(-1, torch.where(inside, d, Vd), torch.where(inside, logp, low))
-    return dense[..., :Vd]
-
-
-def full_teacher_logprobs(model: ReDrafter, target, hidden: torch.Tensor, b, j, precision: str) -> torch.Tensor:
-    """Teacher log-probabilities ``[P, n, Vd]`` from the target's LM head on ``hidden[b, j]``
-    (softmax over the draft vocabulary)."""
-    with torch.inference_mode(), autocast(hidden.device, precision):
-        tl = target.output_head(hidden[b, j])  # [P, n, V]
-        if model.config.draft_vocab_size is not None:
-            tl = tl[..., model.draft_to_target]
-        tlp = tl.float().log_softmax(-1)
-    return tlp.clone()  # out of inference mode
+    """Dense teacher log-probabilities ``[P, n, Vd]`` from the target's top-k logits ``[P, n, k]``:
+    the softmax over the top-k ids that lie in the draft vocabulary (:func:`dense_teacher`)."""
+    ids, probs = sparse_teacher(model.to_draft_ids(topk_ids.long()), topk_logits)
+    return dense_teacher(ids, probs, model.config.out_vocab_size)
 
 
 @torch.no_grad()
@@ -104,15 +84,57 @@ def warm_start_from_target(model: ReDrafter, target) -> None:
         block.linear.bias.zero_()
 
 
+def loss_weights(cfg: TrainConfig) -> tuple[float, float]:
+    """``(ce_weight, kd_weight)`` of ``cfg.loss``."""
+    ce_w = 0.0 if cfg.loss == "kd" else 1.0
+    kd_w = 0.0 if cfg.loss == "ce" else (1.0 if cfg.loss == "kd" else cfg.kd_weight)
+    return ce_w, kd_w
+
+
+def resolve_loss_impl(cfg: TrainConfig, device: torch.device) -> str:
+    """``cfg.loss_impl`` made concrete: ``fused``, ``liger`` or ``dense`` (see TrainConfig).
+
+    ZeRO-3 partitions the output layer's weight and gathers it only inside the module's own
+    forward, so the fused loss (which reads the weight directly) runs only at ZeRO 0-2.
+    """
+    from redraft.train import liger
+
+    impl = cfg.loss_impl
+    if impl == "auto":
+        if cfg.zero_stage == 3:
+            return "dense"
+        return "liger" if liger.applies(cfg, device) and liger.available() else "fused"
+    if impl in ("fused", "liger") and cfg.zero_stage == 3:
+        raise ConfigError(f"--loss-impl {impl} reads the output layer's weight directly, which ZeRO-3 partitions; "
+                          f"use --loss-impl dense (or auto) with --zero-stage 3.", param="loss_impl")
+    if impl == "liger":
+        liger.check(cfg, device)
+    return impl
+
+
+def batch_teacher(model: ReDrafter, target, batch: Batch, hidden: torch.Tensor, b, j, cfg: TrainConfig,
+                  precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KD teacher at the targets ``[b, j]`` (``[P, n]``): ``(draft ids [P, n, k], logits [P, n, k])``
+    of the target's top-k next tokens (from the feature cache, or the target's LM head on
+    ``hidden`` at every position once, ``[B, T]`` rows, not ``[P, n]``)."""
+    if batch.topk_ids is not None:
+        ids, vals = batch.topk_ids, batch.topk_logits
+    else:
+        ids, vals = target_topk(target, hidden, precision, cfg.kd_top_k)  # [B, T, k]
+    return model.to_draft_ids(ids[b, j].long()), vals[b, j].float()
+
+
 def batch_loss(model: ReDrafter, forward, target, batch: Batch, cfg: TrainConfig, precision: str,
-               hidden_dtype: torch.dtype | None = None):
+               hidden_dtype: torch.dtype | None = None, impl: str = "fused"):
     """Loss of one micro batch. ``forward`` is the DeepSpeed engine (or the module in eval).
 
     The hidden states (and the KD teacher) come from ``batch`` when it carries cached features,
     else from a target forward. ``hidden_dtype``: what cached hidden states are cast to (the
-    dtype the online target would give).
+    dtype the online target would give). ``impl``: :func:`resolve_loss_impl`.
 
-    Returns ``(loss, stats, logits, windows, targets_draft)``.
+    Returns ``(loss, stats, logits, windows, targets_draft)``; ``logits`` is ``[P, n, Vd]`` for
+    ``impl="dense"`` and None otherwise (``stats["top1"]`` ``[P, n]`` then says where the head's
+    top-1 was the data token, when the implementation gives it).
     """
     ids, mask = batch.ids, batch.mask
     if batch.hidden is not None:
@@ -121,20 +143,40 @@ def batch_loss(model: ReDrafter, forward, target, batch: Batch, cfg: TrainConfig
         hidden = target_hidden(target, ids, precision)  # [B, T, H]
     win = make_windows(ids, mask, cfg.num_steps)
     ctx = hidden[win.batch_idx, win.pos_idx]  # [P, H], a normal tensor (indexing leaves inference mode)
-    with head_autocast(ids.device, precision):
-        logits = forward(ctx, win.tokens)  # [P, n, Vd]: every position, every step, one pass
     targets_d = model.to_draft_ids(win.targets)
-    teacher = None
-    if cfg.loss in ("kd", "ce+kd"):
+    ce_w, kd_w = loss_weights(cfg)
+    t_ids = t_probs = None
+    if kd_w:
         b, j = target_next_positions(win, ids.shape[1])
-        if batch.topk_ids is not None:
-            teacher = topk_teacher_logprobs(model, batch.topk_ids[b, j], batch.topk_logits[b, j])
+        t_ids, t_probs = sparse_teacher(*batch_teacher(model, target, batch, hidden, b, j, cfg, precision))
+    if impl == "dense":
+        with head_autocast(ids.device, precision):
+            logits = forward(ctx, win.tokens)  # [P, n, Vd]: every position, every step, one pass
+        teacher = None if t_ids is None else dense_teacher(t_ids, t_probs, logits.shape[-1])
+        loss, stats = drafter_loss(logits, targets_d, win.valid, teacher, ce_weight=ce_w, kd_weight=kd_w)
+        return loss, stats, logits, win, targets_d
+    with head_autocast(ids.device, precision):
+        feats = forward(ctx, win.tokens, return_features=True)  # [P, n, S+H]
+        if impl == "liger":
+            from redraft.train.liger import liger_drafter_loss
+
+            loss, stats = liger_drafter_loss(feats, model.lm_head.weight, targets_d, win.valid)
         else:
-            teacher = full_teacher_logprobs(model, target, hidden, b, j, precision)
-    ce_w = 0.0 if cfg.loss == "kd" else 1.0
-    kd_w = 0.0 if cfg.loss == "ce" else (1.0 if cfg.loss == "kd" else cfg.kd_weight)
-    loss, stats = drafter_loss(logits, targets_d, win.valid, teacher, ce_weight=ce_w, kd_weight=kd_w)
-    return loss, stats, logits, win, targets_d
+            loss, stats = fused_drafter_loss(feats, model.lm_head.weight, targets_d, win.valid, t_ids, t_probs,
+                                             ce_weight=ce_w, kd_weight=kd_w)
+    return loss, stats, None, win, targets_d
+
+
+def dense_teacher(t_ids: torch.Tensor, t_probs: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The sparse teacher (:func:`~redraft.models.losses.sparse_teacher`) as dense log-probabilities
+    ``[P, n, Vd]``: the most negative float where it has no mass (its probability is exactly 0, so
+    ``p * (log p - log q)`` is 0 there; with -inf it would be NaN)."""
+    low = torch.finfo(torch.float32).min
+    dense = torch.zeros(*t_ids.shape[:-1], vocab, device=t_ids.device).scatter_add_(-1, t_ids, t_probs)
+    return torch.where(dense > 0, dense.clamp(min=1e-38).log(), low)
+
+
+EVAL_LOGITS = 1 << 26  # logits values held at once by evaluate()
 
 
 @torch.no_grad()
@@ -162,13 +204,17 @@ def evaluate(model: ReDrafter, forward, target, ds, cfg: TrainConfig, env, preci
         greedy = target_greedy(target, hidden, precision)  # [B, T]
         win = make_windows(ids, mask, cfg.num_steps)
         ctx = hidden[win.batch_idx, win.pos_idx]
-        with head_autocast(ids.device, precision):
-            logits = forward(ctx, win.tokens)
         b, j = target_next_positions(win, ids.shape[1])
         greedy_t = greedy[b, j]  # [P, n] the target's own token at each target position
-        if count:
-            acc.add(logits, model.to_draft_ids(win.targets), model.to_draft_ids(greedy_t),
-                    win.targets == greedy_t, win.valid)
+        targets_d, greedy_d = model.to_draft_ids(win.targets), model.to_draft_ids(greedy_t)
+        # positions in chunks: [rows, n, Vd] logits at a time (~64M values), never [P, n, Vd]
+        rows = max(1, EVAL_LOGITS // (cfg.num_steps * model.config.out_vocab_size))
+        for s in range(0, len(win), rows):
+            with head_autocast(ids.device, precision):
+                logits = forward(ctx[s:s + rows], win.tokens[s:s + rows])
+            if count:
+                acc.add(logits, targets_d[s:s + rows], greedy_d[s:s + rows],
+                        (win.targets == greedy_t)[s:s + rows], win.valid[s:s + rows])
     env.all_reduce(t := acc.as_tensor())
     acc.load_tensor(t)
     model.train(was_training)

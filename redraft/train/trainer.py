@@ -35,12 +35,15 @@ from redraft.train.batches import (
     load_datasets, micro_batch, sequence_lengths,
 )
 from redraft.train.config import TrainConfig, config_diff, parse_report_to
+from redraft.train.distilled import distilled_data
 from redraft.train.distributed import DistEnv, setup_distributed
 from redraft.train.fingerprint import describe, record_mismatch, target_record
 from redraft.train.logger import Meter, Trackers, memory_mb
 from redraft.train.precision import autocast, deepspeed_config, resolve_precision, target_dtype
 from redraft.train.schedule import WarmupCosine
-from redraft.train.step import batch_loss, evaluate, target_greedy, target_hidden, warm_start_from_target
+from redraft.train.step import (
+    batch_loss, evaluate, resolve_loss_impl, target_greedy, target_hidden, warm_start_from_target,
+)
 
 # Names importable from here before the trainer was split into modules (kept for callers).
 __all__ = [
@@ -83,6 +86,7 @@ class _Run:
     out: Path
     env: DistEnv
     precision: str
+    loss_impl: str  # the resolved loss implementation (train.step.resolve_loss_impl)
     resuming: bool
     saved: dict | None
     target: Any = None
@@ -115,12 +119,13 @@ def _setup_run(cfg: TrainConfig, resume: bool, overwrite: bool) -> _Run:
         read_features_meta(cfg.features)  # exists and is finished
     env = setup_distributed(cfg)
     precision = resolve_precision(cfg, env.device)
+    loss_impl = resolve_loss_impl(cfg, env.device)
     resuming = ckpt.prepare_output_dir(out, resume, overwrite, env.rank)
     env.barrier()
     saved = ckpt.load_run_config(out) if resuming else None
     if resuming:
         check_same_settings(saved, cfg, out)
-    return _Run(cfg, out, env, precision, resuming, saved)
+    return _Run(cfg, out, env, precision, loss_impl, resuming, saved)
 
 
 def _load_target(run: _Run, target) -> None:
@@ -144,23 +149,26 @@ def _load_target(run: _Run, target) -> None:
 
         env.say("redraft-train: resolved config\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
         env.say(f"redraft-train: {env.world_size} process(es), device {env.device}, precision {run.precision}, "
-                f"ZeRO {cfg.zero_stage}, output {out}")
+                f"ZeRO {cfg.zero_stage}, loss {cfg.loss} ({run.loss_impl}), output {out}")
     run.target, run.record = target, record
 
 
 def _load_records(run: _Run, train_dataset, eval_dataset) -> None:
     """The training records (token datasets, or cached features) and the held-out dataset."""
-    cfg, env, target = run.cfg, run.env, run.target
+    cfg, env, target, record = run.cfg, run.env, run.target, run.record
     if cfg.features:
         from redraft.train.features import FeatureRecords
 
         records = FeatureRecords(cfg.features, cfg=cfg, record=run.record)
         env.say(f"redraft-train: training from the features cached in {cfg.features} (no target forward)")
         if eval_dataset is None:
-            _, eval_dataset = load_datasets(cfg, target.tokenizer, env, train=False)
+            data_cfg = distilled_data(cfg, target, record, env, train=False)
+            _, eval_dataset = load_datasets(data_cfg, target.tokenizer, env, train=False)
     else:
         if train_dataset is None or eval_dataset is None:
-            tr, ev = load_datasets(cfg, target.tokenizer, env, train=train_dataset is None)
+            # self_distill: the target's own replies (made once, then cached) replace the data's
+            data_cfg = distilled_data(cfg, target, record, env, train=train_dataset is None)
+            tr, ev = load_datasets(data_cfg, target.tokenizer, env, train=train_dataset is None)
             train_dataset = tr if train_dataset is None else train_dataset
             eval_dataset = ev if eval_dataset is None else eval_dataset
         records = TokenRecords(train_dataset)
@@ -217,8 +225,9 @@ def _run_loop(run: _Run, on_step) -> None:
             while state["batch_in_epoch"] < len(batches):
                 log_now = (state["global_step"] + 1) % cfg.log_every == 0
                 tokens, loss_tokens = optimizer_step(engine, model, run.target, run.records,
-                                                     batches[state["batch_in_epoch"]], cfg, env, run.precision,
-                                                     run.hidden_dtype, meter, run.sched, t_start, log_now)
+                                                     batches[state["batch_in_epoch"]], cfg, env,
+                                                     (run.precision, run.loss_impl), run.hidden_dtype, meter,
+                                                     run.sched, t_start, log_now)
                 state["tokens"] += tokens
                 state["loss_tokens"] += loss_tokens
                 state["global_step"] += 1
@@ -329,7 +338,7 @@ def build_head(cfg: TrainConfig, target, records, record: dict) -> ReDrafter:
                                       target_weights_fingerprint=record["weights_fingerprint"])
     model = ReDrafter(dcfg)
     if cfg.init_from:
-        from redraft.models.redrafter import load_drafter
+        from redraft.models.drafter_io import load_drafter
 
         src = load_drafter(cfg.init_from, target, dtype=torch.float32)
         if src.config.draft_vocab_size != dcfg.draft_vocab_size:
@@ -359,17 +368,20 @@ def build_engine(cfg: TrainConfig, model: ReDrafter, total_steps: int, precision
 
 
 def optimizer_step(engine, model: ReDrafter, target, records, global_batch, cfg: TrainConfig, env: DistEnv,
-                   precision: str, hidden_dtype: torch.dtype, meter: Meter, sched: WarmupCosine,
+                   modes: tuple[str, str], hidden_dtype: torch.dtype, meter: Meter, sched: WarmupCosine,
                    t_start: float, log_now: bool) -> tuple[int, int]:
     """One optimizer step over this rank's ``grad_accum`` micro batches of ``global_batch``.
+    ``modes``: the resolved ``(precision, loss_impl)``.
 
     Returns ``(tokens, loss_tokens)`` this rank saw (host ints, no device sync).
     """
     tokens = loss_tokens = 0
+    precision, impl = modes
     for k in range(cfg.grad_accum):
         batch = records.batch(micro_batch(global_batch, k, env.rank, env.world_size, cfg.micro_batch_size),
                               env.device)
-        loss, stats, logits, win, targets = batch_loss(model, engine, target, batch, cfg, precision, hidden_dtype)
+        loss, stats, logits, win, targets = batch_loss(model, engine, target, batch, cfg, precision, hidden_dtype,
+                                                       impl)
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
             sched.elapsed_s = time.perf_counter() - t_start  # the schedule may follow the time budget
@@ -378,8 +390,10 @@ def optimizer_step(engine, model: ReDrafter, target, records, global_batch, cfg:
                     [p.grad.float().norm() for p in model.parameters() if p.grad is not None]))
         engine.step()
         meter.add(loss, stats, batch.tokens)
-        if log_now:
+        if log_now and logits is not None:
             meter.add_accuracy(logits, targets, win.valid)
+        elif log_now and "top1" in stats:
+            meter.add_top1(stats["top1"], win.valid)
         tokens += batch.tokens
         loss_tokens += batch.loss_tokens
     return tokens, loss_tokens
@@ -449,7 +463,7 @@ def eval_line(step: int, m: dict) -> str:
 def evaluate_artifact(cfg: TrainConfig, path=None, target=None, eval_dataset=None) -> dict:
     """Held-out metrics of a finished drafter artifact (``path`` or ``cfg.init_from``) on
     ``cfg.eval_data`` / the held-out split of ``cfg.data``; no training, nothing written."""
-    from redraft.models.redrafter import load_drafter
+    from redraft.models.drafter_io import load_drafter
 
     path = path or cfg.init_from
     if not path:
@@ -461,7 +475,8 @@ def evaluate_artifact(cfg: TrainConfig, path=None, target=None, eval_dataset=Non
 
         target = load_target(cfg.target, dtype=target_dtype(precision, env.device), device=env.device)
     if eval_dataset is None:
-        _, eval_dataset = load_datasets(cfg, target.tokenizer, env, train=False)
+        data_cfg = distilled_data(cfg, target, target_record(target), env, train=False)
+        _, eval_dataset = load_datasets(data_cfg, target.tokenizer, env, train=False)
     check_dataset(eval_dataset, "held-out")
     drafter = load_drafter(path, target, dtype=torch.float32)
     cfg = TrainConfig(**{**cfg.to_dict(), "num_steps": drafter.config.num_steps,

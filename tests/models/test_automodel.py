@@ -13,7 +13,8 @@ from huggingface_hub import HfApi, ModelCard, RepoUrl
 from huggingface_hub.errors import EntryNotFoundError
 from transformers import AutoConfig, AutoModel
 
-from redraft.models.redrafter import ReDrafter, ReDrafterConfig, ReDrafterOutput, load_drafter
+from redraft.models.drafter_io import load_drafter
+from redraft.models.redrafter import ReDrafter, ReDrafterConfig, ReDrafterOutput
 
 REPO = Path(__file__).resolve().parents[2]
 

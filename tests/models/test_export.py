@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from redraft.errors import ArtifactError, ConfigError
 from redraft.infer.drafters.redrafter import beam_search
 from redraft.models import apple
-from redraft.models.redrafter import ReDrafter, ReDrafterConfig, load_drafter, read_drafter
+from redraft.models.drafter_io import load_drafter, read_drafter
+from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 from redraft.train.export import export_head, main
 
 

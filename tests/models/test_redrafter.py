@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from redraft.errors import ArtifactError, FingerprintMismatchError, RedraftError
-from redraft.models.redrafter import ReDrafter, ReDrafterConfig, load_drafter
+from redraft.models.drafter_io import load_drafter
+from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 
 
 def _drafter(target, seed=0, **kw):

@@ -68,9 +68,10 @@ def test_shards_hold_the_records_hidden_states_and_top_k(tmp_path, tiny_target, 
 @pytest.mark.parametrize("loss", ["ce+kd"])
 def test_a_run_from_cached_features_equals_the_online_run(tmp_path, tiny_target, tiny_target_dir, chat_file,
                                                           tiny_data, loss):
-    """float32 features with k = the whole vocabulary: the same hidden states and the same KD teacher,
-    so the same weights as a run whose target runs every step (up to matmul rounding)."""
-    over = dict(max_steps=6, lr=0.01, loss=loss)
+    """float32 features with k = the whole vocabulary, online KD over the whole vocabulary too
+    (kd_top_k): the same hidden states and the same KD teacher, so the same weights as a run whose
+    target runs every step (up to matmul rounding)."""
+    over = dict(max_steps=6, lr=0.01, loss=loss, kd_top_k=tiny_target.vocab_size)
     online = train(_cfg(tmp_path, tiny_target_dir, chat_file, "online", **over), target=tiny_target,
                    train_dataset=tiny_data[0], eval_dataset=tiny_data[1])
     cfg = _cfg(tmp_path, tiny_target_dir, chat_file, "cached", features=tmp_path / "f", **over)

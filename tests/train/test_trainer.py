@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from redraft.errors import ConfigError
-from redraft.models.redrafter import ReDrafter, ReDrafterConfig, load_drafter
+from redraft.models.drafter_io import load_drafter
+from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 from redraft.train.config import make_config
 from redraft.train.trainer import DistEnv, evaluate, train
 
@@ -149,6 +150,7 @@ def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumu
 def test_default_target_trains_in_amp_bf16(tmp_path, default_target):
     """The real pipeline: default target, default ShareGPT, bf16 autocast on CPU, a few steps."""
     cfg = make_config("default", {"output_dir": str(tmp_path / "run"), "report_to": "none", "max_length": "256",
+                                  "self_distill": "false",  # the data as it is: distilling is tested on the tiny target
                                   "train_limit": "16", "eval_limit": "4", "max_steps": "3", "grad_accum": "2",
                                   "draft_vocab_size": "4096", "init_head": "target", "num_proc": "1",
                                   "data_cache_dir": str(tmp_path / "cache")})
@@ -310,3 +312,44 @@ def test_a_partial_stage_is_discarded_and_the_old_artifact_kept(tmp_path, tiny_t
     (stage / "model.safetensors").write_bytes(b"half a file")  # killed while staging: no .complete
     assert ckpt.recover_artifact(out) == "discarded"
     assert not stage.exists() and (out / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("loss", ["ce", "ce+kd"])
+def test_the_fused_loss_trains_the_same_head_as_the_dense_reference(tmp_path, tiny_target, tiny_data, loss):
+    runs = {}
+    for impl in ("dense", "fused"):
+        cfg = _cfg(tmp_path, name=f"{impl}-{loss}", max_steps=6, lr=0.01, loss=loss, loss_impl=impl,
+                   draft_vocab_size=48)
+        runs[impl] = _run(cfg, tiny_target, tiny_data)
+        runs[impl + "_w"] = _weights(cfg.resolved_output_dir())
+    for key, w in runs["dense_w"].items():
+        torch.testing.assert_close(runs["fused_w"][key], w, rtol=1e-4, atol=1e-5, msg=key)
+    assert runs["fused"]["eval_loss"] == pytest.approx(runs["dense"]["eval_loss"], rel=1e-4)
+    assert not torch.equal(runs["dense_w"]["lm_head.weight"], torch.zeros_like(runs["dense_w"]["lm_head.weight"]))
+
+
+def test_zero3_refuses_the_fused_loss_and_auto_falls_back_to_dense(tmp_path):
+    from redraft.train.step import resolve_loss_impl
+
+    cpu = torch.device("cpu")
+    assert resolve_loss_impl(_cfg(tmp_path), cpu) == "fused"
+    assert resolve_loss_impl(_cfg(tmp_path, zero_stage=3), cpu) == "dense"
+    with pytest.raises(ConfigError, match="ZeRO-3"):
+        resolve_loss_impl(_cfg(tmp_path, zero_stage=3, loss_impl="fused"), cpu)
+    with pytest.raises(ConfigError, match="CUDA"):
+        resolve_loss_impl(_cfg(tmp_path, loss_impl="liger"), cpu)
+
+
+def test_evaluation_in_chunks_of_positions_equals_one_pass(tmp_path, tiny_target, tiny_data, monkeypatch):
+    from redraft.train import step
+
+    cfg = _cfg(tmp_path, max_steps=2, lr=0.01)
+    _run(cfg, tiny_target, tiny_data)
+    head = load_drafter(cfg.output_dir, tiny_target, dtype=torch.float32)
+    env = DistEnv(0, 1, 0, torch.device("cpu"))
+    whole = evaluate(head, head, tiny_target, tiny_data[1], cfg, env, "fp32")
+    monkeypatch.setattr(step, "EVAL_LOGITS", 1)  # one position per chunk
+    chunked = evaluate(head, head, tiny_target, tiny_data[1], cfg, env, "fp32")
+    assert chunked["eval_positions"] == whole["eval_positions"] > 0
+    for key in ("eval_loss", "eval_top1", "eval_top5", "eval_tau_est"):
+        assert chunked[key] == pytest.approx(whole[key], rel=1e-6), key

@@ -1,0 +1,152 @@
+"""The configuration of a ReDrafter head: :class:`ReDrafterConfig` and its value checks.
+
+Every value is type- and range-checked when the config is made (from code, from a recipe or
+from a saved ``config.json``); a wrong one is a ConfigError naming the key. The head itself is
+:mod:`redraft.models.redrafter`; the artifact I/O :mod:`redraft.models.drafter_io`.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from redraft.errors import ConfigError
+from redraft.models import artifact
+from redraft.models.target import Target
+
+__all__ = ["ReDrafterConfig", "MODEL_TYPE", "AUTO_MODULE", "AUTO_MAP", "AUTO_MODULE_SOURCE"]
+
+MODEL_TYPE = "redrafter"
+# transformers' trust_remote_code loads this file from a saved head; it re-exports redraft's own
+# classes (so the objects are the same as after ``import redraft``), instead of the copy of this
+# whole module that transformers' register_for_auto_class would write into every head.
+AUTO_MODULE = "redraft_head"
+AUTO_MAP = {"AutoConfig": f"{AUTO_MODULE}.ReDrafterConfig", "AutoModel": f"{AUTO_MODULE}.ReDrafter"}
+AUTO_MODULE_SOURCE = (
+    '"""Written by redraft: lets transformers load this ReDrafter head with trust_remote_code=True\n'
+    'before redraft is imported. The classes are redraft\'s own: `pip install redraft` is needed."""\n'
+    "from redraft.models.redrafter import ReDrafter, ReDrafterConfig  # noqa: F401\n"
+)
+
+
+def _int(name: str, value, minimum: int, optional: bool = False) -> int | None:
+    """``value`` as an int >= ``minimum`` (``None`` allowed when ``optional``); anything else --
+    a bool, a float, a string such as ``"576"`` -- is a ConfigError naming ``name``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ConfigError(f"ReDrafterConfig {name}={value!r} ({type(value).__name__}) must be an integer "
+                          f">= {minimum}{' or null' if optional else ''}.", param=name)
+    return int(value)
+
+
+def _str(name: str, value) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"ReDrafterConfig {name}={value!r} ({type(value).__name__}) must be a string or null.",
+                          param=name)
+    return value
+
+
+class ReDrafterConfig(PretrainedConfig):
+    """Configuration of a :class:`ReDrafter` head.
+
+    Args:
+        hidden_size: width H of the target's last hidden state ``x``.
+        embedding_dim: width E of the target's input embedding (= the RNN state width S);
+            ``None`` means ``hidden_size``.
+        vocab_size: the target's vocabulary size V (rows of its input embedding).
+        draft_vocab_size: size Vd of the reduced draft vocabulary (the Vd most frequent target
+            tokens in the training data), or ``None`` for the full vocabulary (the default).
+        num_layers: number of ResNet blocks ``h + act(Linear(h))`` before the output layer.
+        rnn: ``True`` for the recurrence ``s_i = f(U s_{i-1} + W e_i + b)``; ``False`` for the
+            paper's ablation ``s_i = s_{i-1} + e_i``.
+        activation: ``f`` of the recurrence and of the ResNet blocks (a transformers ACT2FN name).
+        num_steps: the training horizon n (draft tokens predicted per hidden state).
+        target_model, tokenizer_fingerprint, target_vocab_size, target_hidden_size: the target
+            this head belongs to (docs/hub.md); ``load_drafter`` checks the fingerprint.
+        initializer_range: std of the normal init of every linear layer.
+    """
+
+    model_type = MODEL_TYPE
+
+    def __init__(
+        self,
+        hidden_size: int = 576,
+        embedding_dim: int | None = None,
+        vocab_size: int = 49152,
+        draft_vocab_size: int | None = None,
+        num_layers: int = 2,
+        rnn: bool = True,
+        activation: str = "silu",
+        num_steps: int = 5,
+        target_model: str | None = None,
+        tokenizer_fingerprint: str | None = None,
+        target_vocab_size: int | None = None,
+        target_hidden_size: int | None = None,
+        initializer_range: float = 0.02,
+        **kwargs,
+    ):
+        kwargs.setdefault("tie_word_embeddings", False)  # the head owns its output layer
+        # Recorded by save_pretrained for the file it just wrote and checked by the loader; never
+        # kept on the object, where it would go stale as soon as the weights change.
+        kwargs.pop(artifact.SHA_KEY, None)
+        kwargs.pop("auto_map", None)  # always ours (AUTO_MAP), set below
+        self.hidden_size = _int("hidden_size", hidden_size, 1)
+        self.embedding_dim = _int("embedding_dim", embedding_dim, 1, optional=True) or self.hidden_size
+        self.vocab_size = _int("vocab_size", vocab_size, 1)
+        # 0 was written by old configs for "full vocabulary"; None is the spelling now.
+        self.draft_vocab_size = _int("draft_vocab_size", draft_vocab_size, 0, optional=True) or None
+        self.num_layers = _int("num_layers", num_layers, 0)
+        if not isinstance(rnn, bool):
+            raise ConfigError(f"ReDrafterConfig rnn={rnn!r} ({type(rnn).__name__}) must be true or false.", param="rnn")
+        self.rnn = rnn
+        if not isinstance(activation, str) or activation not in ACT2FN:
+            raise ConfigError(f"ReDrafterConfig activation={activation!r} is not one of {sorted(ACT2FN)}.",
+                              param="activation")
+        self.activation = activation
+        self.num_steps = _int("num_steps", num_steps, 1)
+        self.target_model = _str("target_model", target_model)
+        self.tokenizer_fingerprint = _str("tokenizer_fingerprint", tokenizer_fingerprint)
+        self.target_vocab_size = _int("target_vocab_size", target_vocab_size, 1, optional=True) or self.vocab_size
+        self.target_hidden_size = (_int("target_hidden_size", target_hidden_size, 1, optional=True)
+                                   or self.hidden_size)
+        if isinstance(initializer_range, bool) or not isinstance(initializer_range, numbers.Real) \
+                or not initializer_range >= 0:
+            raise ConfigError(f"ReDrafterConfig initializer_range={initializer_range!r} must be a number >= 0.",
+                              param="initializer_range")
+        self.initializer_range = float(initializer_range)
+        super().__init__(**kwargs)
+        self.auto_map = dict(AUTO_MAP)
+        if self.draft_vocab_size is not None and not self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(
+                f"ReDrafterConfig draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size="
+                f"{self.vocab_size}] (or null for the full vocabulary).", param="draft_vocab_size")
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        """A no-op: redraft registers its Auto classes itself and saves ``auto_map`` pointing at
+        ``redraft_head.py`` (transformers would copy this whole module into every saved head)."""
+
+    @property
+    def state_size(self) -> int:
+        """Width S of the RNN state (= E: the ablation adds embeddings into it)."""
+        return self.embedding_dim
+
+    @property
+    def out_vocab_size(self) -> int:
+        """Vd: rows of the output layer."""
+        return self.draft_vocab_size or self.vocab_size
+
+    @classmethod
+    def for_target(cls, target: Target, **kwargs) -> "ReDrafterConfig":
+        """A config sized for ``target`` that records its id, sizes and tokenizer fingerprint."""
+        meta = target.artifact_metadata()
+        return cls(
+            hidden_size=target.hidden_size,
+            embedding_dim=int(target.input_embedding.weight.shape[1]),
+            vocab_size=int(target.input_embedding.weight.shape[0]),
+            **meta,
+            **kwargs,
+        )
