@@ -37,6 +37,28 @@ def _time(fn, repeats: int, warmup=None) -> float:
     return best
 
 
+def _cache_features(out: dict, tmp: str, target, target_spec: str, data: str, ds, groups, precision: str,
+                    max_length: int, records: int, device, report) -> list:
+    """Time caching the target's features (a row of ``out``); the cached records' batches."""
+    from redraft.train.config import make_config
+    from redraft.train.features import FeatureRecords, cache_features, disk_bytes
+
+    n_tokens = out["tokens"]
+    cfg = make_config(None, {"target": target_spec, "data": data, "max_length": max_length,
+                             "train_limit": records, "precision": precision})
+    t0 = time.perf_counter()
+    meta = cache_features(cfg, tmp, target=target, dataset=ds, progress=False)
+    t = time.perf_counter() - t0
+    out["features_bytes_per_token"] = disk_bytes(tmp) / n_tokens
+    out["features_top_k"] = meta["top_k"]
+    out["rows"].append({"what": "cache features", "precision": precision, "draft_vocab": None,
+                        "loss": None, "impl": None, "source": "target", "seconds": t, "tokens_per_s": n_tokens / t})
+    if report:
+        report(out["rows"][-1])
+    cached = FeatureRecords(tmp, load_topk=True)
+    return [cached.batch(g, device) for g in groups]
+
+
 def run(target_spec: str, data: str, records: int, max_length: int, repeats: int, vocab_sizes: list[int],
         precisions: list[str], micro_batch: int, report=None, losses=("ce",), features: bool = False,
         impls=("fused",)) -> dict:
@@ -61,21 +83,8 @@ def run(target_spec: str, data: str, records: int, max_length: int, repeats: int
            "max_length": max_length, "micro_batch": micro_batch, "target": target.model_id, "rows": []}
     tmp = tempfile.TemporaryDirectory(prefix="redraft-bench-features-")
     if features:
-        from redraft.train.features import FeatureRecords, cache_features, disk_bytes
-
-        cfg = make_config(None, {"target": target_spec, "data": data, "max_length": max_length,
-                                 "train_limit": records, "precision": precisions[-1]})
-        t0 = time.perf_counter()
-        meta = cache_features(cfg, tmp.name, target=target, dataset=ds, progress=False)
-        t = time.perf_counter() - t0
-        out["features_bytes_per_token"] = disk_bytes(tmp.name) / n_tokens
-        out["features_top_k"] = meta["top_k"]
-        out["rows"].append({"what": "cache features", "precision": precisions[-1], "draft_vocab": None,
-                            "loss": None, "impl": None, "source": "target", "seconds": t, "tokens_per_s": n_tokens / t})
-        if report:
-            report(out["rows"][-1])
-        cached = FeatureRecords(tmp.name, load_topk=True)
-        batches["features"] = [cached.batch(g, device) for g in groups]
+        batches["features"] = _cache_features(out, tmp.name, target, target_spec, data, ds, groups, precisions[-1],
+                                              max_length, records, device, report)
 
     def fwd(precision, bs=batches["online"]):
         for b in bs:

@@ -262,17 +262,7 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
 
     cfg.validate()
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--output-dir {out} is a file; pass a directory.", param="output_dir")
-    if hidden_dtype not in HIDDEN_DTYPES:
-        raise ConfigError(f"--hidden-dtype {hidden_dtype!r}: use one of {', '.join(HIDDEN_DTYPES)}.",
-                          param="hidden_dtype")
-    for name, v, lo in (("top_k", top_k, 1), ("batch_tokens", batch_tokens, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ConfigError(f"--{name.replace('_', '-')} {v!r} is out of range: must be an integer >= {lo}.",
-                              param=name)
-    if not shard_mb > 0:
-        raise ConfigError(f"--shard-mb {shard_mb!r} is out of range: must be > 0.", param="shard_mb")
+    _check_args(out, top_k, hidden_dtype, batch_tokens, shard_mb)
     device = resolve_train_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -285,17 +275,7 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
         raise ConfigError(f"--top-k {top_k} is out of range: the target has {target.vocab_size} tokens.",
                           param="top_k")
     if dataset is None:
-        import types
-
-        from redraft.data import build_token_dataset
-        from redraft.train.distilled import distilled_data
-
-        # self_distill: the features of the target's own replies (made once and cached)
-        solo = types.SimpleNamespace(is_main=True, say=lambda m: print(m, flush=True), barrier=lambda: None)
-        data = distilled_data(cfg, target, target_record(target), solo).data
-        dataset = build_token_dataset(data, target.tokenizer, split="train", limit=cfg.train_limit,
-                                      max_length=cfg.max_length, pack=cfg.pack, heldout_fraction=cfg.heldout_fraction,
-                                      num_proc=cfg.num_proc, cache_dir=cfg.data_cache_dir, progress=progress)
+        dataset = _training_dataset(cfg, target, progress)
     from redraft.train.batches import TokenRecords, token_arrays
 
     records = TokenRecords(dataset)
@@ -340,6 +320,36 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
     meta["complete"] = True
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
     return meta
+
+
+def _check_args(out: Path, top_k, hidden_dtype: str, batch_tokens, shard_mb) -> None:
+    """The writer's own arguments, each error naming its flag."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output-dir {out} is a file; pass a directory.", param="output_dir")
+    if hidden_dtype not in HIDDEN_DTYPES:
+        raise ConfigError(f"--hidden-dtype {hidden_dtype!r}: use one of {', '.join(HIDDEN_DTYPES)}.",
+                          param="hidden_dtype")
+    for name, v, lo in (("top_k", top_k, 1), ("batch_tokens", batch_tokens, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"--{name.replace('_', '-')} {v!r} is out of range: must be an integer >= {lo}.",
+                              param=name)
+    if not shard_mb > 0:
+        raise ConfigError(f"--shard-mb {shard_mb!r} is out of range: must be > 0.", param="shard_mb")
+
+
+def _training_dataset(cfg: TrainConfig, target, progress: bool):
+    """The run's training token dataset (with ``self_distill``: of the target's own replies, made
+    once and cached)."""
+    import types
+
+    from redraft.data import build_token_dataset
+    from redraft.train.distilled import distilled_data
+
+    solo = types.SimpleNamespace(is_main=True, say=lambda m: print(m, flush=True), barrier=lambda: None)
+    data = distilled_data(cfg, target, target_record(target), solo).data
+    return build_token_dataset(data, target.tokenizer, split="train", limit=cfg.train_limit,
+                               max_length=cfg.max_length, pack=cfg.pack, heldout_fraction=cfg.heldout_fraction,
+                               num_proc=cfg.num_proc, cache_dir=cfg.data_cache_dir, progress=progress)
 
 
 def _shard_features(target, records, start: int, end: int, precision: str, top_k: int, hidden_dtype: torch.dtype,
