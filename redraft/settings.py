@@ -256,9 +256,11 @@ class Settings:
                 raise cls.unknown(key, where)
 
     @classmethod
-    def from_dict(cls, values: dict, where: str = "the settings", coerce: bool = False):
+    def from_dict(cls, values: dict, where: str | None = None, coerce: bool = False):
         """Build from a mapping (a preset, keyword arguments), validated; an unknown key is an
-        error naming it and ``where``. ``coerce``: convert strings and YAML values first."""
+        error naming it and ``where`` (default: "the <KIND>s"). ``coerce``: convert strings and
+        YAML values to the fields' types first (strict otherwise: ``"3"`` is not an int)."""
+        where = where or f"the {cls.KIND}s"
         cls.check_keys(values, where)
         if coerce:
             values = {k: cls.coerce(k, v, where) for k, v in values.items()}
@@ -269,7 +271,7 @@ class Settings:
 
     def replace(self, **changes):
         """A copy with ``changes`` applied (unknown keys are errors), validated."""
-        return type(self).from_dict({**self.to_dict(), **changes}, where="the changes")
+        return type(self).from_dict({**self.to_dict(), **changes})
 
     # ---- checks
     def validate(self):
