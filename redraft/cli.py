@@ -14,7 +14,7 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from redraft.errors import RedraftError
 

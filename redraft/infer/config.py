@@ -14,8 +14,9 @@ Nothing here imports torch, so command-line ``--help`` stays fast.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any
 
 from redraft.errors import ConfigError
 from redraft.settings import Range, Settings, setting
@@ -129,7 +130,7 @@ class SamplingParams:
 
     @classmethod
     def checked(cls, max_new_tokens: Any = 128, temperature: Any = 0.0, top_p: Any = 1.0,
-                stop: str | Sequence[str] | None = None, seed: Any = None) -> "SamplingParams":
+                stop: str | Sequence[str] | None = None, seed: Any = None) -> SamplingParams:
         def bad(param, value, why):
             raise ConfigError(f"{param}={value!r}: {why}", param=param)
 

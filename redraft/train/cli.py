@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import fields
 
 from redraft.errors import RedraftError
 from redraft.train.config import (
@@ -33,34 +32,16 @@ CACHE_KEYS = ("target", "data", "max_length", "pack", "heldout_fraction", "train
               "data_cache_dir", "device", "precision", "threads")
 
 
-def _shown(value) -> str:
-    return "none" if value is None else (" ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
-
-
 def add_config_arguments(p: argparse.ArgumentParser, keys=None, title: str = "settings") -> None:
-    """One flag per TrainConfig key (``keys``: a subset). Flags default to SUPPRESS, so only what
-    the user typed overrides the recipe; the help shows the value the default recipe gives."""
+    """One flag per TrainConfig key (``keys``: a subset), generated from its schema. Flags default
+    to None, so only what the user typed overrides the recipe; the help shows the value the
+    default recipe gives."""
     try:
         recipe = load_recipe(DEFAULT_RECIPE)
     except RedraftError:  # no recipes folder (a broken install): show the built-in defaults
         recipe = {}
-    grp = p.add_argument_group(title, f"each overrides --recipe; the defaults shown are those of the "
-                                      f"{DEFAULT_RECIPE!r} recipe")
-    for f in fields(TrainConfig):
-        if keys is not None and f.name not in keys:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = recipe.get(f.name, f.default)
-        kw = {"dest": f.name, "default": argparse.SUPPRESS,
-              "help": f"{f.metadata.get('help', '')} (default: {_shown(default)})"}
-        if f.type == "bool":
-            grp.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        elif f.name == "adam_betas":
-            grp.add_argument(flag, nargs=2, metavar=("B1", "B2"), **kw)
-        elif f.name == "max_steps":
-            grp.add_argument(flag, "--steps", metavar="N", **kw)
-        else:
-            grp.add_argument(flag, metavar=f.name.upper(), **kw)
+    TrainConfig.add_arguments(p, title, f"each overrides --recipe; the defaults shown are those of the "
+                                        f"{DEFAULT_RECIPE!r} recipe", only=keys, shown=recipe)
 
 
 def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,11 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults <- ``--recipe`` <- ``--set`` <- flags, validated."""
-    overrides = parse_set(args.set_)
-    for f in fields(TrainConfig):
-        v = getattr(args, f.name, None)
-        if v is not None:
-            overrides[f.name] = v if not isinstance(v, list) else list(v)
+    overrides = {**parse_set(args.set_), **TrainConfig.given(args)}
     recipe = None if args.recipe in (None, "", "none") else args.recipe
     return make_config(recipe, overrides)
 
