@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from redraft.errors import ConfigError, RedraftError
+from redraft.cli import run_cli
+from redraft.errors import ConfigError
 from redraft.ngrams.build import (  # noqa: F401  (shard_dir: re-exported)
     TableWriter,
     build_bigram,
@@ -364,20 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     global _MAIN_PID
     _MAIN_PID = os.getpid()
-    previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
-    try:
-        run_merge(args) if merge else run_build(args)
-    except RedraftError as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; tables already written are kept, temporary files removed.",
-              file=sys.stderr)
-        return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    return 0
+
+    def work() -> None:
+        previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
+        try:
+            run_merge(args) if merge else run_build(args)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    return run_cli(PROG, work, interrupted="tables already written are kept, temporary files removed.")
 
 
 def _main_thread() -> bool:
