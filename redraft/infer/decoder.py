@@ -17,7 +17,7 @@ What a step does (``redraft.infer.engine.Engine.step`` runs them in order):
 4. :meth:`SpeculativeDecoder.accept`: greedy / rejection / typical acceptance picks the accepted
    path and the bonus token; :meth:`SpeculativeDecoder.credit` counts each drafter's accepted
    tokens;
-5. the cache keeps only the accepted path's keys and values (``TreeKVCache.commit``), drafters
+5. the cache keeps only the accepted path's keys and values (``Engine._commit``), drafters
    observe what was accepted (:meth:`SpeculativeDecoder.feedback`), the rates, the gate and the
    per-request stats are updated, finished rows leave the batch and new ones join.
 

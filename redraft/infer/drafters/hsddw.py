@@ -22,7 +22,7 @@
 
 **Batching.** All rows draft together: every M1 step is one forward of the whole batch, every
 M2 pre-verification one forward over every row's chain, with masks for rows that stopped. Each
-draft LM keeps one KV cache for the batch (``redraft.infer.kv.TreeKVCache``: rows of different
+draft LM keeps one KV cache for the batch (``redraft.infer.kv.SlotKVCache``: rows of different
 lengths). The drafter keeps a token buffer ``[B, W]`` per row (committed tokens, then the chain
 being drafted); a model's cache always holds a prefix of its row's buffer. At each
 :meth:`HSDDWDrafter.propose` the buffer's old chain is compared with what the target committed:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from redraft.errors import ConfigError
-from redraft.infer.kv import TreeKVCache
+from redraft.infer.kv import SlotKVCache
 from redraft.infer.tree import cached_arange
 from redraft.ngrams import as_trigram_table
 from redraft.utils import cache_kwargs
@@ -107,7 +107,7 @@ def _counts(end: torch.Tensor, first: torch.Tensor, rows: torch.Tensor | None) -
 class CausalLMModel(ProbModel):
     """Any causal LM sharing the target's tokenizer (a small LM, or :func:`early_exit_model`).
 
-    Keeps one :class:`~redraft.infer.kv.TreeKVCache` for the batch, rows of different lengths.
+    Keeps one :class:`~redraft.infer.kv.SlotKVCache` for the batch, rows of different lengths.
     A :meth:`logits` call feeds each row only what its cache lacks (``tokens[b, length_b :
     end_b]``, after cutting the row back to ``first[b]`` so the asked positions are fed), in one
     forward of the batch with a per-row causal mask, and keeps what it fed.
@@ -130,7 +130,7 @@ class CausalLMModel(ProbModel):
         self.head = model.get_output_embeddings()
         w = self.head.weight
         self.device, self.dtype = w.device, next(self.base.parameters()).dtype
-        self.cache: TreeKVCache | None = None
+        self.cache: SlotKVCache | None = None
         self.calls = 0
         self.subset = None
         if vocab_subset is not None:
@@ -149,23 +149,23 @@ class CausalLMModel(ProbModel):
         """``[B]`` tokens each row's cache holds."""
         return self.cache.lengths
 
-    def _empty(self, n: int) -> TreeKVCache:
-        return TreeKVCache(self.model.config, n, 64, self.dtype, self.device)
-
     def reset(self, batch_size: int = 0) -> None:
-        self.cache = self._empty(batch_size)
+        self.cache = SlotKVCache(self.model.config, max(batch_size, 1), 64, self.dtype, self.device)
+        self.cache.add_rows(batch_size)
 
     def add_rows(self, n: int) -> None:
         if self.cache is None:
             self.reset(n)
         elif n:
-            self.cache.append_rows(self._empty(n))
+            self.cache.add_rows(n)
 
     def select_rows(self, keep: torch.Tensor) -> None:
-        self.cache.select_rows(keep.to(self.device))
+        idx = keep.tolist()
+        self.cache.lengths = self.cache.lengths[keep.to(self.device)]
+        self.cache.keep_rows(idx)
 
     def truncate(self, lengths: torch.Tensor) -> None:
-        # columns past a row's length are holes the attention mask hides: nothing to move
+        # columns past a row's length are free: nothing to move
         self.cache.lengths = torch.minimum(self.cache.lengths, lengths.to(self.device))
 
     @torch.no_grad()
@@ -180,28 +180,28 @@ class CausalLMModel(ProbModel):
         c.lengths = start
         n = _counts(end, start, rows)  # [B] tokens fed per row
         low = start if rows is None else torch.where(rows, start, torch.iinfo(torch.long).max)
-        # one host read: the forward's width, the logits asked for, the longest row after it,
-        # the longest and the shortest fed row now
-        N, K, longest, top, low = torch.stack([n.max(), _counts(end, first, rows).max(), (start + n).max(),
-                                               start.max(), low.min()]).tolist()
+        # one host read: the forward's width, the logits asked for, the longest and the shortest
+        # fed row now
+        N, K, top, low = torch.stack([n.max(), _counts(end, first, rows).max(), start.max(), low.min()]).tolist()
         V = self.vocab_size or (self.full_v if self.subset is not None else self.head.weight.shape[0])
         if N == 0:
             return torch.zeros((B, K, V), device=dev)
         ar = cached_arange(N, dev)
         ids = tokens.gather(1, (start[:, None] + ar).clamp(max=tokens.shape[1] - 1)).clamp_min(0)  # [B, N]
-        c.physical = top  # the fed tokens go right after the longest row (columns past it are holes)
+        c.reserve(B, top + N)
+        c.begin(start, N, span=top + N)  # row b's fed tokens go to columns start[b] ..
         mask = None
-        if low < top:  # some fed row has holes before its tokens: a per-row mask hides them
+        if low < top:  # fed rows start at different columns: a per-row mask places them
             # a fed token sees its row's cache, the row's fed tokens before it, and itself (padding
             # tokens past a row's count only themselves and what precedes them: no empty softmax)
             causal = torch.tril(torch.ones((N, N), dtype=torch.bool, device=dev))
             anc = causal[None] & ((ar[None] < n[:, None])[:, None, :] | torch.eye(N, dtype=torch.bool, device=dev))
             mask = c.attention_bias(anc, self.dtype)
-        # else every fed row's cache fills columns 0..top-1: the model's own causal mask is right
-        # (and the unmasked attention kernel faster; rows not fed compute garbage nobody reads)
+        # else every fed row starts at column `top`: the model's own causal mask is right (and the
+        # unmasked attention kernel faster; rows not fed compute garbage nobody reads)
         h = self.base(input_ids=ids, attention_mask=mask, position_ids=start[:, None] + ar,
                       **cache_kwargs(self.base, c), use_cache=True).last_hidden_state
-        c.commit(ar.expand(B, N), n, physical=longest)  # each row keeps its own n[b] tokens at lengths[b]..
+        c.lengths = start + n  # each row keeps its own n[b] tokens, already in place
         self.calls += 1
         idx = ((first - start)[:, None] + cached_arange(K, dev)).clamp(0, N - 1)  # [B, K]
         return self._head(h.gather(1, idx[:, :, None].expand(-1, -1, h.shape[-1])))
