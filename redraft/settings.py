@@ -72,15 +72,17 @@ class Range:
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, range: Range | None = None,
-            choices: typing.Iterable | None = None, hint: str = "", flags: tuple[str, ...] = (),
-            metavar: str | tuple[str, ...] | None = None, cli: bool = True,
-            default_factory: Any = dataclasses.MISSING):
+            choices: typing.Iterable | None = None, hint: str = "", flag: str | None = None,
+            flags: tuple[str, ...] = (), metavar: str | tuple[str, ...] | None = None, repeat: bool = False,
+            cli: bool = True, default_factory: Any = dataclasses.MISSING):
     """A dataclass field with its schema: ``help`` (the flag's help), ``range`` (numeric bounds),
     ``choices`` (the allowed values), ``hint`` (appended to an out-of-range error, e.g.
-    ``" (0 turns clipping off)"``), ``flags`` (extra option strings, e.g. ``("--steps",)``),
-    ``metavar``, and ``cli=False`` for a setting that has no flag (a file-only key)."""
+    ``" (0 turns clipping off)"``), ``flag`` (the option string when it is not ``--<key>``, e.g.
+    ``"--drafter"`` for ``drafters``), ``flags`` (extra option strings, e.g. ``("--steps",)``),
+    ``metavar``, ``repeat`` (a list given by repeating the flag), and ``cli=False`` for a setting
+    that has no flag (a file-only key)."""
     meta = {"help": help, "range": range, "choices": tuple(choices) if choices is not None else None,
-            "hint": hint, "flags": tuple(flags), "metavar": metavar, "cli": cli}
+            "hint": hint, "flag": flag, "flags": tuple(flags), "metavar": metavar, "repeat": repeat, "cli": cli}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -165,6 +167,8 @@ def _parsed(tp, value):
 
     if not value.strip():
         return None
+    if _sequence(tp) is not None and not value.lstrip().startswith("["):
+        return value  # a comma list, split by _convert
     parsed = yaml.safe_load(value)
     return value if isinstance(parsed, (dict, list)) and _sequence(tp) is None else parsed
 
@@ -224,7 +228,12 @@ class Settings:
     def subject(cls, key: str, value) -> str:
         """How an error names a setting and its value: ``--lr -1.0`` (a class whose settings are
         mostly flags); :class:`DecoderConfig` says ``decoder setting budget=-1``."""
-        return f"{flag_name(key)} {value!r}"
+        return f"{cls.flag(key)} {value!r}"
+
+    @classmethod
+    def flag(cls, key: str) -> str:
+        """The option string of setting ``key`` (``--max-steps``; ``--drafter`` for ``drafters``)."""
+        return cls.schema()[key].metadata.get("flag") or flag_name(key)
 
     # ---- values in
     @classmethod
@@ -312,7 +321,7 @@ class Settings:
         for key, f in cls.schema().items():
             if not f.metadata.get("cli", True) or key in exclude or (only is not None and key not in only):
                 continue
-            grp.add_argument(flag_name(key), *f.metadata.get("flags", ()), dest=key, default=None,
+            grp.add_argument(cls.flag(key), *f.metadata.get("flags", ()), dest=key, default=None,
                              help=cls._flag_help(key, shown), **cls._flag_kwargs(key))
         return grp
 
@@ -325,8 +334,13 @@ class Settings:
             value = f.default_factory()
         else:
             value = f.default
-        text = "none" if value is None else (
-            " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
+        if value is None or (isinstance(value, (list, tuple)) and not value):
+            text = "none"
+        elif isinstance(value, (list, tuple)):  # as it is typed: B1 B2 for nargs=2, else a comma list
+            fixed = (_sequence(cls.field_type(key)[0]) or (None, None, None))[2]
+            text = (" " if fixed else ",").join(map(str, value))
+        else:
+            text = str(value)
         return f"{f.metadata.get('help', '')} (default: {text})".replace("%", "%%")
 
     @classmethod
@@ -339,9 +353,12 @@ class Settings:
         seq = _sequence(tp)
         if seq is not None and seq[2] is not None:
             kw["nargs"] = seq[2]
-        if tp is str and meta.get("choices"):
-            kw["choices"] = meta["choices"]
-            kw.pop("metavar")
+        if meta.get("repeat"):
+            kw["action"] = "append"
+        if meta.get("choices") and not meta.get("metavar"):
+            # shown like argparse's choices, but checked by validate(): one error path for a flag,
+            # a YAML key and a keyword argument alike
+            kw["metavar"] = "{" + ",".join(map(str, meta["choices"])) + "}"
         return kw
 
     @classmethod
