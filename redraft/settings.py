@@ -362,6 +362,18 @@ class Settings:
         return kw
 
     @classmethod
+    def from_args(cls, args: argparse.Namespace, defaults: dict | None = None, where: str = "the command line"):
+        """The settings of a command line: ``defaults`` (the command's own, e.g. another dtype)
+        under the flags the user typed, read as the fields' types and validated. The values are
+        written back onto ``args`` (for the flags it has), so the command reads ``args.dtype``."""
+        values = {**(defaults or {}), **cls.given(args)}
+        obj = cls.from_dict(values, where, coerce=True)
+        for key in cls.schema():
+            if hasattr(args, key):
+                setattr(args, key, getattr(obj, key))
+        return obj
+
+    @classmethod
     def given(cls, args: argparse.Namespace) -> dict:
         """The settings the user typed on the command line (every flag defaults to None)."""
         out = {}

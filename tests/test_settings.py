@@ -197,3 +197,23 @@ def test_run_cli_lets_a_bug_keep_its_traceback_and_maps_listed_errors():
         raise PermissionError(13, "Permission denied", "/ro/x")
 
     assert run_cli("redraft-x", oserror, errors=(PermissionError,)) == 2
+
+
+# ---- the shared model flags
+
+
+def test_model_flags_are_declared_once_and_a_command_keeps_its_own_defaults():
+    from redraft.cli import ModelSettings
+
+    p = argparse.ArgumentParser(prog="demo")
+    ModelSettings.add_arguments(p, only=("target", "dtype", "drafters"), shown={"dtype": "bfloat16"})
+    assert "(default: bfloat16)" in " ".join(p.format_help().split())
+    args = p.parse_args(["--drafter", "a", "--drafter", "b"])
+    got = ModelSettings.from_args(args, defaults={"dtype": "bfloat16"})
+    assert (got.target, got.dtype, got.drafters) == ("default", "bfloat16", ["a", "b"])
+    assert (args.target, args.dtype) == ("default", "bfloat16") and not hasattr(args, "threads")
+    args = p.parse_args(["--dtype", "float32"])
+    assert ModelSettings.from_args(args, defaults={"dtype": "bfloat16"}).dtype == "float32" == args.dtype
+    p.add_argument("--threads")
+    with pytest.raises(ConfigError, match=r"^--threads 0 is out of range: must be >= 1\.$"):
+        ModelSettings.from_args(p.parse_args(["--threads", "0"]))
