@@ -74,15 +74,17 @@ class Range:
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, range: Range | None = None,
             choices: typing.Iterable | None = None, hint: str = "", flag: str | None = None,
             flags: tuple[str, ...] = (), metavar: str | tuple[str, ...] | None = None, repeat: bool = False,
-            cli: bool = True, default_factory: Any = dataclasses.MISSING):
+            literal: bool = False, cli: bool = True, default_factory: Any = dataclasses.MISSING):
     """A dataclass field with its schema: ``help`` (the flag's help), ``range`` (numeric bounds),
     ``choices`` (the allowed values), ``hint`` (appended to an out-of-range error, e.g.
     ``" (0 turns clipping off)"``), ``flag`` (the option string when it is not ``--<key>``, e.g.
     ``"--drafter"`` for ``drafters``), ``flags`` (extra option strings, e.g. ``("--steps",)``),
-    ``metavar``, ``repeat`` (a list given by repeating the flag), and ``cli=False`` for a setting
+    ``metavar``, ``repeat`` (a list given by repeating the flag), ``literal`` (an optional string
+    taken as typed: ``none`` is not read as None, e.g. a secret), and ``cli=False`` for a setting
     that has no flag (a file-only key)."""
     meta = {"help": help, "range": range, "choices": tuple(choices) if choices is not None else None,
-            "hint": hint, "flag": flag, "flags": tuple(flags), "metavar": metavar, "repeat": repeat, "cli": cli}
+            "hint": hint, "flag": flag, "flags": tuple(flags), "metavar": metavar, "repeat": repeat,
+            "literal": literal, "cli": cli}
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -248,7 +250,9 @@ class Settings:
         except Exception as exc:  # yaml.YAMLError, without importing yaml here
             raise ConfigError(f"Setting {key}={value!r} in {where} cannot be read ({type(exc).__name__}).",
                               param=key) from None
-        if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null")):
+        literal = cls.schema()[key].metadata.get("literal", False)
+        if value is None or (optional and not literal and isinstance(value, str)
+                             and value.lower() in ("none", "null")):
             return None
         try:
             return _convert(tp, value)

@@ -217,3 +217,12 @@ def test_model_flags_are_declared_once_and_a_command_keeps_its_own_defaults():
     p.add_argument("--threads")
     with pytest.raises(ConfigError, match=r"^--threads 0 is out of range: must be >= 1\.$"):
         ModelSettings.from_args(p.parse_args(["--threads", "0"]))
+
+
+def test_a_literal_string_setting_keeps_none_as_typed():
+    @dataclass
+    class Keyed(Settings):
+        key: str | None = setting(None, "A secret.", literal=True)
+        name: str | None = setting(None, "A name.")
+
+    assert Keyed.coerce("key", "none") == "none" and Keyed.coerce("name", "none") is None
