@@ -283,17 +283,20 @@ def build_token_dataset(spec: str, tokenizer, *, split: str = "train", max_lengt
 
 def iter_token_arrays(spec: str, tokenizer, *, split: str = "all", heldout_fraction: float = 0.02,
                       limit: int | None = None, num_proc: int | None = None, cache_dir=None,
-                      progress: bool = True) -> Iterator[np.ndarray]:
+                      progress: bool = True, meta: dict | None = None) -> Iterator[np.ndarray]:
     """Yield the int32 token ids of each record: a chat's full rendering, a whole document.
 
     Built like :func:`build_token_dataset` (parallel, cached) without masks or truncation; the
     arrays are zero-copy views into the memory-mapped cache file (copy one to keep it past the
-    next iteration if you write into it; they are read-only).
+    next iteration if you write into it; they are read-only). ``meta``: a dict that receives the
+    cache entry's :func:`cache_meta` (records kept and skipped, by reason) once iteration starts.
     """
     import pyarrow as pa
 
     entry = _build("arrays", spec, tokenizer, split=split, heldout_fraction=heldout_fraction, max_length=None,
                    pack=False, limit=limit, num_proc=num_proc, cache_dir=cache_dir, progress=progress)
+    if meta is not None:
+        meta.update(cache_meta(entry))
     with pa.memory_map(str(entry / "data.arrow")) as source:
         reader = pa.ipc.open_stream(source)
         for batch in reader:

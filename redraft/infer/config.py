@@ -120,6 +120,8 @@ class SamplingParams:
         top_p: nucleus threshold in (0, 1] (with temperature > 0).
         stop: strings that end the request; the text is cut before the first one.
         seed: seeds this request's own sampling generator (``None``: the decoder's shared one).
+        stop_token_ids: token ids that end the request (finish reason "stop"; the token is kept
+            in ``tokens``, its text left out of ``text``).
     """
 
     max_new_tokens: int = 128
@@ -127,10 +129,12 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def checked(cls, max_new_tokens: Any = 128, temperature: Any = 0.0, top_p: Any = 1.0,
-                stop: str | Sequence[str] | None = None, seed: Any = None) -> SamplingParams:
+                stop: str | Sequence[str] | None = None, seed: Any = None,
+                stop_token_ids: Sequence[int] | None = None) -> SamplingParams:
         def bad(param, value, why):
             raise ConfigError(f"{param}={value!r}: {why}", param=param)
 
@@ -156,7 +160,10 @@ class SamplingParams:
                 bad("stop", list(stop), "every stop string must be a non-empty string.")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63):
             bad("seed", seed, "use an integer in [0, 2**63) or none.")
-        return cls(int(max_new_tokens), float(temperature), float(top_p), stop, seed)
+        ids = tuple(stop_token_ids or ())
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            bad("stop_token_ids", list(ids), "use a list of token ids (integers >= 0).")
+        return cls(int(max_new_tokens), float(temperature), float(top_p), stop, seed, ids)
 
     @property
     def greedy(self) -> bool:

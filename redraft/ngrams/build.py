@@ -11,7 +11,7 @@ import resource
 import time
 from pathlib import Path
 
-from redraft.errors import ConfigError
+from redraft.errors import ConfigError, DataError
 from redraft.ngrams.format import shard_dir_name
 
 logger = logging.getLogger("redraft.ngrams")
@@ -115,6 +115,22 @@ def build_extended(args, target, out: Path, bigram_ids, save: TableWriter) -> No
         "w": args.w, "k": int(ext.shape[1]), "with_model": bool(args.extend_with_model)}}, extended=ext)
 
 
+def report_records(args, read: dict) -> None:
+    """Say what reading ``--data`` skipped (as redraft-train and distill do), and refuse a
+    corpus of which nothing was usable, naming why each record was skipped."""
+    src = read.get("source_stats", {})
+    skipped = {**src.get("skipped", {}), **read.get("tokenize_skipped", {})}
+    if skipped:
+        reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(skipped.items(), key=lambda kv: -kv[1]))
+        logger.warning("--data %s: kept %s records, skipped %s malformed or unusable ones (%s)", args.data,
+                       f"{src.get('kept', read.get('records', 0)):,}", f"{sum(skipped.values()):,}", reasons)
+    if read and not read.get("records"):
+        why = f"every record was skipped ({reasons})" if skipped else "it holds no record"
+        raise DataError(f"--data {args.data} (split {args.split}): no usable record, {why}. Fix the file or "
+                        f"choose another --data (docs/data.md lists the formats).")
+
+
+
 def build_trigram(args, target, out: Path, save: TableWriter) -> dict | None:
     """Count the corpus tri-grams and write the pruned table; for a shard of a sharded build,
     save its counts instead and return ``{shard_dir, stats}``."""
@@ -123,8 +139,9 @@ def build_trigram(args, target, out: Path, save: TableWriter) -> dict | None:
 
     progress = not args.quiet
     t0 = time.perf_counter()
+    read: dict = {}  # what reading --data kept and skipped (filled once counting starts)
     arrays = iter_token_arrays(args.data, target.tokenizer, split=args.split, limit=args.limit,
-                               num_proc=args.num_proc, progress=progress)
+                               num_proc=args.num_proc, progress=progress, meta=read)
     if args.num_shards > 1:
         arrays = itertools.islice(arrays, args.shard_id, None, args.num_shards)
     # Spilled runs go into a private folder under --spill-dir (default: the output dir, on
@@ -134,6 +151,7 @@ def build_trigram(args, target, out: Path, save: TableWriter) -> dict | None:
                             memory_mb=args.memory_mb, spill_dir=args.spill_dir or out,
                             progress=progress)
     with counts:
+        report_records(args, read)
         t_count = time.perf_counter() - t0
         if args.num_shards > 1:
             return save_shard(args, target, out, counts, t_count)

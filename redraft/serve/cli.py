@@ -48,6 +48,11 @@ class ServeSettings(Settings):
     max_queue: int = setting(64, "Requests that may wait for a row; more get 429 with Retry-After.", range=Range(0))
     default_max_tokens: int = setting(256, "New tokens for a request that sets no max_tokens (capped by the "
                                            "context).", range=Range(1))
+    max_request_bytes: int = setting(4 * 1024 * 1024, "Largest request body accepted; larger ones get 413 before "
+                                                      "they are read.", range=Range(1))
+    cors_origin: list[str] | None = setting(None, "Let browsers on ORIGIN call the API (CORS, preflight included; "
+                                                  "repeat for several, '*' for any); none: no CORS headers.",
+                                            metavar="ORIGIN", repeat=True)
     grace: float = setting(30.0, "Seconds in-flight requests get to finish after SIGTERM.", range=Range(0))
     warmup: bool = setting(True, "Run a short generation before accepting requests.")
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
@@ -135,7 +140,8 @@ def serve(args) -> int:
     decoder = load(args)
     name = args.served_model_name or str(getattr(decoder.target, "spec", "") or "default")
     app = create_app(decoder, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
-                     default_max_tokens=args.default_max_tokens, warmup=args.warmup)
+                     default_max_tokens=args.default_max_tokens, warmup=args.warmup,
+                     max_request_bytes=args.max_request_bytes, cors_origins=args.cors_origin or ())
     host, port = sock.getsockname()[:2]
     print(f"redraft-serve: serving {name!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
           f"(max batch {args.max_batch}, queue {args.max_queue})", flush=True)
