@@ -54,7 +54,10 @@ def timed(dec):
     return box
 
 ids = target.tokenizer(TEXT * 2, add_special_tokens=False)["input_ids"]
-prompts = lambda B: [ids[i * 7 % 40: i * 7 % 40 + 64] for i in range(B)]
+def prompts(B):
+    return [ids[i * 7 % 40: i * 7 % 40 + 64] for i in range(B)]
+
+
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 200
 for name in sys.argv[1].split(","):
     for B in (1, 8):
@@ -62,7 +65,7 @@ for name in sys.argv[1].split(","):
         box = timed(dec)
         dec.generate(prompts(B), max_new_tokens=16)
         best = None
-        for rep in range(5):
+        for _ in range(5):
             box["s"] = 0.0
             t0 = time.perf_counter()
             out = dec.generate(prompts(B), max_new_tokens=N)

@@ -119,7 +119,7 @@ def run_dataset(runners: dict, prompts: list[list[int]], bench: dict, label: str
             if a.error:
                 continue
             t0 = time.perf_counter()
-            got = _guarded(name, a, f"on {label} prompt {i}", lambda r=r: r.run(ids))
+            got = _guarded(name, a, f"on {label} prompt {i}", lambda r=r, ids=ids: r.run(ids))
             if got is None:
                 continue
             toks, st = got

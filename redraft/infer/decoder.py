@@ -255,7 +255,7 @@ class SpeculativeDecoder:
         values = self.stats.values(owner, paths.shape, group)
         if self.config.budget != "auto":  # fixed budget: rank by the drafter's own path probability
             values = np.array(values, np.float32)
-            for i, dr, a, b in slices:
+            for _, dr, a, b in slices:
                 if dr.logp is not None:
                     lp = pad_paths_np(np.asarray(dr.logp, np.float32), L, fill=0.0)
                     values[:, a:b] = np.maximum(np.exp(np.cumsum(lp, axis=-1)), 0)

@@ -410,7 +410,7 @@ class Engine:
         """Prefill the waiting requests together into the next free slots, sample their first
         token, and append them to the batch (cache, state, drafters)."""
         new, self.waiting = self.waiting, []
-        dev, dec = self.device, self.dec
+        dec = self.dec
         t0 = time.perf_counter()
         self._reserve(new)
         cache = self.cache

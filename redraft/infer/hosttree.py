@@ -217,8 +217,8 @@ def credit_np(tree: HostTree, path, owner, num_drafters: int, hit: np.ndarray | 
     if hit.shape[1] == 0 or num_drafters == 0:
         return np.zeros((B, num_drafters), dtype=np.int64)
     mark = np.zeros((B, num_drafters, N), dtype=bool)
-    b, p, l = np.nonzero(hit)
-    mark[b, np.asarray(owner, dtype=np.int64)[p], tree.path_node[b, p, l]] = True
+    b, p, d = np.nonzero(hit)  # row, path, depth of every hit entry
+    mark[b, np.asarray(owner, dtype=np.int64)[p], tree.path_node[b, p, d]] = True
     return mark[:, :, 1:].sum(axis=-1, dtype=np.int64)
 
 

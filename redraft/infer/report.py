@@ -48,84 +48,112 @@ def _bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str) ->
 
 def write_report(report: dict, directory) -> Path:
     """Write the plots and ``index.md`` into ``directory``; returns the index path."""
-    plt = _plt()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    images: list[tuple[str, str]] = []
+    figs = _Figures(_plt(), out)
     results = report.get("results", {})
+    if results:
+        _plot_results(figs, results)
+    _plot_cost_curve(figs, report)
+    _plot_overhead(figs, report.get("overhead"))
+    index = out / "index.md"
+    index.write_text("\n".join(_index_lines(report, figs.images)))
+    return index
+
+
+class _Figures:
+    """Saves figures into ``out`` and remembers ``(title, file)`` for the index."""
+
+    def __init__(self, plt, out: Path):
+        self.plt, self.out, self.images = plt, out, []
+
+    def save(self, fig, name: str, title: str) -> None:
+        fig.tight_layout()
+        fig.savefig(self.out / name, dpi=120)
+        self.plt.close(fig)
+        self.images.append((title, name))
+
+
+def _plot_results(figs: _Figures, results: dict) -> None:
+    """Speedup bars, tau and mean accepted length, accepted-length histograms, drafter shares."""
+    plt = figs.plt
     datasets = list(results)
     methods = list(dict.fromkeys(m for ds in results.values() for m in ds))
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(methods) + 2), 4))
+    _bars(ax, methods, {ds: [results[ds].get(m, {}).get("speedup_vs_ar", 0) for m in methods] for ds in datasets},
+          "speedup over plain greedy (tokens/s)")
+    ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+    ax.set_title("Speedup per method (baseline = 1.0, same run)")
+    figs.save(fig, "speedup.png", "Speedup over plain greedy")
 
-    def save(fig, name: str, title: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        images.append((title, name))
+    spec = [m for m in methods if any(results[ds].get(m, {}).get("tokens_per_call") for ds in datasets)]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(spec) + 3), 4))
+    for ax, key, label in ((axes[0], "tokens_per_call", "tau (new tokens / target call)"),
+                           (axes[1], "mean_accepted_length", "mean accepted length (vLLM)")):
+        _bars(ax, spec, {ds: [results[ds].get(m, {}).get(key) or 0 for m in spec] for ds in datasets}, label)
+    figs.save(fig, "acceptance.png", "Tokens per target call and mean accepted length")
 
-    if results:
-        fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(methods) + 2), 4))
-        _bars(ax, methods, {ds: [results[ds].get(m, {}).get("speedup_vs_ar", 0) for m in methods] for ds in datasets},
-              "speedup over plain greedy (tokens/s)")
-        ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
-        ax.set_title("Speedup per method (baseline = 1.0, same run)")
-        save(fig, "speedup.png", "Speedup over plain greedy")
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
+    for ax, ds in zip(axes[0], datasets):
+        for m in spec:
+            hist = {int(k): v for k, v in results[ds][m].get("accepted_hist", {}).items()}
+            total = sum(hist.values()) or 1
+            ks = sorted(hist)
+            ax.plot(ks, [hist[k] / total for k in ks], marker="o", label=m)
+        ax.set_xlabel("draft tokens accepted in a verify step")
+        ax.set_ylabel("fraction of steps")
+        ax.set_title(ds)
+        if spec:
+            ax.legend(fontsize=8)
+    figs.save(fig, "accepted_hist.png", "Accepted-length histogram")
+    _plot_shares(figs, results, datasets, [m for m in methods if m.startswith("mix")])
 
-        spec = [m for m in methods if any(results[ds].get(m, {}).get("tokens_per_call") for ds in datasets)]
-        fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(spec) + 3), 4))
-        for ax, key, label in ((axes[0], "tokens_per_call", "tau (new tokens / target call)"),
-                               (axes[1], "mean_accepted_length", "mean accepted length (vLLM)")):
-            _bars(ax, spec, {ds: [results[ds].get(m, {}).get(key) or 0 for m in spec] for ds in datasets}, label)
-        save(fig, "acceptance.png", "Tokens per target call and mean accepted length")
 
-        fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
-        for ax, ds in zip(axes[0], datasets):
-            for m in spec:
-                hist = {int(k): v for k, v in results[ds][m].get("accepted_hist", {}).items()}
-                total = sum(hist.values()) or 1
-                ks = sorted(hist)
-                ax.plot(ks, [hist[k] / total for k in ks], marker="o", label=m)
-            ax.set_xlabel("draft tokens accepted in a verify step")
-            ax.set_ylabel("fraction of steps")
-            ax.set_title(ds)
-            if spec:
-                ax.legend(fontsize=8)
-        save(fig, "accepted_hist.png", "Accepted-length histogram")
+def _plot_shares(figs: _Figures, results: dict, datasets: list, mixes: list) -> None:
+    if not mixes:
+        return
+    fig, ax = figs.plt.subplots(figsize=(7, 4))
+    labels = [f"{ds}\n{m}" for ds in datasets for m in mixes]
+    names = sorted({d for ds in datasets for m in mixes for d in results[ds].get(m, {}).get("drafter_share", {})})
+    bottom = [0.0] * len(labels)
+    for name in names:
+        vals = [results[ds].get(m, {}).get("drafter_share", {}).get(name, 0.0) for ds in datasets for m in mixes]
+        ax.bar(labels, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("share of accepted draft tokens")
+    ax.set_title("Which drafter's tokens were accepted (a token several proposed counts for each)")
+    if names:
+        ax.legend(fontsize=8)
+    figs.save(fig, "drafter_share.png", "Drafter shares in the mix")
 
-        mixes = [m for m in methods if m.startswith("mix")]
-        if mixes:
-            fig, ax = plt.subplots(figsize=(7, 4))
-            labels = [f"{ds}\n{m}" for ds in datasets for m in mixes]
-            names = sorted({d for ds in datasets for m in mixes for d in results[ds].get(m, {}).get("drafter_share", {})})
-            bottom = [0.0] * len(labels)
-            for name in names:
-                vals = [results[ds].get(m, {}).get("drafter_share", {}).get(name, 0.0) for ds in datasets for m in mixes]
-                ax.bar(labels, vals, bottom=bottom, label=name)
-                bottom = [b + v for b, v in zip(bottom, vals)]
-            ax.set_ylabel("share of accepted draft tokens")
-            ax.set_title("Which drafter's tokens were accepted (a token several proposed counts for each)")
-            if names:
-                ax.legend(fontsize=8)
-            save(fig, "drafter_share.png", "Drafter shares in the mix")
 
+def _plot_cost_curve(figs: _Figures, report: dict) -> None:
     curve = report.get("cost_curve_ms") or {}
-    if curve.get("sizes"):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(curve["sizes"], curve["ms"], marker="o")
-        ax.set_xlabel("tokens verified in one forward (tree nodes + root)")
-        ax.set_ylabel("ms")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"Verify cost curve ({report.get('device', '')})" + (" [given]" if curve.get("given") else ""))
-        save(fig, "cost_curve.png", "Measured verify-cost curve")
+    if not curve.get("sizes"):
+        return
+    fig, ax = figs.plt.subplots(figsize=(6, 4))
+    ax.plot(curve["sizes"], curve["ms"], marker="o")
+    ax.set_xlabel("tokens verified in one forward (tree nodes + root)")
+    ax.set_ylabel("ms")
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"Verify cost curve ({report.get('device', '')})" + (" [given]" if curve.get("given") else ""))
+    figs.save(fig, "cost_curve.png", "Measured verify-cost curve")
 
-    overhead = report.get("overhead")
-    if overhead:
-        batches = sorted({b for r in overhead.values() for b in r}, key=lambda b: int(b.split("_")[1]))
-        fig, ax = plt.subplots(figsize=(7, 4))
-        _bars(ax, list(overhead), {b.replace("_", " "): [overhead[m].get(b, {}).get("host_ms_per_step", 0)
-                                                         for m in overhead] for b in batches}, "host ms per step")
-        ax.set_title("Host time per decode step (tiny random target)")
-        save(fig, "overhead.png", "Host overhead per decode step")
 
+def _plot_overhead(figs: _Figures, overhead: dict | None) -> None:
+    if not overhead:
+        return
+    batches = sorted({b for r in overhead.values() for b in r}, key=lambda b: int(b.split("_")[1]))
+    fig, ax = figs.plt.subplots(figsize=(7, 4))
+    _bars(ax, list(overhead), {b.replace("_", " "): [overhead[m].get(b, {}).get("host_ms_per_step", 0)
+                                                     for m in overhead] for b in batches}, "host ms per step")
+    ax.set_title("Host time per decode step (tiny random target)")
+    figs.save(fig, "overhead.png", "Host overhead per decode step")
+
+
+def _index_lines(report: dict, images: list) -> list[str]:
+    """``index.md``: settings, one table per dataset, then the plots."""
+    results = report.get("results", {})
     lines = ["# redraft-bench report", "", f"Device: {report.get('device', '?')}; torch {report.get('torch', '?')}.", ""]
     cfg = report.get("config", {})
     if cfg:
@@ -149,6 +177,4 @@ def write_report(report: dict, directory) -> Path:
         lines.append("")
     for title, name in images:
         lines += [f"## {title}", "", f"![{title}]({name})", ""]
-    index = out / "index.md"
-    index.write_text("\n".join(lines))
-    return index
+    return lines

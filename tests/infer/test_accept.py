@@ -10,7 +10,6 @@ from redraft.infer.tree import build_tree
 
 def logits_for(tree, table):
     """Logits [1, N, V] where node n's argmax follows ``table[token of n]`` (a bigram world)."""
-    V = table.shape[0]
     toks = tree.tokens.clamp_min(0)
     toks[:, 0] = 0  # the root token is 0 in these tests
     return table[toks]

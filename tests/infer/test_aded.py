@@ -1,6 +1,5 @@
 """ADED: MCTS over a tri-gram table, adaptive per-request overlay, the drafter."""
 
-import itertools
 
 import numpy as np
 import pytest
@@ -22,7 +21,6 @@ def random_table(fanout: int, seed: int = 0, vocab: int = V, alpha: float = 1.0)
     ctx = np.arange(vocab * vocab)
     succ = np.stack([rng.choice(vocab, fanout, replace=False) for _ in ctx])  # [C, f]
     p = rng.dirichlet(np.full(fanout, alpha), size=ctx.size) * 0.9  # mass < 1 like a pruned table
-    w1, w2 = np.repeat(ctx // vocab, fanout), np.repeat(ctx % vocab, fanout)
     keys = ctx
     offsets = np.arange(ctx.size + 1) * fanout
     return TrigramTable.from_csr(keys, offsets, succ.reshape(-1), p.reshape(-1).astype(np.float32), vocab)
@@ -92,7 +90,7 @@ def test_mcts_defaults_rank_the_best_path_first(wave):
     assert (res.scores[0, :-1] >= res.scores[0, 1:]).all()  # ranked by score
     paths = {tuple(p) for p in res.tokens[0].tolist()}
     assert len(paths) == 24  # distinct candidates
-    for p, s in zip(res.tokens[0].tolist(), res.scores[0]):  # every path is a table path
+    for p in res.tokens[0].tolist():  # every path is a table path
         assert tuple(p) in ref
 
 

@@ -102,7 +102,7 @@ def test_overhead_benchmark_reports_every_method_and_batch(capsys, tmp_path):
     assert code == 0, err
     res = json.loads(out.read_text())["overhead"]
     assert set(res) == {"greedy", "context-16", "context-64", "ngrammys", "mix-aded"}
-    for method, rows in res.items():
+    for rows in res.values():
         assert set(rows) == {"batch_1", "batch_2"}
         for r in rows.values():
             assert r["host_ms_per_step"] > 0 and r["forward_ms"] > 0

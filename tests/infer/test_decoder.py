@@ -198,7 +198,7 @@ def test_drafters_observe_what_was_accepted(tiny_target, tiny_prompts):
     rec = Recorder({0: ref.tokens})
     SpeculativeDecoder(tiny_target, [rec], budget=8).generate(tiny_prompts[:1], max_new_tokens=12)
     assert rec.seen
-    for toks, prefix, num, bonus in rec.seen:
+    for toks, prefix, num, _bonus in rec.seen:
         # the oracle path is accepted whole, the wrong sibling not at all
         assert int(prefix[0, 0]) == int((toks[0, 0] >= 0).sum())
         assert int(prefix[0, 1]) == 0

@@ -5,7 +5,6 @@ import torch
 
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter
-from redraft.infer.drafters.redrafter import ReDrafterDrafter
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ def brute_context(seq, q, k, w):
             by_first[f] = (c + 1, j)
     ranked = sorted(by_first.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:k]
     out = []
-    for f, (_, j) in ranked:
+    for _first, (_, j) in ranked:
         cont = seq[j + q: j + q + w]
         out.append(cont + [-1] * (w - len(cont)))
     return out + [[-1] * w] * (k - len(out))

@@ -297,13 +297,13 @@ def torch_credit(paths, owner, tree, acc, nd):
         nodes = [set() for _ in range(nd)]
         for p in range(P):
             lead = True
-            for l in range(L):
-                h = pn[b][p][l] >= 0 and pn[b][p][l] in on[b]
-                hit[b, p, l] = h
+            for d in range(L):
+                h = pn[b][p][d] >= 0 and pn[b][p][d] in on[b]
+                hit[b, p, d] = h
                 lead = lead and h
                 prefix[b, p] += int(lead)
-                if h and pn[b][p][l] != 0:
-                    nodes[int(owner[p])].add(pn[b][p][l])
+                if h and pn[b][p][d] != 0:
+                    nodes[int(owner[p])].add(pn[b][p][d])
         credit[b] = torch.tensor([len(n) for n in nodes])
     return credit, hit, prefix
 

@@ -46,9 +46,9 @@ def test_build_tree_matches_brute_force_on_random_paths():
                 got = set(torch.nonzero(tree.anc[b, idx]).flatten().tolist())
                 assert got == expect
             for p, path in enumerate(paths[b].tolist()):
-                for l, t in enumerate(path):
-                    want = nodes[tuple(path[: l + 1])] if t >= 0 else -1
-                    assert int(tree.path_node[b, p, l]) == want
+                for d, t in enumerate(path):
+                    want = nodes[tuple(path[: d + 1])] if t >= 0 else -1
+                    assert int(tree.path_node[b, p, d]) == want
             assert int(tree.num_entries[b]) == int((paths[b] >= 0).sum())
 
 

@@ -8,7 +8,6 @@ import torch
 
 from redraft.errors import TargetLoadError
 from redraft.models import load_target, tokenizer_fingerprint
-from redraft.models import target as target_mod
 from redraft.testing import make_tiny_target_dir
 from redraft.utils import split_revision
 

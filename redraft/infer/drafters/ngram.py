@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from redraft.infer.config import FIELDS
-from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, pad_paths, pad_paths_np
+from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, pad_paths
 from redraft.infer.hostdraft import GROUPS_PER_CLASS, HostTables, context_matches_np, ngrammys_np, table_rows_np
 from redraft.infer.tree import cached_arange
 
