@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from redraft.cli import run_cli
 from redraft.errors import RedraftError
 from redraft.utils import ArgumentParser
 
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(args, parser)
     root = Path(args.output_root)
-    try:
+
+    def work() -> None:
         from redraft.models import load_target
 
         t0 = time.perf_counter()
@@ -180,10 +182,8 @@ def main(argv: list[str] | None = None) -> int:
               f"    dec = load_decoder('default', drafters={drafters!r}, ngrams=[{str(ngrams)!r}])\n"
               "    print(dec.generate([{'role': 'user', 'content': 'Hi!'}])[0].text)")
         print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min")
-    except RedraftError as exc:
-        print(f"redraft-demo: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_cli("redraft-demo", work)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
@@ -32,7 +31,8 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 
-from redraft.errors import ArtifactError, RedraftError
+from redraft.cli import run_cli
+from redraft.errors import ArtifactError
 from redraft.hub_card import generate_model_card
 from redraft.hub_resolve import (  # noqa: F401  (re-exported: redraft.hub.resolve_artifact and friends)
     BENCH_FILE,
@@ -247,20 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
 def push_main(argv: list[str] | None = None) -> int:
     """``redraft-push DIR REPO_ID``: publish a finished drafter or n-gram artifact to the Hub."""
     args = build_parser().parse_args(argv)
-    try:
+
+    def work() -> None:
         if args.print_card:
             print(generate_model_card(args.artifact_dir, repo_id=split_revision(args.repo_id)[0],
                                       license=args.license), end="")
-            return 0
+            return
         url = push_artifact(args.artifact_dir, args.repo_id, private=args.private, revision=args.revision,
                             token=args.token, commit_message=args.commit_message, license=args.license,
                             keep_card=args.keep_card, allow_unfinished=args.allow_unfinished,
                             include=args.include or ())
-    except RedraftError as exc:
-        print(f"redraft-push: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("redraft-push: interrupted; a commit is all or nothing, so run it again", file=sys.stderr)
-        return 130
-    print(f"Pushed {args.artifact_dir} to {url}")
-    return 0
+        print(f"Pushed {args.artifact_dir} to {url}")
+
+    return run_cli("redraft-push", work, interrupted="a commit is all or nothing, so run it again")

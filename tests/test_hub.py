@@ -701,7 +701,7 @@ def test_hub_resolve_imports_no_other_stage():
 
 def test_hub_module_reaches_the_drafter_stage_only_for_its_push_check():
     top, lazy = _redraft_imports(hub)
-    assert top == {"redraft.errors", "redraft.hub_card", "redraft.hub_resolve", "redraft.utils"}
+    assert top == {"redraft.cli", "redraft.errors", "redraft.hub_card", "redraft.hub_resolve", "redraft.utils"}
     assert lazy == {"redraft.models.redrafter"}  # check_finished's drafter check
     assert hub.resolve_artifact is __import__("redraft.hub_resolve").hub_resolve.resolve_artifact  # re-exported
 

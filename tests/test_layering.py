@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1] / "redraft"
 # The layers, left to right; a module may import its own stage, the shared modules and the
 # stages of lower layers. Stages in one layer do not import each other.
 SHARED = {"redraft", "redraft.errors", "redraft.utils", "redraft.resources", "redraft.hub_resolve",
-          "redraft.hub_card"}
+          "redraft.hub_card", "redraft.settings", "redraft.cli"}
 LAYERS = [
     {"models"},
     {"data", "hub"},  # data tokenizes with the target's tokenizer; hub's push checks a drafter

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from redraft.cli import ModelSettings
 from redraft.data.records import DataStats, Record, is_heldout, record_to_sharegpt
 from redraft.data.sources import iter_records, parse_spec
 from redraft.errors import ConfigError, DataError, RedraftError
@@ -263,6 +264,9 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
     return result
 
 
+MODEL_FLAGS = ("target", "dtype", "device")  # the shared model flags it takes (redraft.cli.ModelSettings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog=PROG,
@@ -270,8 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "ShareGPT JSONL (resumable: ids already in --output are skipped).",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--target", default="default", help="target model: 'default', a .gguf file, a local HF "
-                   "directory, a PEFT adapter or a hub id")
+    ModelSettings.add_arguments(p, only=MODEL_FLAGS)
     p.add_argument("--data", default="default-chat", help="chat data spec, e.g. default-chat, "
                    "sharegpt:FILE.jsonl, ultrachat:HuggingFaceH4/ultrachat_200k?split=train_sft")
     p.add_argument("--output", required=True, help="output JSONL file; appended to when it exists")
@@ -289,9 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-fraction", type=float, default=0.02, help="held-out share for --split, in (0, 1)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048, help="end a conversation before a turn whose "
                    "prompt is longer")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, "
-                   "bfloat16 on CUDA)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; on a "
                    "CPU shared with other jobs 1 thread can be several times faster)")
@@ -309,6 +309,7 @@ def check_args(args) -> None:
         ConfigError: naming the flag, its value and the valid range.
         DataError: a data spec that does not parse or names only document sources.
     """
+    ModelSettings.from_args(args)  # the shared model flags: typed, checked, defaults set on args
     def bad(name: str, rule: str):
         value = getattr(args, name)
         return ConfigError(f"--{name.replace('_', '-')} {value} is out of range: {rule}.", param=name)

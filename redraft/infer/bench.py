@@ -29,9 +29,15 @@ import json
 import sys
 from pathlib import Path
 
-from redraft.errors import ConfigError, RedraftError
-from redraft.infer.bench_config import (BENCH_DEFAULTS, build_parser, check_outputs,  # noqa: F401 (the CLI's API)
-                                        resolve_artifacts, resolve_config)
+from redraft.cli import run_cli
+from redraft.errors import ConfigError
+from redraft.infer.bench_config import (  # noqa: F401 (the CLI's API)
+    BENCH_DEFAULTS,
+    build_parser,
+    check_outputs,
+    resolve_artifacts,
+    resolve_config,
+)
 from redraft.infer.bench_methods import METHOD_NAMES, REGISTRY, Method, check_methods, list_methods  # noqa: F401
 from redraft.infer.bench_prompts import MT_BENCH_HINT, dataset_label, fit_context, load_prompts  # noqa: F401
 from redraft.infer.bench_run import Context, Runner, cost_curve, device_name, markdown, run_dataset  # noqa: F401
@@ -39,30 +45,28 @@ from redraft.infer.bench_run import Context, Runner, cost_curve, device_name, ma
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        bench, cfg = resolve_config(args)
-        if args.list_methods:
-            print(list_methods())
-            return 0
-        check_outputs(bench)
-        if args.from_json:
-            return _from_json(Path(args.from_json), bench)
-        from redraft.utils import resolve_device
+    return run_cli("redraft-bench", lambda: _main(args))
 
-        device = resolve_device(bench["device"])
-        import torch
 
-        if bench["threads"]:
-            torch.set_num_threads(int(bench["threads"]))
-        if bench["overhead"]:
-            return _overhead(bench, device)
-        return _decode_tables(bench, cfg, device)
-    except KeyboardInterrupt:
-        print("redraft-bench: interrupted", file=sys.stderr)
-        return 130
-    except RedraftError as exc:
-        print(f"redraft-bench: error: {exc}", file=sys.stderr)
-        return 2
+def _main(args) -> int:
+    """The run ``main`` wraps in run_cli (a RedraftError: one line, exit 2; Ctrl-C: exit 130)."""
+    bench, cfg = resolve_config(args)
+    if args.list_methods:
+        print(list_methods())
+        return 0
+    check_outputs(bench)
+    if args.from_json:
+        return _from_json(Path(args.from_json), bench)
+    from redraft.utils import resolve_device
+
+    device = resolve_device(bench["device"])
+    import torch
+
+    if bench["threads"]:
+        torch.set_num_threads(int(bench["threads"]))
+    if bench["overhead"]:
+        return _overhead(bench, device)
+    return _decode_tables(bench, cfg, device)
 
 
 def _load(bench: dict, cfg, device):

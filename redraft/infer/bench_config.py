@@ -1,26 +1,73 @@
-"""``redraft-bench``'s settings: defaults <- recipe <- flags, every value checked before any
-work, and the output paths and artifacts checked before the target loads. Decoder settings are
-:class:`~redraft.infer.config.DecoderConfig` fields: each is a recipe key and a flag."""
+"""``redraft-bench``'s settings: :class:`BenchSettings` and the decoder's
+:class:`~redraft.infer.config.DecoderConfig`, both in the settings schema (redraft.settings):
+each field is a recipe key and a flag. Defaults <- recipe <- flags, every value checked before
+any work, and the output paths and artifacts checked before the target loads."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from redraft.cli import ModelSettings
 from redraft.errors import ConfigError
-from redraft.infer.config import FIELDS as DECODER_FIELDS
 from redraft.infer.config import DecoderConfig
+from redraft.settings import Range, load_yaml, setting
 from redraft.utils import ArgumentParser
 
-BENCH_DEFAULTS = {
-    "target": "default", "dtype": "float32", "device": None, "datasets": ["chat", "code"], "prompts": 20,
-    "max_new_tokens": 128, "methods": ["greedy", "hf-greedy", "hf-prompt-lookup", "context", "ngrammys", "redrafter",
-                                       "mix"],
-    "drafters": [], "ngrams": [], "prompt_lookup_num_tokens": 10, "out": None, "markdown": None, "report": None,
-    "threads": None, "warmup": True, "chat_spec": "default-chat", "cost_curve_ms": None, "retrieval_index": None,
-    "overhead": False, "overhead_batches": [1, 8], "overhead_tokens": 200,
-}
+
+@dataclass
+class BenchSettings(ModelSettings):
+    """Every setting of a ``redraft-bench`` run but the decoder's: each is a recipe key and (but
+    ``chat_spec``) a flag. The model flags come from :class:`~redraft.cli.ModelSettings`."""
+
+    KIND = "bench setting"
+
+    dtype: str | None = setting("float32", "Target dtype: float32, bfloat16 or float16.")
+    datasets: list[str] = setting(default_factory=lambda: ["chat", "code"], help="Comma list: 'chat' (held-out "
+                                  "ShareGPT), 'code' (HumanEval), 'mt-bench:PATH' (MT-Bench question.jsonl) and JSONL "
+                                  "files of prompts.")
+    chat_spec: str = setting("default-chat", "The data spec 'chat' prompts are held out from.", cli=False)
+    prompts: int = setting(20, "Prompts per dataset.", range=Range(1))
+    max_new_tokens: int = setting(128, "New tokens per prompt.", range=Range(1))
+    methods: list[str] = setting(default_factory=lambda: ["greedy", "hf-greedy", "hf-prompt-lookup", "context",
+                                                          "ngrammys", "redrafter", "mix"],
+                                 help="Comma list of methods (see --list-methods).")
+    prompt_lookup_num_tokens: int = setting(10, "hf-prompt-lookup's prompt_lookup_num_tokens.", range=Range(1))
+    retrieval_index: str | None = setting(None, "A draftretriever index, for the draftretriever method.")
+    cost_curve_ms: str | None = setting(None, "Verify cost curve to use instead of measuring one, 'tokens:ms,...' "
+                                        "(e.g. '1:63,8:116,16:146,64:245'); use it when the machine is too busy to "
+                                        "measure.", flag="--cost-curve", metavar="COST_CURVE")
+    warmup: bool = setting(True, "Decode one short prompt per method before timing.")
+    overhead: bool = setting(False, "Instead: host time per decode step with a tiny random target "
+                                    "(redraft.infer.overhead).")
+    overhead_batches: list[int] = setting(default_factory=lambda: [1, 8], help="Batch sizes of --overhead, comma "
+                                          "list.")
+    overhead_tokens: int = setting(200, "New tokens per row in --overhead.", range=Range(1))
+    # ---- outputs
+    out: str | None = setting(None, "Write the results as JSON to this file.")
+    markdown: str | None = setting(None, "Write the Markdown table to this file (it is also printed).")
+    report: str | None = setting(None, "Write PNG plots and an index.md into this directory.")
+
+    def check(self) -> None:
+        if not self.datasets:
+            raise ConfigError("--datasets is empty; use chat, code, mt-bench:PATH or JSONL files.", param="datasets")
+        if not all(b >= 1 for b in self.overhead_batches):
+            raise ConfigError(f"--overhead-batches {self.overhead_batches!r}: use batch sizes >= 1, e.g. 1,8.",
+                              param="overhead_batches")
+        if self.cost_curve_ms:
+            from redraft.infer.budget import CostCurve
+
+            try:
+                CostCurve.from_ms(self.cost_curve_ms)
+            except (ValueError, TypeError):
+                raise ConfigError(f"cost curve {self.cost_curve_ms!r}: write 'tokens:ms,...', e.g. "
+                                  f"'1:63,8:116,16:146,64:245'.", param="cost_curve_ms") from None
+
+
+BENCH_DEFAULTS = BenchSettings().to_dict()  # what a run without a recipe or flags uses
+OUTPUTS = ("out", "markdown", "report")
 DESCRIPTION = "``redraft-bench``: decoding methods side by side, in one run, on the same prompts."
 
 
@@ -31,110 +78,29 @@ def build_parser() -> argparse.ArgumentParser:
                               "target default, dtype float32, datasets chat,code, 20 prompts, 128 new tokens.")
     g = p.add_argument_group("what to run")
     g.add_argument("--recipe", help="YAML file with any of these settings (flags override it)")
-    g.add_argument("--target", help="target spec: 'default', hub id, local dir, .gguf or dummy:<shape>")
-    g.add_argument("--dtype", help="target dtype: float32, bfloat16 or float16")
-    g.add_argument("--device", help="torch device: cpu, cuda, cuda:N (default: cuda when available)")
-    g.add_argument("--datasets", help="comma list: 'chat' (held-out ShareGPT), 'code' (HumanEval), "
-                                      "'mt-bench:PATH' (MT-Bench question.jsonl) and JSONL files of prompts")
-    g.add_argument("--prompts", type=int, help="prompts per dataset (>= 1)")
-    g.add_argument("--max-new-tokens", type=int, help="new tokens per prompt (>= 1)")
-    g.add_argument("--methods", help="comma list of methods (see --list-methods)")
     g.add_argument("--list-methods", action="store_true", help="print the methods, what each needs, and exit")
-    g.add_argument("--drafter", action="append", help="ReDrafter artifact dir or hub id (repeatable)")
-    g.add_argument("--ngrams", action="append", help="n-gram tables dir or hub id (repeatable)")
-    g.add_argument("--retrieval-index", help="a draftretriever index, for the draftretriever method")
-    g.add_argument("--prompt-lookup-num-tokens", type=int, help="hf-prompt-lookup's prompt_lookup_num_tokens")
-    g.add_argument("--cost-curve", dest="cost_curve_ms",
-                   help="verify cost curve to use instead of measuring one, 'tokens:ms,...' (e.g. "
-                        "'1:63,8:116,16:146,64:245'); use it when the machine is too busy to measure")
-    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode one short prompt per method before timing (default: on)")
-    g.add_argument("--overhead", action="store_true", default=None,
-                   help="instead: host time per decode step with a tiny random target (redraft.infer.overhead)")
-    g.add_argument("--overhead-batches", help="batch sizes of --overhead, comma list (default 1,8)")
-    g.add_argument("--overhead-tokens", type=int, help="new tokens per row in --overhead (default 200)")
-    o = p.add_argument_group("outputs")
-    o.add_argument("--out", help="write the results as JSON to this file")
-    o.add_argument("--markdown", help="write the Markdown table to this file (it is also printed)")
-    o.add_argument("--report", help="write PNG plots and an index.md into this directory")
+    BenchSettings.add_arguments(g, exclude=OUTPUTS)
+    o = BenchSettings.add_arguments(p, "outputs", only=OUTPUTS)
     o.add_argument("--from-json", help="with --report (and/or --markdown): plot an earlier --out JSON, decode nothing")
-    d = p.add_argument_group("decoder settings (DecoderConfig; recipe keys of the same name)")
-    for name, f in DECODER_FIELDS.items():
-        flag = "--" + name.replace("_", "-")
-        if str(f.type).startswith("bool"):
-            d.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"])
-        else:
-            d.add_argument(flag, dest=name, default=None, help=f.metadata["help"] + f" (default {f.default!r})")
+    DecoderConfig.add_arguments(p, "decoder settings (DecoderConfig; recipe keys of the same name)")
     return p
 
 
-def _yaml_value(v):
-    import yaml
-
-    return yaml.safe_load(v) if isinstance(v, str) else v
-
-
 def resolve_config(args) -> tuple[dict, DecoderConfig]:
-    """Bench settings and the decoder config: defaults <- recipe <- flags, every value checked."""
-    bench = dict(BENCH_DEFAULTS)
-    dec_values: dict = {}
+    """Bench settings (as a dict) and the decoder config: defaults <- recipe <- flags, every value
+    read as its field's type and checked."""
+    bench, dec = {}, {}
     if args.recipe:
-        import yaml
-
         from redraft.resources import find_config
 
         path = find_config(args.recipe, "infer")  # a file, or a shipped name such as bench-default
-        try:
-            rec = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from exc
-        if not isinstance(rec, dict):
-            raise ConfigError(f"recipe {path} must be a mapping of settings.")
-        unknown = sorted(set(rec) - set(BENCH_DEFAULTS) - set(DECODER_FIELDS))
-        if unknown:
-            raise ConfigError(f"{path}: unknown keys {unknown}; valid: {sorted(set(BENCH_DEFAULTS) | set(DECODER_FIELDS))}.")
-        bench.update({k: v for k, v in rec.items() if k in BENCH_DEFAULTS})
-        dec_values.update({k: v for k, v in rec.items() if k in DECODER_FIELDS})
-    flags = {k: getattr(args, k) for k in ("target", "dtype", "device", "prompts", "max_new_tokens", "threads", "out",
-                                           "markdown", "report", "cost_curve_ms", "retrieval_index", "warmup",
-                                           "prompt_lookup_num_tokens", "overhead", "overhead_tokens")}
-    bench.update({k: v for k, v in flags.items() if v is not None})
-    for key, flag in (("datasets", args.datasets), ("methods", args.methods), ("overhead_batches", args.overhead_batches)):
-        if flag:
-            bench[key] = flag.split(",")
-    if args.drafter:
-        bench["drafters"] = args.drafter
-    if args.ngrams:
-        bench["ngrams"] = args.ngrams
-    for key in ("datasets", "methods", "drafters", "ngrams", "overhead_batches"):
-        if isinstance(bench[key], str):
-            bench[key] = [s for s in bench[key].split(",") if s]
-        bench[key] = [s.strip() if isinstance(s, str) else s for s in bench[key] or [] if str(s).strip()]
-    dec_values.update({k: _yaml_value(getattr(args, k)) for k in DECODER_FIELDS if getattr(args, k) is not None})
-    cfg = DecoderConfig.from_dict(dec_values, where=args.recipe or "the command line")
-    for key in ("prompts", "max_new_tokens", "overhead_tokens", "prompt_lookup_num_tokens"):
-        v = bench[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"--{key.replace('_', '-')} {v!r}: use an integer >= 1.", param=key)
-    try:
-        bench["overhead_batches"] = [int(b) for b in bench["overhead_batches"]]
-        assert all(b >= 1 for b in bench["overhead_batches"])
-    except (ValueError, AssertionError):
-        raise ConfigError(f"--overhead-batches {bench['overhead_batches']!r}: use batch sizes >= 1, e.g. 1,8.") from None
-    if bench["threads"] is not None and (not isinstance(bench["threads"], int) or bench["threads"] < 1):
-        raise ConfigError(f"--threads {bench['threads']!r}: use an integer >= 1.", param="threads")
-    if bench["cost_curve_ms"]:
-        from redraft.infer.budget import CostCurve
-
-        try:
-            CostCurve.from_ms(bench["cost_curve_ms"])
-        except (ValueError, TypeError):
-            raise ConfigError(f"cost curve {bench['cost_curve_ms']!r}: write 'tokens:ms,...', e.g. "
-                              f"'1:63,8:116,16:146,64:245'.") from None
-    if not bench["datasets"]:
-        raise ConfigError("--datasets is empty; use chat, code, mt-bench:PATH or JSONL files.", param="datasets")
-    return bench, cfg
+        bench, dec = load_yaml(path, BenchSettings, DecoderConfig, what="recipe")
+        bench = {k: BenchSettings.coerce(k, v, str(path)) for k, v in bench.items()}
+        dec = {k: DecoderConfig.coerce(k, v, str(path)) for k, v in dec.items()}
+    bench.update({k: BenchSettings.coerce(k, v) for k, v in BenchSettings.given(args).items()})
+    dec.update({k: DecoderConfig.coerce(k, v) for k, v in DecoderConfig.given(args).items()})
+    cfg = DecoderConfig.from_dict(dec, where=args.recipe or "the command line")
+    return BenchSettings.from_dict(bench, where=args.recipe or "the command line").to_dict(), cfg
 
 
 def check_outputs(bench: dict) -> None:

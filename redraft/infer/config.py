@@ -13,41 +13,45 @@ Nothing here imports torch, so command-line ``--help`` stays fast.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
-from dataclasses import dataclass, field, fields
-from typing import Any, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 from redraft.errors import ConfigError
+from redraft.settings import Range, Settings, setting
 
 ACCEPTANCE = ("greedy", "rejection", "typical")
 TYPICAL_EPS = 0.3  # Medusa's typical-acceptance defaults
 TYPICAL_DELTA = 0.09
 
 
-def _f(default, help: str):
-    return field(default=default, metadata={"help": help})
+_f = setting  # one line per field: name, default, help and its range or choices
 
 
 @dataclass
-class DecoderConfig:
+class DecoderConfig(Settings):
     """Every setting of the speculative decoder (each is a preset key and a ``redraft-bench`` flag)."""
+
+    KIND = "decoder setting"
 
     # ---- verification
     acceptance: str = _f("greedy", "'greedy' (output equals plain greedy decoding), 'rejection' (lossless "
-                         "sampling; greedy at temperature 0) or 'typical' (Medusa's typical acceptance, not lossless).")
+                         "sampling; greedy at temperature 0) or 'typical' (Medusa's typical acceptance, not lossless).",
+                         choices=ACCEPTANCE)
     budget: Any = _f("auto", "Tree nodes verified per step besides the root: 'auto' (chosen per step from the "
                      "measured verify-cost curve and the drafters' acceptance rates) or a number.")
-    max_nodes: int = _f(64, "Upper bound on tree nodes per row and step for the 'auto' budget.")
+    max_nodes: int = _f(64, "Upper bound on tree nodes per row and step for the 'auto' budget.", range=Range(0, 4096))
     fp32_logits: bool = _f(False, "Compute verify logits with a float32 LM head (bf16 targets: fewer near-tie flips).")
-    typical_eps: float = _f(TYPICAL_EPS, "Typical acceptance: probability threshold epsilon.")
-    typical_delta: float = _f(TYPICAL_DELTA, "Typical acceptance: entropy-scaled threshold delta.")
+    typical_eps: float = _f(TYPICAL_EPS, "Typical acceptance: probability threshold epsilon.",
+                            range=Range(0, 1e6, lo_open=True))
+    typical_delta: float = _f(TYPICAL_DELTA, "Typical acceptance: entropy-scaled threshold delta.",
+                              range=Range(0, 1e6, lo_open=True))
     adapt: bool = _f(True, "Update per-drafter acceptance rates while decoding (they rank tree nodes).")
     gate: bool = _f(True, "With several drafters and the 'auto' budget, skip a drafter while the tokens only it "
                     "gets accepted are worth less than its drafting time (re-tried after growing waits).")
     gate_explore: int = _f(8, "Steps a skipped drafter waits before it is tried again (doubles while useless, "
-                           "up to 16x).")
+                           "up to 16x).", range=Range(1))
     guard: bool = _f(True, "With the 'auto' budget and a batch of 2 or more rows, time speculative and plain "
                      "steps per batch size and run plain steps where speculation is slower (re-tried "
                      "after growing waits): speculation never makes a loaded batch slower for long.")
@@ -56,12 +60,14 @@ class DecoderConfig:
     static_verify: Any = _f("auto", "Pad verify trees to a few fixed sizes and capture the forward in a CUDA graph: "
                             "'auto' (on for CUDA, off on CPU), true or false.")
     # ---- drafters (load_decoder / make_drafters)
-    redrafter_width: int = _f(8, "ReDrafter beams per step.")
-    redrafter_length: int | None = _f(None, "ReDrafter tokens per beam (default: the head's training horizon).")
-    ngram_k: int = _f(8, "N-gram draft rows per step (context matches, then model-bigram chains).")
-    ngram_w: int = _f(12, "Tokens per n-gram draft row.")
-    context_q: int = _f(1, "Shortest context match, in tokens.")
-    context_q_max: int = _f(3, "Longest context match, tried first.")
+    redrafter_width: int = _f(8, "ReDrafter beams per step.", range=Range(1, 1024))
+    redrafter_length: int | None = _f(None, "ReDrafter tokens per beam (default: the head's training horizon).",
+                                      range=Range(1, 256))
+    ngram_k: int = _f(8, "N-gram draft rows per step (context matches, then model-bigram chains).",
+                      range=Range(1, 1024))
+    ngram_w: int = _f(12, "Tokens per n-gram draft row.", range=Range(1, 1024))
+    context_q: int = _f(1, "Shortest context match, in tokens.", range=Range(1, 64))
+    context_q_max: int = _f(3, "Longest context match, tried first.", range=Range(1, 64))
     context: bool | None = _f(None, "Add a context n-gram drafter (default: only when no n-gram tables are "
                               "given; the N-Grammys drafter of each table already matches the context).")
     aded: bool = _f(False, "Also draft with ADED's MCTS over every n-gram table set that holds tri-grams.")
@@ -69,73 +75,31 @@ class DecoderConfig:
     def __post_init__(self):
         self.validate()
 
-    def validate(self) -> "DecoderConfig":
+    @classmethod
+    def subject(cls, key: str, value) -> str:
+        return f"decoder setting {key}={value!r}"  # the Python API's and the presets' name of it
+
+    def check(self) -> None:
+        """What the schema's types and ranges cannot say: ``budget`` is 'auto' or a number of
+        nodes (a string number is read as one), ``static_verify`` 'auto' or a bool, and the
+        shortest context match is not longer than the longest."""
         def bad(key, why):
-            raise ConfigError(f"decoder setting {key}={getattr(self, key)!r}: {why}", param=key)
+            raise ConfigError(f"{self.subject(key, getattr(self, key))}: {why}", param=key)
 
-        def integer(key, low, high=None, optional=False):
-            v = getattr(self, key)
-            if v is None and optional:
-                return
-            if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
-                bad(key, f"use an integer >= {low}" + (f" and <= {high}" if high is not None else "") + ".")
-
-        if self.acceptance not in ACCEPTANCE:
-            bad("acceptance", f"use one of {ACCEPTANCE}.")
         if isinstance(self.budget, str) and self.budget != "auto":
             try:
                 self.budget = int(self.budget)
             except ValueError:
                 bad("budget", "use 'auto' or a number of tree nodes >= 0.")
-        if self.budget != "auto":
-            integer("budget", 0)
-        integer("max_nodes", 0, 4096)
-        integer("gate_explore", 1)
-        for key in ("typical_eps", "typical_delta"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1e6 or math.isnan(v):
-                bad(key, "use a number > 0.")
-        for key in ("fp32_logits", "adapt", "gate", "guard", "cpu_pack", "aded"):
-            if not isinstance(getattr(self, key), bool):
-                bad(key, "use true or false.")
-        if self.context is not None and not isinstance(self.context, bool):
-            bad("context", "use true, false or null.")
+        if self.budget != "auto" and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
+                                      or self.budget < 0):
+            bad("budget", "use an integer >= 0.")
         if self.static_verify not in ("auto", True, False):
             bad("static_verify", "use 'auto', true or false.")
-        integer("redrafter_width", 1, 1024)
-        integer("redrafter_length", 1, 256, optional=True)
-        integer("ngram_k", 1, 1024)
-        integer("ngram_w", 1, 1024)
-        integer("context_q", 1, 64)
-        integer("context_q_max", 1, 64)
         if self.context_q > self.context_q_max:
             raise ConfigError(f"decoder settings context_q={self.context_q} and context_q_max={self.context_q_max}: "
                               f"the shortest context match cannot be longer than the longest; use context_q <= "
                               f"context_q_max (raise context_q_max too).", param="context_q")
-        return self
-
-    def replace(self, **changes) -> "DecoderConfig":
-        """A copy with ``changes`` applied (unknown keys are errors)."""
-        return DecoderConfig.from_dict({**self.to_dict(), **changes})
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict, where: str = "the decoder settings") -> "DecoderConfig":
-        """Build from a mapping (a preset, keyword arguments); unknown keys are errors naming them."""
-        unknown = [k for k in values if k not in FIELDS]
-        if unknown:
-            k = unknown[0]
-            close = difflib.get_close_matches(k, FIELDS, n=3)
-            hint = f" Did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(f"unknown decoder setting {k!r} in {where}.{hint} Known settings: "
-                              f"{', '.join(sorted(FIELDS))}.", param=k)
-        return cls(**values)
-
-    @staticmethod
-    def help(key: str) -> str:
-        return FIELDS[key].metadata["help"]
 
 
 FIELDS = {f.name: f for f in fields(DecoderConfig)}
@@ -170,7 +134,7 @@ class SamplingParams:
     @classmethod
     def checked(cls, max_new_tokens: Any = 128, temperature: Any = 0.0, top_p: Any = 1.0,
                 stop: str | Sequence[str] | None = None, seed: Any = None,
-                stop_token_ids: Sequence[int] | None = None) -> "SamplingParams":
+                stop_token_ids: Sequence[int] | None = None) -> SamplingParams:
         def bad(param, value, why):
             raise ConfigError(f"{param}={value!r}: {why}", param=param)
 

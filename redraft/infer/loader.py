@@ -20,6 +20,7 @@ from redraft.infer.config import DecoderConfig
 from redraft.infer.decoder import SpeculativeDecoder
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
 from redraft.infer.drafters.redrafter import ReDrafterDrafter
+from redraft.settings import read_yaml_mapping, split_keys
 
 logger = logging.getLogger(__name__)
 
@@ -119,18 +120,12 @@ def load_decoder(target="default", drafters=(), ngrams=(), *, config: DecoderCon
 def read_preset(path) -> dict:
     """A decoding preset (``infer/decode-*.yaml``) as a dict: ``load_decoder``'s own arguments
     (target, drafters, ngrams, dtype, device) and :class:`DecoderConfig` fields, checked."""
-    import yaml
-
     from redraft.resources import find_config
 
     p = find_config(path, "infer")  # a file, or a shipped preset such as decode-default
-    try:
-        cfg = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"decoding preset {p} is not valid YAML: {exc}") from exc
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{p} must be a YAML mapping of load_decoder arguments.")
-    DecoderConfig.from_dict({k: v for k, v in cfg.items() if k not in LOAD_KEYS}, where=str(p))
+    cfg = read_yaml_mapping(p, what="decoding preset")
+    (decoder,) = split_keys(cfg, [DecoderConfig], str(p), ignore=LOAD_KEYS)
+    DecoderConfig.from_dict(decoder, where=str(p))
     return cfg
 
 

@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from redraft.errors import ConfigError, RedraftError
+from redraft.cli import ModelSettings, run_cli
+from redraft.errors import ConfigError
 from redraft.ngrams.build import (  # noqa: F401  (shard_dir: re-exported)
     TableWriter,
     build_bigram,
@@ -56,6 +57,12 @@ def shards_home(output_dir) -> Path:
     return out.with_name(out.name + SHARDS_SUFFIX)
 
 
+# the shared model flags this command takes (redraft.cli.ModelSettings); the bigram forward
+# computes in bfloat16 unless told otherwise (AMX / tensor cores)
+MODEL_FLAGS = ("target", "dtype", "device", "threads")
+MODEL_DEFAULTS = {"dtype": "bfloat16"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog=PROG,
@@ -63,9 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "weights, ADED corpus tri-grams) into an artifact directory the decoder loads. "
                     "Subcommand `merge` combines the partial counts of a sharded tri-gram build.",
         formatter_class=HelpFormatter)
-    p.add_argument("--target", default="default",
-                   help="target model: 'default' (SmolLM2-135M-Instruct), a .gguf file, a local HF "
-                        "directory or a hub id; the tables are valid for its tokenizer only")
+    ModelSettings.add_arguments(p, only=MODEL_FLAGS, shown=MODEL_DEFAULTS)
     p.add_argument("--kinds", default="unigram,bigram,extended,trigram",
                    help=f"comma-separated tables to build, from {','.join(KINDS)}")
     p.add_argument("--data", default="default-chat",
@@ -87,11 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extend-with-model", action=argparse.BooleanOptionalAction, default=False,
                    help="chain extended rows by greedy decoding with the target instead of the "
                         "bigram table (vocab*k generations: for GPUs)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="compute dtype of the bigram forward (bf16 uses AMX/tensor cores)")
     p.add_argument("--batch-size", type=int, default=1024, help="tokens per bigram forward")
-    p.add_argument("--device", default=None,
-                   help="torch device for the target: cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--num-shards", type=int, default=1,
                    help="split the tri-gram corpus into this many shards (records i with "
                         "i %% N == shard-id); each shard writes partial counts, `merge` finishes")
@@ -108,9 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokenizer processes (default: one per CPU, at most 8)")
     p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False,
                    help="rebuild kinds already present in --output-dir (default: skip them)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the bigram build (default: torch's choice, one per "
-                        "core; on a machine shared with other jobs 1 can be faster)")
     p.add_argument("--quiet", action=argparse.BooleanOptionalAction, default=False,
                    help="no progress bars")
     return p
@@ -184,7 +182,7 @@ def check_build_args(args) -> list[str]:
     _at_least(args, "memory_mb", 0)
     _at_least(args, "limit", 1, optional=True, what=" (leave it out to use every record)")
     _at_least(args, "num_proc", 1, optional=True)
-    _at_least(args, "threads", 1, optional=True)
+    ModelSettings.from_args(args, MODEL_DEFAULTS)  # the model flags: typed and checked, set on args
     if not 0 <= args.shard_id < args.num_shards:
         raise ConfigError(f"--shard-id {args.shard_id} is not in 0..{args.num_shards - 1} "
                           f"(--num-shards {args.num_shards}).", param="shard_id")
@@ -364,20 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     global _MAIN_PID
     _MAIN_PID = os.getpid()
-    previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
-    try:
-        run_merge(args) if merge else run_build(args)
-    except RedraftError as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; tables already written are kept, temporary files removed.",
-              file=sys.stderr)
-        return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    return 0
+
+    def work() -> None:
+        previous = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
+        try:
+            run_merge(args) if merge else run_build(args)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    return run_cli(PROG, work, interrupted="tables already written are kept, temporary files removed.")
 
 
 def _main_thread() -> bool:

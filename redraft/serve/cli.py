@@ -16,82 +16,91 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import dataclass
 
+from redraft.cli import ModelSettings, one_line, run_cli
+from redraft.errors import ConfigError
+from redraft.infer.config import DecoderConfig
+from redraft.settings import Range, Settings, setting
 from redraft.utils import ArgumentParser, HelpFormatter
 
 
+@dataclass
+class ServeSettings(Settings):
+    """``redraft-serve``'s own settings (each a flag); the model flags are the shared
+    :class:`~redraft.cli.ModelSettings` and ``--acceptance`` is :class:`DecoderConfig`'s."""
+
+    KIND = "server setting"
+
+    # ---- model
+    preset: str | None = setting(None, "Decoding preset YAML (load_decoder arguments), e.g. "
+                                       "infer/decode-default.yaml.")
+    speculation: bool = setting(True, "Speculative decoding; --no-speculation serves plain autoregressive decoding "
+                                      "with the same loop (the baseline of the load benchmark).")
+    served_model_name: str | None = setting(None, "Model id in /v1/models and in requests; none = the target spec.",
+                                            literal=True)
+    # ---- server
+    host: str = setting("127.0.0.1", "Address to listen on.")
+    port: int = setting(8000, "TCP port (0: any free port, printed at start).", range=Range(0, 65535))
+    api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY' on /v1; none: $REDRAFT_API_KEY if set "
+                                        "(keeps the key out of the process list), else no key.", literal=True)
+    max_batch: int = setting(16, "Requests decoding at once (rows of one batch).", range=Range(1))
+    max_queue: int = setting(64, "Requests that may wait for a row; more get 429 with Retry-After.", range=Range(0))
+    default_max_tokens: int = setting(256, "New tokens for a request that sets no max_tokens (capped by the "
+                                           "context).", range=Range(1))
+    max_request_bytes: int = setting(4 * 1024 * 1024, "Largest request body accepted; larger ones get 413 before "
+                                                      "they are read.", range=Range(1))
+    cors_origin: list[str] | None = setting(None, "Let browsers on ORIGIN call the API (CORS, preflight included; "
+                                                  "repeat for several, '*' for any); none: no CORS headers.",
+                                            metavar="ORIGIN", repeat=True)
+    grace: float = setting(30.0, "Seconds in-flight requests get to finish after SIGTERM.", range=Range(0))
+    warmup: bool = setting(True, "Run a short generation before accepting requests.")
+    log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
+
+    def check(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key is empty; give a key or leave it unset", param="api_key")
+
+
+MODEL_FLAGS = ("target", "drafters", "ngrams", "dtype", "device")
+# what a model flag left out means here: the preset decides
+MODEL_SHOWN = {"target": "the preset's, else 'default'", "dtype": "the preset's, else by device",
+               "drafters": "the preset's", "ngrams": "the preset's"}
+MODEL_KEYS = ("preset", "speculation", "served_model_name")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="redraft-serve", description="The speculative decoder behind an OpenAI-compatible HTTP API (docs/serve.md).",
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="redraft-serve", description="The speculative decoder behind an OpenAI-compatible HTTP "
+                       "API (docs/serve.md).", formatter_class=HelpFormatter)
     m = p.add_argument_group("model (flags override the preset's keys)")
-    m.add_argument("--preset", default=None,
-                   help="decoding preset YAML (load_decoder arguments), e.g. infer/decode-default.yaml")
-    m.add_argument("--target", default=None,
-                   help="target model: 'default', a hub id[@rev], a local dir or a GGUF file "
-                        "(default: the preset's, else 'default')")
-    m.add_argument("--drafter", action="append", default=None,
-                   help="ReDrafter artifact dir or hub id (repeat for several)")
-    m.add_argument("--ngrams", action="append", default=None,
-                   help="n-gram table dir or hub id (repeat for several)")
-    m.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the preset's, else by device)")
-    m.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: CUDA when available)")
-    m.add_argument("--acceptance", default=None, choices=["greedy", "rejection", "typical"],
-                   help="acceptance rule (default: the preset's, except that 'greedy' or none becomes 'rejection': "
-                        "lossless sampling for requests with temperature > 0, and temperature-0 requests are "
-                        "still exactly greedy)")
-    m.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
-                   help="speculative decoding; --no-speculation serves plain autoregressive decoding "
-                        "with the same loop (the baseline of the load benchmark)")
-    m.add_argument("--served-model-name", default=None,
-                   help="model id in /v1/models and in requests (default: the target spec)")
-    s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port, printed at start)")
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1; unset: $REDRAFT_API_KEY if set (keeps the "
-                        "key out of the process list), else no key")
-    s.add_argument("--max-batch", type=int, default=16, help="requests decoding at once (rows of one batch)")
-    s.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait for a row; more get 429 with Retry-After")
-    s.add_argument("--default-max-tokens", type=int, default=256,
-                   help="new tokens for a request that sets no max_tokens (capped by the context)")
-    s.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
-                   help="largest request body accepted; larger ones get 413 before they are read")
-    s.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
-                   help="let browsers on ORIGIN call the API (CORS, preflight included; repeat for several, "
-                        "'*' for any); unset: no CORS headers")
-    s.add_argument("--grace", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM")
-    s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="run a short generation before accepting requests")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    ServeSettings.add_arguments(m, only=("preset",))
+    ModelSettings.add_arguments(m, only=MODEL_FLAGS, shown=MODEL_SHOWN)
+    DecoderConfig.add_arguments(m, only=("acceptance",), shown={
+        "acceptance": "the preset's, except that 'greedy' or none becomes 'rejection': lossless sampling for "
+                      "requests with temperature > 0, and temperature-0 requests are still exactly greedy"})
+    ServeSettings.add_arguments(m, only=("speculation", "served_model_name"))
+    ServeSettings.add_arguments(p, "server", exclude=MODEL_KEYS)
     return p
 
 
 def check_args(args, parser) -> None:
-    """Argument checks that need nothing loaded (before the minute a model can take)."""
-    if not 0 <= args.port <= 65535:
-        parser.error(f"--port {args.port} must lie in [0, 65535]")
-    if args.max_batch < 1:
-        parser.error(f"--max-batch {args.max_batch} must be >= 1")
-    if args.max_queue < 0:
-        parser.error(f"--max-queue {args.max_queue} must be >= 0")
-    if args.default_max_tokens < 1:
-        parser.error(f"--default-max-tokens {args.default_max_tokens} must be >= 1")
-    if args.max_request_bytes < 1:
-        parser.error(f"--max-request-bytes {args.max_request_bytes} must be >= 1")
-    if args.grace < 0:
-        parser.error(f"--grace {args.grace} must be >= 0")
-    if args.api_key is not None and not args.api_key.strip():
-        parser.error("--api-key is empty; give a key or leave it unset")
+    """Argument checks that need nothing loaded (before the minute a model can take): every flag
+    read as its setting's type and checked against its range and choices; ``args`` then holds
+    the typed values (the server's defaults filled in; a model flag left out stays None)."""
+    try:
+        ServeSettings.from_args(args)
+        DecoderConfig.from_dict(DecoderConfig.given(args), coerce=True)
+        for key, value in ModelSettings.given(args).items():
+            setattr(args, key, ModelSettings.coerce(key, value))
+    except ConfigError as exc:
+        parser.error(one_line(exc))
 
 
 def load(args):
     """The decoder the flags describe: the preset (if any) with the flags' overrides."""
     from redraft.infer import load_decoder, load_preset, read_preset
 
-    overrides = {k: v for k, v in (("target", args.target), ("drafters", args.drafter), ("ngrams", args.ngrams),
-                                   ("dtype", args.dtype), ("device", args.device)) if v is not None}
+    overrides = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
     acceptance = args.acceptance
     if acceptance is None:
         # a server takes requests of any temperature: a greedy decoder is served with lossless
@@ -113,39 +122,36 @@ def main(argv=None) -> int:
         args.api_key = os.environ.get("REDRAFT_API_KEY") or None
     check_args(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from redraft.errors import RedraftError
+    return run_cli("redraft-serve", lambda: serve(args))
+
+
+def serve(args) -> int:
+    """Bind, load the decoder, serve until SIGTERM/SIGINT; the exit status."""
+    from redraft.serve.server import bind, run
 
     try:
-        from redraft.serve.server import bind, run
-
-        try:
-            sock = bind(args.host, args.port)
-        except OSError as exc:
-            print(f"redraft-serve: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
-                  f"choose another --port or stop what holds it.", file=sys.stderr)
-            return 2
-        from redraft.serve.app import create_app
-
-        decoder = load(args)
-        name = args.served_model_name or str(getattr(decoder.target, "spec", "") or "default")
-        app = create_app(decoder, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
-                         default_max_tokens=args.default_max_tokens, warmup=args.warmup,
-                         max_request_bytes=args.max_request_bytes, cors_origins=args.cors_origin or ())
-        host, port = sock.getsockname()[:2]
-        print(f"redraft-serve: serving {name!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
-              f"(max batch {args.max_batch}, queue {args.max_queue})", flush=True)
-        try:
-            run(app, sock, grace_s=args.grace, log_level=args.log_level)
-        except SystemExit as exc:  # uvicorn exits when the app's start-up (the decode loop) fails
-            failure = app.state.scheduler.failure
-            print(f"redraft-serve: the decoder failed to start: {failure!r}" if failure else
-                  f"redraft-serve: the server stopped (exit {exc.code}).", file=sys.stderr)
-            return 2
-    except RedraftError as exc:
-        print(f"redraft-serve: {exc}", file=sys.stderr)
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        print(f"redraft-serve: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
+              f"choose another --port or stop what holds it.", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    from redraft.serve.app import create_app
+
+    decoder = load(args)
+    name = args.served_model_name or str(getattr(decoder.target, "spec", "") or "default")
+    app = create_app(decoder, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
+                     default_max_tokens=args.default_max_tokens, warmup=args.warmup,
+                     max_request_bytes=args.max_request_bytes, cors_origins=args.cors_origin or ())
+    host, port = sock.getsockname()[:2]
+    print(f"redraft-serve: serving {name!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
+          f"(max batch {args.max_batch}, queue {args.max_queue})", flush=True)
+    try:
+        run(app, sock, grace_s=args.grace, log_level=args.log_level)
+    except SystemExit as exc:  # uvicorn exits when the app's start-up (the decode loop) fails
+        failure = app.state.scheduler.failure
+        print(f"redraft-serve: the decoder failed to start: {failure!r}" if failure else
+              f"redraft-serve: the server stopped (exit {exc.code}).", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -22,9 +22,9 @@ import errno
 import os
 import shutil
 import sys
-from dataclasses import fields
 from pathlib import Path
 
+from redraft.cli import run_cli
 from redraft.errors import ConfigError, RedraftError
 from redraft.train.config import (
     DEFAULT_TOP_K, HIDDEN_DTYPES, TrainConfig, load_recipe, make_config, parse_set, recipe_names,
@@ -37,34 +37,16 @@ CACHE_KEYS = ("target", "data", "max_length", "pack", "heldout_fraction", "train
               "data_cache_dir", "device", "precision", "threads")
 
 
-def _shown(value) -> str:
-    return "none" if value is None else (" ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
-
-
 def add_config_arguments(p: argparse.ArgumentParser, keys=None, title: str = "settings") -> None:
-    """One flag per TrainConfig key (``keys``: a subset). Flags default to SUPPRESS, so only what
-    the user typed overrides the recipe; the help shows the value the default recipe gives."""
+    """One flag per TrainConfig key (``keys``: a subset), generated from its schema. Flags default
+    to None, so only what the user typed overrides the recipe; the help shows the value the
+    default recipe gives."""
     try:
         recipe = load_recipe(DEFAULT_RECIPE)
     except RedraftError:  # no recipes folder (a broken install): show the built-in defaults
         recipe = {}
-    grp = p.add_argument_group(title, f"each overrides --recipe; the defaults shown are those of the "
-                                      f"{DEFAULT_RECIPE!r} recipe")
-    for f in fields(TrainConfig):
-        if keys is not None and f.name not in keys:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = recipe.get(f.name, f.default)
-        kw = {"dest": f.name, "default": argparse.SUPPRESS,
-              "help": f"{f.metadata.get('help', '')} (default: {_shown(default)})"}
-        if f.type == "bool":
-            grp.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        elif f.name == "adam_betas":
-            grp.add_argument(flag, nargs=2, metavar=("B1", "B2"), **kw)
-        elif f.name == "max_steps":
-            grp.add_argument(flag, "--steps", metavar="N", **kw)
-        else:
-            grp.add_argument(flag, metavar=f.name.upper(), **kw)
+    TrainConfig.add_arguments(p, title, f"each overrides --recipe; the defaults shown are those of the "
+                                        f"{DEFAULT_RECIPE!r} recipe", only=keys, shown=recipe)
 
 
 def _add_recipe_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,11 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults <- ``--recipe`` <- ``--set`` <- flags, validated."""
-    overrides = parse_set(args.set_)
-    for f in fields(TrainConfig):
-        v = getattr(args, f.name, None)
-        if v is not None:
-            overrides[f.name] = v if not isinstance(v, list) else list(v)
+    overrides = {**parse_set(args.set_), **TrainConfig.given(args)}
     recipe = None if args.recipe in (None, "", "none") else args.recipe
     return make_config(recipe, overrides)
 
@@ -147,21 +125,18 @@ WRITE_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQU
 
 
 def _run(prog: str, fn) -> int:
-    """Run ``fn()``; a RedraftError is one line on stderr (exit 2), Ctrl-C exit 130."""
-    try:
-        return fn()
-    except RedraftError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        if exc.errno not in WRITE_ERRORS:
-            raise
-        print(f"{prog}: error: cannot write {exc.filename or 'a file'}: {exc.strerror}; choose a writable "
-              f"directory (--output-dir, --data-cache-dir).", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    """``run_cli`` over ``fn()`` (a RedraftError: one line, exit 2; Ctrl-C: exit 130), where a
+    write that fails for want of space or permission is one line naming the path too."""
+    def work() -> int:
+        try:
+            return fn()
+        except OSError as exc:
+            if exc.errno not in WRITE_ERRORS:
+                raise
+            raise ConfigError(f"cannot write {exc.filename or 'a file'}: {exc.strerror}; choose a writable "
+                              f"directory (--output-dir, --data-cache-dir).") from exc
+
+    return run_cli(prog, work)
 
 
 def main(argv: list[str] | None = None) -> int:

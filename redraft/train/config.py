@@ -8,17 +8,16 @@ dataclass defaults, then the recipe, then command-line overrides (``--lr 3e-4`` 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from redraft.errors import ConfigError
 from redraft.resources import config_dir
+from redraft.settings import Range, Settings, read_yaml_mapping, setting
+
+__all__ = ["Range", "TrainConfig", "load_recipe", "make_config", "parse_set", "coerce"]
 
 # train/ at the repository root holds the DeepSpeed configs and recipes (no Python); it ships
 # with the package (redraft.resources).
@@ -26,100 +25,119 @@ TRAIN_DIR = config_dir("train")
 RECIPES_DIR = TRAIN_DIR / "recipes"
 
 
-def _f(default, help: str, **kw):
-    return field(default=default, metadata={"help": help}, **kw)
+_f = setting  # one line per field: name, default, help and its range, hint or choices
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Settings):
     """Every setting of a ``redraft-train`` run (each is a recipe key and a ``--flag``)."""
+
+    KIND = "training setting"
 
     # ---- target and data
     target: str = _f("default", "Target model: 'default', a .gguf file, a local HF/PEFT directory or a hub id.")
     data: str = _f("default-chat", "Training data source spec (redraft.data grammar, e.g. 'default-chat', "
                    "'sharegpt:FILE.jsonl', a mixture).")
     eval_data: str | None = _f(None, "Held-out data spec; none = the held-out split of --data.")
-    max_length: int = _f(2048, "Truncate each tokenized record to this many tokens.")
+    max_length: int = _f(2048, "Truncate each tokenized record to this many tokens.",
+                         range=Range(3), hint=" (a window needs a context token, an input token and a target)")
     self_distill: bool = _f(False, "Train and evaluate on the target's own greedy replies to the prompts of --data "
                             "(made once with redraft-distill-data's code, cached in --distill-dir, resumable) "
                             "instead of the replies in the data.")
     distill_dir: str | None = _f(None, "Where the self-distilled JSONL files go; none = <redraft cache>/distilled/"
                                  "<target>-<hash of the target and the distill settings>.")
     distill_limit: int | None = _f(2000, "Conversations of --data's train split to self-distill (held-out: "
-                                   "--eval-limit); none = all.")
-    distill_max_new_tokens: int = _f(256, "Longest self-distilled reply in tokens.")
-    distill_max_turns: int | None = _f(None, "Self-distill at most this many user turns per conversation; none = all.")
+                                   "--eval-limit); none = all.", range=Range(1))
+    distill_max_new_tokens: int = _f(256, "Longest self-distilled reply in tokens.", range=Range(1))
+    distill_max_turns: int | None = _f(None, "Self-distill at most this many user turns per conversation; none = all.",
+                                       range=Range(1))
     distill_max_prompt_tokens: int = _f(1024, "Self-distill no turn whose prompt is longer (the prompt's prefill "
-                                        "dominates generation time on a CPU); at most --max-length is used.")
-    distill_batch_size: int = _f(8, "Conversations generated together when self-distilling.")
+                                        "dominates generation time on a CPU); at most --max-length is used.",
+                                        range=Range(1))
+    distill_batch_size: int = _f(8, "Conversations generated together when self-distilling.", range=Range(1))
     pack: bool = _f(False, "Pack records into max_length sequences (redraft.data).")
-    heldout_fraction: float = _f(0.02, "Fraction of records (by id hash) held out for evaluation.")
-    train_limit: int | None = _f(None, "Use at most this many training records.")
-    eval_limit: int | None = _f(200, "Evaluate on at most this many held-out records.")
+    heldout_fraction: float = _f(0.02, "Fraction of records (by id hash) held out for evaluation.",
+                                 range=Range(0, 1, hi_open=True))
+    train_limit: int | None = _f(None, "Use at most this many training records.", range=Range(1))
+    eval_limit: int | None = _f(200, "Evaluate on at most this many held-out records.", range=Range(1))
     data_cache_dir: str | None = _f(None, "Token dataset cache directory; none = under the redraft cache.")
-    num_proc: int | None = _f(None, "Processes for tokenization (datasets.map num_proc); none = the CPUs, at most 8.")
+    num_proc: int | None = _f(None, "Processes for tokenization (datasets.map num_proc); none = the CPUs, at most 8.",
+                              range=Range(1))
 
     # ---- the head
-    num_steps: int = _f(5, "Training horizon n: draft tokens predicted from each hidden state.")
-    num_layers: int = _f(2, "ResNet blocks in the head.")
+    num_steps: int = _f(5, "Training horizon n: draft tokens predicted from each hidden state.", range=Range(1))
+    num_layers: int = _f(2, "ResNet blocks in the head.", range=Range(0))
     rnn: bool = _f(True, "Use the recurrence s_i = f(U s_{i-1} + W e_i + b); false = paper's ablation.")
     activation: str = _f("silu", "Activation f of the recurrence and the ResNet blocks.")
     draft_vocab_size: int | None = _f(None, "Reduced draft vocabulary: the N most frequent target tokens "
-                                      "(assistant tokens of the training data); none = full vocabulary.")
+                                      "(assistant tokens of the training data); none = full vocabulary.",
+                                      range=Range(1))
     init_from: str | None = _f(None, "Start from the weights of this drafter artifact (fine-tuning).")
     features: str | None = _f(None, "Train from the target features cached in this directory by "
                               "redraft-cache-features (no target forward per step); they must match --target, "
                               "--data, --max-length and the other data settings.")
     init_head: str = _f("random", "'random' (paper) or 'target': the output layer starts as the target's LM head "
-                        "on x (zeros on s) and the ResNet blocks as identity (Medusa-style warm start).")
+                        "on x (zeros on s) and the ResNet blocks as identity (Medusa-style warm start).",
+                        choices=("random", "target"))
 
     # ---- objective
-    loss: str = _f("ce", "'ce' (cross-entropy on the data), 'kd' (KL to the target's distribution) or 'ce+kd'.")
-    kd_weight: float = _f(1.0, "Weight of the KL term in 'ce+kd'.")
+    loss: str = _f("ce", "'ce' (cross-entropy on the data), 'kd' (KL to the target's distribution) or 'ce+kd'.",
+                   choices=("ce", "kd", "ce+kd"))
+    kd_weight: float = _f(1.0, "Weight of the KL term in 'ce+kd'.", range=Range(0))
     kd_top_k: int = _f(8, "KD teacher: the target's top-k next tokens, renormalised over those in the draft "
-                       "vocabulary (cached features hold their own top-k).")
+                       "vocabulary (cached features hold their own top-k).", range=Range(1))
     loss_impl: str = _f("auto", "'fused' (chunked linear loss: never holds the [positions, steps, vocab] logits), "
                         "'liger' (liger-kernel's fused linear cross-entropy; CUDA, loss ce), 'dense' (the "
                         "reference) or 'auto' (liger where it applies and is installed, else fused; dense "
-                        "under ZeRO-3).")
+                        "under ZeRO-3).", choices=("auto", "fused", "liger", "dense"))
 
     # ---- optimisation (paper / Apple recipe defaults)
-    epochs: float = _f(2, "Passes over the training data (fractions allowed).")
+    epochs: float = _f(2, "Passes over the training data (fractions allowed).",
+                       range=Range(0, lo_open=True), hint=" (or set --max-steps)")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps, >= 1 (overrides epochs for the "
-                               "schedule); none = train for --epochs.")
-    max_time_minutes: float | None = _f(None, "Stop (checkpoint, evaluate, save) after this much training time.")
-    micro_batch_size: int = _f(1, "Sequences per micro batch per process.")
-    grad_accum: int = _f(8, "Micro batches accumulated per optimizer step (per process).")
-    lr: float = _f(1e-3, "Peak learning rate (AdamW).")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
-    adam_betas: tuple = _f((0.9, 0.999), "AdamW betas.")
-    warmup_ratio: float = _f(0.1, "Linear warm-up as a fraction of the schedule.")
-    min_lr_ratio: float = _f(0.0, "Final learning rate of the cosine decay, as a fraction of lr.")
+                               "schedule); none = train for --epochs.",
+                               range=Range(1), hint=" (leave it out to train for --epochs)", flags=("--steps",),
+                               metavar="N")
+    max_time_minutes: float | None = _f(None, "Stop (checkpoint, evaluate, save) after this much training time.",
+                                        range=Range(0, lo_open=True), hint=" (leave it out for no time budget)")
+    micro_batch_size: int = _f(1, "Sequences per micro batch per process.", range=Range(1))
+    grad_accum: int = _f(8, "Micro batches accumulated per optimizer step (per process).", range=Range(1))
+    lr: float = _f(1e-3, "Peak learning rate (AdamW).",
+                   range=Range(0, lo_open=True), hint=" (the peak AdamW learning rate, e.g. 1e-3)")
+    weight_decay: float = _f(0.0, "AdamW weight decay.", range=Range(0))
+    adam_betas: tuple[float, float] = _f((0.9, 0.999), "AdamW betas.", metavar=("B1", "B2"))
+    warmup_ratio: float = _f(0.1, "Linear warm-up as a fraction of the schedule.", range=Range(0, 1, hi_open=True))
+    min_lr_ratio: float = _f(0.0, "Final learning rate of the cosine decay, as a fraction of lr.", range=Range(0, 1))
     schedule_by_time: bool = _f(False, "With max_time_minutes: run warm-up and cosine over the time budget "
                                 "instead of the step count (bounded CPU demos; resume is then not bit-exact).")
-    grad_clip: float = _f(1.0, "Gradient-norm clipping (0 = off).")
+    grad_clip: float = _f(1.0, "Gradient-norm clipping (0 = off).", range=Range(0), hint=" (0 turns clipping off)")
     group_by_length: bool = _f(True, "Batch records of similar length together (less padding).")
 
     # ---- precision and DeepSpeed
     precision: str = _f("auto", "'bf16', 'fp16', 'fp32' (DeepSpeed weights/optimizer precision) or "
-                        "'amp-bf16' (fp32 weights, bf16 autocast compute). auto: bf16 on GPU with ZeRO>=1, else amp-bf16.")
-    zero_stage: int = _f(0, "ZeRO stage 0-3 (picks train/ds_zero<stage>.json).")
+                        "'amp-bf16' (fp32 weights, bf16 autocast compute). auto: bf16 on GPU with ZeRO>=1, "
+                        "else amp-bf16.",
+                        choices=("auto", "bf16", "fp16", "fp32", "amp-bf16"))
+    zero_stage: int = _f(0, "ZeRO stage 0-3 (picks train/ds_zero<stage>.json).", range=Range(0, 3))
     deepspeed_config: str | None = _f(None, "A DeepSpeed JSON config; 'auto' values are filled from this config.")
     device: str = _f("auto", "'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'.")
     threads: int | None = _f(None, "CPU threads per process; none = the cores split between local ranks. "
-                             "On a CPU shared with other jobs 1 thread can be several times faster.")
+                             "On a CPU shared with other jobs 1 thread can be several times faster.", range=Range(1))
 
     # ---- evaluation, logging, checkpoints
-    eval_every: int = _f(500, "Evaluate on the held-out set every N optimizer steps (0 = only at the end).")
-    eval_batch_size: int = _f(4, "Sequences per evaluation batch.")
-    save_every: int = _f(500, "Checkpoint every N optimizer steps (0 = only at the end / on a signal).")
-    keep_checkpoints: int = _f(2, "Keep the newest N checkpoints in training_state/.")
-    log_every: int = _f(10, "TensorBoard / progress-bar logging interval (optimizer steps).")
-    report_to: str = _f("tensorboard", "Experiment trackers (accelerate.tracking), a comma list of tensorboard "
-                        "(events in <output_dir>/tensorboard), wandb, mlflow; or none.")
+    eval_every: int = _f(500, "Evaluate on the held-out set every N optimizer steps (0 = only at the end).",
+                         range=Range(0))
+    eval_batch_size: int = _f(4, "Sequences per evaluation batch.", range=Range(1))
+    save_every: int = _f(500, "Checkpoint every N optimizer steps (0 = only at the end / on a signal).",
+                         range=Range(0))
+    keep_checkpoints: int = _f(2, "Keep the newest N checkpoints in training_state/.", range=Range(1))
+    log_every: int = _f(10, "TensorBoard / progress-bar logging interval (optimizer steps).", range=Range(1))
+    # str | None: "none" reads as None, as runs saved it (parse_report_to takes either)
+    report_to: str | None = _f("tensorboard", "Experiment trackers (accelerate.tracking), a comma list of "
+                               "tensorboard (events in <output_dir>/tensorboard), wandb, mlflow; or none.")
     output_dir: str | None = _f(None, "Run directory; none = checkpoints/<run_name>.")
     run_name: str | None = _f(None, "Run name; none = redrafter-<target name>.")
-    seed: int = _f(0, "Seed of the head's init and of the data order.")
+    seed: int = _f(0, "Seed of the head's init and of the data order.", range=Range(0, 2**32 - 1))
 
     # ---- publishing
     push_to_hub: str | None = _f(None, "Push the finished artifact to this hub repo id.")
@@ -142,19 +160,14 @@ class TrainConfig:
         name = self.target.rstrip("/").split("/")[-1].split("@")[0].removesuffix(".gguf")
         return f"redrafter-{name or 'target'}"
 
-    def validate(self) -> "TrainConfig":
-        """Check every setting's type and range; a ConfigError names the flag, the value and the
-        valid range (``param`` = the setting). Returns ``self``."""
-        for key, r in RANGES.items():
-            v = getattr(self, key)
-            if (v is None and r.optional) or (key == "epochs" and self.max_steps):
-                continue
-            if not r.holds(v):
-                raise ConfigError(f"{_flag(key)} {v!r} is out of range: must be {r}{RANGE_HINTS.get(key, '')}.",
-                                  param=key)
-        for key, allowed in CHOICES.items():
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"{_flag(key)} {getattr(self, key)!r}: use one of {', '.join(allowed)}.", param=key)
+    def skip_check(self, key: str) -> bool:
+        # epochs does not count when max_steps is set; adam_betas has its own message in check()
+        return (key == "epochs" and bool(self.max_steps)) or key == "adam_betas"
+
+    def check(self) -> None:
+        """What the schema's types, ranges and choices cannot say (run by ``validate()``, which
+        checks every setting's type and range; a ConfigError names the flag, the value and what
+        is valid, ``param`` = the setting)."""
         if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(self.device))):
             raise ConfigError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N.", param="device")
         betas = self.adam_betas
@@ -171,7 +184,6 @@ class TrainConfig:
             raise ConfigError(f"--activation {self.activation!r}: use one of {', '.join(sorted(ACT2FN))}.",
                               param="activation")
         parse_report_to(self.report_to)
-        return self
 
 
 # redraft-cache-features: next-token logits kept per token, and the dtypes hidden states may be stored in
@@ -204,88 +216,9 @@ def parse_report_to(report_to: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-@dataclass(frozen=True)
-class Range:
-    """The valid values of a numeric setting: ``lo <= v`` (``lo < v`` when ``lo_open``), and
-    ``v <= hi`` (``v < hi`` when ``hi_open``); finite; None allowed when ``optional``."""
-
-    lo: float
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-    optional: bool = False
-
-    def holds(self, v) -> bool:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return False
-        above = v > self.lo if self.lo_open else v >= self.lo
-        below = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
-        return above and below
-
-    def __str__(self) -> str:
-        s = f"{'>' if self.lo_open else '>='} {self.lo}"
-        if self.hi is not None:
-            s += f" and {'<' if self.hi_open else '<='} {self.hi}"
-        return s
-
-
-# Every numeric setting's valid range: one table, one check (TrainConfig.validate).
-RANGES = {
-    "max_length": Range(3),
-    "heldout_fraction": Range(0, 1, hi_open=True),
-    "train_limit": Range(1, optional=True),
-    "distill_limit": Range(1, optional=True),
-    "distill_max_new_tokens": Range(1),
-    "distill_max_turns": Range(1, optional=True),
-    "distill_batch_size": Range(1),
-    "distill_max_prompt_tokens": Range(1),
-    "eval_limit": Range(1, optional=True),
-    "num_proc": Range(1, optional=True),
-    "num_steps": Range(1),
-    "num_layers": Range(0),
-    "draft_vocab_size": Range(1, optional=True),
-    "kd_weight": Range(0),
-    "kd_top_k": Range(1),
-    "epochs": Range(0, lo_open=True),
-    "max_steps": Range(1, optional=True),
-    "max_time_minutes": Range(0, lo_open=True, optional=True),
-    "micro_batch_size": Range(1),
-    "grad_accum": Range(1),
-    "lr": Range(0, lo_open=True),
-    "weight_decay": Range(0),
-    "warmup_ratio": Range(0, 1, hi_open=True),
-    "min_lr_ratio": Range(0, 1),
-    "grad_clip": Range(0),
-    "zero_stage": Range(0, 3),
-    "threads": Range(1, optional=True),
-    "eval_every": Range(0),
-    "eval_batch_size": Range(1),
-    "save_every": Range(0),
-    "keep_checkpoints": Range(1),
-    "log_every": Range(1),
-    "seed": Range(0, 2**32 - 1),
-}
-RANGE_HINTS = {
-    "lr": " (the peak AdamW learning rate, e.g. 1e-3)",
-    "max_steps": " (leave it out to train for --epochs)",
-    "max_length": " (a window needs a context token, an input token and a target)",
-    "epochs": " (or set --max-steps)",
-    "max_time_minutes": " (leave it out for no time budget)",
-    "grad_clip": " (0 turns clipping off)",
-}
-CHOICES = {
-    "loss": ("ce", "kd", "ce+kd"),
-    "loss_impl": ("auto", "fused", "liger", "dense"),
-    "init_head": ("random", "target"),
-    "precision": ("auto", "bf16", "fp16", "fp32", "amp-bf16"),
-}
-
-
-FIELDS = {f.name: f for f in fields(TrainConfig)}
+FIELDS = TrainConfig.schema()
+# Every numeric setting's valid range (a view of the fields' metadata; TrainConfig.validate checks them)
+RANGES = {k: f.metadata["range"] for k, f in FIELDS.items() if f.metadata["range"] is not None}
 
 # Keys that may change when a run is resumed; every other key must equal the saved run's.
 # "target" may be spelled differently (a moved directory, a hub id instead of a local copy): the
@@ -319,50 +252,11 @@ def recipe_names() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
-def _unknown(key, where: str) -> ConfigError:
-    close = difflib.get_close_matches(str(key), FIELDS, n=3)
-    hint = f" Did you mean {', '.join(close)}?" if close else ""
-    return ConfigError(f"Unknown training setting {key!r} in {where}.{hint} "
-                       f"Known settings: {', '.join(sorted(FIELDS))}.")
-
-
 def coerce(key: str, value: Any, where: str = "the command line") -> Any:
-    """Convert ``value`` (YAML-parsed or a CLI string) to the type of field ``key``."""
+    """Convert ``value`` (YAML-parsed or a CLI string) to the type of field ``key`` (an old
+    spelling in ALIASES is read as its new key first)."""
     key, value = _resolve_alias(key, value)
-    if key not in FIELDS:
-        raise _unknown(key, where)
-    default = FIELDS[key].default
-    if isinstance(value, str) and not isinstance(default, str):
-        try:
-            value = yaml.safe_load(value) if value.strip() else None  # '3e-4' -> float, 'true' -> bool
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"Setting {key}={value!r} in {where} cannot be read ({type(exc).__name__}).",
-                              param=key) from None
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
-        return None
-    typ = FIELDS[key].type
-    try:
-        if key == "adam_betas":
-            return tuple(float(v) for v in value)
-        if "bool" in typ:
-            if not isinstance(value, bool):
-                raise ValueError("expected true or false")
-            return value
-        if isinstance(value, bool) and (typ.startswith("int") or typ.startswith("float")):
-            raise ValueError("expected a number")
-        if typ.startswith("int"):
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError("expected an integer")
-            if isinstance(value, str):
-                raise ValueError("expected an integer")
-            return int(value)
-        if typ.startswith("float"):
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError) as exc:
-        valid = f"; valid: {RANGES[key]}" if key in RANGES else ""
-        raise ConfigError(f"{_flag(key)} {value!r} ({key} in {where}) has the wrong type ({typ}): {exc}{valid}.",
-                          param=key) from exc
+    return TrainConfig.coerce(key, value, where)
 
 
 def find_recipe(name_or_path: str) -> Path:
@@ -380,12 +274,7 @@ def find_recipe(name_or_path: str) -> Path:
 def load_recipe(name_or_path: str) -> dict:
     """A recipe file as a dict of validated, typed keys."""
     path = find_recipe(name_or_path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"Recipe {path} is not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"Recipe {path} must be a mapping of settings, got {type(raw).__name__}.")
+    raw = read_yaml_mapping(path, what="Recipe")
     out = {}
     for k, v in raw.items():
         if k in RECORD_KEYS:
@@ -413,7 +302,7 @@ def parse_set(items: list[str]) -> dict:
         k, v = item.split("=", 1)
         k = k.strip().replace("-", "_")
         if k not in FIELDS and k not in ALIASES:
-            raise _unknown(k, "--set")
+            raise TrainConfig.unknown(k, "--set")
         out[k] = v
     return out
 

@@ -17,7 +17,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from redraft.errors import ConfigError, RedraftError
+from redraft.cli import run_cli
+from redraft.errors import ConfigError
 from redraft.utils import ArgumentParser
 
 FORMATS = ("apple",)
@@ -132,7 +133,8 @@ def next_commands(out: Path, config) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def work() -> None:
         check_output(args.head, args.out_dir, args.overwrite)  # before loading torch or any weights
         from transformers.utils import logging as hf_logging
 
@@ -144,13 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         from redraft.models.redrafter import ReDrafterConfig
 
         print(next_commands(out, config_from_apple(read_config_json(out), out, ReDrafterConfig)))
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; {args.out_dir} was not written (or keeps its previous files).", file=sys.stderr)
-        return 130
-    except RedraftError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_cli(PROG, work, interrupted=f"{args.out_dir} was not written (or keeps its previous files).")
 
 
 if __name__ == "__main__":
