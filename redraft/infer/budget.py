@@ -125,6 +125,23 @@ def best_budget(values: torch.Tensor, cost: CostCurve, max_nodes: int, overhead_
     return k.expand(B)
 
 
+PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX = 16, 2048  # the "auto" prefill chunk's bounds (tokens)
+
+
+def prefill_chunk(cost: CostCurve, step_tokens: int) -> int:
+    """The "auto" chunked-prefill size: the largest multiple of 16 in
+    ``[PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX]`` whose forward costs no more than the running rows'
+    verify forward of ``step_tokens`` tokens (batch x tree size), read off the cost curve (linear
+    past its last measured size). A step that also prefills a chunk then takes at most about
+    twice a plain step, so a joining prompt never stalls the running streams for longer than
+    that. ``step_tokens == 0`` (no row decodes: nobody to stall) gives the maximum."""
+    if step_tokens <= 0:
+        return PREFILL_CHUNK_MAX
+    sizes = torch.arange(PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX + 1, PREFILL_CHUNK_MIN)
+    ok = cost(sizes) <= float(cost(torch.tensor([step_tokens]))[0]) * (1 + 1e-9)
+    return int(sizes[ok].max()) if bool(ok.any()) else PREFILL_CHUNK_MIN
+
+
 class AcceptanceStats:
     """Running acceptance rate per (drafter, path group, depth), with a Beta prior, on a device.
 

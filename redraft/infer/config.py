@@ -55,6 +55,12 @@ class DecoderConfig:
                         "linears, contiguous LM head); the model itself is not modified.")
     static_verify: Any = _f("auto", "Pad verify trees to a few fixed sizes and capture the forward in a CUDA graph: "
                             "'auto' (on for CUDA, off on CPU), true or false.")
+    prefill_chunk: Any = _f("auto", "Prompt tokens prefilled per step while other requests decode (chunked prefill: "
+                            "a long prompt joins over several steps, each one chunk's forward beside the running "
+                            "rows' step): 'auto' (from the measured verify-cost curve: the largest chunk, a "
+                            "multiple of 16 in [16, 2048], whose forward costs no more than the running rows' "
+                            "last verify forward; 2048 while no row decodes), a number of tokens, or 0 (off: "
+                            "every prompt in one forward).")
     # ---- drafters (load_decoder / make_drafters)
     redrafter_width: int = _f(8, "ReDrafter beams per step.")
     redrafter_length: int | None = _f(None, "ReDrafter tokens per beam (default: the head's training horizon).")
@@ -102,6 +108,13 @@ class DecoderConfig:
             bad("context", "use true, false or null.")
         if self.static_verify not in ("auto", True, False):
             bad("static_verify", "use 'auto', true or false.")
+        if isinstance(self.prefill_chunk, str) and self.prefill_chunk != "auto":
+            try:
+                self.prefill_chunk = int(self.prefill_chunk)
+            except ValueError:
+                bad("prefill_chunk", "use 'auto', a number of tokens >= 1, or 0 (off).")
+        if self.prefill_chunk != "auto":
+            integer("prefill_chunk", 0)
         integer("redrafter_width", 1, 1024)
         integer("redrafter_length", 1, 256, optional=True)
         integer("ngram_k", 1, 1024)

@@ -41,6 +41,7 @@ import torch
 
 from redraft.errors import ConfigError
 from redraft.infer.accept import HostAcceptance, RowSampling, sample_tokens, seed_uniforms
+from redraft.infer.budget import PREFILL_CHUNK_MAX, PREFILL_CHUNK_MIN, prefill_chunk
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState
 from redraft.infer.stats import Generation, RequestStats, StreamEvent
@@ -66,6 +67,7 @@ class _Row:
     stats: RequestStats = field(default_factory=RequestStats)
     seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     length: int = 0  # valid entries of seq (prompt + output so far)
+    filled: int = 0  # prompt tokens in the cache while the row is being prefilled (chunked prefill)
     done: bool = False
     t_start: float = 0.0
 
@@ -159,11 +161,13 @@ class Engine:
         self.verifier = decoder.verifier
         self.device = decoder.target.device
         self.rows: list[_Row] = []  # aligned with the cache's active slots
+        self.prefilling: list[_Row] = []  # being prefilled, in the slots after the active rows
         self.waiting: list[_Row] = []
         self.state: DecodeState | None = None  # only when a drafter drafts on the device
         self.cache = None  # SlotKVCache, made at the first join, kept for the engine's life
         self.sampling: RowSampling | None = None
         self.steps = 0
+        self._step_tokens = 0  # tokens the last verify forward ran (batch x tree size): the auto prefill chunk
         self._next_id = 0
         self._clock = Clock(self.device)
         self._context = getattr(decoder.model.config, "max_position_embeddings", None)
@@ -199,13 +203,13 @@ class Engine:
     def cancel(self, rid: int) -> None:
         """Drop request ``rid``: it leaves the batch at the next step, with no final event."""
         self.waiting = [r for r in self.waiting if r.rid != rid]
-        for r in self.rows:
+        for r in self.rows + self.prefilling:
             if r.rid == rid:
                 r.done = True
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(not r.done for r in self.rows)
+        return bool(self.waiting) or any(not r.done for r in self.rows + self.prefilling)
 
     @property
     def batch_size(self) -> int:
@@ -216,10 +220,11 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StreamEvent]:
-        """Retire finished rows, prefill and join waiting ones, then one draft/verify step for
-        all rows; returns the events of this step (text deltas, finished requests)."""
+        """Retire finished rows, prefill one chunk of the waiting prompts (those it completes
+        join), then one draft/verify step for all rows; returns the events of this step (text
+        deltas, finished requests)."""
         self._retire()
-        events = self._join() if self.waiting else []
+        events = self._prefill() if self.waiting or self.prefilling else []
         self._retire()
         if not self.rows:
             return events
@@ -229,6 +234,7 @@ class Engine:
         prop = dec.propose(host, self.state, dec.guard.speculate(len(self.rows)))
         tree = dec.build_tree(prop, host, self.verifier)
         step_in = self._upload(tree)
+        self._step_tokens = step_in.packed.shape[0] * step_in.size
         t1 = clock.mark()
         hidden = self.verifier.verify(step_in, self.cache)  # [B, N, H]
         if self.sampling.seeded:  # output tokens so far: which uniform a seeded row's draw takes
@@ -349,10 +355,14 @@ class Engine:
     def _retire(self) -> None:
         """Drop finished and cancelled rows from the batch (cache, state, drafters)."""
         keep = [i for i, r in enumerate(self.rows) if not r.done]
+        pend = [j for j, r in enumerate(self.prefilling) if not r.done]
+        if len(keep) == len(self.rows) and len(pend) == len(self.prefilling):
+            return
+        self.prefilling = [self.prefilling[j] for j in pend]
+        self.cache.keep_rows(keep, pend)  # the rows being prefilled move up behind the kept ones
         if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in keep]
-        self.cache.keep_rows(keep)
         self.sampling = self._sampling() if keep else None
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         if self.state is not None:
@@ -370,7 +380,8 @@ class Engine:
                            uniforms=[r.uniforms for r in rows])
 
     def _reserve(self, new: list[_Row]) -> None:
-        """A cache with room for the running rows and ``new`` (made once, grown by doubling)."""
+        """A cache with room for the running rows, those being prefilled and ``new`` (made once,
+        grown by doubling)."""
         dec = self.dec
         slack = dec.config.max_nodes + 2 if dec.drafters else 2
         width = max(len(r.prompt) + r.params.max_new_tokens for r in new) + slack + 1
@@ -378,26 +389,77 @@ class Engine:
         if self.cache is None:
             self.cache = self.verifier.new_cache(len(new), width)
         else:
-            self.cache.reserve(self.cache.batch + len(new), width)
+            self.cache.reserve(self.cache.batch + len(self.prefilling) + len(new), width)
 
-    def _join(self) -> list[StreamEvent]:
-        """Prefill the waiting requests together into the next free slots, sample their first
-        token, and append them to the batch (cache, state, drafters)."""
-        new, self.waiting = self.waiting, []
-        dev, dec = self.device, self.dec
+    def _prefill(self) -> list[StreamEvent]:
+        """One prefill chunk: waiting requests take the slots after the active rows and those
+        being prefilled; the first rows of that queue get their next piece of prompt in one
+        forward (:meth:`_chunk_rows`); those whose whole prompt is now in the cache sample their
+        first token and join the batch (:meth:`_join`)."""
+        if self.waiting:
+            new, self.waiting = self.waiting, []
+            self._reserve(new)
+            t0 = time.perf_counter()
+            for r in new:
+                r.t_start = t0
+            self.prefilling += new
+        n, T = self._chunk_rows()
+        rows, cache = self.prefilling[:n], self.cache
         t0 = time.perf_counter()
-        self._reserve(new)
-        cache = self.cache
+        starts = [r.filled for r in rows]
+        cache.reserve(cache.batch + len(self.prefilling), max(starts) + T + 1)  # padding columns of short pieces
+        h_last = self.verifier.prefill([r.prompt[r.filled:r.filled + T] for r in rows], cache,
+                                       first_slot=cache.batch, starts=starts)  # [n, H]
+        for r in rows:
+            r.filled = min(len(r.prompt), r.filled + T)
+        done = sum(r.filled == len(r.prompt) for r in rows)  # a prefix of the queue (see _chunk_rows)
+        events = self._join(rows[:done], h_last[:done]) if done else []
+        for r in rows:
+            r.stats.prefill_time += time.perf_counter() - t0  # the first token's read synced
+        return events
+
+    def _chunk_rows(self) -> tuple[int, int]:
+        """``(n, T)``: the first ``n`` rows of the prefill queue get up to ``T`` more prompt
+        tokens each in this step's ``[n, T]`` forward, which holds at most ``chunk`` tokens
+        (:meth:`_chunk_size`). ``T`` is the longest remaining prompt of the rows taken, cut to
+        the chunk, so either one row gets a piece of a longer prompt or every row taken is
+        finished by this chunk (the rows that join are always the queue's first)."""
+        chunk = self._chunk_size()
+        rem = [len(r.prompt) - r.filled for r in self.prefilling]
+        n, T = 1, min(chunk, rem[0])
+        while n < len(rem) and (n + 1) * min(chunk, max(T, rem[n])) <= chunk:
+            T = min(chunk, max(T, rem[n]))
+            n += 1
+        return n, T
+
+    def _chunk_size(self) -> int:
+        """Prompt tokens one prefill forward may hold (``DecoderConfig.prefill_chunk``; "auto":
+        ``budget.prefill_chunk`` of the running rows' last verify, measuring the cost curve if
+        no step has yet)."""
+        chunk = self.dec.config.prefill_chunk
+        if chunk != "auto":
+            return chunk or 1 << 40  # 0: off, every prompt in one piece
+        if not self.rows:
+            return PREFILL_CHUNK_MAX
+        if all(len(r.prompt) - r.filled <= PREFILL_CHUNK_MIN for r in self.prefilling):
+            return PREFILL_CHUNK_MIN  # whatever the cost: no need to measure it
+        if self.dec.cost_curve is None:
+            self.dec.measure_cost()
+        return prefill_chunk(self.dec.cost_curve, self._step_tokens)
+
+    def _join(self, new: list[_Row], h_last: torch.Tensor) -> list[StreamEvent]:
+        """Rows ``new`` (the first of the prefill queue, their prompts all in the cache, in the
+        slots right after the active rows; ``h_last [n, H]`` their last hidden states): sample
+        their first token and append them to the batch (cache, state, drafters)."""
+        dec, cache = self.dec, self.cache
         start = cache.batch
-        h_last = self.verifier.prefill([r.prompt for r in new], cache, first_slot=start)  # [n, H]
         y = sample_tokens(self.verifier.logits(h_last), self._sampling(new))  # [n]
         y_host = y.tolist()
-        prefill = time.perf_counter() - t0
         cache.host_lengths += [len(r.prompt) for r in new]
         cache.batch += len(new)
+        self.prefilling = self.prefilling[len(new):]
         for r, t in zip(new, y_host):
             r.append(r.prompt + [t])
-            r.t_start, r.stats.prefill_time = t0, prefill
         self.rows += new
         self.sampling = self._sampling()
         if dec.device_drafters:
