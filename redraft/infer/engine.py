@@ -40,11 +40,13 @@ import numpy as np
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.accept import HostAcceptance, RowSampling, sample_tokens, seed_uniforms
+from redraft.infer.accept import (HostAcceptance, RowSampling, logprob_table, processed_logits, sample_tokens,
+                                  seed_uniforms)
 from redraft.infer.budget import PREFILL_CHUNK_MAX, PREFILL_CHUNK_MIN, prefill_chunk
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState
-from redraft.infer.stats import Generation, RequestStats, StreamEvent
+from redraft.infer.processors import RowProcessors
+from redraft.infer.stats import Generation, RequestStats, StreamEvent, TokenLogprob
 from redraft.infer.text import TextStream
 from redraft.infer.verify import StepInput
 
@@ -68,6 +70,7 @@ class _Row:
     seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     length: int = 0  # valid entries of seq (prompt + output so far)
     filled: int = 0  # prompt tokens in the cache while the row is being prefilled (chunked prefill)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per kept token, when asked for
     done: bool = False
     t_start: float = 0.0
 
@@ -87,6 +90,8 @@ class _Row:
 
     def take(self, toks: list[int], eos: set) -> tuple[list[int], str, str | None]:
         """Append a step's tokens: ``(tokens kept, text delta, finish reason or None)``."""
+        if len(self.tokens) < self.params.min_tokens:
+            eos = set()  # masked by the processors until then: a draft cannot end the row either
         new, reason = [], None
         for t in toks:
             if len(self.tokens) >= self.params.max_new_tokens:
@@ -96,9 +101,12 @@ class _Row:
             if t in eos:
                 reason = "eos"
                 break
+            if t in self.params.stop_token_ids:  # kept in the tokens, its text left out (as vLLM does)
+                reason = "stop"
+                break
         if reason is None and len(self.tokens) >= self.params.max_new_tokens:
             reason = "length"
-        text = self.text.add(new)
+        text = self.text.add(new[:-1] if reason == "stop" else new)
         if self.text.stopped:
             reason = "stop"
         if reason:
@@ -123,10 +131,12 @@ class HostState:
 
 class StepReadout:
     """The step's one device-to-host transfer: ``choices`` ``[R, B, N]`` (R rules' picks per
-    node, see ``SpeculativeDecoder.choices``) as numpy."""
+    node, see ``SpeculativeDecoder.choices``) as numpy; ``logprobs`` (``accept.logprob_table``,
+    a second read only when a row asked for log-probabilities) too."""
 
-    def __init__(self, choices: torch.Tensor):
+    def __init__(self, choices: torch.Tensor, logprobs: torch.Tensor | None = None):
         self.values = choices.cpu().numpy() if choices.device.type != "cpu" else choices.numpy()
+        self.logprobs = None if logprobs is None else logprobs.float().cpu().numpy()
 
 
 class Clock:
@@ -187,6 +197,10 @@ class Engine:
             raise ConfigError("temperature > 0 needs the decoder's acceptance 'rejection' (lossless) or "
                               "'typical'; this decoder verifies greedily.", param="temperature")
         check_prompt(prompt, self.dec.target.vocab_size, self._context, params.max_new_tokens)
+        V = self.dec.target.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= V for t in ids):
+                raise ConfigError(f"{name} holds token id {max(ids)}, outside the vocabulary [0, {V}).", param=name)
         uniforms = None
         if params.seed is not None:
             # one per output token, and slack for draws a tree makes past the last one
@@ -239,9 +253,11 @@ class Engine:
         hidden = self.verifier.verify(step_in, self.cache)  # [B, N, H]
         if self.sampling.seeded:  # output tokens so far: which uniform a seeded row's draw takes
             self.sampling.offset = torch.tensor([r.length - len(r.prompt) for r in self.rows]).to(self.device)
-        choices = dec.choices(step_in, self.verifier.logits(hidden), self.sampling)  # [R, B, N]
+        self.sampling.proc = self._processors(self.rows, tree.tokens)
+        choices, lp = dec.choices(step_in, self.verifier.logits(hidden), self.sampling)  # [R, B, N]
         t2 = clock.mark()
-        acc = dec.accept(tree, StepReadout(choices))  # the one host read, then the walk
+        readout = StepReadout(choices, lp)
+        acc = dec.accept(tree, readout)  # the one host read, then the walk
         self._commit(tree, acc)
         before = self.state  # what the device drafters drafted from
         if before is not None:
@@ -250,7 +266,7 @@ class Engine:
         secs = clock.seconds(t0, t1), clock.seconds(t1, t2)  # CUDA events are done: the read synced
         dec.after_step(prop, acc, credit, secs)
         self.steps += 1
-        return events + self._emit(tree, prop, acc, credit, secs)
+        return events + self._emit(tree, prop, acc, credit, secs, readout.logprobs)
 
     # ------------------------------------------------------------------ step pieces
 
@@ -317,12 +333,42 @@ class Engine:
         self.state = dataclasses.replace(s, tokens=buf, lengths=u[:, 0], last=u[:, 2],
                                          hidden=hidden[rows, u[:, 1]].clone(), step=s.step + 1)
 
-    def _emit(self, tree, prop, acc: HostAcceptance, credit: np.ndarray, secs) -> list[StreamEvent]:
+    def _processors(self, rows: list[_Row], tree_tokens: np.ndarray | None) -> RowProcessors | None:
+        """The step's penalties / bias / min_tokens for the rows that use them (None if none)."""
+        idx = [b for b, r in enumerate(rows) if r.params.processed]
+        if not idx:
+            return None
+        sel = [rows[b] for b in idx]
+        return RowProcessors.build(idx, [r.params for r in sel], [np.asarray(r.prompt, np.int64) for r in sel],
+                                   [r.seq[len(r.prompt):r.length] for r in sel], tree_tokens,
+                                   self.dec.target.output_head.weight.shape[0], self.dec.eos, self.device)
+
+    def _logprobs(self, table: np.ndarray | None, acc: HostAcceptance) -> dict:
+        """``{row: [TokenLogprob per emitted token]}`` for the rows that asked (see
+        ``accept.logprob_table``): emitted token i is the node at depth i + 1 of the accepted
+        path (its log-probability after its parent), the last one the pick after the deepest."""
+        out = {}
+        if table is None:
+            return out
+        K = (table.shape[2] - 2) // 2
+        for j, b in enumerate(self.sampling.logprob_rows):
+            k, path, n = self.sampling.logprobs[b], acc.path[b], int(acc.num_accepted[b])
+            lps = []
+            for i, tok in enumerate(acc.emitted[b]):
+                at = path[i]
+                lp = table[j, path[i + 1], 0] if i < n else table[j, at, 1]
+                top = [(int(t), float(v)) for t, v in zip(table[j, at, 2 + K:2 + K + k], table[j, at, 2:2 + k])]
+                lps.append(TokenLogprob(int(tok), float(lp), top))
+            out[b] = lps
+        return out
+
+    def _emit(self, tree, prop, acc: HostAcceptance, credit: np.ndarray, secs, lp_table=None) -> list[StreamEvent]:
         """Per row: stats, new tokens and text; a finished row gets its final event."""
         events = []
         names = [d.name for d in self.dec.drafters]
         nodes = tree.num_nodes - 1
         kept = (tree.path_node >= 0).sum(axis=(1, 2)) if tree.path_node.size else np.zeros(len(self.rows), int)
+        lps = self._logprobs(lp_table, acc)
         for b, row in enumerate(self.rows):
             n = int(acc.num_accepted[b])
             s = row.stats
@@ -336,19 +382,23 @@ class Engine:
             for name, c in zip(names, credit[b].tolist() if len(names) else ()):
                 if c:
                     s.drafter_accepted[name] += c
-            events += self._row_event(row, acc.emitted[b])
+            events += self._row_event(row, acc.emitted[b], lps.get(b))
         return events
 
-    def _row_event(self, row: _Row, toks: list[int]) -> list[StreamEvent]:
+    def _row_event(self, row: _Row, toks: list[int], lps: list | None = None) -> list[StreamEvent]:
         if row.done:  # cancelled during this step
             return []
         new, text, reason = row.take(toks, self.dec.eos)
+        lps = None if lps is None else lps[:len(new)]
+        if lps is not None:
+            row.logprobs += lps
         if reason:
             row.done = True
             row.stats.total_time = time.perf_counter() - row.t_start
-            g = Generation(text=row.text.text, tokens=row.tokens, finish_reason=reason, stats=row.stats)
-            return [StreamEvent(row.rid, text, new, True, g)]
-        return [StreamEvent(row.rid, text, new)] if new else []
+            g = Generation(text=row.text.text, tokens=row.tokens, finish_reason=reason, stats=row.stats,
+                           logprobs=row.logprobs if row.params.logprobs is not None else None)
+            return [StreamEvent(row.rid, text, new, True, g, lps)]
+        return [StreamEvent(row.rid, text, new, logprobs=lps)] if new else []
 
     # ------------------------------------------------------------------ rows joining and leaving
 
@@ -377,7 +427,8 @@ class Engine:
         rows = self.rows if rows is None else rows
         return RowSampling([r.params.temperature for r in rows], [r.params.top_p for r in rows],
                            [r.generator or self.dec.generator for r in rows], self.device,
-                           uniforms=[r.uniforms for r in rows])
+                           uniforms=[r.uniforms for r in rows], top_k=[r.params.top_k for r in rows],
+                           min_p=[r.params.min_p for r in rows], logprobs=[r.params.logprobs for r in rows])
 
     def _reserve(self, new: list[_Row]) -> None:
         """A cache with room for the running rows, those being prefilled and ``new`` (made once,
@@ -453,7 +504,18 @@ class Engine:
         their first token and append them to the batch (cache, state, drafters)."""
         dec, cache = self.dec, self.cache
         start = cache.batch
-        y = sample_tokens(self.verifier.logits(h_last), self._sampling(new))  # [n]
+        sampling = self._sampling(new)
+        sampling.proc = self._processors(new, None)
+        logits = processed_logits(self.verifier.logits(h_last)[:, None], sampling)  # [n, 1, V]
+        y = sample_tokens(logits[:, 0], sampling)  # [n]
+        zeros = torch.zeros_like(y)[:, None]
+        table = logprob_table(logits, y[:, None], zeros, zeros, sampling)  # [L, 1, 2 + 2k] or None
+        lps = {}
+        if table is not None:
+            t, K = table.float().cpu().numpy(), (table.shape[2] - 2) // 2
+            lps = {b: [TokenLogprob(int(y_host_b), float(t[j, 0, 1]), [(int(i), float(v)) for i, v in zip(
+                       t[j, 0, 2 + K:2 + K + sampling.logprobs[b]], t[j, 0, 2:2 + sampling.logprobs[b]])])]
+                   for j, (b, y_host_b) in enumerate((b, y[b]) for b in sampling.logprob_rows)}
         y_host = y.tolist()
         cache.host_lengths += [len(r.prompt) for r in new]
         cache.batch += len(new)
@@ -467,8 +529,8 @@ class Engine:
         for d in dec.drafters:
             d.add_rows(self.state, start)
         events = []
-        for r, t in zip(new, y_host):
-            events += self._row_event(r, [t])
+        for b, (r, t) in enumerate(zip(new, y_host)):
+            events += self._row_event(r, [t], lps.get(b))
         return events
 
     def _join_state(self, new: list[_Row], y: torch.Tensor, h_last: torch.Tensor, start: int) -> None:
