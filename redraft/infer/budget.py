@@ -131,14 +131,22 @@ PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX = 16, 2048  # the "auto" prefill chunk's bo
 def prefill_chunk(cost: CostCurve, step_tokens: int) -> int:
     """The "auto" chunked-prefill size: the largest multiple of 16 in
     ``[PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX]`` whose forward costs no more than the running rows'
-    verify forward of ``step_tokens`` tokens (batch x tree size), read off the cost curve (linear
-    past its last measured size). A step that also prefills a chunk then takes at most about
-    twice a plain step, so a joining prompt never stalls the running streams for longer than
-    that. ``step_tokens == 0`` (no row decodes: nobody to stall) gives the maximum."""
+    verify forward of ``step_tokens`` tokens (batch x tree size), read off the cost curve. Past
+    the curve's last measured size the cost is taken as proportional to the tokens (a bound:
+    the last measured segment's slope is noise on a flat curve, and a forward of thousands of
+    tokens is never flat). A step that also prefills a chunk then takes at most about twice a
+    plain step, so a joining prompt never stalls the running streams for longer than that.
+    ``step_tokens == 0`` (no row decodes: nobody to stall) gives the maximum."""
     if step_tokens <= 0:
         return PREFILL_CHUNK_MAX
+    last, c_last = float(cost.sizes[-1]), float(cost.seconds[-1])
+
+    def c(n):
+        n = torch.as_tensor(n, dtype=torch.float64)
+        return torch.where(n <= last, cost(n), c_last * n / last)
+
     sizes = torch.arange(PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX + 1, PREFILL_CHUNK_MIN)
-    ok = cost(sizes) <= float(cost(torch.tensor([step_tokens]))[0]) * (1 + 1e-9)
+    ok = c(sizes) <= float(c(torch.tensor([float(step_tokens)]))[0]) * (1 + 1e-9)
     return int(sizes[ok].max()) if bool(ok.any()) else PREFILL_CHUNK_MIN
 
 

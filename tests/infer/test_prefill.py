@@ -99,11 +99,13 @@ def test_cancelling_a_row_being_prefilled_keeps_the_others(tiny_target):
 
 def test_the_auto_chunk_costs_no_more_than_the_running_step():
     curve = CostCurve([1, 64], [0.010, 0.074])  # 1 ms per token past a 9 ms base
-    assert prefill_chunk(curve, 64) == 64
-    assert prefill_chunk(curve, 8 * 17) == 128  # c(128) = 0.137 <= c(136) < c(144)
+    assert prefill_chunk(curve, 48) == 48
+    assert prefill_chunk(curve, 8 * 17) == 128  # proportional past 64: c(128) = 0.148 <= c(136) < c(144)
     assert prefill_chunk(curve, 0) == PREFILL_CHUNK_MAX  # nobody decodes: nobody to stall
     assert prefill_chunk(curve, 1) == PREFILL_CHUNK_MIN  # never below the minimum
-    assert prefill_chunk(CostCurve.flat(), 1) == PREFILL_CHUNK_MAX
+    # a flat curve (noise, or a GPU up to its last size) says nothing past it: proportional
+    flat = CostCurve([1, 8, 64, 65], [0.010, 0.010, 0.010, 0.010])
+    assert prefill_chunk(flat, 8) == 64 and prefill_chunk(flat, 8 * 65) == 512
 
 
 def test_prefill_chunk_setting_is_checked():
