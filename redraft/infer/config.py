@@ -59,8 +59,8 @@ class DecoderConfig:
                             "a long prompt joins over several steps, each one chunk's forward beside the running "
                             "rows' step): 'auto' (from the measured verify-cost curve: the largest chunk, a "
                             "multiple of 16 in [16, 2048], whose forward costs no more than the running rows' "
-                            "last verify forward; 2048 while no row decodes), a number of tokens, or 0 (off: "
-                            "every prompt in one forward).")
+                            "last verify forward; while no row decodes, every waiting prompt in one forward), a "
+                            "number of tokens, or 0 (off: every prompt in one forward).")
     # ---- drafters (load_decoder / make_drafters)
     redrafter_width: int = _f(8, "ReDrafter beams per step.")
     redrafter_length: int | None = _f(None, "ReDrafter tokens per beam (default: the head's training horizon).")

@@ -42,7 +42,7 @@ import torch
 from redraft.errors import ConfigError
 from redraft.infer.accept import (HostAcceptance, RowSampling, logprob_table, processed_logits, sample_tokens,
                                   seed_uniforms)
-from redraft.infer.budget import PREFILL_CHUNK_MAX, PREFILL_CHUNK_MIN, prefill_chunk
+from redraft.infer.budget import PREFILL_CHUNK_MIN, prefill_chunk
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState
 from redraft.infer.processors import RowProcessors
@@ -490,8 +490,8 @@ class Engine:
         chunk = self.dec.config.prefill_chunk
         if chunk != "auto":
             return chunk or 1 << 40  # 0: off, every prompt in one piece
-        if not self.rows:
-            return PREFILL_CHUNK_MAX
+        if not self.rows:  # nobody to stall: every waiting prompt in one forward (a batch joins together)
+            return 1 << 40
         if all(len(r.prompt) - r.filled <= PREFILL_CHUNK_MIN for r in self.prefilling):
             return PREFILL_CHUNK_MIN  # whatever the cost: no need to measure it
         if self.dec.cost_curve is None:
