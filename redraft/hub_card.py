@@ -19,8 +19,18 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from redraft.errors import ArtifactError
-from redraft.hub import (BENCH_FILE, CARD_FILE, KIND_DRAFTER, METRICS_FILE, NGRAMS_FILE, RUN_CONFIG_FILE, _kind,
-                         _read_json, _tensors, looks_like_repo_id)
+from redraft.hub_resolve import (
+    BENCH_FILE,
+    CARD_FILE,
+    KIND_DRAFTER,
+    METRICS_FILE,
+    NGRAMS_FILE,
+    RUN_CONFIG_FILE,
+    looks_like_repo_id,
+    read_json,
+    require_kind,
+    safetensors_header,
+)
 from redraft.utils import atomic_write_text, split_revision
 
 CARD_TEMPLATE = "hub_card.md"  # Jinja, shipped with the package (huggingface_hub.ModelCard.from_template)
@@ -99,7 +109,7 @@ def _metrics_section(m: dict) -> str:
 
 def _bench_section(root: Path) -> str | None:
     """The table of ``bench.json`` as ``redraft-bench --out`` writes it (results -> data -> method)."""
-    bench = _read_json(root / BENCH_FILE) if (root / BENCH_FILE).is_file() else {}
+    bench = read_json(root / BENCH_FILE) if (root / BENCH_FILE).is_file() else {}
     rows = [[ds, name, r.get("tokens_per_call"), r.get("tokens_per_s"), r.get("speedup_vs_ar"),
              r.get("identical_to_ar")] for ds, res in (bench.get("results") or {}).items() for name, r in res.items()]
     return (f"`redraft-bench` on {bench.get('device', 'an unrecorded device')} (`{BENCH_FILE}`), every method in "
@@ -133,9 +143,9 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
     only), ``model-index`` (held-out tau_est and per-position top-1 accuracy).
     """
     root = Path(artifact_dir)
-    kind = _kind(root)
+    kind = require_kind(root)
     drafter = kind == KIND_DRAFTER
-    meta = _read_json(root / ("config.json" if drafter else NGRAMS_FILE))
+    meta = read_json(root / ("config.json" if drafter else NGRAMS_FILE))
     run, metrics = _run_files(root) if drafter else ({}, {})
     target = str(base_model or meta.get("target_model") or "") or None
     base, name = _hub_repo(target), repo_id or root.resolve().name
@@ -163,7 +173,7 @@ def _run_files(root: Path) -> tuple[dict, dict]:
         run = yaml.safe_load((root / RUN_CONFIG_FILE).read_text()) if (root / RUN_CONFIG_FILE).is_file() else {}
     except yaml.YAMLError as exc:
         raise ArtifactError(f"{root / RUN_CONFIG_FILE} is not valid YAML ({exc}); fix or delete it.") from exc
-    return run or {}, _read_json(root / METRICS_FILE) if (root / METRICS_FILE).is_file() else {}
+    return run or {}, read_json(root / METRICS_FILE) if (root / METRICS_FILE).is_file() else {}
 
 
 def _sections(root, kind, meta, run, metrics, target, data, datasets) -> list[tuple[str, str]]:
@@ -181,7 +191,7 @@ def _sections(root, kind, meta, run, metrics, target, data, datasets) -> list[tu
                     and k != "tokenizer_fingerprint" and not k.startswith("target_")]
         tensors = [[info["file"], t, "x".join(map(str, shape)), dtype]
                    for info in (meta.get("files") or {}).values() if (root / info["file"]).is_file()
-                   for t, (shape, dtype) in _tensors(root / info["file"]).items()]
+                   for t, (shape, dtype) in safetensors_header(root / info["file"]).items()]
         out.append(("Tables", _table(["setting", "value"], settings) + "\n\n"
                     + _table(["file", "tensor", "shape", "dtype"], tensors)))
     links = ", ".join(f"[{d}](https://huggingface.co/datasets/{d})" for d in datasets)

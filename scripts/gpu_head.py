@@ -10,7 +10,8 @@ file of whole tensors or row slices, named ``<tensor>@<row start>``; its metadat
 artifact's ``config.json`` and ``metrics.json``, the ``head_id`` (a hash of both and of the
 shard table) and the shard table (tensor -> full shape, dtype). ``join`` checks that every shard
 of one head is there, puts the rows back together and writes a drafter artifact
-(``config.json``, ``model.safetensors``, ``metrics.json``) that ``load_drafter`` reads.
+(``config.json``, ``model.safetensors``, ``metrics.json``) that ``load_drafter`` reads; its
+``config.json`` records the joined weights' own ``weights_sha256``.
 Weights are stored in ``--dtype`` (bfloat16 by default: the decoder casts the head to the
 target's dtype anyway; pass float32 for an exact copy).
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 
 MIB = 1 << 20
 HEADER_SLACK = 64 * 1024  # safetensors header with our metadata stays far below this
+SHA_KEY = "weights_sha256"  # config.json: {weights file: sha256}, as redraft.models.artifact.SHA_KEY
 
 
 def split(run_dir: Path, out_dir: Path, max_mib: float = 15.0, dtype: str = "bfloat16") -> list[Path]:
@@ -115,10 +117,24 @@ def join(files: list[Path], out_dir: Path) -> Path:
             raise ValueError(f"head {hid}: {name} has shape {list(t.shape)} after joining, expected {spec['shape']}.")
         state[name] = t
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(meta["config"])
+    weights = out_dir / "model.safetensors"
+    save_file(state, str(weights), metadata={"format": "pt"})
+    # the shards hold the weights in --dtype (bf16 by default), so the joined file is not the
+    # one whose sha256 the trained head's config.json recorded: record the joined file's own,
+    # which load_drafter checks
+    config = json.loads(meta["config"])
+    config[SHA_KEY] = {weights.name: sha256_file(weights)}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "metrics.json").write_text(meta["metrics"])
     return out_dir
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def main(argv=None) -> int:

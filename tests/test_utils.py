@@ -55,3 +55,22 @@ def test_atomic_path_keeps_old_file_and_leaves_no_temp_on_error(tmp_path):
             raise KeyboardInterrupt
     assert p.read_text() == "old"
     assert [f.name for f in tmp_path.iterdir()] == ["x.txt"]
+
+
+def test_cache_kwargs_uses_the_name_the_forward_takes():
+    import inspect
+
+    from transformers import LlamaConfig, LlamaModel
+
+    from redraft.utils import cache_kwargs
+
+    class Old:  # a forward from before transformers renamed the argument
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            pass
+
+    cache = object()
+    assert cache_kwargs(Old(), cache) == {"past_key_values": cache}
+    model = LlamaModel(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1))
+    want = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+    assert list(cache_kwargs(model, cache)) == [want]

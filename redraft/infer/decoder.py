@@ -17,7 +17,7 @@ What a step does (``redraft.infer.engine.Engine.step`` runs them in order):
 4. :meth:`SpeculativeDecoder.accept`: greedy / rejection / typical acceptance picks the accepted
    path and the bonus token; :meth:`SpeculativeDecoder.credit` counts each drafter's accepted
    tokens;
-5. the cache keeps only the accepted path's keys and values (``TreeKVCache.commit``), drafters
+5. the cache keeps only the accepted path's keys and values (``Engine._commit``), drafters
    observe what was accepted (:meth:`SpeculativeDecoder.feedback`), the rates, the gate and the
    per-request stats are updated, finished rows leave the batch and new ones join.
 
@@ -117,9 +117,11 @@ class SpeculativeDecoder:
         """Normalise inputs to a batch of token-id lists.
 
         Accepts a string (plain text), a chat (list of ``{"role", "content"}`` dicts; the
-        tokenizer's template with the generation prompt), a list of token ids, a 1-D tensor, or
-        a non-empty list of any of these (a batch).
+        tokenizer's template with the generation prompt), a list of token ids, a 1-D tensor or
+        NumPy array, or a non-empty list of any of these (a batch; a 2-D tensor or array too).
+        Text must be valid Unicode (a lone surrogate such as ``"\\ud83d"`` is an error naming it).
         """
+        inputs = _from_numpy(inputs)
         def is_chat(x):
             return isinstance(x, (list, tuple)) and bool(x) and all(isinstance(m, dict) for m in x)
 
@@ -128,13 +130,16 @@ class SpeculativeDecoder:
                                                                      for t in x)
 
         def one(x, i):
+            x = _from_numpy(x)
             if isinstance(x, str):
+                _check_unicode(x, f"prompt {i}", "prompt")
                 return list(self.target.tokenizer(x, add_special_tokens=False)["input_ids"])
             if is_chat(x):
                 for j, m in enumerate(x):
                     if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                         raise ConfigError(f"prompt {i}, message {j}: a chat message needs a string 'role' and a "
                                           f"string 'content' (got keys {sorted(m)}).", param="messages")
+                    _check_unicode(m["content"], f"prompt {i}, message {j}", "messages")
                 return self.target.chat_ids(list(x))
             if isinstance(x, torch.Tensor) and x.dim() == 1:
                 return [int(t) for t in x.tolist()]
@@ -395,6 +400,28 @@ def _device_feedback(acc: HostAcceptance, device) -> Feedback:
 def row_seed(seed: int, i: int) -> int:
     """The seed of prompt ``i`` of a batch given ``seed`` (prompt 0 keeps ``seed`` itself)."""
     return (int(seed) * 1_000_003 + i) % (1 << 63)
+
+
+def _from_numpy(x):
+    """A NumPy array of token ids as a tensor (``encode`` reads tensors); anything else as is."""
+    if type(x).__module__ != "numpy" or not hasattr(x, "dtype"):
+        return x
+    if x.dtype.kind not in "iu":
+        raise ConfigError(f"token ids must be integers; got a NumPy array of dtype {x.dtype}.", param="prompt")
+    return torch.as_tensor(x.astype("int64", copy=False))
+
+
+def _check_unicode(text: str, where: str, param: str) -> None:
+    """A tokenizer cannot encode a lone UTF-16 surrogate (``"\\ud83d"`` without its pair): name it."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"{where} holds a lone UTF-16 surrogate {text[exc.start]!r} at character {exc.start}, "
+                          f"which is not valid Unicode; pass valid text (decode bytes with errors='replace').",
+                          param=param) from None
+
 
 
 @torch.no_grad()

@@ -139,6 +139,21 @@ class StepReadout:
         self.logprobs = None if logprobs is None else logprobs.float().cpu().numpy()
 
 
+def _params(params) -> SamplingParams:
+    """``SamplingParams``, or a dict of its fields (checked), or None (the defaults)."""
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, dict):
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        if unknown := sorted(set(params) - known):
+            raise ConfigError(f"unknown sampling parameter(s) {unknown}; use {sorted(known)}.", param=unknown[0])
+        return SamplingParams.checked(**params)
+    if not hasattr(params, "max_new_tokens"):
+        raise ConfigError(f"params must be a SamplingParams or a dict of its fields, not {type(params).__name__}.",
+                          param="params")
+    return params
+
+
 class Clock:
     """Step timestamps: CUDA events on a GPU (read after the step's one host read, no extra
     sync), ``perf_counter`` on CPU."""
@@ -186,13 +201,14 @@ class Engine:
 
     def add(self, prompt: list[int], params: SamplingParams | None = None, generator=None) -> int:
         """Queue a request (token ids, checked) to join the batch at the next step; returns its id.
+        ``params``: a :class:`SamplingParams` or a dict of its fields (``{"max_new_tokens": 64}``).
 
         A request with ``params.seed`` samples its ``i``-th output token with the ``i``-th
         uniform of its seed (inverse CDF): its output depends only on its seed and its own
         logits, whoever shares the batch. ``generator``: without a seed, the ``torch.Generator``
         its samples come from (default: the decoder's shared one).
         """
-        params = params or SamplingParams()
+        params = _params(params)
         if not params.greedy and self.dec.config.acceptance == "greedy":
             raise ConfigError("temperature > 0 needs the decoder's acceptance 'rejection' (lossless) or "
                               "'typical'; this decoder verifies greedily.", param="temperature")
@@ -229,6 +245,13 @@ class Engine:
     def batch_size(self) -> int:
         """Requests decoding now (not counting those waiting to join)."""
         return sum(not r.done for r in self.rows)
+
+    @property
+    def kv_usage(self) -> tuple[int, int]:
+        """(tokens the running rows hold in the KV cache, token slots allocated over all rows)."""
+        if self.cache is None:
+            return 0, 0
+        return sum(r.length - 1 for r in self.rows if not r.done), self.cache.capacity * self.cache.slots
 
     # ------------------------------------------------------------------ the step
 

@@ -93,7 +93,7 @@ def ops_per_step(decoder, prompts: list[list[int]], steps: int = 8) -> float:
     decoder.eos = set()
     engine = decoder.engine()
     for p in prompts:
-        engine.add(p, SamplingParams.checked(max_new_tokens=steps + 4))
+        engine.add(p, SamplingParams.checked(max_new_tokens=16 * (steps + 2)))  # every row decodes throughout
     engine.step()
     engine.step()
     with OpCounter() as ops:

@@ -131,14 +131,21 @@ def write_report(report: dict, directory) -> Path:
     if cfg:
         keys = ("target", "dtype", "datasets", "prompts", "max_new_tokens", "methods")
         lines += ["Settings: " + ", ".join(f"{k} = {cfg[k]}" for k in keys if k in cfg) + ".", ""]
+    if report.get("complete") is False:
+        lines += ["**Partial run** (stopped before its end): the figures cover the prompts each method finished.", ""]
+    skipped = report.get("skipped_prompts") or {}
     for ds, res in results.items():
-        lines += [f"## {ds}", "", "| method | tau | mean accepted length | tokens/s | speedup | identical to greedy |",
+        lines += [f"## {ds}", ""]
+        if skipped.get(ds):
+            lines += [f"{len(skipped[ds])} prompt(s) skipped: longer than the target's context less the new tokens.", ""]
+        lines += ["| method | tau | mean accepted length | tokens/s | speedup | identical to greedy |",
                   "|---|---:|---:|---:|---:|:---:|"]
         for m, r in res.items():
             tau = "-" if r.get("tokens_per_call") is None else f"{r['tokens_per_call']:.2f}"
             mal = "-" if r.get("mean_accepted_length") is None else f"{r['mean_accepted_length']:.2f}"
+            failed = f"; failed after {r.get('prompts', 0)} prompt(s): {r['error'][:120]}" if r.get("error") else ""
             lines.append(f"| {m} | {tau} | {mal} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | "
-                         f"{r['identical_prompts']} |")
+                         f"{r['identical_prompts']}{failed} |")
         lines.append("")
     for title, name in images:
         lines += [f"## {title}", "", f"![{title}]({name})", ""]

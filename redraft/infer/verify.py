@@ -30,7 +30,6 @@ CPU per call on an H100 (docs/infer.md, "Attention backend").
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from redraft.infer.budget import SIZES, CostCurve, measure_cost_curve
 from redraft.infer.kv import SlotKVCache
 from redraft.infer.opcount import not_counted
 from redraft.models import cpu
+from redraft.utils import cache_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +158,6 @@ class Verifier:
         self.capture = capture or cuda_capture
         self._last_key = None  # the previous verify's shape key (capture on a repeat)
         self._warned = False
-        params = inspect.signature(self.base.forward).parameters
-        # transformers 5.x renames `past_key_values` to `cache` (the old name goes in 5.40)
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._attention = _sdpa_backends(self.device)
 
     # ------------------------------------------------------------------ shapes
@@ -199,7 +196,7 @@ class Verifier:
     def _model(self, ids, positions, bias, cache) -> torch.Tensor:
         with self._attention, cpu.use_packed(self._packs):
             out = self.base(input_ids=ids, attention_mask=bias, position_ids=positions, use_cache=True,
-                            **{self._cache_arg: cache})
+                            **cache_kwargs(self.base, cache))
         return out.last_hidden_state  # [B, n, H] after the final norm
 
     def _tree_forward(self, step: StepInput, cache: SlotKVCache, static: bool) -> torch.Tensor:

@@ -27,10 +27,22 @@ activation other than SiLU, and ``embedding_dim != hidden_size`` (Apple's ``rnn_
 are ``hidden_size x hidden_size``).
 
 Apple's beam search additionally keeps only the top 50 logits of each step before its
-``log_softmax`` (``warp_logits``); that changes beam scores, not the head, and redraft's beam
-search does not do it. ``config.json`` also carries a ``redraft`` entry (the target's id and
-tokenizer fingerprint, ``num_steps``...) that Apple's ``DrafterConfig`` and TensorRT-LLM ignore
-and that makes the round trip exact, and ``weights_sha256``.
+``log_softmax`` (``warp_logits``). That is not only a change of scores: a token outside a step's
+top 50 can never be drafted there, so Apple's search can keep different beams than redraft's
+(which searches the full distribution) from the same head; the head's weights and its
+per-step distribution are the same. ``config.json`` also carries a ``redraft`` entry (the
+target's id, tokenizer and weights fingerprints, ``num_steps``...) that Apple's
+``DrafterConfig`` and TensorRT-LLM ignore and that makes the round trip exact, and
+``weights_sha256``.
+
+Apple's own PyTorch loader (``recurrent_drafting``) runs only under transformers 4.x: its
+``Drafter`` never calls ``post_init()``, which transformers 5 requires of a ``PreTrainedModel``.
+redraft reads the layout with its own code (:func:`read_apple_drafter`), under transformers 5.
+
+This module imports the head's classes only for type checking: the head's loader
+(:mod:`redraft.models.redrafter`) imports this module to read the layout, so the two functions
+that build a head, :func:`config_from_apple` and :func:`read_apple_drafter`, are given the class
+to build (no import cycle).
 """
 
 from __future__ import annotations
@@ -40,12 +52,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from redraft.errors import ArtifactError, ConfigError
 from redraft.models import artifact
-from redraft.models.redrafter import ReDrafter, ReDrafterConfig
+
+if TYPE_CHECKING:  # the head's module imports this one (see the module doc)
+    from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 
 APPLE_MODEL_TYPE = "recurrent_drafting_drafter"
 REDRAFT_KEY = "redraft"  # our own entry in Apple's config.json (ignored by Apple and TensorRT-LLM)
@@ -56,6 +71,9 @@ RNN_KEYS = ("rnn_u.weight", "rnn_u.bias", "rnn_w.weight")
 # ReDrafterConfig fields that Apple's config has no place for, kept under REDRAFT_KEY.
 _KEPT = ("num_steps", "activation", "target_model", "tokenizer_fingerprint", "target_vocab_size",
          "target_hidden_size", "initializer_range")
+# Kept too when the config has it: the trainer records the target's weights fingerprint
+# (redraft.train.fingerprint), a config built by hand has none.
+_KEPT_IF_SET = ("target_weights_fingerprint",)
 
 
 def swap_halves(first: int, second: int) -> torch.Tensor:
@@ -96,7 +114,8 @@ def apple_config(config: ReDrafterConfig) -> dict:
         "num_draft_layers": config.num_layers,
         "num_lookback_tokens": NUM_LOOKBACK_TOKENS,
         "rnn": config.rnn,
-        REDRAFT_KEY: {k: getattr(config, k) for k in _KEPT},
+        REDRAFT_KEY: {**{k: getattr(config, k) for k in _KEPT},
+                      **{k: getattr(config, k) for k in _KEPT_IF_SET if getattr(config, k, None) is not None}},
     }
 
 
@@ -128,10 +147,11 @@ def _field(raw: dict, key: str, where: Path, kind: type, minimum: int | None = N
     return value
 
 
-def config_from_apple(raw: dict, where: Path) -> ReDrafterConfig:
-    """The :class:`ReDrafterConfig` of an Apple-layout ``config.json`` (``raw``). Values of the
-    wrong type, and an ``exit_dim`` other than ``2 * hidden_size`` (an ``input_proj`` layer,
-    which redraft's head does not have), are ArtifactErrors naming the key."""
+def config_from_apple(raw: dict, where: Path, config_class: type[ReDrafterConfig]) -> ReDrafterConfig:
+    """The ``config_class`` (:class:`~redraft.models.redrafter.ReDrafterConfig`) of an Apple-layout
+    ``config.json`` (``raw``) read from directory ``where``. Values of the wrong type, and an
+    ``exit_dim`` other than ``2 * hidden_size`` (an ``input_proj`` layer, which redraft's head
+    does not have), are ArtifactErrors naming the key."""
     H = _field(raw, "hidden_size", where, int, 1)
     V = _field(raw, "vocab_size", where, int, 1)
     L = _field(raw, "num_draft_layers", where, int, 0)
@@ -143,12 +163,12 @@ def config_from_apple(raw: dict, where: Path) -> ReDrafterConfig:
     kept = raw.get(REDRAFT_KEY) or {}
     if not isinstance(kept, dict):
         raise ArtifactError(f"{where / artifact.CONFIG_NAME}: {REDRAFT_KEY} must be an object, got {kept!r}.")
-    unknown = sorted(set(kept) - set(_KEPT))
+    unknown = sorted(set(kept) - set(_KEPT) - set(_KEPT_IF_SET))
     if unknown:
         raise ArtifactError(f"{where / artifact.CONFIG_NAME}: unknown {REDRAFT_KEY} keys {unknown} "
-                            f"(known: {list(_KEPT)}).")
+                            f"(known: {list(_KEPT + _KEPT_IF_SET)}).")
     try:
-        return ReDrafterConfig(hidden_size=H, embedding_dim=H, vocab_size=V, num_layers=L, rnn=rnn, **kept)
+        return config_class(hidden_size=H, embedding_dim=H, vocab_size=V, num_layers=L, rnn=rnn, **kept)
     except ConfigError as exc:
         raise ArtifactError(f"{where / artifact.CONFIG_NAME}: {exc}") from exc
 
@@ -179,16 +199,17 @@ def from_apple(config: ReDrafterConfig, tensors: dict[str, torch.Tensor]) -> dic
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def read_apple_drafter(directory: Path, raw: dict | None = None, dtype: torch.dtype | None = None,
-                       verify: bool = True) -> ReDrafter:
-    """A :class:`ReDrafter` from an Apple-layout directory, checked exactly like redraft's own
-    artifacts (tensor names and shapes, recorded sha256, finite weights). ``dtype`` None keeps
-    the stored dtype. No embedding is attached."""
+def read_apple_drafter(directory: Path, model_class: type[ReDrafter], raw: dict | None = None,
+                       dtype: torch.dtype | None = None, verify: bool = True) -> ReDrafter:
+    """A ``model_class`` (:class:`~redraft.models.redrafter.ReDrafter`) from an Apple-layout
+    directory, checked exactly like redraft's own artifacts (tensor names and shapes, recorded
+    sha256, finite weights). ``raw``: its parsed ``config.json`` when already read. ``dtype``
+    None keeps the stored dtype. No embedding is attached."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
     raw = artifact.read_config_json(directory) if raw is None else raw
-    config = config_from_apple(raw, directory)
+    config = config_from_apple(raw, directory, model_class.config_class)
     files = artifact.weight_files(directory)
     artifact.check_tensor_layout(artifact.tensor_shapes(files), apple_shapes(config),
                                  files[0] if len(files) == 1 else directory,
@@ -201,7 +222,7 @@ def read_apple_drafter(directory: Path, raw: dict | None = None, dtype: torch.dt
         tensors.update(load_file(str(f)))
     artifact.check_finite(tensors, directory)
     with torch.device("meta"):  # no random init of a possibly large head: the tensors are assigned
-        model = ReDrafter(config)
+        model = model_class(config)
     model.load_state_dict(from_apple(config, tensors), strict=True, assign=True)
     return model if dtype is None else model.to(dtype)
 

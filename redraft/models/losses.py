@@ -2,7 +2,7 @@
 ``ReDrafter.forward(..., labels=...)`` both call :func:`drafter_loss`.
 
 It lives in the models layer because the head's ``forward`` needs it and ``models`` must not
-import ``train`` (DESIGN.md: a stage depends only on stages to its left).
+import ``train`` (README.md, "Layout": a stage depends only on stages to its left).
 """
 
 from __future__ import annotations

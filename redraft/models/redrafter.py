@@ -123,7 +123,7 @@ class ReDrafterConfig(PretrainedConfig):
         activation: ``f`` of the recurrence and of the ResNet blocks (a transformers ACT2FN name).
         num_steps: the training horizon n (draft tokens predicted per hidden state).
         target_model, tokenizer_fingerprint, target_vocab_size, target_hidden_size: the target
-            this head belongs to (DESIGN.md); ``load_drafter`` checks the fingerprint.
+            this head belongs to (docs/hub.md); ``load_drafter`` checks the fingerprint.
         initializer_range: std of the normal init of every linear layer.
     """
 
@@ -470,13 +470,13 @@ class ReDrafter(PreTrainedModel):
 
 
 def _resolve(path) -> Path:
-    """A local directory, or ``REPO_ID[@rev]`` through ``redraft.hub.resolve_artifact`` when the
+    """A local directory, or ``REPO_ID[@rev]`` through ``redraft.hub_resolve.resolve_artifact`` when the
     hub module exists."""
     p = Path(os.path.expanduser(str(path)))
     if p.exists():
         return p
     try:
-        hub = importlib.import_module("redraft.hub")
+        hub = importlib.import_module("redraft.hub_resolve")
     except ImportError:
         hub = None
     if hub is not None and hasattr(hub, "resolve_artifact"):
@@ -543,7 +543,7 @@ def read_drafter(path, dtype: torch.dtype | str | None = None, *, verify: bool =
     raw = artifact.read_config_json(p)
     dtype = None if dtype is None else resolve_dtype(dtype)
     if raw.get("model_type") == _apple().APPLE_MODEL_TYPE:
-        return _apple().read_apple_drafter(p, raw, dtype=dtype, verify=verify).eval()
+        return _apple().read_apple_drafter(p, ReDrafter, raw, dtype=dtype, verify=verify).eval()
     parse_config(raw, p)  # the model_type and value checks first, with the file's name
     try:
         model = ReDrafter.from_pretrained(str(p), dtype=dtype or "auto", verify=verify)
@@ -556,7 +556,7 @@ def read_drafter(path, dtype: torch.dtype | str | None = None, *, verify: bool =
 
 
 def _apple():
-    from redraft.models import apple  # imported late: apple.py builds on this module
+    from redraft.models import apple  # on use: only Apple-layout heads need it
 
     return apple
 
@@ -585,7 +585,7 @@ def load_drafter(path, target: Target, dtype: torch.dtype | str | None = None, *
     raw = artifact.read_config_json(p)
     dtype = target.dtype if dtype is None else resolve_dtype(dtype)
     if raw.get("model_type") == _apple().APPLE_MODEL_TYPE:
-        config = _apple().config_from_apple(raw, p)
+        config = _apple().config_from_apple(raw, p, ReDrafterConfig)
     else:
         config = parse_config(raw, p)
     if config.tokenizer_fingerprint is None and raw.get("model_type") != MODEL_TYPE:

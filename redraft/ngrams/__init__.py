@@ -3,13 +3,13 @@
 Build them with ``redraft-build-ngrams`` (:mod:`redraft.ngrams.cli`) or the functions below; load
 them for decoding with :meth:`NGramTables.load` and look up drafts in batches::
 
-    from redraft.ngrams import NGramTables, TrigramTable
+    from redraft.ngrams import NGramTables, trigram_table_from_token_arrays
     tables = NGramTables.load("checkpoints/ngrams-smollm2", target=target)
     ids, probs = tables.bigram_topk(torch.tensor([42, 7]))          # [2, k], [2, k]
     chains = tables.extended(torch.tensor([42]))                     # [1, k, w]
     tri = tables.trigram                                             # THE tri-gram table type
     ids, probs = tri.successors(w1, w2, k=12)                        # numpy or torch; -1 / 0 where absent
-    tri = TrigramTable.from_token_arrays(token_arrays, vocab_size)   # in memory, same counter
+    tri = trigram_table_from_token_arrays(token_arrays, vocab_size)  # in memory, same counter
 
 docs/ngrams.md is the guide (formats, CLI, figures).
 
@@ -26,7 +26,7 @@ _EXPORTS = {
     "NGramTables": "redraft.ngrams.tables",
     "save_tables": "redraft.ngrams.tables",
     "TrigramTable": "redraft.ngrams.trigram_table",
-    "as_trigram_table": "redraft.ngrams.trigram_table",
+    "as_trigram_table": "redraft.ngrams.tables",
     "TrigramCounter": "redraft.ngrams.trigrams",
     "TrigramCounts": "redraft.ngrams.trigrams",
     "build_trigram_table": "redraft.ngrams.trigrams",
@@ -34,6 +34,8 @@ _EXPORTS = {
     "load_counts": "redraft.ngrams.trigrams",
     "merge_counts": "redraft.ngrams.trigrams",
     "packable": "redraft.ngrams.trigrams",
+    "trigram_table_from_token_arrays": "redraft.ngrams.trigrams",
+    "trigram_table_from_trigrams": "redraft.ngrams.trigrams",
     "bigram_context": "redraft.ngrams.model_tables",
     "build_bigram": "redraft.ngrams.model_tables",
     "build_extended": "redraft.ngrams.model_tables",

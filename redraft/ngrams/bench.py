@@ -162,7 +162,13 @@ def bench_draftretriever(arrays, V, report: dict) -> None:
 
 
 def bench_lookups(arrays, V, args, report: dict) -> None:
-    from redraft.ngrams import NGramTables, TrigramTable, build_extended, build_trigram_table, count_trigrams
+    from redraft.ngrams import (
+        NGramTables,
+        TrigramTable,
+        build_extended,
+        build_trigram_table,
+        count_trigrams,
+    )
 
     g = torch.Generator().manual_seed(0)
     bigram_ids = torch.randint(0, V, (V, args.k), generator=g, dtype=torch.int32)
@@ -185,7 +191,7 @@ def bench_lookups(arrays, V, args, report: dict) -> None:
         rates[name] = round(n / t)
     found = (tables.trigram_successors(tokens, w2)[0][:, 0] >= 0).float().mean().item()
     report["lookups_per_s"] = dict(rates, batch=N, trigram_contexts_found=round(found, 3))
-    print("lookups/s (batch %d): " % N + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in rates.items()),
+    print(f"lookups/s (batch {N}): " + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in rates.items()),
           flush=True)
     # ADED's search: numpy batches of 24-150 distinct contexts (cold caches, as in a search);
     # the padded-row gather against the CSR gather (used above TrigramTable.DENSE_MAX_BYTES).

@@ -16,11 +16,9 @@ no torch at import time (``--help`` is instant).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import os
-import resource
 import shutil
 import signal
 import sys
@@ -28,18 +26,20 @@ import time
 from pathlib import Path
 
 from redraft.errors import ConfigError, RedraftError
-from redraft.ngrams.format import KINDS, META_FILE, SHARD_GLOB, SHARDS_SUFFIX, shard_dir_name
+from redraft.ngrams.build import (  # noqa: F401  (shard_dir: re-exported)
+    TableWriter,
+    build_bigram,
+    build_extended,
+    build_trigram,
+    build_unigram,
+    load_build_target,
+    shard_dir,
+)
+from redraft.ngrams.format import KINDS, META_FILE, SHARD_GLOB, SHARDS_SUFFIX
 from redraft.utils import ArgumentParser, HelpFormatter
 
 logger = logging.getLogger("redraft.ngrams")
 PROG = "redraft-build-ngrams"
-
-# The flags that shaped each kind, recorded in ngrams.json (build_args) beside it.
-BUILD_FLAGS = {"unigram": ("target", "k"), "bigram": ("target", "k", "dtype", "batch_size"),
-               "extended": ("w", "extend_with_model", "dtype"),
-               "trigram": ("target", "data", "split", "limit", "t", "min_count", "memory_mb",
-                           "chunk_tokens")}
-
 
 def _kinds(text: str) -> list[str]:
     kinds = [k.strip() for k in text.split(",") if k.strip()]
@@ -48,15 +48,6 @@ def _kinds(text: str) -> list[str]:
         raise ConfigError(f"unknown n-gram kind(s) {bad or text!r} in --kinds; use a comma-separated "
                           f"subset of {','.join(KINDS)}.", param="kinds")
     return kinds
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def shard_dir(output_dir, shard_id: int, num_shards: int) -> Path:
-    """Where shard ``shard_id`` of ``num_shards`` writes its partial tri-gram counts."""
-    return Path(output_dir) / shard_dir_name(shard_id, num_shards)
 
 
 def shards_home(output_dir) -> Path:
@@ -215,13 +206,6 @@ def check_build_args(args) -> list[str]:
     return kinds
 
 
-def _check_vocab_bounds(args, vocab_size: int) -> None:
-    for name in ("k", "t"):
-        if getattr(args, name) > vocab_size:
-            raise ConfigError(f"-{name} {getattr(args, name)} is above the target's vocabulary "
-                              f"size {vocab_size}: choose 1..{vocab_size}.", param=name)
-
-
 def _done(out: Path, kind: str) -> bool:
     try:
         return kind in json.loads((out / META_FILE).read_text()).get("files", {})
@@ -243,10 +227,10 @@ def _clean_spills(*roots) -> None:
 
 
 def run_build(args) -> dict:
-    """Build the requested kinds; returns the ``ngrams.json`` fields written."""
+    """Build the requested kinds; returns the ``ngrams.json`` fields written (for a shard of a
+    sharded tri-gram build: its count directory and corpus stats)."""
     kinds = check_build_args(args)
     out = Path(args.output_dir).expanduser()
-    progress = not args.quiet
     todo = [k for k in kinds if args.overwrite or args.num_shards > 1 or not _done(out, k)]
     for k in kinds:
         if k not in todo:
@@ -255,100 +239,24 @@ def run_build(args) -> dict:
         return {}
     if "trigram" in todo:
         _clean_spills(out, args.spill_dir)
-
-    import torch
-
-    from redraft.models import load_target
-    from redraft.ngrams import model_tables as mt
-    from redraft.ngrams.tables import save_tables
-    from redraft.ngrams.trigrams import build_trigram_table, count_trigrams
-    from redraft.utils import resolve_device
-
-    device = resolve_device(args.device)  # "cuda" without CUDA: one clear line, before the load
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target = load_target(args.target, dtype="float32", device=device)
-    _check_vocab_bounds(args, target.vocab_size)
-    base = dict(target.artifact_metadata(), vocab_size=target.vocab_size)
-    seconds: dict[str, float] = {}
-    written: dict = {}
-
-    def save(kind: str, fields: dict, **tables) -> None:
-        """Write one kind's table and its ngrams.json fields (merged into what is there)."""
-        meta = dict(base, build_seconds={kind: round(seconds[kind], 2)},
-                    build_args={kind: {f: getattr(args, f) for f in BUILD_FLAGS[kind]}}, **fields)
-        save_tables(out, meta, **tables)
-        written.update(meta)
-
-    bigram = None
+    target = load_build_target(args)
+    save = TableWriter(args, out, target)
+    bigram_ids = None
     if "unigram" in todo:
-        t0 = time.perf_counter()
-        uni = mt.build_unigram(target, args.k)
-        seconds["unigram"] = time.perf_counter() - t0
-        save("unigram", {"k": args.k, "unigram": {"k": int(len(uni[0]))}}, unigram=uni)
+        build_unigram(args, target, save)
     if "bigram" in todo:
-        t0 = time.perf_counter()
-        bigram = mt.build_bigram(target, args.k, batch_size=args.batch_size, dtype=args.dtype,
-                                 progress=progress)
-        seconds["bigram"] = time.perf_counter() - t0
-        save("bigram", {"k": args.k, "bigram": {"k": args.k, "dtype": args.dtype,
-                                                "bos_prefix": mt.bigram_context(target.tokenizer)}},
-             bigram=bigram)
-        logger.info("bigram table: %.1f s", seconds["bigram"])
+        bigram_ids = build_bigram(args, target, save)
     if "extended" in todo:
-        if bigram is None:
-            from redraft.ngrams.tables import NGramTables
-
-            ids = NGramTables.load(out, target=target, kinds=["bigram"]).table("bigram")["ids"]
-        else:
-            ids = bigram[0]
-        t0 = time.perf_counter()
-        if args.extend_with_model:
-            ext = mt.build_extended_with_model(target, ids, args.w, batch_size=args.batch_size,
-                                               dtype=args.dtype, progress=progress)
-        else:
-            ext = mt.build_extended(ids, args.w)
-        seconds["extended"] = time.perf_counter() - t0
-        save("extended", {"w": args.w, "extended": {"w": args.w, "k": int(ext.shape[1]),
-                                                    "with_model": bool(args.extend_with_model)}},
-             extended=ext)
+        build_extended(args, target, out, bigram_ids, save)
     if "trigram" in todo:
-        from redraft.data import iter_token_arrays
-
-        t0 = time.perf_counter()
-        arrays = iter_token_arrays(args.data, target.tokenizer, split=args.split, limit=args.limit,
-                                   num_proc=args.num_proc, progress=progress)
-        if args.num_shards > 1:
-            arrays = itertools.islice(arrays, args.shard_id, None, args.num_shards)
-        # Spilled runs go into a private folder under --spill-dir (default: the output dir, on
-        # the disk the artifact goes to); the finally below removes it on success, errors and
-        # Ctrl-C, and a SIGKILLed build's folder is removed by the next build (_clean_spills).
-        counts = count_trigrams(arrays, target.vocab_size, chunk_tokens=args.chunk_tokens,
-                                memory_mb=args.memory_mb, spill_dir=args.spill_dir or out,
-                                progress=progress)
-        with counts:
-            t_count = time.perf_counter() - t0
-            if args.num_shards > 1:
-                d = counts.save(shard_dir(out, args.shard_id, args.num_shards), meta=dict(
-                    target.artifact_metadata(), data=args.data, split=args.split,
-                    limit=args.limit, num_shards=args.num_shards, shard_id=args.shard_id,
-                    count_seconds=round(t_count, 2),
-                    build_args={f: getattr(args, f) for f in BUILD_FLAGS["trigram"]}))
-                logger.warning("shard %d/%d: %s tokens counted in %.1f s → %s; run `%s merge "
-                               "--output-dir %s` when all shards are done", args.shard_id,
-                               args.num_shards, f"{counts.stats['tokens']:,}", t_count, d, PROG, out)
-                return {"shard_dir": str(d), "stats": counts.stats}
-            table = build_trigram_table(counts, t=args.t, min_count=args.min_count,
-                                        progress=progress)
-        seconds["trigram"] = time.perf_counter() - t0
-        save("trigram", {"t": args.t, "trigram": {
-            "t": args.t, "min_count": args.min_count, "data": args.data, "split": args.split,
-            "corpus": table.stats, "count_seconds": round(t_count, 2),
-            "table_bytes": table.nbytes(), "peak_rss_mb": round(_peak_rss_mb(), 1)}},
-             trigram=table)
-        logger.info("tri-gram table: %s contexts, %s entries, %.1f s", f"{table.stats['contexts']:,}",
-                    f"{table.stats['entries']:,}", seconds["trigram"])
-    return written
+        shard = build_trigram(args, target, out, save)
+        if shard is not None:
+            logger.warning("shard %d/%d: %s tokens counted in %.1f s → %s; run `%s merge --output-dir %s` "
+                           "when all shards are done", args.shard_id, args.num_shards,
+                           f"{shard['stats']['tokens']:,}", shard.pop("count_seconds"), shard["shard_dir"],
+                           PROG, out)
+            return shard
+    return save.written
 
 
 # ------------------------------------------------------------------------------------------
@@ -402,11 +310,12 @@ def run_merge(args) -> dict:
     _clean_spills(out)
 
     from redraft.ngrams.tables import save_tables
-    from redraft.ngrams.trigrams import _open_run, build_trigram_table, load_counts
+    from redraft.ngrams.trigram_runs import open_run
+    from redraft.ngrams.trigrams import build_trigram_table, load_counts
 
     t0 = time.perf_counter()
     counts = load_counts(shards, memory_mb=args.memory_mb)  # checksums, completeness, agreement
-    first = _open_run(shards[0])[2]
+    first = open_run(shards[0])[2]
     table = build_trigram_table(counts, t=args.t, min_count=args.min_count, progress=not args.quiet)
     seconds = time.perf_counter() - t0
     target_fields = {k: first[k] for k in ("target_model", "target_vocab_size", "target_hidden_size",
@@ -420,7 +329,7 @@ def run_merge(args) -> dict:
                 trigram={"t": args.t, "min_count": args.min_count, "data": first.get("data"),
                          "split": first.get("split"), "corpus": table.stats,
                          "shards": len(shards), "table_bytes": table.nbytes(),
-                         "count_seconds_per_shard": [_open_run(s)[2].get("count_seconds")
+                         "count_seconds_per_shard": [open_run(s)[2].get("count_seconds")
                                                      for s in shards]})
     save_tables(out, meta, trigram=table)
     # Only now, with the table and ngrams.json written: a kill before this leaves the shards

@@ -28,7 +28,7 @@ import logging
 import torch
 from tqdm.auto import tqdm
 
-from redraft.utils import resolve_dtype
+from redraft.utils import cache_kwargs, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +234,35 @@ def _model_last_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _shortcut_hidden(model, bos_id: int | None, device):
+    """The single-token shortcut for ``model``: token ids ``[B]`` -> final hidden states
+    ``[B, H]`` (module doc), after the BOS prefix when ``bos_id`` is set."""
+    if bos_id is None:
+        return lambda x: _single_token_hidden(model, x)
+    state = _prefix_state(model, bos_id, device)
+    return lambda x: _prefixed_hidden(model, x, state)
+
+
+def _shortcut_agrees(target, tokens: torch.Tensor, bos_id: int | None) -> bool:
+    """Whether the shortcut matches the model's own forward on a few of ``tokens``.
+
+    Checked on the target as given (float32 on CPU): a structural mismatch shows as a large
+    error there, while two bf16 computations differ by rounding alone.
+    """
+    device = target.device
+    probe = tokens[: min(8, len(tokens))].to(device)
+    seq = probe[:, None] if bos_id is None else torch.stack([torch.full_like(probe, bos_id), probe], 1)
+    ref = _model_last_logits(target.model, seq).float()
+    got = target.model.get_output_embeddings()(_shortcut_hidden(target.model, bos_id, device)(probe)).float()
+    tol = 1e-3 if target.dtype == torch.float32 else 0.25
+    err = (ref - got).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+    if not err <= tol:
+        logger.warning("the single-token shortcut differs from the model forward (relative "
+                       "error %.3g); using the model forward", err)
+        return False
+    return True
+
+
 def build_bigram(target, k: int = 25, batch_size: int = 1024, dtype="bfloat16",
                  bos: int | None | str = "auto", fast_path: bool = True, progress: bool = True,
                  tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,28 +298,9 @@ def build_bigram(target, k: int = 25, batch_size: int = 1024, dtype="bfloat16",
     use_fast = fast_path and _fast_path_ok(model)
     if use_fast and bos_id is not None:
         use_fast = hasattr(model.model, "rotary_emb")
-    def hidden_fn(m):
-        """The shortcut's final hidden states for model ``m`` (see module doc)."""
-        if bos_id is None:
-            return lambda x: _single_token_hidden(m, x)
-        state = _prefix_state(m, bos_id, device)
-        return lambda x: _prefixed_hidden(m, x, state)
-
     if use_fast:
-        # Check the shortcut against the model's own forward before trusting it, on the target
-        # as given (float32 on CPU): a structural mismatch shows as a large error there, while
-        # two bf16 computations differ by rounding alone.
-        probe = tokens[: min(8, len(tokens))].to(device)
-        seq = probe[:, None] if bos_id is None else torch.stack([torch.full_like(probe, bos_id), probe], 1)
-        ref = _model_last_logits(target.model, seq).float()
-        got = target.model.get_output_embeddings()(hidden_fn(target.model)(probe)).float()
-        tol = 1e-3 if target.dtype == torch.float32 else 0.25
-        err = (ref - got).abs().max().item() / max(ref.abs().max().item(), 1e-6)
-        if not err <= tol:
-            logger.warning("the single-token shortcut differs from the model forward (relative "
-                           "error %.3g); using the model forward", err)
-            use_fast = False
-    hidden = hidden_fn(model) if use_fast else None
+        use_fast = _shortcut_agrees(target, tokens, bos_id)
+    hidden = _shortcut_hidden(model, bos_id, device) if use_fast else None
 
     ids_out = torch.empty(len(tokens), k, dtype=torch.int32)
     probs_out = torch.empty(len(tokens), k, dtype=torch.float32)
@@ -380,7 +390,7 @@ def build_extended_with_model(target, bigram_ids: torch.Tensor, w: int = 10, k: 
         cache = DynamicCache()
         step = seq
         for i in range(1, int(w)):
-            logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=step, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
             step = logits.float().argmax(-1, keepdim=True)  # [B, 1]
             out[s:s + len(x), i] = step[:, 0].to("cpu", torch.int32)
         bar.update(len(x))

@@ -1,6 +1,6 @@
 """The n-gram artifact on disk and the decoder's batched lookups.
 
-An artifact is a directory (DESIGN.md):
+An artifact is a directory (docs/ngrams.md has the format):
 
     ngrams.json            kinds, vocab_size, k, w, t, min_count, target + tokenizer fingerprint,
                            bigram context (BOS prefix), corpus stats, build seconds, build args,
@@ -120,7 +120,7 @@ def _resolve(path_or_dir) -> Path:
     if path.is_dir():
         return path
     try:
-        from redraft.hub import resolve_artifact
+        from redraft.hub_resolve import resolve_artifact
     except ImportError:
         resolve_artifact = None
     if resolve_artifact is not None and not path.exists():
@@ -230,7 +230,7 @@ class NGramTables:
     # ---------------------------------------------------------------- loading
 
     @classmethod
-    def load(cls, path_or_dir, target=None, kinds=None, device=None, verify: bool = True) -> "NGramTables":
+    def load(cls, path_or_dir, target=None, kinds=None, device=None, verify: bool = True) -> NGramTables:
         """Load an artifact directory (or hub ``REPO_ID[@rev]``).
 
         Args:
@@ -293,7 +293,7 @@ class NGramTables:
         tables = cls(tensors, meta, path=directory, trigram=trigram)
         return tables.to(device) if device is not None else tables
 
-    def to(self, device) -> "NGramTables":
+    def to(self, device) -> NGramTables:
         """Move every table to ``device`` (in place); returns self. The tri-gram table keeps its
         host arrays (ADED searches there) and prepares a copy on ``device`` for torch lookups."""
         self._t = {kind: {n: v.to(device) for n, v in d.items()} for kind, d in self._t.items()}
@@ -381,3 +381,20 @@ class NGramTables:
     def __repr__(self) -> str:
         return (f"NGramTables(kinds={self.kinds}, vocab_size={self.vocab_size}, k={self.k}, "
                 f"w={self.w}, t={self.t}, fingerprint={self.fingerprint!r}, device={self.device})")
+
+
+def as_trigram_table(tables) -> TrigramTable:
+    """The tri-gram table of what a drafter is given: a :class:`TrigramTable` (returned as it is)
+    or loaded :class:`NGramTables` (their :attr:`trigram`).
+
+    Raises:
+        ArtifactError: n-gram tables without a tri-gram kind (the message says how to build one).
+        ConfigError: anything else.
+    """
+    if isinstance(tables, TrigramTable):
+        return tables
+    if isinstance(tables, NGramTables):
+        return tables.trigram
+    raise ConfigError(f"expected a redraft.ngrams.TrigramTable or NGramTables, got "
+                      f"{type(tables).__name__}; load tables with NGramTables.load(DIR) or build "
+                      f"one with TrigramTable.from_csr(...) / trigram_table_from_token_arrays(...).")

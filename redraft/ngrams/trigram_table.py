@@ -37,7 +37,7 @@ ARRAY_NAMES = ("context_keys", "offsets", "ids", "probs", "context_counts")
 _KEY_SENTINEL = np.iinfo(np.int64).max  # sorts after every key, equals none (keys < V * V)
 
 
-def _host(a, dtype=None) -> np.ndarray:
+def host_array(a, dtype=None) -> np.ndarray:
     """A 1-D numpy array from numpy, a list or a torch tensor (any device)."""
     if hasattr(a, "detach"):  # a torch tensor; no torch import needed here
         a = a.detach().cpu().numpy()
@@ -48,10 +48,12 @@ def _host(a, dtype=None) -> np.ndarray:
 class TrigramTable:
     """Top-t successors of every tri-gram context, in CSR form on the host (numpy).
 
-    Build one with :meth:`from_csr` (four arrays), :meth:`from_trigrams` (counted tri-grams),
-    :meth:`from_token_arrays` (token ids, counted with the n-gram stage's counter),
-    :func:`redraft.ngrams.build_trigram_table` (counts of any size), or load it with
-    ``NGramTables.load(dir).trigram``.
+    Build one with :meth:`from_csr` (four arrays), the builder's
+    :func:`~redraft.ngrams.trigram_table_from_trigrams` (counted tri-grams),
+    :func:`~redraft.ngrams.trigram_table_from_token_arrays` (token ids, counted with the n-gram
+    stage's counter), :func:`redraft.ngrams.build_trigram_table` (counts of any size), or load
+    it with ``NGramTables.load(dir).trigram``. This module imports none of them: the builder
+    (:mod:`redraft.ngrams.trigrams`) and the artifact (:mod:`redraft.ngrams.tables`) import it.
 
     Attributes:
         vocab_size: ``V`` of the packing ``w1 * V + w2``.
@@ -70,9 +72,9 @@ class TrigramTable:
 
     def __init__(self, context_keys, offsets, ids, probs, vocab_size: int, *, t: int | None = None,
                  min_count: int = 1, context_counts=None, stats: dict | None = None):
-        keys = _host(context_keys, np.int64)
-        offsets = np.ascontiguousarray(_host(offsets, np.int64))
-        ids, probs = _host(ids), _host(probs)
+        keys = host_array(context_keys, np.int64)
+        offsets = np.ascontiguousarray(host_array(offsets, np.int64))
+        ids, probs = host_array(ids), host_array(probs)
         self.vocab_size = int(vocab_size)
         _check_csr(keys, offsets, ids, probs, self.vocab_size)
         C, E = keys.size, ids.size
@@ -86,7 +88,7 @@ class TrigramTable:
         self.context_keys, self.offsets = _readonly(self._keys_pad[:C]), _readonly(self._off_pad[:C + 1])
         self.ids, self.probs = _readonly(self._ids_pad[:E]), _readonly(self._probs_pad[:E])
         self.context_counts = None if context_counts is None else _readonly(
-            np.array(_host(context_counts, np.int64)))
+            np.array(host_array(context_counts, np.int64)))
         if self.context_counts is not None and self.context_counts.shape != (C,):
             raise ArtifactError(f"tri-gram context_counts has shape {self.context_counts.shape}, "
                                 f"the table has {C} contexts. Rebuild the table.")
@@ -104,7 +106,7 @@ class TrigramTable:
 
     @classmethod
     def from_csr(cls, context_keys, offsets, ids, probs, vocab_size: int, *, sort: bool = True,
-                 **kwargs) -> "TrigramTable":
+                 **kwargs) -> TrigramTable:
         """A table from its four CSR arrays (numpy, lists or torch tensors).
 
         Args:
@@ -119,8 +121,8 @@ class TrigramTable:
             ArtifactError: arrays that disagree (lengths, offsets, unsorted or duplicate keys,
                 ids outside ``[0, V)``, probabilities outside ``[0, 1]``).
         """
-        keys, offsets = _host(context_keys, np.int64), _host(offsets, np.int64)
-        ids, probs = _host(ids), _host(probs, np.float32)
+        keys, offsets = host_array(context_keys, np.int64), host_array(offsets, np.int64)
+        ids, probs = host_array(ids), host_array(probs, np.float32)
         if sort and ids.size:
             _check_csr(keys, offsets, ids, probs, int(vocab_size))  # before the offsets are used
             seg = np.repeat(np.arange(keys.size), np.diff(offsets))  # [E] context of each entry
@@ -130,63 +132,7 @@ class TrigramTable:
         return cls(keys, offsets, ids, probs, vocab_size, **kwargs)
 
     @classmethod
-    def from_trigrams(cls, w1, w2, w3, counts, vocab_size: int, *, t: int = 12,
-                      min_count: int = 1) -> "TrigramTable":
-        """A table from counted tri-grams ``(w1[i], w2[i], w3[i])`` seen ``counts[i]`` times.
-
-        Any order; repeated tri-grams are summed. ``P(w3 | w1, w2) = C(w1,w2,w3) / C(w1,w2)``,
-        pruned like the builder (:func:`redraft.ngrams.trigrams.build_trigram_table`, whose
-        pruning this calls): top-``t`` successors with count >= ``min_count``, ties by smaller id.
-        An empty input gives an empty table.
-        """
-        from redraft.ngrams.trigrams import TrigramCounts, build_trigram_table, make_keys
-
-        w1, w2, w3 = (_host(a, np.int64).reshape(-1) for a in (w1, w2, w3))
-        counts = _host(counts, np.int64).reshape(-1)
-        V = int(vocab_size)
-        if not w1.size == w2.size == w3.size == counts.size:
-            raise ConfigError(f"from_trigrams needs equal lengths, got w1 {w1.size}, w2 {w2.size}, "
-                              f"w3 {w3.size}, counts {counts.size}.")
-        for name, a in (("w1", w1), ("w2", w2), ("w3", w3)):
-            if a.size and (a.min() < 0 or a.max() >= V):
-                raise ConfigError(f"from_trigrams: {name} holds ids outside [0, {V}).", param=name)
-        if counts.size and counts.min() < 1:
-            raise ConfigError("from_trigrams: counts must be at least 1.", param="counts")
-        if w1.size == 0:
-            return cls.empty(V, t=t, min_count=min_count)
-        keys = make_keys(w1 * V + w2, w3, V)
-        order = np.argsort(keys, kind="stable")
-        keys, counts = keys[order], counts[order]
-        starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
-        run = (keys[starts], np.add.reduceat(counts, starts))  # unique keys, summed counts
-        stats = {"trigrams": int(counts.sum())}
-        return build_trigram_table(TrigramCounts(V, runs=[run], stats=stats), t=t, min_count=min_count)
-
-    @classmethod
-    def from_token_arrays(cls, arrays, vocab_size: int, *, t: int = 12, min_count: int = 1,
-                          **counter_kwargs) -> "TrigramTable":
-        """Count the tri-grams inside each token array (never across two) with the n-gram
-        stage's counter (:func:`redraft.ngrams.count_trigrams`) and prune them
-        (:func:`redraft.ngrams.build_trigram_table`). In memory: for tests, benchmarks, scripts.
-
-        Args:
-            arrays: an iterable of 1-D int arrays (lists work), one per record; e.g.
-                ``redraft.data.iter_token_arrays(spec, tokenizer)``.
-            counter_kwargs: ``chunk_tokens``, ``memory_mb``, ``spill_dir``, ``progress``.
-
-        Raises:
-            DataError: a token outside ``[0, V)`` (names the record), or no tri-gram at all.
-        """
-        from redraft.ngrams.trigrams import build_trigram_table, count_trigrams
-
-        counts = count_trigrams((np.asarray(a) for a in arrays), vocab_size, **counter_kwargs)
-        try:
-            return build_trigram_table(counts, t=t, min_count=min_count)
-        finally:
-            counts.cleanup()
-
-    @classmethod
-    def empty(cls, vocab_size: int, *, t: int = 12, min_count: int = 1) -> "TrigramTable":
+    def empty(cls, vocab_size: int, *, t: int = 12, min_count: int = 1) -> TrigramTable:
         """A table with no context: every lookup misses."""
         z = np.zeros(0, np.int64)
         return cls(z, np.zeros(1, np.int64), z, np.zeros(0, np.float32), vocab_size, t=t,
@@ -323,7 +269,7 @@ class TrigramTable:
             self._devices[device] = {n: torch.from_numpy(a).to(device) for n, a in host.items()}
         return self._devices[device]
 
-    def to(self, device) -> "TrigramTable":
+    def to(self, device) -> TrigramTable:
         """Prepare lookups of torch tensors on ``device`` now rather than at the first lookup.
         The numpy arrays stay on the host. Returns self."""
         self._on(device)
@@ -354,25 +300,6 @@ class TrigramTable:
     def __repr__(self) -> str:
         return (f"TrigramTable(vocab_size={self.vocab_size}, contexts={len(self)}, "
                 f"entries={self.num_entries}, t={self.t}, min_count={self.min_count})")
-
-
-def as_trigram_table(tables) -> TrigramTable:
-    """The tri-gram table of what a drafter is given: a :class:`TrigramTable` (returned as it is)
-    or loaded :class:`~redraft.ngrams.tables.NGramTables` (their :attr:`trigram`).
-
-    Raises:
-        ArtifactError: n-gram tables without a tri-gram kind (the message says how to build one).
-        ConfigError: anything else.
-    """
-    if isinstance(tables, TrigramTable):
-        return tables
-    from redraft.ngrams.tables import NGramTables
-
-    if isinstance(tables, NGramTables):
-        return tables.trigram
-    raise ConfigError(f"expected a redraft.ngrams.TrigramTable or NGramTables, got "
-                      f"{type(tables).__name__}; load tables with NGramTables.load(DIR) or build "
-                      f"one with TrigramTable.from_csr(...) / from_token_arrays(...).")
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -412,4 +339,4 @@ def _check_csr(keys, offsets, ids, probs, V: int) -> None:
         raise bad("probabilities outside [0, 1] (or NaN)")
 
 
-__all__ = ["ARRAY_NAMES", "TrigramTable", "as_trigram_table"]
+__all__ = ["ARRAY_NAMES", "TrigramTable", "host_array"]

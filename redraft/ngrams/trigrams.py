@@ -14,10 +14,12 @@ spilled runs are merged range by range (key ranges aligned to contexts, each run
 combines the partial counts of sharded builds (:func:`merge_counts`): a merged result equals a
 single build.
 
-Vocabularies with ``V**3 >= 2**63`` cannot be packed into one int64: their keys become a
-structured ``(context int64, w3 int64)`` record that numpy sorts field by field — slower, never
-wrong (:func:`key_dtype`).
+The keys and runs are :mod:`redraft.ngrams.trigram_keys`; runs on disk and the spill
+directories, :mod:`redraft.ngrams.trigram_runs` (their public names are re-exported here). This
+module builds the table type (:class:`~redraft.ngrams.trigram_table.TrigramTable`), which
+imports nothing from here.
 """
+
 
 from __future__ import annotations
 
@@ -27,272 +29,36 @@ import logging
 import os
 import shutil
 import tempfile
-import time
-import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from redraft.errors import ArtifactError, ConfigError, DataError
-from redraft.ngrams.trigram_table import TrigramTable
-from redraft.utils import sha256_file
-
-try:
-    import fcntl
-except ImportError:  # not POSIX: spill directories are recognised as stale by age
-    fcntl = None
+from redraft.ngrams.trigram_keys import (
+    WIDE,
+    context_floor,
+    key_dtype,
+    make_keys,
+    merge_runs,
+    packable,
+    sorted_counts,
+    split_keys,
+    trigram_keys,
+)
+from redraft.ngrams.trigram_runs import (
+    COUNTS_FORMAT,
+    COUNTS_FORMAT_VERSION,
+    SpillDir,
+    clean_stale_spills,
+    open_run,
+    write_run,
+)
+from redraft.ngrams.trigram_table import TrigramTable, host_array
 
 logger = logging.getLogger("redraft.ngrams")
-
-COUNTS_FORMAT = "redraft-trigram-counts"
-COUNTS_FORMAT_VERSION = 1
-_WIDE = np.dtype([("c", "<i8"), ("w", "<i8")])  # (w1 * V + w2, w3) for vocabularies too large
-
-
-def packable(vocab_size: int) -> bool:
-    """True when every key ``(w1 * V + w2) * V + w3`` fits in an int64 (``V**3 <= 2**63 - 1``).
-
-    True up to V = 2,097,151 (2**21 - 1): every current LLM vocabulary.
-    """
-    return int(vocab_size) ** 3 <= 2**63 - 1
-
-
-def key_dtype(vocab_size: int) -> np.dtype:
-    """int64 packed keys, or the structured ``(context, w3)`` dtype when V is too large."""
-    if int(vocab_size) * int(vocab_size) > 2**63 - 1:
-        raise ConfigError(f"vocab size {vocab_size} is too large even for (w1*V + w2) context keys; "
-                          f"the tri-gram table supports vocabularies below 3e9.")
-    return np.dtype(np.int64) if packable(vocab_size) else _WIDE
-
-
-def split_keys(keys: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keys → ``(context = w1 * V + w2, w3)``, both int64."""
-    if keys.dtype == _WIDE:
-        return np.asarray(keys["c"]), np.asarray(keys["w"])
-    return np.divmod(keys, np.int64(vocab_size))
-
-
-def make_keys(ctx: np.ndarray, w3: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Keys from ``(context = w1 * V + w2, w3)``: packed int64, or the wide dtype (module doc)."""
-    if key_dtype(vocab_size) == _WIDE:
-        out = np.empty(len(ctx), _WIDE)
-        out["c"], out["w"] = ctx, w3
-        return out
-    return ctx * np.int64(vocab_size) + w3
-
-
-def _context_floor(keys: np.ndarray, vocab_size: int) -> np.ndarray:
-    """The smallest key of each key's context (range boundaries must not split a context)."""
-    ctx, _ = split_keys(keys, vocab_size)
-    return make_keys(ctx, np.zeros_like(ctx), vocab_size)
-
-
-def trigram_keys(tokens: np.ndarray, ends: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Keys of every tri-gram start position in records laid end to end in ``tokens``.
-
-    Args:
-        tokens: int ``[n]``, records concatenated.
-        ends: int ``[r]``, exclusive end offset of each record in ``tokens`` (ascending).
-        vocab_size: V.
-
-    Returns:
-        int64 packed keys ``[n - 2]`` where a position whose tri-gram would cross a record end
-        holds ``-1`` (a sentinel that sorts first; :func:`sorted_counts` drops it), or, for the
-        wide dtype, only the valid keys.
-    """
-    n = len(tokens)
-    if n < 3:
-        return np.empty(0, key_dtype(vocab_size))
-    # The last two positions of every record start a tri-gram that crosses its end. For a record
-    # of length < 2 these indices fall into the previous record's last positions: masked anyway.
-    cross = np.concatenate([ends - 1, ends - 2])
-    cross = cross[(cross >= 0) & (cross < n - 2)]
-    V = np.int64(vocab_size)
-    if key_dtype(vocab_size) == _WIDE:
-        t = tokens.astype(np.int64, copy=False)
-        valid = np.ones(n - 2, dtype=bool)
-        valid[cross] = False
-        return make_keys((t[:-2] * V + t[1:-1])[valid], t[2:][valid], vocab_size)
-    # (w1 * V + w2) * V + w3 in place: one [n-2] int64 buffer, no temporaries.
-    keys = np.multiply(tokens[:-2], V, dtype=np.int64)
-    keys += tokens[1:-1]
-    keys *= V
-    keys += tokens[2:]
-    keys[cross] = -1
-    return keys
-
-
-def sorted_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique keys (ascending) and how often each occurs: a run. Sorts ``keys`` in place.
-
-    Negative (sentinel) keys of :func:`trigram_keys` are dropped.
-    """
-    if len(keys) == 0:
-        return keys, np.empty(0, np.int64)
-    keys.sort()
-    if keys.dtype != _WIDE:
-        keys = keys[np.searchsorted(keys, 0):]  # drop the -1 sentinels (they sort first)
-        if len(keys) == 0:
-            return keys, np.empty(0, np.int64)
-    change = np.empty(len(keys), dtype=bool)
-    change[0] = True
-    change[1:] = keys[1:] != keys[:-1]
-    starts = np.flatnonzero(change)
-    counts = np.diff(starts, append=len(keys))
-    return keys[starts], counts
-
-
-def merge_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """Merge sorted ``(keys, counts)`` runs into one sorted run, summing counts of equal keys."""
-    runs = [r for r in runs if len(r[0])]
-    if not runs:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    if len(runs) == 1:
-        return np.asarray(runs[0][0]), np.asarray(runs[0][1])
-    keys = np.concatenate([r[0] for r in runs])
-    counts = np.concatenate([r[1] for r in runs])
-    order = np.argsort(keys, kind="stable")  # timsort: linear passes over the pre-sorted runs
-    keys, counts = keys[order], counts[order]
-    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
-    return keys[starts], np.add.reduceat(counts, starts)
-
-
-# --------------------------------------------------------------------------------------------
-# runs on disk: raw little-endian arrays + meta.json (memory-mappable, truncation detectable)
-
-
-def _write_run(directory: Path, keys: np.ndarray, counts: np.ndarray, meta: dict) -> Path:
-    """Write one sorted run atomically as ``directory/{keys,counts}.bin`` + ``meta.json``."""
-    directory = Path(directory)
-    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    np.ascontiguousarray(keys).tofile(tmp / "keys.bin")
-    np.ascontiguousarray(counts, dtype=np.int64).tofile(tmp / "counts.bin")
-    meta = dict(meta, format=COUNTS_FORMAT, format_version=COUNTS_FORMAT_VERSION,
-                entries=int(len(keys)), key_dtype="int64" if keys.dtype != _WIDE else "wide")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
-    return directory
-
-
-def _open_run(directory: Path, verify: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Memory-map a run written by :func:`_write_run` or :meth:`TrigramCounts.save`.
-
-    ArtifactError when missing or truncated, and with ``verify`` when a file's sha256 differs
-    from the one ``meta.json`` records (a shard changed after it was written).
-    """
-    directory = Path(directory)
-    try:
-        meta = json.loads((directory / "meta.json").read_text())
-    except FileNotFoundError as exc:
-        raise ArtifactError(f"{directory} holds no meta.json: not a tri-gram count directory "
-                            f"(written by redraft-build-ngrams --num-shards).") from exc
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{directory / 'meta.json'} is not valid JSON ({exc}); the shard "
-                            f"was not written completely: rerun that shard.") from exc
-    if meta.get("format") != COUNTS_FORMAT:
-        raise ArtifactError(f"{directory / 'meta.json'} is not a tri-gram count file "
-                            f"(format {meta.get('format')!r}).")
-    kd = np.dtype(np.int64) if meta.get("key_dtype") == "int64" else _WIDE
-    n = int(meta["entries"])
-    arrays = []
-    for name, dt in (("keys.bin", kd), ("counts.bin", np.dtype(np.int64))):
-        path = directory / name
-        size = path.stat().st_size if path.exists() else -1
-        if size != n * dt.itemsize:
-            raise ArtifactError(f"{path} has {size} bytes, expected {n * dt.itemsize} "
-                                f"({n} entries): truncated or missing. Rerun the shard that wrote it.")
-        want = (meta.get("sha256") or {}).get(name)
-        if verify and want and sha256_file(path) != want:
-            raise ArtifactError(f"{path} does not match the sha256 its meta.json records: it changed "
-                                f"after the shard wrote it. Rerun that shard (shard_id "
-                                f"{meta.get('shard_id', '?')}) and merge again.")
-        arrays.append(np.memmap(path, dtype=dt, mode="r", shape=(n,)) if n else np.empty(0, dt))
-    return arrays[0], arrays[1], meta
-
-
-# --------------------------------------------------------------------------------------------
-# spill directories: private, locked while their owner runs, removed when it ends or by the next
-# build after a kill
-
-SPILL_PREFIX = ".trigram-spill-"
-_LEGACY_SPILL_PREFIX = "redraft-trigrams-"  # what builds before the lock wrote (system temp dir)
-_LOCK = "owner.lock"
-
-
-def _remove_spill(path: Path, lock) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    if lock is not None:
-        lock.close()  # closing releases the flock
-
-
-class SpillDir:
-    """A private directory ``ROOT/.trigram-spill-XXXXXXXX`` for one counter's spilled runs.
-
-    Its owner holds an exclusive ``flock`` on ``owner.lock`` inside it for as long as it lives;
-    the kernel releases the lock when the process dies in any way (SIGKILL included), which is
-    how :func:`clean_stale_spills` tells a dead owner's leftovers from a running build's (works
-    for concurrent shard jobs on one machine and on shared file systems with POSIX locks).
-    :meth:`cleanup` (also run when the object is collected, and at interpreter exit) removes it.
-    """
-
-    def __init__(self, root):
-        root = Path(root)
-        root.mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=SPILL_PREFIX, dir=root))
-        # Lock first, then give the file its name: a cleaner never sees an unlocked owner.lock
-        # of a live process (a folder without one is judged by its age).
-        lock = open(self.path / (_LOCK + ".new"), "w")
-        if fcntl is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.replace(self.path / (_LOCK + ".new"), self.path / _LOCK)
-        self._finalizer = weakref.finalize(self, _remove_spill, self.path, lock)
-
-    @property
-    def name(self) -> str:
-        return str(self.path)
-
-    def cleanup(self) -> None:
-        """Remove the directory and release the lock (idempotent)."""
-        self._finalizer()
-
-
-def clean_stale_spills(root, min_age_s: float = 600.0) -> list[Path]:
-    """Remove spill directories under ``root`` whose owner no longer runs; return them.
-
-    A directory whose ``owner.lock`` can be locked has a dead owner. One without a lock file (a
-    build killed within microseconds of creating it, or one from before locks were used) is
-    removed once it is ``min_age_s`` old.
-    """
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    removed = []
-    for d in sorted([*root.glob(SPILL_PREFIX + "*"), *root.glob(_LEGACY_SPILL_PREFIX + "*")]):
-        if not d.is_dir():
-            continue
-        lock_path = d / _LOCK
-        try:
-            if lock_path.exists() and fcntl is not None:
-                with open(lock_path, "a") as lock:
-                    try:
-                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        stale = True  # nobody holds it: the owner is gone (closing releases it)
-                    except BlockingIOError:
-                        stale = False  # a running build owns it
-            else:
-                stale = time.time() - d.stat().st_mtime > min_age_s
-        except OSError:  # removed meanwhile, or unreadable: not ours to judge
-            stale = False
-        if stale:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,7 +90,7 @@ class TrigramCounts:
             self._tmpdir.cleanup()
             self.spilled, self._tmpdir = [], None
 
-    def __enter__(self) -> "TrigramCounts":
+    def __enter__(self) -> TrigramCounts:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -343,7 +109,7 @@ class TrigramCounts:
         Memory: one block at a time (about ``memory_mb / 4`` of keys and counts).
         """
         sources = [r for r in self.runs if len(r[0])]
-        sources += [_open_run(d)[:2] for d in self.spilled]
+        sources += [open_run(d)[:2] for d in self.spilled]
         sources = [s for s in sources if len(s[0])]
         if not sources:
             return
@@ -356,7 +122,7 @@ class TrigramCounts:
         # Boundaries: evenly spaced keys of the largest run, floored to their context's start.
         big = max(sources, key=lambda s: len(s[0]))[0]
         picks = big[np.linspace(0, len(big) - 1, n_blocks + 1).astype(np.int64)[1:-1]]
-        bounds = np.unique(_context_floor(np.asarray(picks), self.vocab_size))
+        bounds = np.unique(context_floor(np.asarray(picks), self.vocab_size))
         cuts = [np.concatenate(([0], np.searchsorted(k, bounds), [len(k)])) for k, _ in sources]
         bar = tqdm(total=total, desc="merge tri-gram counts", unit="entry", unit_scale=True,
                    disable=not progress)
@@ -378,7 +144,7 @@ class TrigramCounts:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         n = 0
-        wide = key_dtype(self.vocab_size) == _WIDE
+        wide = key_dtype(self.vocab_size) == WIDE
         sha = {"keys.bin": hashlib.sha256(), "counts.bin": hashlib.sha256()}
         try:
             with open(tmp / "keys.bin", "wb") as fk, open(tmp / "counts.bin", "wb") as fc:
@@ -443,7 +209,7 @@ class TrigramCounter:
         if self._pending_tokens >= self.chunk_tokens:
             self._flush()
 
-    def add_many(self, arrays: Iterable) -> "TrigramCounter":
+    def add_many(self, arrays: Iterable) -> TrigramCounter:
         for a in arrays:
             self.add(a)
         return self
@@ -480,7 +246,7 @@ class TrigramCounter:
                                  else tempfile.gettempdir())
         root = self._tmp.path
         keys, counts = self._runs.pop()
-        self._spilled.append(_write_run(root / f"run-{len(self._spilled):05d}", keys, counts,
+        self._spilled.append(write_run(root / f"run-{len(self._spilled):05d}", keys, counts,
                                         {"vocab_size": self.vocab_size}))
 
     def cleanup(self) -> None:
@@ -535,7 +301,7 @@ def load_counts(directories: Iterable, memory_mb: int = 4096, check_complete: bo
     dirs = [Path(d) for d in directories]
     if not dirs:
         raise ConfigError("no shard count directories given to merge.")
-    metas = [_open_run(d, verify=verify)[2] for d in dirs]
+    metas = [open_run(d, verify=verify)[2] for d in dirs]
     for key in ("vocab_size", "tokenizer_fingerprint", "num_shards", "data", "split", "limit"):
         values = {json.dumps(m.get(key)) for m in metas}
         if len(values) > 1:
@@ -559,7 +325,7 @@ def merge_counts(directories: Iterable, out_dir=None, memory_mb: int = 4096) -> 
     """Combine shard counts; with ``out_dir`` also write the combined counts there."""
     counts = load_counts(directories, memory_mb=memory_mb)
     if out_dir is not None:
-        counts.save(out_dir, meta={k: v for k, v in _open_run(counts.spilled[0])[2].items()
+        counts.save(out_dir, meta={k: v for k, v in open_run(counts.spilled[0])[2].items()
                                    if k in ("tokenizer_fingerprint", "data")})
         counts = load_counts([out_dir], memory_mb=memory_mb, check_complete=False, verify=False)
     return counts
@@ -624,10 +390,68 @@ def build_trigram_table(counts: TrigramCounts, t: int = 12, min_count: int = 1,
                         context_counts=np.concatenate([p[4] for p in parts]), stats=stats)
 
 
+# --------------------------------------------------------------------------------------------
+# small tables in memory (tests, benchmarks, scripts)
+
+
+def trigram_table_from_trigrams(w1, w2, w3, counts, vocab_size: int, *, t: int = 12,
+                                min_count: int = 1) -> TrigramTable:
+    """A table from counted tri-grams ``(w1[i], w2[i], w3[i])`` seen ``counts[i]`` times.
+
+    Any order; repeated tri-grams are summed. ``P(w3 | w1, w2) = C(w1,w2,w3) / C(w1,w2)``,
+    pruned like the builder (:func:`build_trigram_table`, whose pruning this calls): top-``t``
+    successors with count >= ``min_count``, ties by smaller id. An empty input gives an empty
+    table.
+    """
+    w1, w2, w3 = (host_array(a, np.int64).reshape(-1) for a in (w1, w2, w3))
+    counts = host_array(counts, np.int64).reshape(-1)
+    V = int(vocab_size)
+    if not w1.size == w2.size == w3.size == counts.size:
+        raise ConfigError(f"trigram_table_from_trigrams needs equal lengths, got w1 {w1.size}, w2 {w2.size}, "
+                          f"w3 {w3.size}, counts {counts.size}.")
+    for name, a in (("w1", w1), ("w2", w2), ("w3", w3)):
+        if a.size and (a.min() < 0 or a.max() >= V):
+            raise ConfigError(f"trigram_table_from_trigrams: {name} holds ids outside [0, {V}).", param=name)
+    if counts.size and counts.min() < 1:
+        raise ConfigError("trigram_table_from_trigrams: counts must be at least 1.", param="counts")
+    if w1.size == 0:
+        return TrigramTable.empty(V, t=t, min_count=min_count)
+    keys = make_keys(w1 * V + w2, w3, V)
+    order = np.argsort(keys, kind="stable")
+    keys, counts = keys[order], counts[order]
+    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+    run = (keys[starts], np.add.reduceat(counts, starts))  # unique keys, summed counts
+    stats = {"trigrams": int(counts.sum())}
+    return build_trigram_table(TrigramCounts(V, runs=[run], stats=stats), t=t, min_count=min_count)
+
+
+def trigram_table_from_token_arrays(arrays, vocab_size: int, *, t: int = 12, min_count: int = 1,
+                                    **counter_kwargs) -> TrigramTable:
+    """Count the tri-grams inside each token array (never across two) with the n-gram
+    stage's counter (:func:`redraft.ngrams.count_trigrams`) and prune them
+    (:func:`redraft.ngrams.build_trigram_table`). In memory: for tests, benchmarks, scripts.
+
+    Args:
+        arrays: an iterable of 1-D int arrays (lists work), one per record; e.g.
+            ``redraft.data.iter_token_arrays(spec, tokenizer)``.
+        counter_kwargs: ``chunk_tokens``, ``memory_mb``, ``spill_dir``, ``progress``.
+
+    Raises:
+        DataError: a token outside ``[0, V)`` (names the record), or no tri-gram at all.
+    """
+    counts = count_trigrams((np.asarray(a) for a in arrays), vocab_size, **counter_kwargs)
+    try:
+        return build_trigram_table(counts, t=t, min_count=min_count)
+    finally:
+        counts.cleanup()
+
+
 __all__ = [
+    "SpillDir",
     "TrigramCounter",
     "TrigramCounts",
     "build_trigram_table",
+    "clean_stale_spills",
     "count_trigrams",
     "load_counts",
     "make_keys",
@@ -635,7 +459,8 @@ __all__ = [
     "merge_runs",
     "packable",
     "sorted_counts",
+    "split_keys",
     "trigram_keys",
+    "trigram_table_from_token_arrays",
+    "trigram_table_from_trigrams",
 ]
-
-

@@ -6,13 +6,15 @@
     # uvicorn.run(app) -- or redraft-serve, which also drains on SIGTERM
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
-events when ``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+events when ``stream`` is true), ``GET /v1/models``, ``GET|HEAD /health``, ``GET /metrics``.
 
-A request's life: parse and check the body (400 naming the field), tokenize (chat template for
-chat), build ``SamplingParams`` (they check their own ranges), submit to the :class:`Scheduler`
-(429/503), wait for admission (``engine.add`` may still answer 400: prompt longer than the
-context...), then stream the decoder's events or collect them into one response. A client that
-goes away has its row cancelled at the next step, streaming or not.
+A request's life: read the body (413 past ``max_request_bytes``); on a worker thread, parse and
+check it (400 naming the field), tokenize (chat template for chat) and build one job per choice
+with its ``SamplingParams`` (:class:`~redraft.serve.choices.JobBuilder`); submit them together
+to the :class:`Scheduler` (429/503), wait for admission (``engine.add`` may still answer 400:
+prompt longer than the context...), then stream the decoder's events (choices interleaved) or
+collect them into one response. A client that goes away has its rows cancelled at the next
+step, streaming or not.
 """
 
 from __future__ import annotations
@@ -24,17 +26,21 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from redraft.errors import ConfigError
 from redraft.serve import protocol as P
+from redraft.serve.choices import FanIn, JobBuilder
 from redraft.serve.metrics import Metrics
-from redraft.serve.scheduler import Job, Scheduler
+from redraft.serve.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a full 128k-token context as JSON token ids is ~1 MB
 
 
 def _digest(key: str) -> bytes:
@@ -65,19 +71,29 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _next(job: Job, disconnect: asyncio.Future):
-    """The job's next message, or None when the client disconnected first."""
-    get = asyncio.ensure_future(job.queue.get())
-    await asyncio.wait({get, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    if get.done():
-        return get.result()
-    get.cancel()
-    return None
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 naming ``limit`` as soon as it is known to be larger (from
+    ``Content-Length`` before reading, else while reading: a huge body is never held whole)."""
+    def too_large(size: str) -> P.APIError:
+        return P.APIError(413, f"the request body is {size} bytes; this server takes at most {limit} bytes "
+                               f"(redraft-serve --max-request-bytes).", code="request_too_large")
+
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large(length)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def create_app(decoder, model_name: str = "default", *, api_key: str | None = None, max_batch: int = 16,
                max_queue: int = 64, default_max_tokens: int = DEFAULT_MAX_TOKENS, warmup: bool = True,
-               sampling_params=None) -> FastAPI:
+               sampling_params=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               cors_origins: tuple[str, ...] | list[str] = ()) -> FastAPI:
     """The server app over ``decoder`` (a ``SpeculativeDecoder``; anything with ``engine()``,
     ``encode()`` and ``target.model.config.max_position_embeddings`` will do).
 
@@ -89,15 +105,23 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
         default_max_tokens: new tokens when a request gives no ``max_tokens`` (capped by the context).
         warmup: run a short generation before accepting requests.
         sampling_params: the ``SamplingParams`` class (default ``redraft.infer.SamplingParams``).
+        max_request_bytes: a larger request body is answered 413 (before it is read, when its
+            ``Content-Length`` says so).
+        cors_origins: origins a browser may call the API from (``["*"]``: any); empty: no CORS
+            headers, and preflight ``OPTIONS`` requests get 405.
     """
     if sampling_params is None:
         from redraft.infer import SamplingParams as sampling_params
     make_params = sampling_params.checked  # the decoding API's one place for these checks
     if default_max_tokens < 1:
         raise ConfigError(f"default_max_tokens={default_max_tokens} must be >= 1.", param="default_max_tokens")
+    if max_request_bytes < 1:
+        raise ConfigError(f"max_request_bytes={max_request_bytes} must be >= 1.", param="max_request_bytes")
     context = getattr(decoder.target.model.config, "max_position_embeddings", None)  # None: unknown
     metrics = Metrics()
     sched = Scheduler(decoder, max_batch, max_queue, metrics, make_params=make_params, warmup=warmup)
+    metrics.bind(sched.counts)  # batch size and queue depth: the scheduler's counts, as /health reports them
+    build = JobBuilder(decoder, model_name, make_params, default_max_tokens, context, max_batch + max_queue)
     key = None if api_key is None else _digest(api_key)
 
     @asynccontextmanager
@@ -111,12 +135,16 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
 
     app = FastAPI(title="redraft-serve", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.scheduler, app.state.metrics = sched, metrics
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "HEAD"],
+                           allow_headers=["*"], max_age=600)
 
     # ---------------------------------------------------------------- errors, in OpenAI's shape
 
     @app.exception_handler(P.APIError)
     async def _api_error(request: Request, exc: P.APIError):
-        outcome = {400: "invalid", 401: "unauthorized", 429: "rejected", 503: "rejected"}.get(exc.status)
+        outcome = {400: "invalid", 413: "invalid", 401: "unauthorized", 429: "rejected",
+                   503: "rejected"}.get(exc.status)
         if outcome:
             metrics.outcome(outcome)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -126,6 +154,11 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
         err = P.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}.",
                          code=str(exc.status_code))
         return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):  # closed while sending its body
+        metrics.outcome("cancelled")
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
@@ -150,72 +183,38 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
 
     # ---------------------------------------------------------------- requests
 
-    def params_for(body: P._Request, n_prompt: int, max_tokens_name: str = "max_tokens"):
-        max_new = body.max_new_tokens
-        if max_new is None:
-            max_new = default_max_tokens if context is None else max(1, min(default_max_tokens, context - n_prompt))
+    async def handle(request: Request, kind: str) -> Response:
+        raw = await read_body(request, max_request_bytes)
+        body, lengths, jobs = await asyncio.to_thread(build, raw, kind, asyncio.get_running_loop())
+        sched.submit(*jobs)
+        fan, disconnect = FanIn(jobs), asyncio.ensure_future(_disconnected(request))
+        streaming = False
         try:
-            return make_params(max_new_tokens=max_new, temperature=0.0 if body.temperature is None else body.temperature,
-                               top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops, seed=body.seed)
-        except ConfigError as exc:
-            err = P.config_error(exc)
-            if err.param == "max_tokens":
-                err.param = max_tokens_name
-            raise err from None
-
-    def encode(x, param: str) -> list[int]:
-        from jinja2.exceptions import TemplateError
-
-        try:
-            return decoder.encode(x)[0]  # encode normalises to a batch; this is one prompt
-        except ConfigError as exc:
-            raise P.APIError(400, f"{param}: {exc}", param=param) from None
-        except TemplateError as exc:  # e.g. a template that insists on alternating roles
-            raise P.APIError(400, f"{param}: the model's chat template rejected these messages ({exc}).",
-                             param=param) from None
-
-    async def run(request: Request, kind: str, body: P._Request, prompt_ids: list[int], params) -> Response:
-        job = Job(prompt_ids, params, asyncio.get_running_loop())
-        sched.submit(job)
-        disconnect = asyncio.ensure_future(_disconnected(request))
-        try:
-            msg = await _next(job, disconnect)
-            if msg is None:  # gone before it was admitted
-                sched.cancel(job)
+            early = await _admitted(fan, disconnect)  # events that came before the last admission
+            if early is None:  # gone before it was admitted
                 return Response(status_code=499)
-            if msg[0] == "error":
-                raise msg[1]
             rid = P.new_id(kind)
             if body.stream:
                 writer = P.ChunkWriter(kind, rid, model_name, body.include_usage)
-                return EventStream(_sse(job, writer, len(prompt_ids)), on_close=lambda: sched.cancel(job))
-            while True:
-                msg = await _next(job, disconnect)
-                if msg is None:
-                    sched.cancel(job)
-                    return Response(status_code=499)
-                if msg[0] == "error":
-                    raise msg[1]
-                if msg[1].done:
-                    return JSONResponse(P.response(kind, rid, model_name, msg[1].generation, len(prompt_ids)))
+                streaming = True
+                return EventStream(_sse(fan, early, writer, sum(lengths)),
+                                   on_close=lambda: _close(sched, fan))
+            gens = await _collect(fan, early, disconnect)
+            if gens is None:
+                return Response(status_code=499)
+            return JSONResponse(P.response(kind, rid, model_name, gens, sum(lengths)))
         finally:
             disconnect.cancel()
+            if not streaming:
+                _close(sched, fan)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = P.parse_request(await request.body(), P.ChatRequest)
-        body.check(model_name)
-        ids = encode(body.chat(), "messages")
-        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return await run(request, "chat", body, ids, params_for(body, len(ids), name))
+        return await handle(request, "chat")
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        body = P.parse_request(await request.body(), P.CompletionRequest)
-        body.check(model_name)
-        # token ids are checked (non-empty, in the vocabulary, within the context) by engine.add
-        ids = list(body.prompt) if isinstance(body.prompt, list) else encode(body.prompt, "prompt")
-        return await run(request, "completion", body, ids, params_for(body, len(ids)))
+        return await handle(request, "completion")
 
     @v1.get("/models")
     async def models() -> dict:
@@ -232,7 +231,7 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
 
     # ---------------------------------------------------------------- operations
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         running, waiting = sched.counts()
         status = "ok" if sched.alive and not sched.draining else ("draining" if sched.alive else "failed")
@@ -246,19 +245,66 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
     return app
 
 
-async def _sse(job: Job, writer: P.ChunkWriter, prompt_tokens: int):
-    """The chunks of one streamed request, ``data: [DONE]`` last; an error after the stream has
-    started is sent as an ``{"error": ...}`` event (the status line is already out)."""
-    if start := writer.start():
+def _close(sched: Scheduler, fan: FanIn) -> None:
+    """However a request ends: its unfinished choices leave the batch (a no-op for finished ones)."""
+    fan.close()
+    for job in fan.jobs:
+        sched.cancel(job)
+
+
+async def _admitted(fan: FanIn, disconnect: asyncio.Future) -> list | None:
+    """Wait until every choice is admitted; returns the events that arrived meanwhile, or None
+    if the client went away. The first choice refused (prompt too long...) raises its error."""
+    early, admitted = [], 0
+    while admitted < len(fan.jobs):
+        msg = await fan.next(disconnect)
+        if msg is None:
+            return None
+        kind, payload = msg[1]
+        if kind == "error":
+            raise payload
+        if kind == "admitted":
+            admitted += 1
+        else:
+            early.append(msg)
+    return early
+
+
+async def _collect(fan: FanIn, early: list, disconnect: asyncio.Future) -> list | None:
+    """The finished generation of every choice, in index order; None if the client went away."""
+    gens: dict = {}
+    pending = list(early)
+    while len(gens) < len(fan.jobs):
+        msg = pending.pop(0) if pending else await fan.next(disconnect)
+        if msg is None:
+            return None
+        i, (kind, payload) = msg
+        if kind == "error":
+            raise payload
+        if payload.done:
+            gens[i] = payload.generation
+    return [gens[i] for i in range(len(fan.jobs))]
+
+
+async def _sse(fan: FanIn, early: list, writer: P.ChunkWriter, prompt_tokens: int):
+    """The chunks of one streamed request (every choice interleaved, each with its index),
+    ``data: [DONE]`` last; an error after the stream has started is sent as an
+    ``{"error": ...}`` event (the status line is already out)."""
+    if start := writer.start(len(fan.jobs)):
         yield start
-    while True:
-        kind, payload = await job.queue.get()
+    gens: dict = {}
+    pending = list(early)
+    while len(gens) < len(fan.jobs):
+        i, (kind, payload) = pending.pop(0) if pending else await fan.queue.get()
         if kind == "error":
             yield writer.error(payload)
             break
-        if chunk := writer.delta(payload.text):
+        if chunk := writer.delta(payload.text, i):
             yield chunk
         if payload.done:
-            yield writer.finish(payload.generation, prompt_tokens)
-            break
+            gens[i] = payload.generation
+            yield writer.finish(payload.generation, i)
+    else:
+        if writer.include_usage:
+            yield writer.usage([gens[i] for i in range(len(gens))], prompt_tokens)
     yield writer.done()

@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a row; more get 429 with Retry-After")
     s.add_argument("--default-max-tokens", type=int, default=256,
                    help="new tokens for a request that sets no max_tokens (capped by the context)")
+    s.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body accepted; larger ones get 413 before they are read")
+    s.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="let browsers on ORIGIN call the API (CORS, preflight included; repeat for several, "
+                        "'*' for any); unset: no CORS headers")
     s.add_argument("--grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
@@ -73,6 +78,8 @@ def check_args(args, parser) -> None:
         parser.error(f"--max-queue {args.max_queue} must be >= 0")
     if args.default_max_tokens < 1:
         parser.error(f"--default-max-tokens {args.default_max_tokens} must be >= 1")
+    if args.max_request_bytes < 1:
+        parser.error(f"--max-request-bytes {args.max_request_bytes} must be >= 1")
     if args.grace < 0:
         parser.error(f"--grace {args.grace} must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
@@ -122,7 +129,8 @@ def main(argv=None) -> int:
         decoder = load(args)
         name = args.served_model_name or str(getattr(decoder.target, "spec", "") or "default")
         app = create_app(decoder, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
-                         default_max_tokens=args.default_max_tokens, warmup=args.warmup)
+                         default_max_tokens=args.default_max_tokens, warmup=args.warmup,
+                         max_request_bytes=args.max_request_bytes, cors_origins=args.cors_origin or ())
         host, port = sock.getsockname()[:2]
         print(f"redraft-serve: serving {name!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
               f"(max batch {args.max_batch}, queue {args.max_queue})", flush=True)

@@ -20,6 +20,9 @@ machine noise hits both alike. Per level and server:
   the batch);
 * ``identical``: every output equals the first server's output for the same prompt.
 
+Progress lines (one per level and server) go to stderr as the levels finish; stdout holds the
+Markdown table alone, once, at the end (``... > table.md`` keeps just the table).
+
 The first server is the reference for the ratios (``x ref``); with ``--spawn`` it is "off".
 
 ``--scenario long-join`` (chunked prefill): ``C`` streams (``--concurrency``, one level) decode
@@ -307,9 +310,9 @@ def main(argv=None) -> int:
                 table.append(row)
                 print(f"streams {c:>2} {label:>4}: {row['tokens_per_s']:7.1f} tok/s ({row['ratio']:.2f}x), TTFT p50 "
                       f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.0f} ms, identical {row['identical']}",
-                      flush=True)
+                      file=sys.stderr, flush=True)  # progress: stdout holds the table alone
         md = markdown(table)
-        print(md)
+        print(md, end="")
         if args.markdown:
             Path(args.markdown).write_text(md)
         if args.out:

@@ -27,7 +27,13 @@ class Metrics:
     * ``tokens_per_second``: output tokens over the last 10 s of steps;
     * ``mean_accepted_length``: accepted draft tokens + 1 per verify step over all finished
       requests (vLLM / Spec-Bench definition, prefill excluded);
-    * ``queue_depth`` (requests waiting for a batch row), ``batch_size`` (rows decoding);
+    * ``prompt_tokens_total``: prompt tokens of admitted requests;
+    * ``queue_depth`` (requests waiting for a batch row), ``batch_size`` (rows decoding): read
+      from the scheduler's counts when scraped (the numbers ``/health`` reports), so a
+      cancelled row leaves them at once;
+    * ``kv_cache_tokens`` (tokens whose keys and values the running rows hold),
+      ``kv_cache_capacity_tokens`` (token slots allocated, all rows), ``kv_cache_usage``
+      (their ratio), as of the last step;
     * ``time_to_first_token_seconds``, ``request_duration_seconds`` histograms.
     """
 
@@ -39,8 +45,16 @@ class Metrics:
         self.tokens = Counter("redraft_generated_tokens", "Output tokens generated", registry=r)
         self.target_calls = Counter("redraft_target_calls", "Target forwards of finished requests (prefill included)",
                                     registry=r)
+        self.prompt_tokens = Counter("redraft_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.queue_depth = Gauge("redraft_queue_depth", "Requests waiting for a batch row", registry=r)
         self.batch_size = Gauge("redraft_batch_size", "Rows in the running batch", registry=r)
+        self._kv = (0, 0)  # (tokens held, slots allocated) after the last step
+        Gauge("redraft_kv_cache_tokens", "Tokens held in the KV cache by running rows",
+              registry=r).set_function(lambda: self._kv[0])
+        Gauge("redraft_kv_cache_capacity_tokens", "Token slots allocated in the KV cache",
+              registry=r).set_function(lambda: self._kv[1])
+        Gauge("redraft_kv_cache_usage", "KV cache tokens held / slots allocated",
+              registry=r).set_function(lambda: self._kv[0] / max(self._kv[1], 1))
         self.ttft = Histogram("redraft_time_to_first_token_seconds", "Arrival to first output token", registry=r,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.duration = Histogram("redraft_request_duration_seconds", "Arrival to last output token", registry=r,
@@ -55,12 +69,18 @@ class Metrics:
         self._verify_steps = 0
         self._started = time.monotonic()
 
-    def step(self, tokens: int, batch: int, queued: int) -> None:
-        """Record one decoder step that emitted ``tokens`` tokens with ``batch`` rows running."""
+    def bind(self, counts) -> None:
+        """Read ``batch_size`` and ``queue_depth`` from ``counts()`` -> (running, waiting) when scraped."""
+        self.batch_size.set_function(lambda: counts()[0])
+        self.queue_depth.set_function(lambda: counts()[1])
+
+    def step(self, tokens: int, kv: tuple[int, int] | None = None) -> None:
+        """Record one decoder step that emitted ``tokens`` tokens; ``kv``: the engine's
+        (tokens held, slots allocated) after it, when it reports them."""
         now = time.monotonic()
         self.tokens.inc(tokens)
-        self.batch_size.set(batch)
-        self.queue_depth.set(queued)
+        if kv is not None:
+            self._kv = (int(kv[0]), int(kv[1]))
         with self._lock:
             self._steps.append((now, tokens))
             while self._steps and self._steps[0][0] < now - RATE_WINDOW_S:

@@ -18,24 +18,44 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 # finish reasons: the decoder's ("eos", "length", "stop") -> OpenAI's ("stop", "length")
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; a long list costs a scan per step)
-# OpenAI fields redraft-serve cannot honour: a request that sets one to a non-default value gets a
-# 400 naming it rather than an answer that silently ignores it
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "logit_bias", "presence_penalty",
-               "frequency_penalty", "best_of", "echo", "suffix", "response_format", "tool_choice",
-               "function_call", "audio", "modalities", "prediction")
-NEUTRAL = (None, 0, 1, "", "none", "auto", "text", [], {}, {"type": "text"})
+MAX_DEPTH = 32  # JSON nesting of a request body (an OpenAI request needs ~6; a deep body costs recursion)
+# OpenAI and vLLM fields that redraft-serve does not implement (yet), with the values that ask for
+# nothing (null is always neutral). Any other value answers 400 naming the field, never a 200 that
+# ignores it. Numbers compare by value (0 == 0.0), booleans only with booleans.
+NEUTRAL: dict[str, tuple] = {
+    # sampling (phase 2 implements these in the decode step; until then only their neutral values)
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "top_k": (-1, 0),
+    "min_p": (0,), "min_tokens": (0,), "logit_bias": ({},), "typical_p": (1,), "allowed_token_ids": (),
+    "bad_words": ([],), "ignore_eos": (False,), "length_penalty": (1,), "use_beam_search": (False,),
+    # what comes back
+    "logprobs": (False,), "top_logprobs": (), "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    # prompt building
+    "add_special_tokens": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "truncate_prompt_tokens": (),
+    # structured output, tools, other modalities
+    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "audio": (), "modalities": (["text"],),
+    "prediction": (),
+}
 
 
-def _neutral(value) -> bool:
-    """A value that asks for nothing (``True == 1`` in Python, so booleans are checked apart)."""
-    return value is False if isinstance(value, bool) else value in NEUTRAL
+def _same(value, neutral) -> bool:
+    """``value == neutral`` by JSON type: ``True == 1`` in Python, so booleans match only booleans."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, (int, float)) and isinstance(neutral, (int, float)):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
 
 
 class APIError(Exception):
@@ -52,11 +72,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def config_error(exc) -> APIError:
-    """A 400 from a ``redraft.errors.RedraftError`` (a ``ConfigError``'s ``param`` names the
-    field; the decoder's ``max_new_tokens`` is the API's ``max_tokens``)."""
+def config_error(exc, max_tokens: str = "max_tokens") -> APIError:
+    """A 400 from a ``redraft.errors.RedraftError``: a ``ConfigError``'s ``param`` names the
+    field, in the client's words (the decoder's ``max_new_tokens`` is the request's ``max_tokens``
+    or ``max_completion_tokens``: ``max_tokens`` names which), in ``param`` and in the message."""
     param = getattr(exc, "param", None)
-    return APIError(400, str(exc), param={"max_new_tokens": "max_tokens"}.get(param, param))
+    message = str(exc)
+    if param == "max_new_tokens":
+        param, message = max_tokens, message.replace("max_new_tokens", max_tokens)
+    return APIError(400, message, param=param)
 
 
 # ---------------------------------------------------------------------------------- requests
@@ -64,23 +88,27 @@ def config_error(exc) -> APIError:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _Request(BaseModel):
-    """Fields chat and completions share. Unknown fields are kept (``model_extra``) and ignored
-    unless they are in :data:`UNSUPPORTED` with a non-default value."""
+    """Fields chat and completions share; ``null`` is the default for every optional field (as
+    OpenAI and vLLM take it). Unknown fields are kept (``model_extra``) and ignored unless they
+    are in :data:`NEUTRAL` with a value that asks for something (see :meth:`check`)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    neutral: ClassVar[dict] = NEUTRAL  # per-endpoint differences below
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = None
+    best_of: int | None = None
     user: str | None = None
 
     @field_validator("stop", mode="before")
@@ -94,21 +122,37 @@ class _Request(BaseModel):
             raise ValueError(f"stop holds {len(v)} strings; at most {MAX_STOP} are allowed")
         return v
 
+    @field_validator("stop_token_ids", mode="after")
+    @classmethod
+    def _stop_ids(cls, v):
+        if v is not None and len(v) > MAX_STOP * 4:
+            raise ValueError(f"stop_token_ids holds {len(v)} ids; at most {MAX_STOP * 4} are allowed")
+        return v
+
     def check(self, served: str) -> None:
         """Checks that need no model: the model name, ``n``, ``stream_options``, unsupported fields."""
         if self.model is not None and self.model != served:
             raise APIError(400, f"model {self.model!r} is not served here; this server serves {served!r} "
                                 f"(GET /v1/models).", param="model", code="model_not_found")
-        if self.n != 1:
-            raise APIError(400, f"n={self.n}: redraft-serve returns exactly one choice; use n=1 "
-                                f"(send several requests for several samples).", param="n")
+        if self.n is not None and self.n < 1:
+            raise APIError(400, f"n={self.n}: use an integer >= 1 (the number of choices).", param="n")
+        if self.best_of is not None and self.best_of != self.choices:
+            raise APIError(400, f"best_of={self.best_of} is not supported by redraft-serve (it returns every "
+                                f"choice it samples); leave it unset or equal to n ({self.choices}).", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
-        for name in UNSUPPORTED:
-            value = (self.model_extra or {}).get(name)
-            if not _neutral(value):
-                raise APIError(400, f"{name}={value!r} is not supported by redraft-serve; leave it unset.",
-                               param=name)
+        extra = self.model_extra or {}
+        for name, neutral in self.neutral.items():
+            value = extra.get(name)
+            if value is not None and not any(_same(value, v) for v in neutral):
+                allowed = " or ".join(["null", *(json.dumps(v) for v in neutral)])
+                raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported by redraft-serve; leave it "
+                                    f"unset (send {allowed}).", param=name)
+
+    @property
+    def choices(self) -> int:
+        """Choices per prompt (``n``; null means 1)."""
+        return 1 if self.n is None else self.n
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -128,11 +172,13 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None  # null: an assistant turn with no text
     name: str | None = None
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -145,6 +191,11 @@ class ChatRequest(_Request):
         return [{"role": m.role, "content": m.text} for m in self.messages]
 
     @property
+    def max_tokens_name(self) -> str:
+        """The field the client limited its output with (for error messages)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
     def max_new_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both.", param="max_completion_tokens")
@@ -152,25 +203,38 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # completions' logprobs is a count: 0 already asks for the sampled token's log-probability
+    neutral: ClassVar[dict] = {**NEUTRAL, "logprobs": ()}
+    prompt: str | list[str] | list[int] | list[list[int]]
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v):
-        # OpenAI allows a batch of prompts (one choice each); here one request is one prompt
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError(f"prompt holds {len(v)} prompts; send one prompt per request")
-            v = v[0]
-        if isinstance(v, str):
+    def _prompts(cls, v):
+        # OpenAI: one prompt (text or token ids) or a batch of them (one choice each, n per prompt)
+        if isinstance(v, str) or _ids(v):
             return v
-        if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        if isinstance(v, list) and v and (all(isinstance(x, str) for x in v) or all(_ids(x) for x in v)):
             return v
-        raise ValueError("prompt must be a string or a list of token ids")
+        raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either "
+                         "(several prompts)")
+
+    @property
+    def prompts(self) -> list:
+        """The request's prompts: each a string or a list of token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or (p and isinstance(p[0], int)) or not p else list(p)
+
+    @property
+    def max_tokens_name(self) -> str:
+        return "max_tokens"
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+
+def _ids(v) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
 def _param(loc: tuple) -> str | None:
@@ -186,15 +250,60 @@ def _param(loc: tuple) -> str | None:
     return out or None
 
 
-def parse_request(raw: bytes, model: type[_Request]) -> _Request:
-    """Parse a request body; malformed JSON or any invalid field -> a 400 :class:`APIError`
-    that names the (first) field at fault."""
+def _is_utf8(s: str) -> bool:
+    if s.isascii():
+        return True
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON ({exc}).", code="invalid_json") from None
+        s.encode("utf-8")  # fails on lone surrogates ("\\ud83d" escapes in JSON)
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def check_body(data) -> None:
+    """Every string of a parsed body (keys too) must be valid Unicode, and nesting at most
+    :data:`MAX_DEPTH` deep; a 400 names the field otherwise. Iterative: no recursion on deep input."""
+    stack = [(data, ())]
+    while stack:
+        x, loc = stack.pop()
+        if len(loc) > MAX_DEPTH:
+            param = _param(loc[:1])
+            raise APIError(400, f"{param or 'the request body'}: JSON nested more than {MAX_DEPTH} levels deep.",
+                           param=param)
+        if isinstance(x, str):
+            if not _is_utf8(x):
+                param = _param(loc)
+                raise APIError(400, f"{param or 'the request body'}: holds a lone UTF-16 surrogate (e.g. a "
+                                    f"'\\ud83d' escape without its pair), which is not valid Unicode; send UTF-8 text.",
+                               param=param, code="invalid_unicode")
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                if not _is_utf8(k):
+                    param = _param(loc)
+                    raise APIError(400, f"{param or 'the request body'}: a key holds a lone UTF-16 surrogate; "
+                                        f"send valid UTF-8.", param=param, code="invalid_unicode")
+                stack.append((v, (*loc, k)))
+        elif isinstance(x, list):
+            stack.extend((v, (*loc, i)) for i, v in enumerate(x))
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_request(raw: bytes, model: type[_Request]) -> _Request:
+    """Parse a request body; malformed JSON, invalid Unicode, deep nesting or any invalid field
+    -> a 400 :class:`APIError` that names the (first) field at fault."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError(400, f"the request body is nested too deeply; at most {MAX_DEPTH} levels are allowed.",
+                       code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a number with too many digits
+        raise APIError(400, f"the request body is not valid JSON ({str(exc)[:200]}).", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}.")
+    check_body(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -232,26 +341,33 @@ def redraft_stats(generation) -> dict:
     return out
 
 
-def response(kind: str, rid: str, model: str, generation, prompt_tokens: int) -> dict:
-    """A complete (non-streamed) ``chat.completion`` or ``text_completion`` object."""
-    reason = FINISH_REASON[generation.finish_reason]
-    if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": generation.text},
-                  "logprobs": None, "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": generation.text, "logprobs": None, "finish_reason": reason}
+def response(kind: str, rid: str, model: str, generations: list, prompt_tokens: int) -> dict:
+    """A complete (non-streamed) ``chat.completion`` or ``text_completion`` object, one choice
+    per generation. ``redraft`` holds the decoder's stats of the one choice, or
+    ``{"choices": [stats per choice]}`` when there are several."""
+    choices = []
+    for i, g in enumerate(generations):
+        reason = FINISH_REASON[g.finish_reason]
+        if kind == "chat":
+            choices.append({"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": None,
+                            "finish_reason": reason})
+        else:
+            choices.append({"index": i, "text": g.text, "logprobs": None, "finish_reason": reason})
+    stats = [redraft_stats(g) for g in generations]
     return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, len(generation.tokens)), "redraft": redraft_stats(generation)}
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": usage(prompt_tokens, sum(len(g.tokens) for g in generations)),
+            "redraft": stats[0] if len(stats) == 1 else {"choices": stats}}
 
 
 class ChunkWriter:
     """Server-sent events of one streamed request, in OpenAI's chunk schema.
 
-    Chat: a first chunk with ``delta.role``, then ``delta.content`` chunks, then a chunk with an
-    empty delta and ``finish_reason`` (and the ``redraft`` stats); with ``include_usage`` every
-    chunk has ``"usage": null`` and one last chunk has ``"choices": []`` and the usage. Then
-    ``data: [DONE]``.
+    Chat: a first chunk with ``delta.role`` (per choice), then ``delta.content`` chunks, then a
+    chunk per choice with an empty delta and ``finish_reason`` (and that choice's ``redraft``
+    stats); with ``include_usage`` every chunk has ``"usage": null`` and one last chunk has
+    ``"choices": []`` and the usage of all choices. Then ``data: [DONE]``. Choices of an ``n > 1``
+    request interleave, each chunk naming its ``index``.
     """
 
     def __init__(self, kind: str, rid: str, model: str, include_usage: bool):
@@ -266,27 +382,29 @@ class ChunkWriter:
         obj.update(extra)
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def _choice(self, text: str | None, reason: str | None, role: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, reason: str | None, role: bool = False) -> dict:
         if self.kind == "chat":
             delta = {} if text is None else {"content": text}
             if role:
                 delta = {"role": "assistant", "content": ""}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
 
-    def start(self) -> str:
-        """The opening chunk (chat only: the assistant role; completions send nothing)."""
-        return self._chunk([self._choice(None, None, role=True)]) if self.kind == "chat" else ""
+    def start(self, n: int = 1) -> str:
+        """The opening chunks (chat only: the assistant role of each choice; completions send nothing)."""
+        if self.kind != "chat":
+            return ""
+        return "".join(self._chunk([self._choice(i, None, None, role=True)]) for i in range(n))
 
-    def delta(self, text: str) -> str:
-        return self._chunk([self._choice(text, None)]) if text else ""
+    def delta(self, text: str, index: int = 0) -> str:
+        return self._chunk([self._choice(index, text, None)]) if text else ""
 
-    def finish(self, generation, prompt_tokens: int) -> str:
-        out = self._chunk([self._choice(None, FINISH_REASON[generation.finish_reason])],
-                          redraft=redraft_stats(generation))
-        if self.include_usage:
-            out += self._chunk([], usage=usage(prompt_tokens, len(generation.tokens)))
-        return out
+    def finish(self, generation, index: int = 0) -> str:
+        return self._chunk([self._choice(index, None, FINISH_REASON[generation.finish_reason])],
+                           redraft=redraft_stats(generation))
+
+    def usage(self, generations: list, prompt_tokens: int) -> str:
+        return self._chunk([], usage=usage(prompt_tokens, sum(len(g.tokens) for g in generations)))
 
     @staticmethod
     def error(err: APIError) -> str:

@@ -47,6 +47,7 @@ class Job:
         self.state = "new"  # new -> waiting -> admitting -> running -> done
         self.arrived = time.monotonic()
         self.first_token: float | None = None
+        self.max_tokens_name = "max_tokens"  # the request's name for max_new_tokens, for its errors
 
 
 class Scheduler:
@@ -97,8 +98,9 @@ class Scheduler:
         with self._cv:
             return len(self._running), len(self._waiting)
 
-    def submit(self, job: Job) -> None:
-        """Queue ``job``; raises :class:`APIError` 503 (draining or loop down) or 429 (queue full)."""
+    def submit(self, *jobs: Job) -> None:
+        """Queue ``jobs`` (the choices of one request: all or none); raises :class:`APIError` 503
+        (draining or loop down) or 429 (the queue cannot take them all)."""
         with self._cv:
             if self._draining or self._stopping:
                 raise APIError(503, "the server is shutting down; send the request to another instance.",
@@ -106,13 +108,14 @@ class Scheduler:
             if not self.alive:
                 raise APIError(503, f"the decode loop is not running ({self.failure!r}); restart the server.",
                                code="loop_down")
-            if len(self._running) + len(self._waiting) >= self.max_batch + self.max_queue:
+            if len(self._running) + len(self._waiting) + len(jobs) > self.max_batch + self.max_queue:
                 wait = self.retry_after()
                 raise APIError(429, f"the server is busy: {len(self._running)} requests decoding and "
                                     f"{len(self._waiting)} waiting (--max-queue {self.max_queue}); retry in {wait} s.",
                                code="queue_full", type="rate_limit_error", headers={"Retry-After": str(wait)})
-            job.state = "waiting"
-            self._waiting.append(job)
+            for job in jobs:
+                job.state = "waiting"
+                self._waiting.append(job)
             self._cv.notify()
 
     def retry_after(self) -> int:
@@ -199,7 +202,7 @@ class Scheduler:
             rid = engine.add(job.prompt_ids, job.params)
         except RedraftError as exc:  # a ConfigError's param names the field
             job.state = "done"
-            self._post([(job, ("error", config_error(exc)))])
+            self._post([(job, ("error", config_error(exc, job.max_tokens_name)))])
             return
         except Exception as exc:  # noqa: BLE001 - this request's fault stays with it
             logger.exception("engine.add failed")
@@ -211,6 +214,8 @@ class Scheduler:
             job.rid = rid
             self._running[rid] = job
             job.state = "running"
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         self._post([(job, ("admitted", None))])
 
     def _drop(self, engine, job: Job) -> None:
@@ -254,9 +259,8 @@ class Scheduler:
                     if self.metrics is not None:
                         ttft = None if job.first_token is None else job.first_token - job.arrived
                         self.metrics.finished(ev.generation, ttft, secs)
-            batch, queued = len(self._running), len(self._waiting)
         if self.metrics is not None:
-            self.metrics.step(tokens, batch, queued)
+            self.metrics.step(tokens, getattr(engine, "kv_usage", None))
         self._post(out)
         return engine
 

@@ -18,10 +18,14 @@ is instant. Errors are one line on stderr and exit status 2 (130 after Ctrl-C).
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import shutil
 import sys
 from dataclasses import fields
+from pathlib import Path
 
-from redraft.errors import RedraftError
+from redraft.errors import ConfigError, RedraftError
 from redraft.train.config import (
     DEFAULT_TOP_K, HIDDEN_DTYPES, TrainConfig, load_recipe, make_config, parse_set, recipe_names,
 )
@@ -103,12 +107,57 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return make_config(recipe, overrides)
 
 
+def check_writable(path, flag: str) -> None:
+    """Refuse, before any work, a directory a run cannot write: one under a file, or on a
+    read-only or not-writable path (the first part of it that exists decides)."""
+    p = Path(path).expanduser()
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                what = "is a file" if q == p else f"is under {q}, which is a file"
+                raise ConfigError(f"{flag} {p} {what}; pass a directory (it is created if missing).",
+                                  param=flag.lstrip("-"))
+            if not os.access(q, os.W_OK | os.X_OK):  # EROFS counts even for root
+                raise ConfigError(f"{flag} {p}: {q} is not writable (a read-only file system or no permission); "
+                                  f"choose another {flag}.", param=flag.lstrip("-"))
+            return
+
+
+def check_run_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """``--resume`` needs something to resume; files of a run that never saved anything (a
+    start that failed: ``run_config.yaml`` and the like) never block the next try."""
+    from redraft.train import checkpoint as ckpt
+
+    saved = bool(ckpt.checkpoint_tags(out)) or (out / "model.safetensors").is_file() \
+        or (out / ckpt.STAGE_DIR / ckpt.STAGE_DONE).exists()
+    if resume and not saved:
+        raise ConfigError(f"--resume: {out} holds no checkpoint to resume ({ckpt.STATE_DIR}/step-N) and no "
+                          f"trained head; drop --resume to start a new run there.", param="resume")
+    leftovers = [name for name in ckpt.RUN_FILES if (out / name).exists()]
+    if not saved and not resume and leftovers and int(os.environ.get("RANK", "0")) == 0:
+        print(f"redraft-train: {out} holds what a run that saved nothing left ({', '.join(leftovers)}); "
+              f"replacing it.", file=sys.stderr)
+        for name in leftovers:
+            q = out / name
+            shutil.rmtree(q, ignore_errors=True) if q.is_dir() else q.unlink(missing_ok=True)
+
+
+# what a write to a path the user chose can fail with: one line naming the path, not a traceback
+WRITE_ERRORS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR)
+
+
 def _run(prog: str, fn) -> int:
     """Run ``fn()``; a RedraftError is one line on stderr (exit 2), Ctrl-C exit 130."""
     try:
         return fn()
     except RedraftError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in WRITE_ERRORS:
+            raise
+        print(f"{prog}: error: cannot write {exc.filename or 'a file'}: {exc.strerror}; choose a writable "
+              f"directory (--output-dir, --data-cache-dir).", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -132,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(json.dumps(evaluate_artifact(cfg), indent=2))
             return 0
+        check_writable(cfg.resolved_output_dir(), "--output-dir")
+        if cfg.data_cache_dir:
+            check_writable(cfg.data_cache_dir, "--data-cache-dir")
+        check_run_dir(cfg.resolved_output_dir(), args.resume, args.overwrite)
         from redraft.train.trainer import train
 
         metrics = train(cfg, resume=args.resume, overwrite=args.overwrite)
@@ -167,6 +220,9 @@ def cache_features_main(argv: list[str] | None = None) -> int:
 
     def go() -> int:
         cfg = config_from_args(args)
+        check_writable(args.output_dir, "--output-dir")
+        if cfg.data_cache_dir:
+            check_writable(cfg.data_cache_dir, "--data-cache-dir")
         from redraft.train.features import cache_features, disk_bytes
 
         meta = cache_features(cfg, args.output_dir, top_k=args.top_k, hidden_dtype=args.hidden_dtype,

@@ -101,15 +101,26 @@ def model_card(config, head) -> str:
 
 
 def next_commands(out: Path, config) -> str:
-    """The TensorRT-LLM commands that follow an export (text to print)."""
+    """The TensorRT-LLM commands that follow an export (text to print).
+
+    TensorRT-LLM's ReDrafter converter (``examples/redrafter/convert_checkpoint.py``) takes the
+    target as an already converted TensorRT-LLM checkpoint (``--base_model_checkpoint_dir``), not
+    as a Hugging Face directory, and accepts Llama (``LlamaForCausalLM``) and Qwen
+    (``QWenForCausalLM``, ``Qwen2ForCausalLM``) targets: the first command converts the target
+    with its family's own converter, the second adds the head.
+    """
     o = shlex.quote(str(out))
-    ckpt, engine = shlex.quote(f"{out}-tllm-ckpt"), shlex.quote(f"{out}-trt-engine")
+    base, ckpt, engine = (shlex.quote(f"{out}-{s}") for s in ("tllm-base-ckpt", "tllm-ckpt", "trt-engine"))
     target = shlex.quote(config.target_model) if config.target_model else "TARGET_HF_DIR"
     n = config.num_steps
     return "\n".join([
         f"{PROG}: wrote {out} (apple/ml-recurrent-drafter layout: config.json, model.safetensors)",
-        "next, for TensorRT-LLM (examples/redrafter; the converter reads Llama-family targets):",
-        f"  python convert_checkpoint.py --model_dir {target} --drafter_model_dir {o} \\",
+        "next, for TensorRT-LLM (its ReDrafter converter reads Llama, Qwen and Qwen2 targets):",
+        "  # 1. the target as a TensorRT-LLM checkpoint, from examples/models/core/llama",
+        "  #    (examples/models/core/qwen for a Qwen or Qwen2 target):",
+        f"  python convert_checkpoint.py --model_dir {target} --output_dir {base} --dtype bfloat16",
+        "  # 2. the head on top of it, from examples/redrafter:",
+        f"  python convert_checkpoint.py --base_model_checkpoint_dir {base} --drafter_model_dir {o} \\",
         f"      --output_dir {ckpt} --dtype bfloat16 --redrafter_num_beams 5 --redrafter_draft_len_per_beam {n}",
         f"      (--redrafter_draft_len_per_beam <= {n}, the head's training horizon num_steps)",
         f"  trtllm-build --checkpoint_dir {ckpt} --output_dir {engine} --gemm_plugin bfloat16 \\",
@@ -130,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                           overwrite=args.overwrite, verify=args.verify)
         from redraft.models.apple import config_from_apple
         from redraft.models.artifact import read_config_json
+        from redraft.models.redrafter import ReDrafterConfig
 
-        print(next_commands(out, config_from_apple(read_config_json(out), out)))
+        print(next_commands(out, config_from_apple(read_config_json(out), out, ReDrafterConfig)))
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; {args.out_dir} was not written (or keeps its previous files).", file=sys.stderr)
         return 130

@@ -21,7 +21,9 @@ import math
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,7 +65,47 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
             training records are the cached features and ``train_dataset`` is not used.
         on_step: optional ``callback(state: dict)`` after every optimizer step (tests, hooks).
     """
-    # ---- setup: every check that needs no model comes first
+    run = _setup_run(cfg, resume, overwrite)  # every check that needs no model comes first
+    _load_target(run, target)
+    _load_records(run, train_dataset, eval_dataset)
+    _build_training(run)
+    _run_loop(run, on_step)
+    metrics = _finish(run)
+    _publish(run)
+    return metrics
+
+
+@dataclass
+class _Run:
+    """What the phases of :func:`train` hand each other (filled in as they run)."""
+
+    cfg: TrainConfig
+    out: Path
+    env: DistEnv
+    precision: str
+    resuming: bool
+    saved: dict | None
+    target: Any = None
+    record: dict | None = None
+    records: Any = None  # TokenRecords or FeatureRecords
+    eval_dataset: Any = None
+    hidden_dtype: Any = None  # what cached hidden states are cast to
+    model: Any = None
+    engine: Any = None
+    sched: Any = None
+    global_batch: int = 0
+    steps_per_epoch: int = 0
+    total_steps: int = 0
+    state: dict = field(default_factory=dict)
+    status: str = "running"
+    metrics: dict = field(default_factory=dict)
+    trackers: Any = None
+    run_tokens0: int = 0
+    run_t0: float = 0.0
+
+
+def _setup_run(cfg: TrainConfig, resume: bool, overwrite: bool) -> _Run:
+    """Settings, output directory, processes and precision; the saved run config when resuming."""
     cfg.validate()
     out = cfg.resolved_output_dir()
     ckpt.check_output_dir(out)
@@ -78,30 +120,41 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
     saved = ckpt.load_run_config(out) if resuming else None
     if resuming:
         check_same_settings(saved, cfg, out)
+    return _Run(cfg, out, env, precision, resuming, saved)
 
-    # ---- target and data
+
+def _load_target(run: _Run, target) -> None:
+    """The target (loaded unless given), checked against the settings and a resumed run; the run
+    config is written."""
+    cfg, env, out = run.cfg, run.env, run.out
     if target is None:
         from redraft.models import load_target
 
-        target = load_target(cfg.target, dtype=target_dtype(precision, env.device), device=env.device)
+        target = load_target(cfg.target, dtype=target_dtype(run.precision, env.device), device=env.device)
     if cfg.draft_vocab_size and cfg.draft_vocab_size > target.vocab_size:
         raise ConfigError(f"--draft-vocab-size {cfg.draft_vocab_size} is out of range: the target "
                           f"{target.model_id!r} has {target.vocab_size} tokens; use at most that, or leave it out "
                           f"for the full vocabulary.", param="draft_vocab_size")
     record = target_record(target)
-    if resuming:
-        check_same_target(saved, record, cfg, out)
+    if run.resuming:
+        check_same_target(run.saved, record, cfg, out)
     if env.is_main:
         ckpt.save_run_config(out, cfg.to_dict(), record)
         import yaml
 
         env.say("redraft-train: resolved config\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
-        env.say(f"redraft-train: {env.world_size} process(es), device {env.device}, precision {precision}, "
+        env.say(f"redraft-train: {env.world_size} process(es), device {env.device}, precision {run.precision}, "
                 f"ZeRO {cfg.zero_stage}, output {out}")
+    run.target, run.record = target, record
+
+
+def _load_records(run: _Run, train_dataset, eval_dataset) -> None:
+    """The training records (token datasets, or cached features) and the held-out dataset."""
+    cfg, env, target = run.cfg, run.env, run.target
     if cfg.features:
         from redraft.train.features import FeatureRecords
 
-        records = FeatureRecords(cfg.features, cfg=cfg, record=record)
+        records = FeatureRecords(cfg.features, cfg=cfg, record=run.record)
         env.say(f"redraft-train: training from the features cached in {cfg.features} (no target forward)")
         if eval_dataset is None:
             _, eval_dataset = load_datasets(cfg, target.tokenizer, env, train=False)
@@ -112,19 +165,24 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
             eval_dataset = ev if eval_dataset is None else eval_dataset
         records = TokenRecords(train_dataset)
     check_dataset(eval_dataset, "held-out")
-    hidden_dtype = target_dtype(precision, env.device)  # what cached hidden states are cast to
+    run.records, run.eval_dataset = records, eval_dataset
+    run.hidden_dtype = target_dtype(run.precision, env.device)
 
-    # ---- the head, the optimizer, DeepSpeed
-    model = build_head(cfg, target, records, record).to(env.device).train()
-    global_batch = cfg.micro_batch_size * cfg.grad_accum * env.world_size
-    steps_per_epoch = len(records) // global_batch
-    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
-    engine, sched = build_engine(cfg, model, total_steps, precision)
-    model = engine.module
+
+def _build_training(run: _Run) -> None:
+    """The head, the optimizer and DeepSpeed, the step count, and the state (from the newest
+    checkpoint when resuming)."""
+    cfg, env, out, records = run.cfg, run.env, run.out, run.records
+    model = build_head(cfg, run.target, records, run.record).to(env.device).train()
+    run.global_batch = cfg.micro_batch_size * cfg.grad_accum * env.world_size
+    run.steps_per_epoch = len(records) // run.global_batch
+    run.total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * run.steps_per_epoch))
+    run.engine, run.sched = build_engine(cfg, model, run.total_steps, run.precision)
+    run.model = model = run.engine.module
 
     state = {"global_step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "loss_tokens": 0, "elapsed_s": 0.0}
-    if resuming:
-        loaded = ckpt.load_checkpoint(engine, out, env.rank)
+    if run.resuming:
+        loaded = ckpt.load_checkpoint(run.engine, out, env.rank)
         if loaded is None:
             env.say(f"redraft-train: --resume but no checkpoint in {out / ckpt.STATE_DIR}; starting fresh")
         else:
@@ -132,28 +190,35 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
             env.say(f"redraft-train: resumed from step {state['global_step']} (epoch {state['epoch']}, "
                     f"batch {state['batch_in_epoch']})")
     env.say(f"redraft-train: {len(records)} training records ({int(records.lengths.sum())} tokens), "
-            f"{len(eval_dataset)} held-out; {model.num_trainable_parameters() / 1e6:.2f}M trainable "
-            f"parameters; {steps_per_epoch} steps/epoch, {total_steps} steps")
+            f"{len(run.eval_dataset)} held-out; {model.num_trainable_parameters() / 1e6:.2f}M trainable "
+            f"parameters; {run.steps_per_epoch} steps/epoch, {run.total_steps} steps")
+    run.state = state
 
-    # ---- the loop
+
+def _run_loop(run: _Run, on_step) -> None:
+    """Optimizer steps until the step count, a stop signal or the time budget; evaluation and
+    checkpoints on their schedules. Sets ``run.status``."""
+    cfg, env, out, state, engine, model = run.cfg, run.env, run.out, run.state, run.engine, run.model
+    total_steps = run.total_steps
     meter = Meter(cfg.num_steps, env.device)
-    trackers = Trackers(parse_report_to(cfg.report_to), out, cfg.resolved_run_name(), cfg.to_dict(),
-                        enabled=env.is_main)
-    metrics: dict = {}
+    run.trackers = trackers = Trackers(parse_report_to(cfg.report_to), out, cfg.resolved_run_name(), cfg.to_dict(),
+                                       enabled=env.is_main)
     status = "running"
     t_start = time.perf_counter() - state["elapsed_s"]
-    run_tokens0, run_t0 = state["tokens"], time.perf_counter()
+    run.run_tokens0, run.run_t0 = state["tokens"], time.perf_counter()
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total_steps, initial=state["global_step"], disable=not env.is_main, unit="step",
                dynamic_ncols=True, desc="train")
     with StopSignal() as stop:
         while status == "running" and state["global_step"] < total_steps:
-            batches = epoch_batches(records.lengths, global_batch, cfg.seed, state["epoch"], cfg.group_by_length)
+            batches = epoch_batches(run.records.lengths, run.global_batch, cfg.seed, state["epoch"],
+                                    cfg.group_by_length)
             while state["batch_in_epoch"] < len(batches):
                 log_now = (state["global_step"] + 1) % cfg.log_every == 0
-                tokens, loss_tokens = optimizer_step(engine, model, target, records, batches[state["batch_in_epoch"]],
-                                                     cfg, env, precision, hidden_dtype, meter, sched, t_start, log_now)
+                tokens, loss_tokens = optimizer_step(engine, model, run.target, run.records,
+                                                     batches[state["batch_in_epoch"]], cfg, env, run.precision,
+                                                     run.hidden_dtype, meter, run.sched, t_start, log_now)
                 state["tokens"] += tokens
                 state["loss_tokens"] += loss_tokens
                 state["global_step"] += 1
@@ -161,44 +226,48 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
                 state["elapsed_s"] = time.perf_counter() - t_start
                 bar.update(1)
                 if log_now or state["global_step"] == total_steps:
-                    log_progress(meter, engine, sched, env, trackers, bar, state["global_step"])
+                    log_progress(meter, engine, run.sched, env, trackers, bar, state["global_step"])
                 if on_step is not None:
                     on_step(dict(state))
                 status = stop_reason(stop, cfg, state, env)
                 if status != "running" or state["global_step"] >= total_steps:
                     break
                 if cfg.eval_every and state["global_step"] % cfg.eval_every == 0:
-                    metrics = evaluate(model, engine, target, eval_dataset, cfg, env, precision)
-                    trackers.log({f"eval/{k[5:]}": v for k, v in metrics.items()}, state["global_step"])
-                    env.say(eval_line(state["global_step"], metrics))
+                    run.metrics = evaluate(model, engine, run.target, run.eval_dataset, cfg, env, run.precision)
+                    trackers.log({f"eval/{k[5:]}": v for k, v in run.metrics.items()}, state["global_step"])
+                    env.say(eval_line(state["global_step"], run.metrics))
                 if cfg.save_every and state["global_step"] % cfg.save_every == 0:
                     ckpt.save_checkpoint(engine, out, state, env.rank, cfg.keep_checkpoints, env.barrier)
             else:  # epoch finished
                 state["epoch"] += 1
                 state["batch_in_epoch"] = 0
     bar.close()
-    status = "completed" if status == "running" else status
-    train_time = time.perf_counter() - run_t0
+    run.status = "completed" if status == "running" else status
 
-    # ---- finish: checkpoint, evaluate, artifact
+
+def _finish(run: _Run) -> dict:
+    """Final checkpoint, evaluation, tokens/s over all ranks, metrics.json and the artifact."""
+    cfg, env, out, state, engine, model = run.cfg, run.env, run.out, run.state, run.engine, run.model
+    status, metrics = run.status, run.metrics
+    train_time = time.perf_counter() - run.run_t0
     ckpt.save_checkpoint(engine, out, state, env.rank, cfg.keep_checkpoints, env.barrier)
     # on the process's device: NCCL, the multi-GPU backend, reduces no CPU tensors
-    tok = torch.tensor([(state["tokens"] - run_tokens0) / max(train_time, 1e-9), state["tokens"]],
+    tok = torch.tensor([(state["tokens"] - run.run_tokens0) / max(train_time, 1e-9), state["tokens"]],
                        dtype=torch.float64, device=env.device)
     env.all_reduce(tok)  # summed over ranks: the run's tokens/s and tokens
     if status != "interrupted":
-        metrics = evaluate(model, engine, target, eval_dataset, cfg, env, precision)
-        trackers.log({f"eval/{k[5:]}": v for k, v in metrics.items()}, state["global_step"])
+        metrics = evaluate(model, engine, run.target, run.eval_dataset, cfg, env, run.precision)
+        run.trackers.log({f"eval/{k[5:]}": v for k, v in metrics.items()}, state["global_step"])
     metrics = {
         "status": status,
         "global_step": state["global_step"],
-        "total_steps": total_steps,
-        "epochs_done": state["epoch"] + state["batch_in_epoch"] / max(1, steps_per_epoch),
+        "total_steps": run.total_steps,
+        "epochs_done": state["epoch"] + state["batch_in_epoch"] / max(1, run.steps_per_epoch),
         "train_tokens": int(tok[1]),
         "train_time_s": state["elapsed_s"],
         "train_tokens_per_s": float(tok[0]),
         "world_size": env.world_size,
-        "precision": precision,
+        "precision": run.precision,
         "device": str(env.device),
         "features": bool(cfg.features),
         **metrics,
@@ -206,19 +275,24 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, ta
     weights = ckpt.full_state_dict(engine, model)  # collective under ZeRO-3
     if env.is_main:
         ckpt.write_artifact(out, model.config, weights, metrics)
-    trackers.close()
+    run.trackers.close()
     if "eval_top1" in metrics:
         env.say(eval_line(state["global_step"], metrics))
     env.say(f"redraft-train: {status} at step {state['global_step']}; artifact in {out}")
     env.say(f"redraft-train: use it with  load_drafter({str(out)!r}, load_target({cfg.target!r}))  "
             f"(redraft.models.redrafter), or benchmark it: redraft-bench --methods greedy,redrafter --drafter {out}")
-    if cfg.push_to_hub and env.is_main and status != "interrupted":
+    return metrics
+
+
+def _publish(run: _Run) -> None:
+    """``push_to_hub``: the finished artifact, from the main process; then every rank meets."""
+    cfg, env = run.cfg, run.env
+    if cfg.push_to_hub and env.is_main and run.status != "interrupted":
         from redraft.hub import push_artifact
 
-        url = push_artifact(out, cfg.push_to_hub, private=cfg.hub_private, revision=cfg.hub_revision)
+        url = push_artifact(run.out, cfg.push_to_hub, private=cfg.hub_private, revision=cfg.hub_revision)
         env.say(f"redraft-train: pushed to {url}")
     env.barrier()
-    return metrics
 
 
 # ------------------------------------------------------------------------------ the steps of train()

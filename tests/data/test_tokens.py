@@ -147,7 +147,7 @@ def test_cache_is_reused_and_keyed_by_settings_source_and_tokenizer(tmp_path, ch
     def boom(self, records):
         raise AssertionError("re-tokenized although the cache holds this entry")
 
-    monkeypatch.setattr("redraft.data.tokens._Encoder.__call__", boom)
+    monkeypatch.setattr("redraft.data.encode.Encoder.__call__", boom)
     again = build_token_dataset(spec, chatml_tokenizer, **kw)
     assert again["input_ids"] == first["input_ids"]
     for changed in (dict(kw, max_length=8), dict(kw, split="train")):
@@ -249,13 +249,13 @@ def test_worker_pools_end_under_a_cli_sigterm_handler():
 
     code = (
         "import signal, sys\n"
-        "from redraft.data import tokens\n"
+        "from redraft.data import encode\n"
         "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
         "class Enc:\n"
         "    def __call__(self, records):\n"
         "        return len(records)\n"
         "for _ in range(30):\n"
-        "    assert list(tokens._map_chunks(Enc(), iter([[1], [2, 3], [4]]), 2)) == [1, 2, 1]\n"
+        "    assert list(encode.map_chunks(Enc(), iter([[1], [2, 3], [4]]), 2)) == [1, 2, 1]\n"
         "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -9,7 +9,8 @@ import torch
 from redraft.infer.drafters.aded import ADEDDrafter, TrigramOverlay
 from redraft.infer.drafters.base import Feedback
 from redraft.infer.drafters.mcts import MCTSConfig, mcts_search, puct_exploration
-from redraft.ngrams import NGramTables, TrigramTable, as_trigram_table, build_trigram_table, count_trigrams, save_tables
+from redraft.ngrams import (NGramTables, TrigramTable, as_trigram_table, build_trigram_table, count_trigrams, save_tables,
+                            trigram_table_from_trigrams)
 from redraft.testing import decode_state as _state
 
 V = 50
@@ -50,7 +51,7 @@ def lookup_of(table):
 
 
 def test_table_lookup_and_prob():
-    t = TrigramTable.from_trigrams([1, 1, 1, 2], [2, 2, 2, 3], [5, 6, 7, 9], [1, 3, 2, 4], vocab_size=10)
+    t = trigram_table_from_trigrams([1, 1, 1, 2], [2, 2, 2, 3], [5, 6, 7, 9], [1, 3, 2, 4], vocab_size=10)
     ids, probs = t.successors(np.array([1, 2, 4]), np.array([2, 3, 4]), 2)
     assert ids.tolist() == [[6, 7], [9, -1], [-1, -1]]
     np.testing.assert_allclose(probs, [[0.5, 2 / 6], [1.0, 0], [0, 0]], rtol=1e-6)
@@ -105,7 +106,7 @@ def test_mcts_batch_rows_are_independent_and_unknown_contexts_give_nothing():
 
 
 def test_overlay_raises_up_to_cap_adds_new_and_keeps_rows_apart():
-    table = TrigramTable.from_trigrams([1, 1], [2, 2], [5, 6], [3, 1], vocab_size=10)
+    table = trigram_table_from_trigrams([1, 1], [2, 2], [5, 6], [3, 1], vocab_size=10)
     saved = [a.copy() for a in (table.context_keys, table.offsets, table.ids, table.probs)]
     ov = TrigramOverlay(table, batch_size=2, increment=0.2, cap=0.9)
     ov.update([0], [1], [2], [6])  # 0.25 -> 0.45

@@ -120,3 +120,96 @@ def test_overhead_methods_time_speculative_steps_only(tmp_path):
         dec = make_method(name, target, tables)
         assert dec.drafters and dec.config.budget == "auto" and not dec.guard.enabled
         assert all(dec.guard.speculate(8) for _ in range(100))
+
+
+def _prompts_file(tmp_path, texts):
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
+    return p
+
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "def add(a, b):", "one two three one two"]
+
+
+def test_a_failing_method_keeps_the_others_and_the_file_holds_what_was_measured(capsys, tiny_target_dir, tmp_path,
+                                                                                  monkeypatch):
+    """A method that raises (the first GPU run: a CUDA-graph capture assert at the first speculative
+    step) costs its own rows only; the JSON and Markdown hold every method's figures."""
+    from redraft.infer import bench_run
+
+    real, calls = bench_run.Runner.run, {"n": 0}
+
+    def flaky(self, ids):
+        if self.name == "context":
+            calls["n"] += 1
+            if calls["n"] == 2:  # its second prompt
+                raise RuntimeError("CUDACachingAllocator.cpp:2799 INTERNAL ASSERT FAILED")
+        return real(self, ids)
+
+    monkeypatch.setattr(bench_run.Runner, "run", flaky)
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    code, _, err = run(capsys, "--target", tiny_target_dir, "--datasets", _prompts_file(tmp_path, PROMPTS),
+                        "--prompts", 3, "--max-new-tokens", 8, "--methods", "greedy,context,mix",
+                        "--no-warmup", "--cost-curve", "1:1,64:2", "--out", out, "--markdown", md,
+                        "--report", tmp_path / "rep")
+    assert code == 1 and "method 'context' failed on" in err and "INTERNAL ASSERT" in err, err
+    res = json.loads(out.read_text())
+    assert res["complete"] is True
+    r = res["results"]["p"]
+    assert r["greedy"]["prompts"] == 3 and r["mix"]["prompts"] == 3 and r["mix"]["identical_to_ar"] is True
+    assert r["context"]["prompts"] == 1 and "INTERNAL ASSERT" in r["context"]["error"]
+    assert r["context"]["identical_prompts"] == "1/3" and r["context"]["identical_to_ar"] is False
+    assert r["context"]["new_tokens"] > 0  # its first prompt was measured and kept
+    assert "| context |" in md.read_text() and "failed after 1 prompt(s)" in md.read_text()
+    assert "failed after 1 prompt(s)" in (tmp_path / "rep" / "index.md").read_text()
+
+
+def test_a_run_stopped_midway_keeps_every_finished_prompt(capsys, tiny_target_dir, tmp_path, monkeypatch):
+    """The runner stops a step at its time limit: the files hold the prompts finished before."""
+    from redraft.infer import bench_run
+
+    real, calls = bench_run.Runner.run, {"n": 0}
+
+    def flaky(self, ids):
+        if self.name == "greedy":
+            calls["n"] += 1
+            if calls["n"] == 2:  # stopped while decoding the second prompt
+                raise KeyboardInterrupt
+        return real(self, ids)
+
+    monkeypatch.setattr(bench_run.Runner, "run", flaky)
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    code, _, err = run(capsys, "--target", tiny_target_dir, "--datasets", _prompts_file(tmp_path, PROMPTS),
+                        "--prompts", 3, "--max-new-tokens", 8, "--methods", "greedy,context",
+                        "--no-warmup", "--cost-curve", "1:1,64:2", "--out", out, "--markdown", md)
+    assert code == 130, err
+    res = json.loads(out.read_text())
+    assert res["complete"] is False
+    r = res["results"]["p"]
+    assert r["greedy"]["prompts"] == 1 and r["context"]["prompts"] == 1 and r["context"]["identical_to_ar"] is True
+    assert r["greedy"]["new_tokens"] == 8 and r["greedy"]["speedup_vs_ar"] == 1.0
+    assert "| greedy |" in md.read_text() and "| context |" in md.read_text()
+    assert not list(tmp_path.glob("*.tmp*"))  # atomic writes leave nothing behind
+    code, _, err = run(capsys, "--from-json", out, "--report", tmp_path / "rep")  # its plots say it is partial
+    assert code == 0, err
+    assert "**Partial run**" in (tmp_path / "rep" / "index.md").read_text()
+
+
+def test_a_prompt_longer_than_the_context_is_skipped_with_a_note(capsys, tiny_target_dir, tmp_path):
+    long = " ".join(f"w{i}" for i in range(1500))  # the tiny target's context is 1024 tokens
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    code, _, err = run(capsys, "--target", tiny_target_dir, "--datasets",
+                       _prompts_file(tmp_path, [PROMPTS[0], long, PROMPTS[1]]), "--prompts", 3,
+                       "--max-new-tokens", 8, "--methods", "greedy,context", "--no-warmup",
+                       "--cost-curve", "1:1,64:2", "--out", out, "--markdown", md)
+    assert code == 0, err
+    res = json.loads(out.read_text())
+    (skip,) = res["skipped_prompts"]["p"]
+    assert skip["prompt"] == 1 and skip["tokens"] + 8 > 1024 and skip["context"] == 1024
+    assert res["results"]["p"]["greedy"]["prompts"] == 2 and res["results"]["p"]["context"]["identical_to_ar"]
+    assert "1 prompt(s) skipped" in md.read_text() and "1 of 3 prompts skipped" in err
+    # every prompt too long: one line naming the dataset and what to do
+    code, _, err = run(capsys, "--target", tiny_target_dir, "--datasets", _prompts_file(tmp_path, [long]),
+                       "--prompts", 1, "--max-new-tokens", 8, "--methods", "greedy", "--no-warmup")
+    last = err.strip().splitlines()[-1]  # (the lines before it are the weights' loading bar)
+    assert code == 2 and last.startswith("redraft-bench: error: dataset") and "every prompt (1) is longer" in last

@@ -77,13 +77,13 @@ def test_exported_tensors_compute_the_same_logits_in_apples_forward(tiny_target,
 
 @pytest.mark.parametrize("rnn", [True, False])
 def test_round_trip_redraft_apple_redraft_is_exact(tiny_target, tmp_path, rnn):
-    d = _saved(tiny_target, tmp_path / "head", rnn=rnn, num_layers=2)
+    d = _saved(tiny_target, tmp_path / "head", rnn=rnn, num_layers=2, target_weights_fingerprint="sha256:0123abcd")
     export_head(tmp_path / "head", tmp_path / "apple")
     back = load_drafter(tmp_path / "apple", tiny_target)  # detected from model_type
     a, b = d.state_dict(), back.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for key in ("num_steps", "num_layers", "rnn", "activation", "target_model", "tokenizer_fingerprint",
-                "vocab_size", "hidden_size", "embedding_dim", "draft_vocab_size"):
+                "target_weights_fingerprint", "vocab_size", "hidden_size", "embedding_dim", "draft_vocab_size"):
         assert getattr(back.config, key) == getattr(d.config, key), key
     ctx = torch.randn(2, d.config.hidden_size)
     tokens = torch.randint(0, d.config.vocab_size, (2, 4))
@@ -130,7 +130,12 @@ def test_cli_prints_the_tensorrt_llm_commands(tiny_target, tmp_path, capsys):
     out = tmp_path / "apple"
     assert main([str(tmp_path / "head"), str(out)]) == 0
     text = capsys.readouterr().out
-    assert f"--drafter_model_dir {out}" in text and "convert_checkpoint.py --model_dir" in text
+    assert f"--drafter_model_dir {out}" in text
+    # TensorRT-LLM's ReDrafter converter takes the target as a converted checkpoint, made first
+    base = f"{out}-tllm-base-ckpt"
+    assert f"convert_checkpoint.py --model_dir {tiny_target.model_id} --output_dir {base}" in text
+    assert f"--base_model_checkpoint_dir {base} --drafter_model_dir {out}" in text
+    assert text.index(f"--output_dir {base}") < text.index("--base_model_checkpoint_dir")
     assert "--redrafter_draft_len_per_beam 4" in text and "<= 4" in text  # num_steps of the head
     assert "trtllm-build" in text and "--speculative_decoding_mode explicit_draft_tokens" in text
     assert "rnn_embed" in text  # the warning about TensorRT-LLM's own recurrence

@@ -250,3 +250,38 @@ def test_extended_added_later_chains_the_stored_bigram(tiny_target_dir, code_dir
     ext, (ids, _) = tables.extended(x), tables.bigram_topk(x)
     assert torch.equal(ext[:, :, 0], ids)
     assert torch.equal(ext[:, :, 1], ids[:, 0][ids])  # the top-1 successor of each successor
+
+
+def _chat_lines(n: int) -> list[str]:
+    conv = [{"from": "human", "value": "count from one"}, {"from": "gpt", "value": "one two three four five six"}]
+    return [json.dumps({"id": f"c{i}", "conversations": conv}) for i in range(n)]
+
+
+def test_skipped_records_are_reported(tiny_target_dir, tmp_path, monkeypatch, capsys, caplog):
+    """Malformed records of --data are counted by reason and reported, as redraft-train does."""
+    monkeypatch.setattr("redraft.models.target.CACHE_ROOT", tmp_path / "cache")
+    data = tmp_path / "mixed.jsonl"
+    bad = ["{not json", json.dumps({"id": "e", "conversations": [{"from": "human", "value": ""}]}), "[1, 2]"]
+    data.write_text("\n".join(_chat_lines(5) + bad) + "\n")
+    args = ["--target", str(tiny_target_dir), "--kinds", "trigram", "--data", f"sharegpt:{data}", "--split", "all",
+            "--output-dir", str(tmp_path / "out"), "--min-count", "1", "--quiet"]
+    with caplog.at_level("WARNING", logger="redraft.ngrams"):
+        assert main(args) == 0
+    lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(lines) == 1 and "kept 5 records, skipped 3" in lines[0], lines
+    assert "invalid_json 1" in lines[0] and "not_an_object 1" in lines[0]
+
+
+def test_an_all_bad_corpus_is_a_clear_error(tiny_target_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("redraft.models.target.CACHE_ROOT", tmp_path / "cache")
+    data = tmp_path / "bad.jsonl"
+    empty = json.dumps({"id": "e", "conversations": [{"from": "human", "value": ""}]})
+    data.write_text(f'{{"id": "x", "conversations": []}}\n[1]\n{{not json\n{empty}\n')
+    out = tmp_path / "out"
+    rc = main(["--target", str(tiny_target_dir), "--kinds", "trigram", "--data", f"sharegpt:{data}", "--split", "all",
+               "--output-dir", str(out), "--quiet"])
+    assert rc == 2
+    err = [line for line in _our_lines(capsys.readouterr().err) if "error" in line]
+    assert len(err) == 1 and "no usable record" in err[0] and "every record was skipped" in err[0], err
+    assert "invalid_json 1" in err[0] and "not_an_object 1" in err[0] and str(data) in err[0]
+    assert not (out / "ngrams.json").exists()

@@ -15,6 +15,8 @@ from redraft.ngrams import (
     build_trigram_table,
     count_trigrams,
     save_tables,
+    trigram_table_from_token_arrays,
+    trigram_table_from_trigrams,
 )
 
 V = 30
@@ -55,7 +57,7 @@ def _expected(ref, w1, w2, k):
 
 
 def test_worked_example_of_the_module_doc():
-    t = TrigramTable.from_trigrams([1, 1, 1, 2], [2, 2, 2, 3], [5, 6, 7, 9], [1, 3, 2, 4], vocab_size=10)
+    t = trigram_table_from_trigrams([1, 1, 1, 2], [2, 2, 2, 3], [5, 6, 7, 9], [1, 3, 2, 4], vocab_size=10)
     assert t.context_keys.tolist() == [12, 23] and t.offsets.tolist() == [0, 3, 4]
     assert t.ids.tolist() == [6, 7, 5, 9] and t.context_counts.tolist() == [6, 4]
     ids, probs = t.successors(np.array([1, 2, 4]), np.array([2, 3, 4]), 2)
@@ -68,12 +70,12 @@ def test_worked_example_of_the_module_doc():
 
 def test_from_trigrams_sums_repeats_and_prunes_like_the_builder():
     # (1, 2, 5) given twice: counts add up; t=1 keeps the most frequent, min_count drops rare ones
-    t = TrigramTable.from_trigrams([1, 1, 1, 3], [2, 2, 2, 4], [5, 6, 5, 7], [2, 3, 2, 1],
+    t = trigram_table_from_trigrams([1, 1, 1, 3], [2, 2, 2, 4], [5, 6, 5, 7], [2, 3, 2, 1],
                                    vocab_size=10, t=1, min_count=2)
     assert t.context_keys.tolist() == [12] and t.ids.tolist() == [5]
     np.testing.assert_allclose(t.probs, [4 / 7])
     assert (t.t, t.min_count) == (1, 2)
-    assert len(TrigramTable.from_trigrams([], [], [], [], vocab_size=10)) == 0
+    assert len(trigram_table_from_trigrams([], [], [], [], vocab_size=10)) == 0
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
@@ -83,7 +85,7 @@ def test_successors_equal_brute_force_reference(backend, dense, monkeypatch):
         monkeypatch.setattr(TrigramTable, "DENSE_MAX_BYTES", 0)
     records = _records()
     ref = _reference(records, t=4)
-    table = TrigramTable.from_token_arrays(records, V, t=4)
+    table = trigram_table_from_token_arrays(records, V, t=4)
     assert (table._dense_rows() is not None) == dense
     rng = np.random.default_rng(1)
     seen = np.array(list(ref))  # [n, 2] contexts that occur
@@ -103,7 +105,7 @@ def test_successors_equal_brute_force_reference(backend, dense, monkeypatch):
 
 
 def test_out_of_vocabulary_ids_never_alias_another_context():
-    table = TrigramTable.from_trigrams([1, 2], [V - 1, 0], [5, 6], [1, 1], vocab_size=V)
+    table = trigram_table_from_trigrams([1, 2], [V - 1, 0], [5, 6], [1, 1], vocab_size=V)
     # (1, V + V - 1) and (2, -V... ) pack to a stored key's value but are not that context
     ids, _ = table.successors(np.array([1, 2, 0, 3]), np.array([V - 1, 0, 2 * V - 1, -V]), 1)
     assert ids[:, 0].tolist() == [5, 6, -1, -1]
@@ -112,7 +114,7 @@ def test_out_of_vocabulary_ids_never_alias_another_context():
 
 
 def test_lookups_return_fresh_arrays_and_the_table_is_read_only():
-    table = TrigramTable.from_token_arrays(_records(), V, t=4)
+    table = trigram_table_from_token_arrays(_records(), V, t=4)
     w1, w2 = table.context_keys[:5] // V, table.context_keys[:5] % V
     ids, probs = table.successors(w1, w2, 4)
     ids[:] = 0  # ADED's overlay writes its boosts into the rows it gets back
@@ -126,7 +128,7 @@ def test_lookups_return_fresh_arrays_and_the_table_is_read_only():
 
 
 def test_prob_is_the_probability_of_each_listed_successor():
-    table = TrigramTable.from_token_arrays(_records(seed=2), V, t=3)
+    table = trigram_table_from_token_arrays(_records(seed=2), V, t=3)
     C = len(table)
     row = np.repeat(np.arange(C), np.diff(table.offsets))  # context of each entry
     keys = table.context_keys[row]
@@ -139,12 +141,12 @@ def test_prob_is_the_probability_of_each_listed_successor():
 
 def test_builders_agree():
     records = _records(seed=3)
-    a = TrigramTable.from_token_arrays(records, V, t=5, min_count=2)
+    a = trigram_table_from_token_arrays(records, V, t=5, min_count=2)
     b = build_trigram_table(count_trigrams(records, V, chunk_tokens=40), t=5, min_count=2)
     tri = collections.Counter((int(r[i]), int(r[i + 1]), int(r[i + 2])) for r in records
                               for i in range(len(r) - 2))
     w1, w2, w3 = (np.array([k[j] for k in tri]) for j in range(3))
-    c = TrigramTable.from_trigrams(w1, w2, w3, np.array(list(tri.values())), V, t=5, min_count=2)
+    c = trigram_table_from_trigrams(w1, w2, w3, np.array(list(tri.values())), V, t=5, min_count=2)
     d = TrigramTable.from_csr(a.context_keys, a.offsets, a.ids, a.probs, V, t=5)
     for other in (b, c, d):
         for name in ("context_keys", "offsets", "ids", "probs"):
@@ -187,14 +189,14 @@ def test_empty_table_misses_everything():
 
 
 def test_k_must_be_positive():
-    t = TrigramTable.from_trigrams([1], [2], [3], [1], vocab_size=10)
+    t = trigram_table_from_trigrams([1], [2], [3], [1], vocab_size=10)
     with pytest.raises(ConfigError, match="k=0") as err:
         t.successors(np.array([1]), np.array([2]), 0)
     assert err.value.param == "k"
 
 
 def test_ngram_tables_hand_out_the_table(tmp_path):
-    table = TrigramTable.from_token_arrays(_records(seed=4), V, t=4)
+    table = trigram_table_from_token_arrays(_records(seed=4), V, t=4)
     save_tables(tmp_path, {"vocab_size": V, "tokenizer_fingerprint": "sha256:x"}, trigram=table)
     loaded = NGramTables.load(tmp_path)
     assert as_trigram_table(loaded) is loaded.trigram and as_trigram_table(table) is table

@@ -5,7 +5,9 @@ each request's exact output without a model. The live tests with a real tiny tar
 test_live.py.
 
 Output of a row: the prompt's characters in order, cycled, ``per_step`` tokens per step, until
-``max_new_tokens`` ("length") or a stop string ("stop", text cut before it).
+``max_new_tokens`` ("length"), a stop string ("stop", text cut before it) or a stop token id
+("stop", its character left out of the text). A seeded row starts at character ``seed % len(prompt)``
+(so choices with different seeds differ).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from types import SimpleNamespace
 from redraft.errors import ConfigError
 
 CONTEXT = 96
+VOCAB = 0x110000  # tokens are Unicode code points
 
 
 @dataclass(frozen=True)
@@ -30,10 +33,11 @@ class FakeParams:
     top_p: float = 1.0
     stop: tuple = ()
     seed: int | None = None
+    stop_token_ids: tuple = ()
 
     @classmethod
     def checked(cls, **kw) -> "FakeParams":
-        return cls(**{**kw, "stop": tuple(kw.get("stop") or ())})
+        return cls(**{**kw, "stop": tuple(kw.get("stop") or ()), "stop_token_ids": tuple(kw.get("stop_token_ids") or ())})
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -44,6 +48,8 @@ class FakeParams:
             raise ConfigError(f"top_p={self.top_p} must lie in (0, 1].", param="top_p")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty.", param="stop")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
+            raise ConfigError(f"seed={self.seed}: use an integer in [0, 2**63) or none.", param="seed")
 
 
 @dataclass
@@ -86,9 +92,16 @@ class FakeStats:
         return {"new_tokens": self.new_tokens}
 
 
-def expected(prompt: str, max_new_tokens: int, stop=()) -> tuple[str, str]:
+def expected(prompt: str, max_new_tokens: int, stop=(), seed: int | None = None,
+             stop_token_ids=()) -> tuple[str, str]:
     """(text, finish_reason) the fake engine produces for ``prompt`` (plain text prompt)."""
-    text = "".join(itertools.islice(itertools.cycle(prompt), max_new_tokens))
+    start = (seed or 0) % len(prompt)
+    text = "".join(itertools.islice(itertools.cycle(prompt[start:] + prompt[:start]), max_new_tokens))
+    for i, c in enumerate(text):
+        if ord(c) in stop_token_ids:
+            text = text[:i]
+            cut = min((text.find(s) for s in stop if s in text), default=-1)
+            return (text[:cut] if cut >= 0 else text), "stop"
     cut = min((text.find(s) for s in stop if s in text), default=-1)
     return (text[:cut], "stop") if cut >= 0 else (text, "length")
 
@@ -119,8 +132,8 @@ class FakeEngine:
 
     def add(self, prompt_ids, params) -> int:
         self.thread_ids.add(threading.get_ident())
-        if not prompt_ids or min(prompt_ids) < 0:
-            raise ConfigError("prompt is empty or holds a negative token id.", param="prompt")
+        if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= VOCAB:
+            raise ConfigError(f"prompt is empty or holds a token id outside [0, {VOCAB}).", param="prompt")
         text = "".join(map(chr, prompt_ids))
         if "FAIL_ADD" in text:
             raise RuntimeError("fake add failure")
@@ -146,6 +159,11 @@ class FakeEngine:
     def has_work(self) -> bool:
         return bool(self.rows or self.joining)
 
+    @property
+    def kv_usage(self) -> tuple[int, int]:
+        """(tokens held, slots allocated): prompt + output of running rows, CONTEXT slots per row."""
+        return sum(len(r.prompt) + len(r.out) for r in self.rows.values()), CONTEXT * len(self.rows)
+
     def step(self) -> list[StreamEvent]:
         self.thread_ids.add(threading.get_ident())
         self.rows.update(self.joining)
@@ -159,12 +177,15 @@ class FakeEngine:
         events = []
         for rid, r in list(self.rows.items()):
             p = r.params
+            start = (p.seed or 0) % len(r.prompt)
+            hit = False
             for _ in range(self.owner.per_step):
-                if len(r.out) < p.max_new_tokens:
-                    r.out.append(r.prompt[len(r.out) % len(r.prompt)])
-            text = "".join(map(chr, r.out))
+                if len(r.out) < p.max_new_tokens and not hit:
+                    r.out.append(r.prompt[(start + len(r.out)) % len(r.prompt)])
+                    hit = r.out[-1] in p.stop_token_ids
+            text = "".join(map(chr, r.out[:-1] if hit else r.out))
             cut = min((text.find(s) for s in p.stop if s in text), default=-1)
-            reason = "stop" if cut >= 0 else ("length" if len(r.out) >= p.max_new_tokens else None)
+            reason = "stop" if cut >= 0 or hit else ("length" if len(r.out) >= p.max_new_tokens else None)
             if cut >= 0:
                 text = text[:cut]
             new = r.out[r.sent:]
@@ -187,7 +208,10 @@ class FakeDecoder:
     def __init__(self, step_delay: float = 0.0, per_step: int = 2):
         self.step_delay, self.per_step = step_delay, per_step
         self.engines: list[FakeEngine] = []
-        self.target = SimpleNamespace(vocab_size=0x110000, spec="fake",
+        # a prompt holding "SLOW" is tokenized only once this is set (a tokenizer busy on a huge prompt)
+        self.slow_encode = threading.Event()
+        self.encoding = threading.Event()  # set while such a prompt waits
+        self.target = SimpleNamespace(vocab_size=VOCAB, spec="fake",
                                       model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT)))
 
     @property
@@ -203,4 +227,7 @@ class FakeDecoder:
             x = x[-1]["content"]
         if not x:
             raise ConfigError("prompt 0 is empty after tokenisation; give at least one token.")
+        if "SLOW" in x:
+            self.encoding.set()
+            self.slow_encode.wait(60)
         return [[ord(c) for c in x]]  # a batch of one, like SpeculativeDecoder.encode

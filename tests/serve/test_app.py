@@ -53,7 +53,7 @@ def test_chat_completion_openai_client(fake_server):
 def test_completion_stop_string_and_seed_passed(fake_server):
     url, dec, _ = fake_server()
     r = client(url).completions.create(model="fake", prompt="hello world", max_tokens=20, stop=["wor", "zz"], seed=3)
-    assert r.choices[0].text == expected("hello world", 20, ("wor", "zz"))[0] == "hello "
+    assert r.choices[0].text == expected("hello world", 20, ("wor", "zz"), seed=3)[0] == "lo "
     assert r.choices[0].finish_reason == "stop"
     assert r.object == "text_completion"
 
@@ -125,7 +125,7 @@ MSG = [{"role": "user", "content": "hi"}]
     (CHAT, {"messages": MSG, "temperature": 0.7}, "temperature"),
     (CHAT, {"messages": MSG, "top_p": 0}, "top_p"),
     (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
-    (CHAT, {"messages": MSG, "n": 2}, "n"),
+    (CHAT, {"messages": MSG, "n": 0}, "n"),
     (CHAT, {"messages": MSG, "stop": [1, 2]}, "stop"),
     (CHAT, {"messages": MSG, "stop": [""]}, "stop"),
     (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
@@ -133,7 +133,7 @@ MSG = [{"role": "user", "content": "hi"}]
     (CHAT, {"messages": [{"role": "user", "content": "x" * CONTEXT}]}, "prompt"),
     (COMP, {"prompt": "x" * (CONTEXT + 10), "max_tokens": 1}, "prompt"),
     (COMP, {"prompt": ""}, "prompt"),
-    (COMP, {"prompt": ["a", "b"]}, "prompt"),
+    (COMP, {"prompt": ["a", 3]}, "prompt"),
     (COMP, {"prompt": [-1, 3]}, "prompt"),
     (COMP, {"prompt": {"text": "a"}}, "prompt"),
     (COMP, {"max_tokens": 3}, "prompt"),
@@ -323,4 +323,8 @@ def test_loadtest_against_two_servers(fake_server, tmp_path, capsys):
     assert all(r["identical"] for r in rows) and rows[0]["ratio"] == 1.0
     assert rows[0]["tree_nodes_per_step"] is None and rows[0]["mean_accepted_length"] == 2.0
     assert rows[0]["ttft_p50_ms"] > 0 and rows[2]["itl_p50_ms"] > 0
-    assert (tmp_path / "t.md").read_text().count("\n") == 6
+    md = (tmp_path / "t.md").read_text()
+    assert md.count("\n") == 6
+    out, err = capsys.readouterr()
+    assert out == md  # stdout: the table once, each row once; the progress lines went to stderr
+    assert err.count("streams  3") == 2 and "| 3 | b |" not in err

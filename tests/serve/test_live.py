@@ -152,15 +152,42 @@ CONTEXT = 1024  # redraft.testing's tiny model
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * CONTEXT}]}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud83d"}]}, "messages[0].content"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 9}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10 ** 9},
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, "model"),
 ])
 def test_bad_input_reaches_the_decoder_checks(tiny_server, path, body, param):
     url, _ = tiny_server
-    r = httpx.post(f"{url}{path}", json=body, timeout=60)
+    # json.dumps escapes a lone surrogate as \\ud83d (httpx's own encoder would refuse to send it)
+    r = httpx.post(f"{url}{path}", content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+    assert "max_new_tokens" not in err["message"]  # the client's own field names
+
+
+def test_n_choices_and_several_prompts_are_each_the_single_request_output(tiny_server, tiny_target):
+    url, _ = tiny_server
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [PROMPTS[0], PROMPTS[1]], "max_tokens": 12, "n": 2},
+                   timeout=120).json()
+    want = [reference(tiny_target, p, 12) for p in PROMPTS[:2]]
+    assert [c["text"] for c in r["choices"]] == [want[0].text, want[0].text, want[1].text, want[1].text]
+    assert r["usage"]["completion_tokens"] == 2 * sum(len(w.tokens) for w in want)
+
+
+def test_stop_token_ids_on_the_real_engine(tiny_server, tiny_target):
+    url, _ = tiny_server
+    ref = reference(tiny_target, PROMPTS[2], 16)
+    stop = ref.tokens[5]
+    cut = ref.tokens.index(stop)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 16, "stop_token_ids": [stop]},
+                   timeout=120).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == cut + 1
+    assert r["choices"][0]["text"] == tiny_target.tokenizer.decode(ref.tokens[:cut], skip_special_tokens=True)
 
 
 def test_disconnect_mid_stream_removes_the_row(tiny_server, tiny_target):

@@ -1,0 +1,226 @@
+"""``redraft-bench``'s runner: every method decodes every prompt (prompts are the outer loop, so
+machine noise hits all methods alike), every figure against plain greedy measured in the same
+run, and the aggregates handed back after every prompt so a run stopped early keeps them."""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from redraft.infer.bench_methods import Method
+from redraft.infer.config import DecoderConfig
+
+
+@dataclass
+class Context:
+    """What methods are built from: the target, loaded artifacts, the decoder settings."""
+
+    target: object
+    tables: list
+    heads: list
+    cfg: DecoderConfig
+    bench: dict
+    retrieval_index: str | None = None
+
+
+class Runner:
+    """One method, ready to decode: ``run(ids) -> (new token ids, RequestStats or None)``."""
+
+    def __init__(self, name: str, ctx: Context, method: Method):
+        from redraft.infer.decoder import SpeculativeDecoder
+
+        self.name, self.ctx = name, ctx
+        built = method.build(ctx)
+        self.decoder = None
+        if built == "hf":
+            self.hf_kwargs = method.hf_kwargs(ctx) if method.hf_kwargs else {}
+        else:
+            cfg = ctx.cfg if built else ctx.cfg.replace(budget=0)
+            self.decoder = SpeculativeDecoder(ctx.target, built, cfg)
+
+    def run(self, ids: list[int]):
+        n = self.ctx.bench["max_new_tokens"]
+        if self.decoder is not None:
+            g = self.decoder.generate([ids], max_new_tokens=n)[0]
+            return g.tokens, g.stats
+        import torch
+
+        target = self.ctx.target
+        x = torch.tensor([ids], device=target.device)
+        eos = target.eos_token_ids
+        with torch.no_grad():
+            out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                        eos_token_id=eos, pad_token_id=eos[0], **self.hf_kwargs)
+        return out[0, len(ids):].tolist(), None
+
+
+@dataclass
+class _Agg:
+    """One method's figures over the prompts it finished (per prompt: seconds, new tokens)."""
+
+    stats: object
+    times: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)
+    identical: int = 0
+    hf: bool = False
+    error: str | None = None
+
+    def add(self, dt: float, toks: list, ref, st) -> None:
+        self.times.append(dt)
+        self.tokens.append(len(toks))
+        self.identical += int(toks == ref)
+        if st is None:
+            self.hf = True
+            return
+        s = self.stats
+        s.new_tokens += st.new_tokens
+        s.target_calls += st.target_calls
+        s.accepted_hist.update(st.accepted_hist)
+        s.drafter_accepted.update(st.drafter_accepted)
+        s.draft_time += st.draft_time
+        s.verify_time += st.verify_time
+        s.tree_nodes += st.tree_nodes
+
+
+def _failed(name: str, exc: BaseException, where: str) -> str:
+    """Report a method that raised (with its traceback: it is a bug) and return the one line kept."""
+    line = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    print(f"redraft-bench: method {name!r} failed {where} and is left out of the rest of the run: {line}",
+          file=sys.stderr)
+    traceback.print_exc(file=sys.stderr)
+    return f"{line} ({where})"
+
+
+def run_dataset(runners: dict, prompts: list[list[int]], bench: dict, label: str,
+                on_prompt: Callable[[dict], None] | None = None) -> dict:
+    """Decode every prompt with every method (prompt-major); returns per-method aggregates.
+
+    ``on_prompt(results)`` gets the aggregates so far after every prompt (the caller writes
+    them). A method that raises is reported with its error and left out of the later prompts;
+    the baseline (greedy) raising ends the run, since nothing can be compared without it.
+    """
+    from tqdm.auto import tqdm
+
+    from redraft.infer.stats import RequestStats
+
+    agg = {m: _Agg(RequestStats(target_calls=0)) for m in runners}
+    if bench["warmup"]:
+        for name, r in runners.items():
+            _guarded(name, agg[name], "in its warm-up", lambda r=r: r.run(prompts[0][:32]))
+    for i, ids in enumerate(tqdm(prompts, desc=f"bench {label}", unit="prompt")):
+        ref = None
+        for name, r in runners.items():
+            a = agg[name]
+            if a.error:
+                continue
+            t0 = time.perf_counter()
+            got = _guarded(name, a, f"on {label} prompt {i}", lambda r=r: r.run(ids))
+            if got is None:
+                continue
+            toks, st = got
+            ref = toks if name == "greedy" else ref
+            a.add(time.perf_counter() - t0, toks, ref, st)
+        if on_prompt is not None:
+            on_prompt(summarise(agg))
+    return summarise(agg)
+
+
+def _guarded(name: str, a: _Agg, where: str, fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 (one method's failure must not cost the others' table)
+        if name == "greedy":
+            raise
+        a.error = _failed(name, exc, where)
+        return None
+
+
+def summarise(agg: dict) -> dict:
+    """The result rows from the aggregates; speedups against greedy over the same prompts."""
+    base = agg["greedy"]
+    res = {}
+    for name, a in agg.items():
+        n = len(a.times)
+        base_tps = sum(base.tokens[:n]) / max(sum(base.times[:n]), 1e-9)
+        tps = sum(a.tokens) / max(sum(a.times), 1e-9)
+        s, none = a.stats, a.hf or not n
+        steps = s.verify_steps
+        res[name] = {
+            "tokens_per_call": None if none else round(s.tokens_per_call, 3),
+            "mean_accepted_length": None if none else round(s.mean_accepted_length, 3),
+            "acceptance_per_position": [] if none else [round(x, 3) for x in s.acceptance_per_position()],
+            "tokens_per_s": round(tps, 2),
+            "speedup_vs_ar": round(tps / base_tps, 3) if n else 0.0,
+            "identical_to_ar": bool(n) and a.identical == len(base.times),
+            "identical_prompts": f"{a.identical}/{len(base.times)}",
+            "new_tokens": sum(a.tokens),
+            "time_s": round(sum(a.times), 2),
+            "draft_time_s": round(s.draft_time, 2),
+            "verify_time_s": round(s.verify_time, 2),
+            "tree_nodes_per_step": round(s.tree_nodes / steps, 2) if steps else 0.0,
+            "accepted_hist": {int(k): v for k, v in sorted(Counter(s.accepted_hist).items())},
+            "drafter_share": {k: round(v, 3) for k, v in s.drafter_share().items()},
+            "prompts": n,
+        }
+        if a.error:
+            res[name]["error"] = a.error
+    return res
+
+
+def markdown(results: dict, bench: dict, device: str, skipped: dict | None = None) -> str:
+    lines = [f"redraft-bench: target {bench['target']} ({bench['dtype']}), {device}, greedy, "
+             f"{bench['max_new_tokens']} new tokens; speedup vs plain greedy (ours) in the same run. tau = new "
+             f"tokens per target call (prefill included); MAL = mean accepted length (accepted draft tokens + 1 "
+             f"per verify step, vLLM / Spec-Bench).", ""]
+    for ds, res in results.items():
+        lines += [f"### {ds}", ""]
+        if (skipped or {}).get(ds):
+            lines += [f"{len(skipped[ds])} prompt(s) skipped: longer than the target's context less the new tokens "
+                      f"(prompts {', '.join(str(x['prompt']) for x in skipped[ds])}).", ""]
+        lines += ["| method | tau | MAL | tokens/s | speedup vs AR | identical to AR |", "|---|---:|---:|---:|---:|:---:|"]
+        for name, r in res.items():
+            tau = "-" if r["tokens_per_call"] is None else f"{r['tokens_per_call']:.2f}"
+            mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+            same = f"{'yes' if r['identical_to_ar'] else 'no'} ({r['identical_prompts']})"
+            if r.get("error"):
+                same += f"; failed after {r.get('prompts', 0)} prompt(s): {r['error'][:120]}"
+            lines.append(f"| {name} | {tau} | {mal} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {same} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def device_name(device) -> str:
+    import torch
+
+    return (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"CPU {cpu_name()}, {torch.get_num_threads()} threads")
+
+
+def cost_curve(runners: dict, bench: dict) -> dict:
+    """One verify-cost curve for every method of the run (measured once, or given)."""
+    from redraft.infer.budget import CostCurve
+
+    curve = CostCurve.from_ms(bench["cost_curve_ms"]) if bench["cost_curve_ms"] else None
+    for r in runners.values():
+        dec = r.decoder
+        if dec is not None and dec.drafters and dec.config.budget == "auto":
+            curve = curve or dec.measure_cost()
+            dec.cost_curve = curve
+    return {} if curve is None else {**curve.to_dict(), "given": bool(bench["cost_curve_ms"])}
