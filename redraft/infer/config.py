@@ -283,7 +283,7 @@ def _checked_processing(bad, presence_penalty, frequency_penalty, repetition_pen
         bad("logit_bias", logit_bias, "use a mapping of token ids to biases in [-100, 100].")
     for item in logit_bias:
         tok, b = item if isinstance(item, (list, tuple)) and len(item) == 2 else (item, None)
-        t = int(tok) if isinstance(tok, str) and tok.isdigit() else tok  # JSON object keys are strings
+        t = int(tok) if isinstance(tok, str) and tok.isascii() and tok.isdecimal() else tok  # JSON keys are strings
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             bad("logit_bias", tok, "every key must be a token id (an integer >= 0).")
         bias[t] = number("logit_bias", b, -100, 100)

@@ -251,7 +251,8 @@ class Engine:
         """(tokens the running rows hold in the KV cache, token slots allocated over all rows)."""
         if self.cache is None:
             return 0, 0
-        return sum(r.length - 1 for r in self.rows if not r.done), self.cache.capacity * self.cache.slots
+        held = sum(r.length - 1 for r in self.rows if not r.done) + sum(r.filled for r in self.prefilling)
+        return held, self.cache.capacity * self.cache.slots
 
     # ------------------------------------------------------------------ the step
 

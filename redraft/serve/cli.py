@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="acceptance rule (default: the preset's, except that 'greedy' or none becomes 'rejection': "
                         "lossless sampling for requests with temperature > 0, and temperature-0 requests are "
                         "still exactly greedy)")
+    m.add_argument("--prefill-chunk", default=None,
+                   help="prompt tokens prefilled per step beside the running requests: 'auto' (from the measured "
+                        "cost curve), a number, or 0 (every prompt in one forward); default: the preset's, else auto")
     m.add_argument("--speculation", action=argparse.BooleanOptionalAction, default=True,
                    help="speculative decoding; --no-speculation serves plain autoregressive decoding "
                         "with the same loop (the baseline of the load benchmark)")
@@ -99,6 +102,8 @@ def load(args):
         preset = read_preset(args.preset).get("acceptance") if args.preset else None
         acceptance = "rejection" if preset in (None, "greedy") else preset
     overrides["acceptance"] = acceptance
+    if args.prefill_chunk is not None:
+        overrides["prefill_chunk"] = args.prefill_chunk
     if not args.speculation:  # plain decoding: no artifacts, no context matcher, no tree
         overrides.update(drafters=[], ngrams=[], context=False, budget=0)
     if args.preset:
