@@ -17,7 +17,7 @@ def test_long_join_scenario_reports_the_gaps_around_the_join(fake_server, tmp_pa
     assert rc == 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["label"] == "a" and row["prompt_tokens"] > 0
-    assert row["itl_p50_before_ms"] > 0 and row["long_ttft_ms"] > 0
+    assert row["itl_p50_before_ms"] > 0 and row["long_ttft_ms"] > 0 and row["gaps_during"] > 0
     assert row["p99_over_median"] == row["itl_p99_during_ms"] / row["itl_p50_before_ms"]
     assert (tmp_path / "t.md").read_text().count("\n") == 3
 
