@@ -302,6 +302,12 @@ class SpeculationGuard:
     against a short plain run every ``REPROBE`` steps. Batches below ``min_batch`` always
     speculate (one row's cost is what the cost curve measures). Plain steps are exact: the guard
     changes the speed, never the output.
+
+    A bucket seen for the first time starts from its neighbours' verdicts instead of exploring
+    blind (a server's batch size moves between buckets all the time in its first seconds): the
+    verify forward only gets less flat as the batch grows, so speculation that lost at a smaller
+    batch starts a larger one with a plain stretch (then one speculative run re-checks it), and
+    speculation that won at a larger batch starts a smaller one with a long speculative stretch.
     """
 
     RUN = 4  # steps of one mode per measurement (the first one not counted)
@@ -319,7 +325,11 @@ class SpeculationGuard:
     def _state(self, batch: int) -> _GuardBucket:
         b = self.bucket(batch)
         if b not in self._buckets:
-            self._buckets[b] = _GuardBucket(left=self.RUN, wait=self.explore)
+            st = self._buckets[b] = _GuardBucket(left=self.RUN, wait=self.explore)
+            if any(k < b and o.verdict is False for k, o in self._buckets.items()):
+                st.speculative, st.held, st.left = False, True, self.explore
+            elif any(k > b and o.verdict is True for k, o in self._buckets.items()):
+                st.left = self.REPROBE
         return self._buckets[b]
 
     def speculate(self, batch: int) -> bool:
@@ -376,3 +386,9 @@ class _GuardBucket:
     secs: float = 0.0
     tokens: int = 0
     tps: dict = dataclasses.field(default_factory=dict)  # mode -> output tokens/s of its latest run
+
+    @property
+    def verdict(self) -> bool | None:
+        """Whether speculation won the latest comparison (None: not compared yet)."""
+        spec, plain = self.tps.get(True), self.tps.get(False)
+        return None if spec is None or plain is None else spec >= plain
