@@ -395,6 +395,30 @@ def logprob_table(logits: torch.Tensor, pick: torch.Tensor, parent: torch.Tensor
     return torch.cat(parts, dim=2)
 
 
+def token_logprobs(table: np.ndarray | None, rows: RowSampling, path: np.ndarray, num_accepted: np.ndarray,
+                   emitted: list) -> dict:
+    """``{row: [TokenLogprob per emitted token]}`` for the rows that asked, from the host copy
+    of :func:`logprob_table`: emitted token i is the node at depth i + 1 of the accepted
+    ``path [B, D+1]`` (its log-probability after its parent), the last one the pick after the
+    deepest accepted node; alternatives are the top k after the node before it."""
+    from redraft.infer.stats import TokenLogprob
+
+    out = {}
+    if table is None:
+        return out
+    K = (table.shape[2] - 2) // 2
+    for j, b in enumerate(rows.logprob_rows):
+        k, n = rows.logprobs[b], int(num_accepted[b])
+        lps = []
+        for i, tok in enumerate(emitted[b]):
+            at = path[b, i]
+            lp = table[j, path[b, i + 1], 0] if i < n else table[j, at, 1]
+            top = [(int(t), float(v)) for t, v in zip(table[j, at, 2 + K:2 + K + k], table[j, at, 2:2 + k])]
+            lps.append(TokenLogprob(int(tok), float(lp), top))
+        out[b] = lps
+    return out
+
+
 def walk(rule: str, tree, choices: np.ndarray) -> HostAcceptance:
     """Accept on the host: the deepest node of the (numpy) ``tree`` whose every ancestor step
     matches the rule (``choices [R, B, N]`` from :func:`step_choices`); ties go to the lower

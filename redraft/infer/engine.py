@@ -41,12 +41,12 @@ import torch
 
 from redraft.errors import ConfigError
 from redraft.infer.accept import (HostAcceptance, RowSampling, logprob_table, processed_logits, sample_tokens,
-                                  seed_uniforms)
+                                  seed_uniforms, token_logprobs)
 from redraft.infer.budget import PREFILL_CHUNK_MIN, prefill_chunk
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState
 from redraft.infer.processors import RowProcessors
-from redraft.infer.stats import Generation, RequestStats, StreamEvent, TokenLogprob
+from redraft.infer.stats import Generation, RequestStats, StreamEvent
 from redraft.infer.text import TextStream
 from redraft.infer.verify import StepInput
 
@@ -367,32 +367,13 @@ class Engine:
                                    [r.seq[len(r.prompt):r.length] for r in sel], tree_tokens,
                                    self.dec.target.output_head.weight.shape[0], self.dec.eos, self.device)
 
-    def _logprobs(self, table: np.ndarray | None, acc: HostAcceptance) -> dict:
-        """``{row: [TokenLogprob per emitted token]}`` for the rows that asked (see
-        ``accept.logprob_table``): emitted token i is the node at depth i + 1 of the accepted
-        path (its log-probability after its parent), the last one the pick after the deepest."""
-        out = {}
-        if table is None:
-            return out
-        K = (table.shape[2] - 2) // 2
-        for j, b in enumerate(self.sampling.logprob_rows):
-            k, path, n = self.sampling.logprobs[b], acc.path[b], int(acc.num_accepted[b])
-            lps = []
-            for i, tok in enumerate(acc.emitted[b]):
-                at = path[i]
-                lp = table[j, path[i + 1], 0] if i < n else table[j, at, 1]
-                top = [(int(t), float(v)) for t, v in zip(table[j, at, 2 + K:2 + K + k], table[j, at, 2:2 + k])]
-                lps.append(TokenLogprob(int(tok), float(lp), top))
-            out[b] = lps
-        return out
-
     def _emit(self, tree, prop, acc: HostAcceptance, credit: np.ndarray, secs, lp_table=None) -> list[StreamEvent]:
         """Per row: stats, new tokens and text; a finished row gets its final event."""
         events = []
         names = [d.name for d in self.dec.drafters]
         nodes = tree.num_nodes - 1
         kept = (tree.path_node >= 0).sum(axis=(1, 2)) if tree.path_node.size else np.zeros(len(self.rows), int)
-        lps = self._logprobs(lp_table, acc)
+        lps = token_logprobs(lp_table, self.sampling, acc.path, acc.num_accepted, acc.emitted)
         for b, row in enumerate(self.rows):
             n = int(acc.num_accepted[b])
             s = row.stats
@@ -534,13 +515,9 @@ class Engine:
         y = sample_tokens(logits[:, 0], sampling)  # [n]
         zeros = torch.zeros_like(y)[:, None]
         table = logprob_table(logits, y[:, None], zeros, zeros, sampling)  # [L, 1, 2 + 2k] or None
-        lps = {}
-        if table is not None:
-            t, K = table.float().cpu().numpy(), (table.shape[2] - 2) // 2
-            lps = {b: [TokenLogprob(int(y_host_b), float(t[j, 0, 1]), [(int(i), float(v)) for i, v in zip(
-                       t[j, 0, 2 + K:2 + K + sampling.logprobs[b]], t[j, 0, 2:2 + sampling.logprobs[b]])])]
-                   for j, (b, y_host_b) in enumerate((b, y[b]) for b in sampling.logprob_rows)}
         y_host = y.tolist()
+        lps = token_logprobs(None if table is None else table.float().cpu().numpy(), sampling,
+                             np.zeros((len(new), 1), np.int64), np.zeros(len(new), np.int64), [[t] for t in y_host])
         cache.host_lengths += [len(r.prompt) for r in new]
         cache.batch += len(new)
         self.prefilling = self.prefilling[len(new):]
