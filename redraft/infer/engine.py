@@ -40,8 +40,15 @@ import numpy as np
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.accept import (HostAcceptance, RowSampling, logprob_table, processed_logits, sample_tokens,
-                                  seed_uniforms, token_logprobs)
+from redraft.infer.accept import (
+    HostAcceptance,
+    RowSampling,
+    logprob_table,
+    processed_logits,
+    sample_tokens,
+    seed_uniforms,
+    token_logprobs,
+)
 from redraft.infer.budget import PREFILL_CHUNK_MIN, prefill_chunk
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState

@@ -56,7 +56,7 @@ class RowProcessors:
 
     @classmethod
     def build(cls, rows: list[int], params: list, prompts: list[np.ndarray], outputs: list[np.ndarray],
-              tree_tokens: np.ndarray | None, vocab_size: int, eos, device) -> "RowProcessors":
+              tree_tokens: np.ndarray | None, vocab_size: int, eos, device) -> RowProcessors:
         """Host arrays of the rows ``rows`` (``params``, ``prompts``, ``outputs``: theirs, output
         = tokens emitted so far, the tree's root included), ``tree_tokens [B, N]`` the batch's
         tree (None at the join: no tree yet); one upload."""
@@ -117,7 +117,8 @@ class RowProcessors:
             stoppers = stoppers.to(device)
         penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params)
         return cls(rows=torch.tensor(rows, dtype=torch.long).to(device), cand=up[:, :U], count=up[:, U:2 * U],
-                   seen=up[:, 2 * U:3 * U].bool(), pad=up[:, 3 * U:4 * U], node_col=up[:, 4 * U:4 * U + N] if N else None,
+                   seen=up[:, 2 * U:3 * U].bool(), pad=up[:, 3 * U:4 * U],
+                   node_col=up[:, 4 * U:4 * U + N] if N else None,
                    out_len=up[:, -1], presence=f[:, 0], frequency=f[:, 1], repetition=f[:, 2], bias=bias,
                    min_tokens=f[:, 3], stoppers=stoppers, penalties=penalties)
 

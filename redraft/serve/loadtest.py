@@ -158,7 +158,9 @@ async def run_long_join(url: str, prompts: list, long_prompt: str, concurrency: 
     t_join, t_done = long["t0"], long["end"]
     before = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:]) if b < t_join]
     during = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:]) if t_join <= b <= t_done]
-    p = (lambda xs, q: 1e3 * float(np.percentile(xs, q)) if xs else float("nan"))
+    def p(xs, q):
+        return 1e3 * float(np.percentile(xs, q)) if xs else float("nan")
+
     row = {"prompt_tokens": long["prompt_tokens"], "long_ttft_ms": 1e3 * (long["ttft"] or float("nan")),
            "itl_p50_before_ms": p(before, 50), "itl_p50_during_ms": p(during, 50), "itl_p99_during_ms": p(during, 99),
            "gaps_during": len(during)}
@@ -171,7 +173,8 @@ def long_join_markdown(table: list[dict]) -> str:
             "| p99 during / p50 before | gaps during |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in table:
-        lines.append(f"| {r['label']} | {r['prompt_tokens']} | {r['long_ttft_ms'] / 1e3:.1f} | {r['itl_p50_before_ms']:.0f} "
+        lines.append(f"| {r['label']} | {r['prompt_tokens']} | {r['long_ttft_ms'] / 1e3:.1f} "
+                     f"| {r['itl_p50_before_ms']:.0f} "
                      f"| {r['itl_p50_during_ms']:.0f} / {r['itl_p99_during_ms']:.0f} | {r['p99_over_median']:.2f} "
                      f"| {r['gaps_during']} |")
     return "\n".join(lines) + "\n"
@@ -277,8 +280,10 @@ def main(argv=None) -> int:
     try:
         if args.spawn:
             servers = []
-            runs = ((("chunk-off", args.spawn + " --prefill-chunk 0"), ("chunk-auto", args.spawn))
-                    if args.scenario == "long-join" else (("off", args.spawn + " --no-speculation"), ("on", args.spawn)))
+            if args.scenario == "long-join":
+                runs = (("chunk-off", args.spawn + " --prefill-chunk 0"), ("chunk-auto", args.spawn))
+            else:
+                runs = (("off", args.spawn + " --no-speculation"), ("on", args.spawn))
             for label, line in runs:
                 proc, url = spawn(line, key)
                 procs.append(proc)
@@ -341,8 +346,9 @@ def long_join(args, servers: list, prompts: list, concurrency: int, headers: dic
         row = {"label": label, **asyncio.run(run_long_join(url, prompts, text, concurrency, args.max_tokens,
                                                            args.join_after, args.timeout, headers))}
         table.append(row)
-        print(f"{label}: long TTFT {row['long_ttft_ms'] / 1e3:.1f} s, ITL p50 before {row['itl_p50_before_ms']:.0f} ms, "
-              f"p99 during {row['itl_p99_during_ms']:.0f} ms ({row['p99_over_median']:.2f}x)", file=sys.stderr, flush=True)
+        print(f"{label}: long TTFT {row['long_ttft_ms'] / 1e3:.1f} s, ITL p50 before "
+              f"{row['itl_p50_before_ms']:.0f} ms, p99 during {row['itl_p99_during_ms']:.0f} ms "
+              f"({row['p99_over_median']:.2f}x)", file=sys.stderr, flush=True)
     md = long_join_markdown(table)
     print(md, end="")
     if args.markdown:

@@ -77,8 +77,8 @@ def test_greedy_with_processors_equals_the_reference_and_plain_greedy(tiny_targe
     plain = _run(SpeculativeDecoder(tiny_target, [], budget=0), prompts, params)
     assert [g.tokens for g in plain] == refs
     for budget in ("auto", 12):
-        spec = _run(SpeculativeDecoder(tiny_target, [NGrammysDrafter(tiny_tables, V), ContextNGramDrafter(V, name="ctx")],
-                                       cost_curve=CURVE, budget=budget), prompts, params)
+        drafters = [NGrammysDrafter(tiny_tables, V), ContextNGramDrafter(V, name="ctx")]
+        spec = _run(SpeculativeDecoder(tiny_target, drafters, cost_curve=CURVE, budget=budget), prompts, params)
         assert [g.tokens for g in spec] == refs
         assert sum(g.stats.accepted_tokens for g in spec) > 0  # drafts were accepted under the penalties
 
