@@ -73,16 +73,31 @@ class RowSampling:
             nothing but its seed and its own logits (not on the other rows of the batch, nor on
             the drafts), and equal plain autoregressive sampling with the same uniforms.
 
+        top_k, min_p: per row (0: off), applied with the temperature (see :func:`warp_probs`).
+        logprobs: per row ``None`` or the number of alternatives whose log-probabilities the
+            row wants with each output token.
+
     Attributes:
         offset: ``[B]`` long on the device, the output tokens each row has so far (the index of
             the next token's uniform); the engine sets it every step.
+        proc: the step's :class:`~redraft.infer.processors.RowProcessors` (penalties, bias,
+            min_tokens) or ``None``; the engine sets it every step for rows that use them.
     """
 
-    def __init__(self, temperature, top_p, generators=None, device=None, uniforms=None):
+    def __init__(self, temperature, top_p, generators=None, device=None, uniforms=None, top_k=None, min_p=None,
+                 logprobs=None):
         t = temperature.tolist() if isinstance(temperature, torch.Tensor) else [float(x) for x in temperature]
         p = top_p.tolist() if isinstance(top_p, torch.Tensor) else [float(x) for x in top_p]
         self.temperature = torch.tensor(t, dtype=torch.float32, device=device)  # [B]
         self.top_p = torch.tensor(p, dtype=torch.float32, device=device)  # [B]
+        k = [int(x) if y > 0 else 0 for x, y in zip(top_k or [0] * len(t), t)]
+        m = [float(x) if y > 0 else 0.0 for x, y in zip(min_p or [0.0] * len(t), t)]
+        self.top_k_max = max(k, default=0)  # host: 0 when no sampled row has a top_k
+        self.top_k = torch.tensor(k, dtype=torch.long, device=device) if self.top_k_max else None  # [B]
+        self.min_p = torch.tensor(m, dtype=torch.float32, device=device) if any(m) else None  # [B]
+        self.logprobs = list(logprobs) if logprobs else [None] * len(t)
+        self.logprob_rows = [r for r, x in enumerate(self.logprobs) if x is not None]
+        self.proc = None
         self.all_greedy = all(x <= 0 for x in t)
         self.any_greedy = any(x <= 0 for x in t)
         self.any_top_p = any(x < 1 for x, y in zip(p, t) if y > 0)
@@ -121,15 +136,27 @@ def seed_uniforms(seed: int, n: int) -> torch.Tensor:
     return torch.rand(n, dtype=torch.float64, generator=gen)
 
 
-def warp_probs(logits: torch.Tensor, temperature, top_p=1.0) -> torch.Tensor:
-    """Target distribution after temperature and nucleus (top-p) warping: ``[B, ..., V]`` probs.
+def warp_probs(logits: torch.Tensor, temperature, top_p=1.0, top_k: torch.Tensor | None = None,
+               min_p: torch.Tensor | None = None, top_k_max: int = 0) -> torch.Tensor:
+    """Target distribution after temperature, ``min_p``, ``top_k`` and nucleus (top-p) warping,
+    in that order (vLLM's): ``[B, ..., V]`` probs.
 
     ``temperature`` and ``top_p`` are floats or ``[B]`` tensors (per row); rows at temperature 0
     are scaled as if at 1e-6 (their result is not used for sampling: callers take the argmax).
+    ``min_p [B]`` (0: off) drops tokens less likely than ``min_p`` times the likeliest; ``top_k
+    [B]`` (0: off; ``top_k_max`` its largest value, a host int) keeps the k likeliest (ties kept).
     """
     lead = (-1,) + (1,) * (logits.dim() - 1)
     t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
     logits = logits.float() / (t.reshape(lead) if t.dim() else t).clamp_min(1e-6)
+    if min_p is not None:  # p < min_p * p_max  <=>  logit < max logit + log(min_p)
+        cut = logits.max(dim=-1, keepdim=True).values + min_p.reshape(lead).log()
+        logits = logits.masked_fill(logits < cut, float("-inf"))
+    if top_k is not None and top_k_max:
+        kth = logits.topk(min(top_k_max, logits.shape[-1]), dim=-1).values  # [B, ..., kmax]
+        k = (top_k.clamp(1, kth.shape[-1]) - 1).reshape(lead).expand(*kth.shape[:-1], 1)  # [B, ..., 1]
+        cut = torch.where(top_k.reshape(lead) > 0, kth.gather(-1, k), float("-inf"))
+        logits = logits.masked_fill(logits < cut, float("-inf"))
     per_row = isinstance(top_p, torch.Tensor) and top_p.dim() > 0
     if per_row or float(top_p) < 1.0:  # decided on the host: no device read
         p = torch.as_tensor(top_p, dtype=torch.float32, device=logits.device)
@@ -163,7 +190,8 @@ def sample_tokens(logits: torch.Tensor, rows: RowSampling, depth: torch.Tensor |
     greedy = greedy_tokens(logits)
     if rows.all_greedy:
         return greedy
-    probs = warp_probs(logits, rows.temperature, rows.top_p if rows.any_top_p else 1.0)
+    probs = warp_probs(logits, rows.temperature, rows.top_p if rows.any_top_p else 1.0, rows.top_k, rows.min_p,
+                       rows.top_k_max)
     B, V = probs.shape[0], probs.shape[-1]
     dev = probs.device
     out = greedy.clone()
@@ -306,7 +334,8 @@ class HostAcceptance:
 def step_choices(rule: str, tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, logits: torch.Tensor,
                  rows: RowSampling, eps: float = TYPICAL_EPS, delta: float = TYPICAL_DELTA) -> torch.Tensor:
     """``[R, B, N]`` long: what the acceptance ``rule`` needs of every node of the packed trees
-    ``tokens / parent / depth [B, N]`` given the target's ``logits [B, N, V]`` after each node.
+    ``tokens / parent / depth [B, N]`` given the target's ``logits [B, N, V]`` after each node
+    (processed already: :func:`processed_logits`).
 
     * greedy: ``R = 1``, the argmax after each node;
     * rejection: ``R = 1``, one draw from the warped target distribution after each node (greedy
@@ -326,6 +355,68 @@ def step_choices(rule: str, tokens: torch.Tensor, parent: torch.Tensor, depth: t
     p_tok = probs.gather(1, par[:, :, None].expand_as(probs)).gather(2, tokens.clamp_min(0)[:, :, None])[:, :, 0]
     ok = (p_tok > thresh.gather(1, par)).long()
     return torch.stack([ok, greedy_tokens(logits), sample_tokens(logits, rows, depth)])
+
+
+def processed_logits(logits: torch.Tensor, rows: RowSampling, anc: torch.Tensor | None = None,
+                     depth: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits [B, N, V]`` with the rows' penalties, bias and ``min_tokens`` applied
+    (``rows.proc``; unchanged when no row uses them)."""
+    return logits if rows.proc is None else rows.proc.apply(logits, anc, depth)
+
+
+def logprob_table(logits: torch.Tensor, pick: torch.Tensor, parent: torch.Tensor, tokens: torch.Tensor,
+                  rows: RowSampling) -> torch.Tensor | None:
+    """What the rows that asked for log-probabilities need, in one tensor (one read):
+    ``[L, N, 2 + 2k]`` float32 for rows ``rows.logprob_rows``: per node the log-probability of
+    its token after its parent, of the token picked after it (``pick [B, N]``), then the ``k``
+    (the largest any row asked) likeliest tokens after it: their log-probabilities and ids.
+    Log-probabilities are those of the distribution the token is drawn from (processed logits,
+    the row's temperature, min_p / top_k / top_p); greedy rows: the processed logits at
+    temperature 1. ``None`` when no row asked."""
+    if not rows.logprob_rows:
+        return None
+    idx = torch.tensor(rows.logprob_rows, device=logits.device)
+    sub = logits[idx]  # [L, N, V]
+    lead = (-1,) + (1,) * (sub.dim() - 1)
+    t = rows.temperature[idx]
+    greedy = (t <= 0).reshape(lead)
+    top_k = None if rows.top_k is None else rows.top_k[idx]
+    min_p = None if rows.min_p is None else rows.min_p[idx]
+    warped = warp_probs(sub, torch.where(t > 0, t, 1.0), torch.where(t > 0, rows.top_p[idx], 1.0), top_k, min_p,
+                        rows.top_k_max).log()
+    lp = torch.where(greedy, sub.float().log_softmax(dim=-1), warped)  # [L, N, V]
+    k = max(rows.logprobs[r] for r in rows.logprob_rows)
+    L, N = lp.shape[:2]
+    at = lp.gather(2, tokens[idx].clamp_min(0)[:, None, :].expand(L, N, N))  # [L, from, to]: to's token after from
+    own = at.gather(1, parent[idx].clamp_min(0)[:, None, :])[:, 0, :, None]  # [L, N, 1]: after its parent
+    picked = lp.gather(2, pick[idx][:, :, None])
+    top = lp.topk(k, dim=-1) if k else None
+    parts = [own, picked] + ([top.values, top.indices.float()] if k else [])
+    return torch.cat(parts, dim=2)
+
+
+def token_logprobs(table: np.ndarray | None, rows: RowSampling, path: np.ndarray, num_accepted: np.ndarray,
+                   emitted: list) -> dict:
+    """``{row: [TokenLogprob per emitted token]}`` for the rows that asked, from the host copy
+    of :func:`logprob_table`: emitted token i is the node at depth i + 1 of the accepted
+    ``path [B, D+1]`` (its log-probability after its parent), the last one the pick after the
+    deepest accepted node; alternatives are the top k after the node before it."""
+    from redraft.infer.stats import TokenLogprob
+
+    out = {}
+    if table is None:
+        return out
+    K = (table.shape[2] - 2) // 2
+    for j, b in enumerate(rows.logprob_rows):
+        k, n = rows.logprobs[b], int(num_accepted[b])
+        lps = []
+        for i, tok in enumerate(emitted[b]):
+            at = path[b, i]
+            lp = table[j, path[b, i + 1], 0] if i < n else table[j, at, 1]
+            top = [(int(t), float(v)) for t, v in zip(table[j, at, 2 + K:2 + K + k], table[j, at, 2:2 + k])]
+            lps.append(TokenLogprob(int(tok), float(lp), top))
+        out[b] = lps
+    return out
 
 
 def walk(rule: str, tree, choices: np.ndarray) -> HostAcceptance:

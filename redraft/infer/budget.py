@@ -125,6 +125,31 @@ def best_budget(values: torch.Tensor, cost: CostCurve, max_nodes: int, overhead_
     return k.expand(B)
 
 
+PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX = 16, 2048  # the "auto" prefill chunk's bounds (tokens)
+
+
+def prefill_chunk(cost: CostCurve, step_tokens: int) -> int:
+    """The "auto" chunked-prefill size: the largest multiple of 16 in
+    ``[PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX]`` whose forward costs no more than the running rows'
+    verify forward of ``step_tokens`` tokens (batch x tree size), read off the cost curve. Past
+    the curve's last measured size the cost is taken as proportional to the tokens (a bound:
+    the last measured segment's slope is noise on a flat curve, and a forward of thousands of
+    tokens is never flat). A step that also prefills a chunk then takes at most about twice a
+    plain step, so a joining prompt never stalls the running streams for longer than that.
+    ``step_tokens == 0`` (no row decodes: nobody to stall) gives the maximum."""
+    if step_tokens <= 0:
+        return PREFILL_CHUNK_MAX
+    last, c_last = float(cost.sizes[-1]), float(cost.seconds[-1])
+
+    def c(n):
+        n = torch.as_tensor(n, dtype=torch.float64)
+        return torch.where(n <= last, cost(n), c_last * n / last)
+
+    sizes = torch.arange(PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX + 1, PREFILL_CHUNK_MIN)
+    ok = c(sizes) <= float(c(torch.tensor([float(step_tokens)]))[0]) * (1 + 1e-9)
+    return int(sizes[ok].max()) if bool(ok.any()) else PREFILL_CHUNK_MIN
+
+
 class AcceptanceStats:
     """Running acceptance rate per (drafter, path group, depth), with a Beta prior, on a device.
 
@@ -277,6 +302,12 @@ class SpeculationGuard:
     against a short plain run every ``REPROBE`` steps. Batches below ``min_batch`` always
     speculate (one row's cost is what the cost curve measures). Plain steps are exact: the guard
     changes the speed, never the output.
+
+    A bucket seen for the first time starts from its neighbours' verdicts instead of exploring
+    blind (a server's batch size moves between buckets all the time in its first seconds): the
+    verify forward only gets less flat as the batch grows, so speculation that lost at a smaller
+    batch starts a larger one with a plain stretch (then one speculative run re-checks it), and
+    speculation that won at a larger batch starts a smaller one with a long speculative stretch.
     """
 
     RUN = 4  # steps of one mode per measurement (the first one not counted)
@@ -294,7 +325,11 @@ class SpeculationGuard:
     def _state(self, batch: int) -> _GuardBucket:
         b = self.bucket(batch)
         if b not in self._buckets:
-            self._buckets[b] = _GuardBucket(left=self.RUN, wait=self.explore)
+            st = self._buckets[b] = _GuardBucket(left=self.RUN, wait=self.explore)
+            if any(k < b and o.verdict is False for k, o in self._buckets.items()):
+                st.speculative, st.held, st.left = False, True, self.explore
+            elif any(k > b and o.verdict is True for k, o in self._buckets.items()):
+                st.left = self.REPROBE
         return self._buckets[b]
 
     def speculate(self, batch: int) -> bool:
@@ -351,3 +386,9 @@ class _GuardBucket:
     secs: float = 0.0
     tokens: int = 0
     tps: dict = dataclasses.field(default_factory=dict)  # mode -> output tokens/s of its latest run
+
+    @property
+    def verdict(self) -> bool | None:
+        """Whether speculation won the latest comparison (None: not compared yet)."""
+        spec, plain = self.tps.get(True), self.tps.get(False)
+        return None if spec is None or plain is None else spec >= plain

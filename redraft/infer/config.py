@@ -59,6 +59,12 @@ class DecoderConfig(Settings):
                         "linears, contiguous LM head); the model itself is not modified.")
     static_verify: Any = _f("auto", "Pad verify trees to a few fixed sizes and capture the forward in a CUDA graph: "
                             "'auto' (on for CUDA, off on CPU), true or false.")
+    prefill_chunk: Any = _f("auto", "Prompt tokens prefilled per step while other requests decode (chunked prefill: "
+                            "a long prompt joins over several steps, each one chunk's forward beside the running "
+                            "rows' step): 'auto' (from the measured verify-cost curve: the largest chunk, a "
+                            "multiple of 16 in [16, 2048], whose forward costs no more than the running rows' "
+                            "last verify forward; while no row decodes, every waiting prompt in one forward), a "
+                            "number of tokens, or 0 (off: every prompt in one forward).")
     # ---- drafters (load_decoder / make_drafters)
     redrafter_width: int = _f(8, "ReDrafter beams per step.", range=Range(1, 1024))
     redrafter_length: int | None = _f(None, "ReDrafter tokens per beam (default: the head's training horizon).",
@@ -96,6 +102,14 @@ class DecoderConfig(Settings):
             bad("budget", "use an integer >= 0.")
         if self.static_verify not in ("auto", True, False):
             bad("static_verify", "use 'auto', true or false.")
+        if isinstance(self.prefill_chunk, str) and self.prefill_chunk != "auto":
+            try:
+                self.prefill_chunk = int(self.prefill_chunk)
+            except ValueError:
+                bad("prefill_chunk", "use 'auto', a number of tokens >= 1, or 0 (off).")
+        if self.prefill_chunk != "auto" and (isinstance(self.prefill_chunk, bool)
+                                             or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0):
+            bad("prefill_chunk", "use 'auto', a number of tokens >= 1, or 0 (off).")
         if self.context_q > self.context_q_max:
             raise ConfigError(f"decoder settings context_q={self.context_q} and context_q_max={self.context_q_max}: "
                               f"the shortest context match cannot be longer than the longest; use context_q <= "
@@ -122,6 +136,22 @@ class SamplingParams:
         seed: seeds this request's own sampling generator (``None``: the decoder's shared one).
         stop_token_ids: token ids that end the request (finish reason "stop"; the token is kept
             in ``tokens``, its text left out of ``text``).
+        presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of every
+            token the output holds, once (presence) or once per occurrence (frequency).
+        repetition_penalty: > 0; the logit of every token in the prompt or the output is
+            divided by it when positive, multiplied when negative (1: off).
+        logit_bias: ``((token id, bias), ...)`` added to those logits (bias in [-100, 100]).
+        min_tokens: the end-of-sequence and ``stop_token_ids`` tokens are impossible before
+            this many output tokens.
+        min_p: in [0, 1]; drop tokens less likely than ``min_p`` times the likeliest one.
+        top_k: keep the ``top_k`` likeliest tokens (0: all).
+        logprobs: ``None``, or return the log-probability of every output token and of its
+            ``logprobs`` likeliest alternatives (0 to 20).
+
+    Penalties, bias and ``min_tokens`` change the logits (greedy rows too); then come the
+    temperature, ``min_p``, ``top_k`` and ``top_p`` (sampled rows). Under speculation every
+    tree node sees the counts of the output so far plus its own ancestors, so the output is
+    exactly what plain decoding with the same settings gives (``redraft.infer.processors``).
     """
 
     max_new_tokens: int = 128
@@ -130,11 +160,21 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    min_p: float = 0.0
+    top_k: int = 0
+    logprobs: int | None = None
 
     @classmethod
     def checked(cls, max_new_tokens: Any = 128, temperature: Any = 0.0, top_p: Any = 1.0,
                 stop: str | Sequence[str] | None = None, seed: Any = None,
-                stop_token_ids: Sequence[int] | None = None) -> SamplingParams:
+                stop_token_ids: Sequence[int] | None = None, *, presence_penalty: Any = 0.0,
+                frequency_penalty: Any = 0.0, repetition_penalty: Any = 1.0, logit_bias: Any = None,
+                min_tokens: Any = 0, min_p: Any = 0.0, top_k: Any = 0, logprobs: Any = None) -> SamplingParams:
         def bad(param, value, why):
             raise ConfigError(f"{param}={value!r}: {why}", param=param)
 
@@ -163,11 +203,57 @@ class SamplingParams:
         ids = tuple(stop_token_ids or ())
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             bad("stop_token_ids", list(ids), "use a list of token ids (integers >= 0).")
-        return cls(int(max_new_tokens), float(temperature), float(top_p), stop, seed, ids)
+        processing = _checked_processing(bad, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
+                                         min_tokens, min_p, top_k, logprobs, max_new_tokens)
+        return cls(int(max_new_tokens), float(temperature), float(top_p), stop, seed, ids, **processing)
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, bias, ``min_tokens``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+
+def _checked_processing(bad, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens,
+                        min_p, top_k, logprobs, max_new_tokens) -> dict:
+    """The logits-processing fields of :meth:`SamplingParams.checked`, normalised."""
+    def number(name, v, low, high, low_open=False):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v > high or (
+                v <= low if low_open else v < low):
+            bad(name, v, f"use a number in {'(' if low_open else '['}{low}, {high}].")
+        return float(v)
+
+    def integer(name, v, low, high):
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            bad(name, v, f"use an integer in [{low}, {high}].")
+        return int(v)
+
+    out = {"presence_penalty": number("presence_penalty", presence_penalty, -2, 2),
+           "frequency_penalty": number("frequency_penalty", frequency_penalty, -2, 2),
+           "repetition_penalty": number("repetition_penalty", repetition_penalty, 0, 1e6, low_open=True),
+           "min_p": number("min_p", min_p, 0, 1),
+           "top_k": 0 if top_k == -1 else integer("top_k", top_k, 0, 1 << 30),
+           "min_tokens": integer("min_tokens", min_tokens, 0, max_new_tokens),
+           "logprobs": None if logprobs is None else integer("logprobs", logprobs, 0, 20)}
+    bias = {}
+    if isinstance(logit_bias, dict):
+        logit_bias = list(logit_bias.items())
+    elif logit_bias is None:
+        logit_bias = []
+    elif not isinstance(logit_bias, (list, tuple)):
+        bad("logit_bias", logit_bias, "use a mapping of token ids to biases in [-100, 100].")
+    for item in logit_bias:
+        tok, b = item if isinstance(item, (list, tuple)) and len(item) == 2 else (item, None)
+        t = int(tok) if isinstance(tok, str) and tok.isascii() and tok.isdecimal() else tok  # JSON keys are strings
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            bad("logit_bias", tok, "every key must be a token id (an integer >= 0).")
+        bias[t] = number("logit_bias", b, -100, 100)
+    out["logit_bias"] = tuple(sorted(bias.items()))
+    return out
 
 
 def check_prompt(ids: Any, vocab_size: int, context_length: int | None, max_new_tokens: int,

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.accept import HostAcceptance, RowSampling, step_choices, walk
+from redraft.infer.accept import HostAcceptance, RowSampling, logprob_table, processed_logits, step_choices, walk
 from redraft.infer.budget import CostCurve, DrafterGate, SpeculationGuard
 from redraft.infer.config import DecoderConfig, SamplingParams
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback, HostFeedback, pad_paths_np
@@ -291,11 +291,19 @@ class SpeculativeDecoder:
             self._costs = (self.cost_curve, self.cost_curve.table(B_max, "cpu").numpy())
         return self._costs[1]
 
-    def choices(self, step, logits: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
-        """``[R, B, N]``: what the acceptance rule needs of every node (``accept.step_choices``)."""
+    def choices(self, step, logits: torch.Tensor, sampling: RowSampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[R, B, N]``: what the acceptance rule needs of every node (``accept.step_choices``)
+        of the processed logits (penalties, bias, min_tokens: ``accept.processed_logits``), and
+        the log-probabilities of the rows that asked for them (``accept.logprob_table``, else
+        ``None``)."""
         cfg = self.config
-        return step_choices(cfg.acceptance, step.tokens, step.parent, step.depth, logits, sampling,
-                            cfg.typical_eps, cfg.typical_delta)
+        logits = processed_logits(logits, sampling, step.anc, step.depth)
+        choices = step_choices(cfg.acceptance, step.tokens, step.parent, step.depth, logits, sampling,
+                               cfg.typical_eps, cfg.typical_delta)
+        if not sampling.logprob_rows:
+            return choices, None
+        pick = choices[2] if cfg.acceptance == "typical" else choices[0]  # the bonus after each node
+        return choices, logprob_table(logits, pick, step.parent, step.tokens, sampling)
 
     def accept(self, tree, readout) -> HostAcceptance:
         """The accepted path of every row, walked on the host from the step's readout."""

@@ -40,9 +40,19 @@ import numpy as np
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.accept import HostAcceptance, RowSampling, sample_tokens, seed_uniforms
+from redraft.infer.accept import (
+    HostAcceptance,
+    RowSampling,
+    logprob_table,
+    processed_logits,
+    sample_tokens,
+    seed_uniforms,
+    token_logprobs,
+)
+from redraft.infer.budget import PREFILL_CHUNK_MIN, prefill_chunk
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState
+from redraft.infer.processors import RowProcessors
 from redraft.infer.stats import Generation, RequestStats, StreamEvent
 from redraft.infer.text import TextStream
 from redraft.infer.verify import StepInput
@@ -66,6 +76,8 @@ class _Row:
     stats: RequestStats = field(default_factory=RequestStats)
     seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     length: int = 0  # valid entries of seq (prompt + output so far)
+    filled: int = 0  # prompt tokens in the cache while the row is being prefilled (chunked prefill)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per kept token, when asked for
     done: bool = False
     t_start: float = 0.0
 
@@ -85,6 +97,8 @@ class _Row:
 
     def take(self, toks: list[int], eos: set) -> tuple[list[int], str, str | None]:
         """Append a step's tokens: ``(tokens kept, text delta, finish reason or None)``."""
+        if len(self.tokens) < self.params.min_tokens:
+            eos = set()  # masked by the processors until then: a draft cannot end the row either
         new, reason = [], None
         for t in toks:
             if len(self.tokens) >= self.params.max_new_tokens:
@@ -124,10 +138,12 @@ class HostState:
 
 class StepReadout:
     """The step's one device-to-host transfer: ``choices`` ``[R, B, N]`` (R rules' picks per
-    node, see ``SpeculativeDecoder.choices``) as numpy."""
+    node, see ``SpeculativeDecoder.choices``) as numpy; ``logprobs`` (``accept.logprob_table``,
+    a second read only when a row asked for log-probabilities) too."""
 
-    def __init__(self, choices: torch.Tensor):
+    def __init__(self, choices: torch.Tensor, logprobs: torch.Tensor | None = None):
         self.values = choices.cpu().numpy() if choices.device.type != "cpu" else choices.numpy()
+        self.logprobs = None if logprobs is None else logprobs.float().cpu().numpy()
 
 
 def _params(params) -> SamplingParams:
@@ -177,11 +193,13 @@ class Engine:
         self.verifier = decoder.verifier
         self.device = decoder.target.device
         self.rows: list[_Row] = []  # aligned with the cache's active slots
+        self.prefilling: list[_Row] = []  # being prefilled, in the slots after the active rows
         self.waiting: list[_Row] = []
         self.state: DecodeState | None = None  # only when a drafter drafts on the device
         self.cache = None  # SlotKVCache, made at the first join, kept for the engine's life
         self.sampling: RowSampling | None = None
         self.steps = 0
+        self._step_tokens = 0  # tokens the last verify forward ran (batch x tree size): the auto prefill chunk
         self._next_id = 0
         self._clock = Clock(self.device)
         self._context = getattr(decoder.model.config, "max_position_embeddings", None)
@@ -202,6 +220,10 @@ class Engine:
             raise ConfigError("temperature > 0 needs the decoder's acceptance 'rejection' (lossless) or "
                               "'typical'; this decoder verifies greedily.", param="temperature")
         check_prompt(prompt, self.dec.target.vocab_size, self._context, params.max_new_tokens)
+        V = self.dec.target.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= V for t in ids):
+                raise ConfigError(f"{name} holds token id {max(ids)}, outside the vocabulary [0, {V}).", param=name)
         uniforms = None
         if params.seed is not None:
             # one per output token, and slack for draws a tree makes past the last one
@@ -218,13 +240,13 @@ class Engine:
     def cancel(self, rid: int) -> None:
         """Drop request ``rid``: it leaves the batch at the next step, with no final event."""
         self.waiting = [r for r in self.waiting if r.rid != rid]
-        for r in self.rows:
+        for r in self.rows + self.prefilling:
             if r.rid == rid:
                 r.done = True
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(not r.done for r in self.rows)
+        return bool(self.waiting) or any(not r.done for r in self.rows + self.prefilling)
 
     @property
     def batch_size(self) -> int:
@@ -236,16 +258,18 @@ class Engine:
         """(tokens the running rows hold in the KV cache, token slots allocated over all rows)."""
         if self.cache is None:
             return 0, 0
-        return sum(r.length - 1 for r in self.rows if not r.done), self.cache.capacity * self.cache.slots
+        held = sum(r.length - 1 for r in self.rows if not r.done) + sum(r.filled for r in self.prefilling)
+        return held, self.cache.capacity * self.cache.slots
 
     # ------------------------------------------------------------------ the step
 
     @torch.inference_mode()
     def step(self) -> list[StreamEvent]:
-        """Retire finished rows, prefill and join waiting ones, then one draft/verify step for
-        all rows; returns the events of this step (text deltas, finished requests)."""
+        """Retire finished rows, prefill one chunk of the waiting prompts (those it completes
+        join), then one draft/verify step for all rows; returns the events of this step (text
+        deltas, finished requests)."""
         self._retire()
-        events = self._join() if self.waiting else []
+        events = self._prefill() if self.waiting or self.prefilling else []
         self._retire()
         if not self.rows:
             return events
@@ -255,13 +279,16 @@ class Engine:
         prop = dec.propose(host, self.state, dec.guard.speculate(len(self.rows)))
         tree = dec.build_tree(prop, host, self.verifier)
         step_in = self._upload(tree)
+        self._step_tokens = step_in.packed.shape[0] * step_in.size
         t1 = clock.mark()
         hidden = self.verifier.verify(step_in, self.cache)  # [B, N, H]
         if self.sampling.seeded:  # output tokens so far: which uniform a seeded row's draw takes
             self.sampling.offset = torch.tensor([r.length - len(r.prompt) for r in self.rows]).to(self.device)
-        choices = dec.choices(step_in, self.verifier.logits(hidden), self.sampling)  # [R, B, N]
+        self.sampling.proc = self._processors(self.rows, tree.tokens)
+        choices, lp = dec.choices(step_in, self.verifier.logits(hidden), self.sampling)  # [R, B, N]
         t2 = clock.mark()
-        acc = dec.accept(tree, StepReadout(choices))  # the one host read, then the walk
+        readout = StepReadout(choices, lp)
+        acc = dec.accept(tree, readout)  # the one host read, then the walk
         self._commit(tree, acc)
         before = self.state  # what the device drafters drafted from
         if before is not None:
@@ -270,7 +297,7 @@ class Engine:
         secs = clock.seconds(t0, t1), clock.seconds(t1, t2)  # CUDA events are done: the read synced
         dec.after_step(prop, acc, credit, secs)
         self.steps += 1
-        return events + self._emit(tree, prop, acc, credit, secs)
+        return events + self._emit(tree, prop, acc, credit, secs, readout.logprobs)
 
     # ------------------------------------------------------------------ step pieces
 
@@ -337,12 +364,23 @@ class Engine:
         self.state = dataclasses.replace(s, tokens=buf, lengths=u[:, 0], last=u[:, 2],
                                          hidden=hidden[rows, u[:, 1]].clone(), step=s.step + 1)
 
-    def _emit(self, tree, prop, acc: HostAcceptance, credit: np.ndarray, secs) -> list[StreamEvent]:
+    def _processors(self, rows: list[_Row], tree_tokens: np.ndarray | None) -> RowProcessors | None:
+        """The step's penalties / bias / min_tokens for the rows that use them (None if none)."""
+        idx = [b for b, r in enumerate(rows) if r.params.processed]
+        if not idx:
+            return None
+        sel = [rows[b] for b in idx]
+        return RowProcessors.build(idx, [r.params for r in sel], [np.asarray(r.prompt, np.int64) for r in sel],
+                                   [r.seq[len(r.prompt):r.length] for r in sel], tree_tokens,
+                                   self.dec.target.output_head.weight.shape[0], self.dec.eos, self.device)
+
+    def _emit(self, tree, prop, acc: HostAcceptance, credit: np.ndarray, secs, lp_table=None) -> list[StreamEvent]:
         """Per row: stats, new tokens and text; a finished row gets its final event."""
         events = []
         names = [d.name for d in self.dec.drafters]
         nodes = tree.num_nodes - 1
         kept = (tree.path_node >= 0).sum(axis=(1, 2)) if tree.path_node.size else np.zeros(len(self.rows), int)
+        lps = token_logprobs(lp_table, self.sampling, acc.path, acc.num_accepted, acc.emitted)
         for b, row in enumerate(self.rows):
             n = int(acc.num_accepted[b])
             s = row.stats
@@ -356,29 +394,37 @@ class Engine:
             for name, c in zip(names, credit[b].tolist() if len(names) else ()):
                 if c:
                     s.drafter_accepted[name] += c
-            events += self._row_event(row, acc.emitted[b])
+            events += self._row_event(row, acc.emitted[b], lps.get(b))
         return events
 
-    def _row_event(self, row: _Row, toks: list[int]) -> list[StreamEvent]:
+    def _row_event(self, row: _Row, toks: list[int], lps: list | None = None) -> list[StreamEvent]:
         if row.done:  # cancelled during this step
             return []
         new, text, reason = row.take(toks, self.dec.eos)
+        lps = None if lps is None else lps[:len(new)]
+        if lps is not None:
+            row.logprobs += lps
         if reason:
             row.done = True
             row.stats.total_time = time.perf_counter() - row.t_start
-            g = Generation(text=row.text.text, tokens=row.tokens, finish_reason=reason, stats=row.stats)
-            return [StreamEvent(row.rid, text, new, True, g)]
-        return [StreamEvent(row.rid, text, new)] if new else []
+            g = Generation(text=row.text.text, tokens=row.tokens, finish_reason=reason, stats=row.stats,
+                           logprobs=row.logprobs if row.params.logprobs is not None else None)
+            return [StreamEvent(row.rid, text, new, True, g, lps)]
+        return [StreamEvent(row.rid, text, new, logprobs=lps)] if new else []
 
     # ------------------------------------------------------------------ rows joining and leaving
 
     def _retire(self) -> None:
         """Drop finished and cancelled rows from the batch (cache, state, drafters)."""
         keep = [i for i, r in enumerate(self.rows) if not r.done]
+        pend = [j for j, r in enumerate(self.prefilling) if not r.done]
+        if len(keep) == len(self.rows) and len(pend) == len(self.prefilling):
+            return
+        self.prefilling = [self.prefilling[j] for j in pend]
+        self.cache.keep_rows(keep, pend)  # the rows being prefilled move up behind the kept ones
         if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in keep]
-        self.cache.keep_rows(keep)
         self.sampling = self._sampling() if keep else None
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         if self.state is not None:
@@ -393,10 +439,12 @@ class Engine:
         rows = self.rows if rows is None else rows
         return RowSampling([r.params.temperature for r in rows], [r.params.top_p for r in rows],
                            [r.generator or self.dec.generator for r in rows], self.device,
-                           uniforms=[r.uniforms for r in rows])
+                           uniforms=[r.uniforms for r in rows], top_k=[r.params.top_k for r in rows],
+                           min_p=[r.params.min_p for r in rows], logprobs=[r.params.logprobs for r in rows])
 
     def _reserve(self, new: list[_Row]) -> None:
-        """A cache with room for the running rows and ``new`` (made once, grown by doubling)."""
+        """A cache with room for the running rows, those being prefilled and ``new`` (made once,
+        grown by doubling)."""
         dec = self.dec
         slack = dec.config.max_nodes + 2 if dec.drafters else 2
         width = max(len(r.prompt) + r.params.max_new_tokens for r in new) + slack + 1
@@ -404,26 +452,84 @@ class Engine:
         if self.cache is None:
             self.cache = self.verifier.new_cache(len(new), width)
         else:
-            self.cache.reserve(self.cache.batch + len(new), width)
+            self.cache.reserve(self.cache.batch + len(self.prefilling) + len(new), width)
 
-    def _join(self) -> list[StreamEvent]:
-        """Prefill the waiting requests together into the next free slots, sample their first
-        token, and append them to the batch (cache, state, drafters)."""
-        new, self.waiting = self.waiting, []
-        dec = self.dec
+    def _prefill(self) -> list[StreamEvent]:
+        """One prefill chunk: waiting requests take the slots after the active rows and those
+        being prefilled; the first rows of that queue get their next piece of prompt in one
+        forward (:meth:`_chunk_rows`); those whose whole prompt is now in the cache sample their
+        first token and join the batch (:meth:`_join`)."""
+        if self.waiting:
+            new, self.waiting = self.waiting, []
+            self._reserve(new)
+            t0 = time.perf_counter()
+            for r in new:
+                r.t_start = t0
+            self.prefilling += new
+        n, T = self._chunk_rows()
+        rows, cache = self.prefilling[:n], self.cache
         t0 = time.perf_counter()
-        self._reserve(new)
-        cache = self.cache
+        starts = [r.filled for r in rows]
+        cache.reserve(cache.batch + len(self.prefilling), max(starts) + T + 1)  # padding columns of short pieces
+        h_last = self.verifier.prefill([r.prompt[r.filled:r.filled + T] for r in rows], cache,
+                                       first_slot=cache.batch, starts=starts)  # [n, H]
+        for r in rows:
+            r.filled = min(len(r.prompt), r.filled + T)
+        done = sum(r.filled == len(r.prompt) for r in rows)  # a prefix of the queue (see _chunk_rows)
+        events = self._join(rows[:done], h_last[:done]) if done else []
+        for r in rows:
+            r.stats.prefill_time += time.perf_counter() - t0  # the first token's read synced
+        return events
+
+    def _chunk_rows(self) -> tuple[int, int]:
+        """``(n, T)``: the first ``n`` rows of the prefill queue get up to ``T`` more prompt
+        tokens each in this step's ``[n, T]`` forward, which holds at most ``chunk`` tokens
+        (:meth:`_chunk_size`). ``T`` is the longest remaining prompt of the rows taken, cut to
+        the chunk, so either one row gets a piece of a longer prompt or every row taken is
+        finished by this chunk (the rows that join are always the queue's first)."""
+        chunk = self._chunk_size()
+        rem = [len(r.prompt) - r.filled for r in self.prefilling]
+        n, T = 1, min(chunk, rem[0])
+        while n < len(rem) and (n + 1) * min(chunk, max(T, rem[n])) <= chunk:
+            T = min(chunk, max(T, rem[n]))
+            n += 1
+        return n, T
+
+    def _chunk_size(self) -> int:
+        """Prompt tokens one prefill forward may hold (``DecoderConfig.prefill_chunk``; "auto":
+        ``budget.prefill_chunk`` of the running rows' last verify, measuring the cost curve if
+        no step has yet)."""
+        chunk = self.dec.config.prefill_chunk
+        if chunk != "auto":
+            return chunk or 1 << 40  # 0: off, every prompt in one piece
+        if not self.rows:  # nobody to stall: every waiting prompt in one forward (a batch joins together)
+            return 1 << 40
+        if all(len(r.prompt) - r.filled <= PREFILL_CHUNK_MIN for r in self.prefilling):
+            return PREFILL_CHUNK_MIN  # whatever the cost: no need to measure it
+        if self.dec.cost_curve is None:
+            self.dec.measure_cost()
+        return prefill_chunk(self.dec.cost_curve, self._step_tokens)
+
+    def _join(self, new: list[_Row], h_last: torch.Tensor) -> list[StreamEvent]:
+        """Rows ``new`` (the first of the prefill queue, their prompts all in the cache, in the
+        slots right after the active rows; ``h_last [n, H]`` their last hidden states): sample
+        their first token and append them to the batch (cache, state, drafters)."""
+        dec, cache = self.dec, self.cache
         start = cache.batch
-        h_last = self.verifier.prefill([r.prompt for r in new], cache, first_slot=start)  # [n, H]
-        y = sample_tokens(self.verifier.logits(h_last), self._sampling(new))  # [n]
+        sampling = self._sampling(new)
+        sampling.proc = self._processors(new, None)
+        logits = processed_logits(self.verifier.logits(h_last)[:, None], sampling)  # [n, 1, V]
+        y = sample_tokens(logits[:, 0], sampling)  # [n]
+        zeros = torch.zeros_like(y)[:, None]
+        table = logprob_table(logits, y[:, None], zeros, zeros, sampling)  # [L, 1, 2 + 2k] or None
         y_host = y.tolist()
-        prefill = time.perf_counter() - t0
+        lps = token_logprobs(None if table is None else table.float().cpu().numpy(), sampling,
+                             np.zeros((len(new), 1), np.int64), np.zeros(len(new), np.int64), [[t] for t in y_host])
         cache.host_lengths += [len(r.prompt) for r in new]
         cache.batch += len(new)
+        self.prefilling = self.prefilling[len(new):]
         for r, t in zip(new, y_host):
             r.append(r.prompt + [t])
-            r.t_start, r.stats.prefill_time = t0, prefill
         self.rows += new
         self.sampling = self._sampling()
         if dec.device_drafters:
@@ -431,8 +537,8 @@ class Engine:
         for d in dec.drafters:
             d.add_rows(self.state, start)
         events = []
-        for r, t in zip(new, y_host):
-            events += self._row_event(r, [t])
+        for b, (r, t) in enumerate(zip(new, y_host)):
+            events += self._row_event(r, [t], lps.get(b))
         return events
 
     def _join_state(self, new: list[_Row], y: torch.Tensor, h_last: torch.Tensor, start: int) -> None:

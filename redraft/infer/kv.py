@@ -172,11 +172,14 @@ class SlotKVCache(Cache):
         idx = torch.tensor([rows, src, dst], dtype=torch.long).to(self.kv.device, non_blocking=True)
         self.kv[:, :, idx[0], :, idx[2]] = self.kv[:, :, idx[0], :, idx[1]]
 
-    def keep_rows(self, keep: list[int]) -> None:
-        """Rows ``keep`` (indices of active rows, in order) stay, compacted into slots 0..len-1."""
-        if keep != list(range(len(keep))):
-            idx = torch.tensor(keep, dtype=torch.long).to(self.kv.device)
-            self.kv[:, :, :len(keep)] = self.kv[:, :, idx]
+    def keep_rows(self, keep: list[int], pending: list[int] = ()) -> None:
+        """Rows ``keep`` (indices of active rows, in order) stay, compacted into slots 0..len-1;
+        rows being prefilled (slots after the batch; ``pending``: their indices counted from the
+        first slot after it) follow them in order, the others are dropped."""
+        slots = list(keep) + [self.batch + j for j in pending]
+        if slots != list(range(len(slots))):
+            idx = torch.tensor(slots, dtype=torch.long).to(self.kv.device)
+            self.kv[:, :, :len(slots)] = self.kv[:, :, idx]
         self.host_lengths = [self.host_lengths[i] for i in keep] if self.host_lengths else []
         self.batch = len(keep)
 

@@ -86,14 +86,28 @@ class RequestStats:
 
 
 @dataclass
+class TokenLogprob:
+    """One output token's log-probability (``SamplingParams.logprobs``): ``token``, ``logprob``
+    and ``top``, the ``logprobs`` likeliest tokens at that position as ``(token, logprob)``,
+    likeliest first. Log-probabilities of the distribution the token was drawn from (processed
+    logits at the request's temperature, after min_p / top_k / top_p; greedy: temperature 1)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class Generation:
     """One request's result: ``text`` (decoded new tokens, cut at a stop string), ``tokens``
-    (new token ids), ``finish_reason`` ("eos", "length" or "stop") and ``stats``."""
+    (new token ids), ``finish_reason`` ("eos", "length" or "stop") and ``stats``; ``logprobs``
+    (one :class:`TokenLogprob` per token) when the request asked for them."""
 
     text: str
     tokens: list[int]
     finish_reason: str
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -106,3 +120,4 @@ class StreamEvent:
     tokens: list[int]
     done: bool = False
     generation: Generation | None = None
+    logprobs: list[TokenLogprob] | None = None  # of ``tokens``, when the request asked for them

@@ -208,22 +208,29 @@ class Verifier:
             bias = cache.attention_bias(step.anc.bool(), self.dtype)
             return self._model(step.tokens.clamp_min(0), lengths[:, None] + step.depth, bias, cache)
 
-    def prefill(self, prompts: list[list[int]], cache: SlotKVCache, first_slot: int = 0) -> torch.Tensor:
-        """Run right-padded prompts (each row sees its own tokens only) into slots
-        ``first_slot ..`` of ``cache`` (their rows start empty); returns each row's last hidden
-        state ``[n, H]``. The caller sets ``cache.host_lengths`` for these rows afterwards."""
+    def prefill(self, prompts: list[list[int]], cache: SlotKVCache, first_slot: int = 0,
+                starts: list[int] | None = None) -> torch.Tensor:
+        """Run right-padded token pieces into slots ``first_slot ..`` of ``cache``; returns each
+        row's hidden state after its last piece token ``[n, H]``. The caller sets
+        ``cache.host_lengths`` for these rows afterwards.
+
+        ``starts[b]``: tokens row b already holds (default 0, a whole prompt): its piece is a
+        later chunk of its prompt (chunked prefill), at positions ``starts[b] + i``, seeing its
+        cache columns ``< starts[b]`` and its own piece causally. Padding tokens past a short
+        piece are written after it (columns the row later overwrites; no row ever sees them)."""
         dev = self.device
         B, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros((B, T), dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = torch.tensor(p)
         plen = torch.tensor([len(p) for p in prompts]).to(dev)
+        start = torch.tensor(starts or [0] * B, dtype=torch.long).to(dev)
         ids = ids.to(dev)
         with not_counted(), _Timer(self) if self.timing else contextlib.nullcontext():
             ar = torch.arange(T, device=dev)
-            cache.begin(torch.zeros(B, dtype=torch.long, device=dev), T, span=T, rows=(first_slot, first_slot + B))
-            causal = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < plen[:, None, None])
-            hid = self._model(ids, ar[None].expand(B, -1), cache.attention_bias(causal, self.dtype), cache)
+            cache.begin(start, T, span=max(starts or [0]) + T, rows=(first_slot, first_slot + B))
+            causal = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < plen[:, None, None])  # [B, T, T]
+            hid = self._model(ids, start[:, None] + ar[None], cache.attention_bias(causal, self.dtype), cache)
         return hid[torch.arange(B, device=dev), plen - 1]
 
     def verify(self, step: StepInput, cache: SlotKVCache) -> torch.Tensor:

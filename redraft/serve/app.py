@@ -118,6 +118,8 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
     if max_request_bytes < 1:
         raise ConfigError(f"max_request_bytes={max_request_bytes} must be >= 1.", param="max_request_bytes")
     context = getattr(decoder.target.model.config, "max_position_embeddings", None)  # None: unknown
+    tok = getattr(decoder.target, "tokenizer", None)
+    token_text = (lambda t: tok.decode([t])) if tok is not None else str  # the tokens of logprobs
     metrics = Metrics()
     sched = Scheduler(decoder, max_batch, max_queue, metrics, make_params=make_params, warmup=warmup)
     metrics.bind(sched.counts)  # batch size and queue depth: the scheduler's counts, as /health reports them
@@ -195,14 +197,14 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
                 return Response(status_code=499)
             rid = P.new_id(kind)
             if body.stream:
-                writer = P.ChunkWriter(kind, rid, model_name, body.include_usage)
+                writer = P.ChunkWriter(kind, rid, model_name, body.include_usage, token_text)
                 streaming = True
                 return EventStream(_sse(fan, early, writer, sum(lengths)),
                                    on_close=lambda: _close(sched, fan))
             gens = await _collect(fan, early, disconnect)
             if gens is None:
                 return Response(status_code=499)
-            return JSONResponse(P.response(kind, rid, model_name, gens, sum(lengths)))
+            return JSONResponse(P.response(kind, rid, model_name, gens, sum(lengths), token_text))
         finally:
             disconnect.cancel()
             if not streaming:
@@ -299,7 +301,7 @@ async def _sse(fan: FanIn, early: list, writer: P.ChunkWriter, prompt_tokens: in
         if kind == "error":
             yield writer.error(payload)
             break
-        if chunk := writer.delta(payload.text, i):
+        if chunk := writer.delta(payload.text, i, getattr(payload, "logprobs", None)):
             yield chunk
         if payload.done:
             gens[i] = payload.generation

@@ -78,7 +78,7 @@ class JobBuilder:
                 raise P.APIError(400, f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab}).",
                                  param="stop_token_ids")
             extra["stop_token_ids"] = tuple(body.stop_token_ids)
-        # phase 2 (penalties, top_k, min_p, logit_bias, logprobs...): pass each new field here
+        extra.update(body.sampling_fields())  # only those the client set
         try:
             return self.make_params(max_new_tokens=max_new, seed=seed, stop=body.stops,
                                     temperature=0.0 if body.temperature is None else body.temperature,

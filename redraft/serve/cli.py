@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model (flags override the preset's keys)")
     ServeSettings.add_arguments(m, only=("preset",))
     ModelSettings.add_arguments(m, only=MODEL_FLAGS, shown=MODEL_SHOWN)
-    DecoderConfig.add_arguments(m, only=("acceptance",), shown={
+    DecoderConfig.add_arguments(m, only=("acceptance", "prefill_chunk"), shown={
+        "prefill_chunk": "the preset's, else 'auto'",
         "acceptance": "the preset's, except that 'greedy' or none becomes 'rejection': lossless sampling for "
                       "requests with temperature > 0, and temperature-0 requests are still exactly greedy"})
     ServeSettings.add_arguments(m, only=("speculation", "served_model_name"))
@@ -108,6 +109,10 @@ def load(args):
         preset = read_preset(args.preset).get("acceptance") if args.preset else None
         acceptance = "rejection" if preset in (None, "greedy") else preset
     overrides["acceptance"] = acceptance
+    if getattr(args, "prefill_chunk", None) is not None:
+        overrides["prefill_chunk"] = args.prefill_chunk
+    if args.prefill_chunk is not None:
+        overrides["prefill_chunk"] = args.prefill_chunk
     if not args.speculation:  # plain decoding: no artifacts, no context matcher, no tree
         overrides.update(drafters=[], ngrams=[], context=False, budget=0)
     if args.preset:

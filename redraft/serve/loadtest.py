@@ -24,6 +24,13 @@ Progress lines (one per level and server) go to stderr as the levels finish; std
 Markdown table alone, once, at the end (``... > table.md`` keeps just the table).
 
 The first server is the reference for the ratios (``x ref``); with ``--spawn`` it is "off".
+
+``--scenario long-join`` (chunked prefill): ``C`` streams (``--concurrency``, one level) decode
+back to back; after ``--join-after`` seconds one request with a ``--long-tokens`` prompt joins
+them. Per server: the streams' ITL median before the join, their ITL p50 / p99 while the long
+request runs (from its sending to its end: its prefill, then 8 tokens) and the ratio p99-during / median-before
+(issue 24's aim: <= 3), the long request's TTFT. With ``--spawn`` the servers are "chunk-off"
+(``ARGS --prefill-chunk 0``: every prompt in one forward) and "chunk-auto" (``ARGS``).
 """
 
 from __future__ import annotations
@@ -61,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--out", default=None, help="write all figures as JSON here")
     p.add_argument("--markdown", default=None, help="write the table as Markdown here")
+    p.add_argument("--scenario", default="levels", choices=["levels", "long-join"],
+                   help="'levels': every concurrency level; 'long-join': a long prompt joins running streams")
+    p.add_argument("--long-tokens", type=int, default=4000, help="long-join: about this many prompt tokens")
+    p.add_argument("--join-after", type=float, default=5.0, help="long-join: seconds of decoding before it joins")
     return p
 
 
@@ -94,7 +105,8 @@ async def one_request(client, url: str, prompt, max_tokens: int, timeout: float)
             stats = obj.get("redraft") or stats
     t_end = time.perf_counter()
     n = usage["completion_tokens"] if usage else 0
-    return {"t0": t0, "ttft": chunks[0] - t0 if chunks else None, "gaps": [b - a for a, b in zip(chunks, chunks[1:])],
+    return {"t0": t0, "chunks": chunks, "prompt_tokens": usage["prompt_tokens"] if usage else None,
+            "ttft": chunks[0] - t0 if chunks else None, "gaps": [b - a for a, b in zip(chunks, chunks[1:])],
             "tpot": (chunks[-1] - chunks[0]) / (n - 1) if chunks and n > 1 else None, "tokens": n,
             "text": "".join(text), "end": t_end, "stats": stats}
 
@@ -117,6 +129,65 @@ async def run_level(url: str, prompts: list, concurrency: int, rounds: int, max_
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return wall, results
+
+
+async def run_long_join(url: str, prompts: list, long_prompt: str, concurrency: int, max_tokens: int,
+                        join_after: float, timeout: float, headers: dict) -> dict:
+    """``concurrency`` streams decode back to back until the long request (sent after
+    ``join_after`` s) has finished; returns the figures (see the module doc)."""
+    import httpx
+    import numpy as np
+
+    done, results = asyncio.Event(), []
+    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
+    async with httpx.AsyncClient(limits=limits, headers=headers) as client:
+        async def worker(k):
+            i = k
+            while not done.is_set():
+                results.append(await one_request(client, url, prompts[i % len(prompts)], max_tokens, timeout))
+                i += concurrency
+
+        async def joiner():
+            await asyncio.sleep(join_after)
+            try:
+                return await one_request(client, url, long_prompt, 8, timeout)
+            finally:
+                done.set()
+
+        *_, long = await asyncio.gather(*(worker(k) for k in range(concurrency)), joiner())
+    t_join, t_done = long["t0"], long["end"]
+    before = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:]) if b < t_join]
+    during = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:]) if t_join <= b <= t_done]
+    def p(xs, q):
+        return 1e3 * float(np.percentile(xs, q)) if xs else float("nan")
+
+    row = {"prompt_tokens": long["prompt_tokens"], "long_ttft_ms": 1e3 * (long["ttft"] or float("nan")),
+           "itl_p50_before_ms": p(before, 50), "itl_p50_during_ms": p(during, 50), "itl_p99_during_ms": p(during, 99),
+           "gaps_during": len(during)}
+    row["p99_over_median"] = row["itl_p99_during_ms"] / row["itl_p50_before_ms"]
+    return row
+
+
+def long_join_markdown(table: list[dict]) -> str:
+    head = ("| server | prompt tokens | long TTFT (s) | ITL p50 before (ms) | ITL p50 / p99 during (ms) "
+            "| p99 during / p50 before | gaps during |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in table:
+        lines.append(f"| {r['label']} | {r['prompt_tokens']} | {r['long_ttft_ms'] / 1e3:.1f} "
+                     f"| {r['itl_p50_before_ms']:.0f} "
+                     f"| {r['itl_p50_during_ms']:.0f} / {r['itl_p99_during_ms']:.0f} | {r['p99_over_median']:.2f} "
+                     f"| {r['gaps_during']} |")
+    return "\n".join(lines) + "\n"
+
+
+def long_prompt_text(prompts: list, tokens: int) -> str:
+    """About ``tokens`` tokens of text (~4 characters a token): the prompts' texts, repeated."""
+    texts = [p if isinstance(p, str) else " ".join(m["content"] for m in p) for p in prompts]
+    out, i = [], 0
+    while sum(map(len, out)) < 4 * tokens:
+        out.append(texts[i % len(texts)])
+        i += 1
+    return "\n\n".join(out)[:4 * tokens]
 
 
 # ---------------------------------------------------------------------------------- figures
@@ -166,11 +237,9 @@ def markdown(table: list[dict]) -> str:
 # ---------------------------------------------------------------------------------- servers
 
 
-def spawn(args_line: str, speculation: bool, api_key: str | None) -> tuple[subprocess.Popen, str]:
-    """Start ``redraft-serve ARGS --port 0 [--no-speculation]``; returns (process, base URL)."""
+def spawn(args_line: str, api_key: str | None) -> tuple[subprocess.Popen, str]:
+    """Start ``redraft-serve ARGS --port 0``; returns (process, base URL)."""
     cmd = [sys.executable, "-m", "redraft.serve.cli", *shlex.split(args_line), "--port", "0", "--log-level", "warning"]
-    if not speculation:
-        cmd.append("--no-speculation")
     if api_key:
         cmd += ["--api-key", api_key]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -211,8 +280,12 @@ def main(argv=None) -> int:
     try:
         if args.spawn:
             servers = []
-            for label, spec in (("off", False), ("on", True)):
-                proc, url = spawn(args.spawn, spec, key)
+            if args.scenario == "long-join":
+                runs = (("chunk-off", args.spawn + " --prefill-chunk 0"), ("chunk-auto", args.spawn))
+            else:
+                runs = (("off", args.spawn + " --no-speculation"), ("on", args.spawn))
+            for label, line in runs:
+                proc, url = spawn(line, key)
                 procs.append(proc)
                 servers.append((label, url))
         else:
@@ -226,6 +299,8 @@ def main(argv=None) -> int:
         from redraft.infer.bench import load_prompts
 
         prompts = load_prompts(args.dataset, args.prompts)
+        if args.scenario == "long-join":
+            return long_join(args, servers, prompts, levels[0], headers)
         table = []
         for c in levels:
             ref = None
@@ -260,6 +335,26 @@ def main(argv=None) -> int:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    return 0
+
+
+def long_join(args, servers: list, prompts: list, concurrency: int, headers: dict) -> int:
+    """The long-join scenario on every server (see the module doc); prints the Markdown table."""
+    text = long_prompt_text(prompts, args.long_tokens)
+    table = []
+    for label, url in servers:
+        row = {"label": label, **asyncio.run(run_long_join(url, prompts, text, concurrency, args.max_tokens,
+                                                           args.join_after, args.timeout, headers))}
+        table.append(row)
+        print(f"{label}: long TTFT {row['long_ttft_ms'] / 1e3:.1f} s, ITL p50 before "
+              f"{row['itl_p50_before_ms']:.0f} ms, p99 during {row['itl_p99_during_ms']:.0f} ms "
+              f"({row['p99_over_median']:.2f}x)", file=sys.stderr, flush=True)
+    md = long_join_markdown(table)
+    print(md, end="")
+    if args.markdown:
+        Path(args.markdown).write_text(md)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "servers": servers, "rows": table}, indent=1))
     return 0
 
 

@@ -25,17 +25,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # finish reasons: the decoder's ("eos", "length", "stop") -> OpenAI's ("stop", "length")
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; a long list costs a scan per step)
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's limit; OpenAI's chat allows 20, completions 5)
 MAX_DEPTH = 32  # JSON nesting of a request body (an OpenAI request needs ~6; a deep body costs recursion)
 # OpenAI and vLLM fields that redraft-serve does not implement (yet), with the values that ask for
 # nothing (null is always neutral). Any other value answers 400 naming the field, never a 200 that
 # ignores it. Numbers compare by value (0 == 0.0), booleans only with booleans.
 NEUTRAL: dict[str, tuple] = {
-    # sampling (phase 2 implements these in the decode step; until then only their neutral values)
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "top_k": (-1, 0),
-    "min_p": (0,), "min_tokens": (0,), "logit_bias": ({},), "typical_p": (1,), "allowed_token_ids": (),
+    # sampling (penalties, logit_bias, min_p, top_k, min_tokens are fields of _Request)
+    "typical_p": (1,), "allowed_token_ids": (),
     "bad_words": ([],), "ignore_eos": (False,), "length_penalty": (1,), "use_beam_search": (False,),
-    # what comes back
-    "logprobs": (False,), "top_logprobs": (), "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
+    # what comes back (logprobs / top_logprobs are fields)
+    "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
     # prompt building
@@ -110,6 +110,14 @@ class _Request(BaseModel):
     n: int | None = None
     best_of: int | None = None
     user: str | None = None
+    # logits processing (redraft.infer.SamplingParams checks the ranges, naming the field)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    top_k: int | None = None
+    min_tokens: int | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -149,6 +157,21 @@ class _Request(BaseModel):
                 raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported by redraft-serve; leave it "
                                     f"unset (send {allowed}).", param=name)
 
+    def sampling_fields(self) -> dict:
+        """The logits-processing fields the client set (``SamplingParams.checked`` keywords),
+        ``logprobs`` (the decoder's count of alternatives, or None) included."""
+        names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "top_k",
+                 "min_tokens")
+        out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.top_alternatives is not None:
+            out["logprobs"] = self.top_alternatives
+        return out
+
+    @property
+    def top_alternatives(self) -> int | None:
+        """Log-probabilities asked for: the alternatives per token (0 to 20), None if none."""
+        return None
+
     @property
     def choices(self) -> int:
         """Choices per prompt (``n``; null means 1)."""
@@ -185,6 +208,20 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def check(self, served: str) -> None:
+        super().check(served)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs={self.top_logprobs}: use an integer in [0, {MAX_LOGPROBS}].",
+                           param="top_logprobs")
+
+    @property
+    def top_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict]:
         """The messages as the ``{"role", "content"}`` dicts a chat template reads."""
@@ -203,9 +240,17 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    # completions' logprobs is a count: 0 already asks for the sampled token's log-probability
-    neutral: ClassVar[dict] = {**NEUTRAL, "logprobs": ()}
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # a count: 0 already asks for the sampled token's log-probability
+
+    def check(self, served: str) -> None:
+        super().check(served)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs={self.logprobs}: use an integer in [0, {MAX_LOGPROBS}].", param="logprobs")
+
+    @property
+    def top_alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -341,18 +386,57 @@ def redraft_stats(generation) -> dict:
     return out
 
 
-def response(kind: str, rid: str, model: str, generations: list, prompt_tokens: int) -> dict:
+LOGPROB_FLOOR = -9999.0  # OpenAI's log-probability of an impossible token (JSON has no -Infinity)
+
+
+def _lp(x: float) -> float:
+    return max(float(x), LOGPROB_FLOOR) if x == x else LOGPROB_FLOOR
+
+
+def logprobs_json(kind: str, items, token_text, offset: int = 0) -> dict | None:
+    """OpenAI's ``logprobs`` object of ``redraft.infer.TokenLogprob`` items (None: not asked):
+    chat ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``, completions
+    ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (offsets from ``offset``).
+    ``token_text(id)``: a token's text."""
+    if items is None:
+        return None
+    if kind == "chat":
+        def entry(t, lp):
+            s = token_text(t)
+            return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8", "replace"))}
+        return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                            for x in items]}
+    toks, offsets = [token_text(x.token) for x in items], []
+    for s in toks:
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": toks, "token_logprobs": [_lp(x.logprob) for x in items],
+            "top_logprobs": [_by_text(x.top, token_text) for x in items], "text_offset": offsets}
+
+
+def _by_text(top, token_text) -> dict:
+    """``{text: logprob}`` of the likeliest-first ``top``; tokens that decode alike (pieces of one
+    UTF-8 character) keep the likeliest one's value."""
+    out: dict = {}
+    for t, v in top:
+        out.setdefault(token_text(t), _lp(v))
+    return out
+
+
+def response(kind: str, rid: str, model: str, generations: list, prompt_tokens: int, token_text=str) -> dict:
     """A complete (non-streamed) ``chat.completion`` or ``text_completion`` object, one choice
     per generation. ``redraft`` holds the decoder's stats of the one choice, or
-    ``{"choices": [stats per choice]}`` when there are several."""
+    ``{"choices": [stats per choice]}`` when there are several. ``token_text(id)`` spells the
+    tokens of ``logprobs``."""
     choices = []
     for i, g in enumerate(generations):
         reason = FINISH_REASON[g.finish_reason]
+        lp = logprobs_json(kind, getattr(g, "logprobs", None), token_text)
         if kind == "chat":
-            choices.append({"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": None,
+            choices.append({"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": lp,
                             "finish_reason": reason})
         else:
-            choices.append({"index": i, "text": g.text, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": i, "text": g.text, "logprobs": lp, "finish_reason": reason})
     stats = [redraft_stats(g) for g in generations]
     return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices,
@@ -370,8 +454,10 @@ class ChunkWriter:
     request interleave, each chunk naming its ``index``.
     """
 
-    def __init__(self, kind: str, rid: str, model: str, include_usage: bool):
+    def __init__(self, kind: str, rid: str, model: str, include_usage: bool, token_text=str):
         self.kind, self.id, self.model, self.include_usage = kind, rid, model, include_usage
+        self.token_text = token_text
+        self._offsets: dict = {}  # choice -> characters sent (completions' text_offset)
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
@@ -382,13 +468,13 @@ class ChunkWriter:
         obj.update(extra)
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def _choice(self, index: int, text: str | None, reason: str | None, role: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, reason: str | None, role: bool = False, logprobs=None) -> dict:
         if self.kind == "chat":
             delta = {} if text is None else {"content": text}
             if role:
                 delta = {"role": "assistant", "content": ""}
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
 
     def start(self, n: int = 1) -> str:
         """The opening chunks (chat only: the assistant role of each choice; completions send nothing)."""
@@ -396,8 +482,15 @@ class ChunkWriter:
             return ""
         return "".join(self._chunk([self._choice(i, None, None, role=True)]) for i in range(n))
 
-    def delta(self, text: str, index: int = 0) -> str:
-        return self._chunk([self._choice(index, text, None)]) if text else ""
+    def delta(self, text: str, index: int = 0, logprobs=None) -> str:
+        """A content chunk (none when there is neither text nor log-probabilities)."""
+        if not text and not logprobs:
+            return ""
+        lp = None
+        if logprobs:
+            lp = logprobs_json(self.kind, logprobs, self.token_text, self._offsets.get(index, 0))
+            self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in lp.get("tokens", ()))
+        return self._chunk([self._choice(index, text, None, logprobs=lp)])
 
     def finish(self, generation, index: int = 0) -> str:
         return self._chunk([self._choice(index, None, FINISH_REASON[generation.finish_reason])],

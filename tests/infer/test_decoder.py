@@ -315,6 +315,21 @@ def test_guard_ignores_single_rows_the_first_step_of_a_run_and_other_buckets():
     assert _drive(g, 16, {True: 1.0, False: 2.0}, R)[0] is True  # 16 is another bucket than 8
 
 
+def test_a_new_guard_bucket_starts_from_its_neighbours_verdicts():
+    R, explore = SpeculationGuard.RUN, 4
+    g = SpeculationGuard(explore=explore)
+    _drive(g, 4, {True: 100.0, False: 300.0}, 2 * R + 1)  # speculation lost at batch 4-7
+    modes = _drive(g, 8, {True: 100.0, False: 300.0}, explore + R)
+    assert modes[:explore] == [False] * explore  # batch 8-15 starts plain, no losing run first
+    assert modes[explore:] == [True] * R  # then one speculative run re-checks it
+    g = SpeculationGuard(explore=explore)
+    _drive(g, 16, {True: 300.0, False: 100.0}, 2 * R + 1)  # speculation won at batch 16-31
+    assert _drive(g, 8, {True: 300.0, False: 100.0}, SpeculationGuard.REPROBE) == [True] * SpeculationGuard.REPROBE
+    g = SpeculationGuard(explore=explore)
+    _drive(g, 16, {True: 100.0, False: 300.0}, 2 * R + 1)  # a loss at a larger batch says nothing of 8
+    assert _drive(g, 8, {True: 300.0, False: 100.0}, R) == [True] * R
+
+
 def test_guard_plain_steps_keep_the_output_and_call_no_drafter(tiny_target, tiny_tables, tiny_prompts):
     V = tiny_target.vocab_size
     calls = []

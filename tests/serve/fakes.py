@@ -37,6 +37,10 @@ class FakeParams:
 
     @classmethod
     def checked(cls, **kw) -> "FakeParams":
+        from redraft.infer.config import SamplingParams
+
+        SamplingParams.checked(**kw)  # the real range checks (penalties, logit_bias, ...: the fake ignores them)
+        kw = {k: v for k, v in kw.items() if k in cls.__dataclass_fields__}
         return cls(**{**kw, "stop": tuple(kw.get("stop") or ()), "stop_token_ids": tuple(kw.get("stop_token_ids") or ())})
 
     def __post_init__(self):

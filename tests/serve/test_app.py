@@ -129,7 +129,7 @@ MSG = [{"role": "user", "content": "hi"}]
     (CHAT, {"messages": MSG, "stop": [1, 2]}, "stop"),
     (CHAT, {"messages": MSG, "stop": [""]}, "stop"),
     (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
-    (CHAT, {"messages": MSG, "logprobs": True}, "logprobs"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {"messages": [{"role": "user", "content": "x" * CONTEXT}]}, "prompt"),
     (COMP, {"prompt": "x" * (CONTEXT + 10), "max_tokens": 1}, "prompt"),
     (COMP, {"prompt": ""}, "prompt"),

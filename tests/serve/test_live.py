@@ -157,7 +157,7 @@ CONTEXT = 1024  # redraft.testing's tiny model
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 9}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10 ** 9},
      "max_completion_tokens"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 1}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, "model"),
 ])
 def test_bad_input_reaches_the_decoder_checks(tiny_server, path, body, param):

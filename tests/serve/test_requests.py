@@ -117,24 +117,17 @@ def test_null_means_the_default_for_every_optional_field(fake_server):
 
 
 @pytest.mark.parametrize("path,field,neutral,other", [
-    (COMP, "presence_penalty", [0, 0.0], [1.0, 1, -0.5]),
-    (COMP, "frequency_penalty", [0], [1, 0.5]),
-    (COMP, "repetition_penalty", [1, 1.0], [1.2, 0, 0.9]),
-    (COMP, "top_k", [-1, 0], [5, 1]),
-    (COMP, "min_p", [0], [0.1]),
-    (COMP, "min_tokens", [0], [3]),
-    (COMP, "logit_bias", [{}], [{"5": 10}]),
-    (COMP, "logprobs", [], [0, 1, 5, True]),
     (COMP, "echo", [False], [True]),
-    (CHAT, "logprobs", [False], [True, 1]),
-    (CHAT, "top_logprobs", [], [0, 3]),
+    (COMP, "prompt_logprobs", [], [0, 2]),
+    (COMP, "typical_p", [1], [0.5]),
     (CHAT, "response_format", [{"type": "text"}], [{"type": "json_object"}]),
     (CHAT, "tools", [[]], [[{"type": "function", "function": {"name": "f"}}]]),
     (COMP, "best_of", [1], [3]),
 ])
 def test_unimplemented_parameters_are_400_unless_neutral(fake_server, path, field, neutral, other):
     """Never a 200 that ignores what the client asked for: only the value that asks for nothing
-    passes (each field's own: 0 for penalties, 1 for repetition_penalty, -1 or 0 for top_k)."""
+    passes (each field's own). The penalties, logit_bias, min_p, top_k, min_tokens and logprobs
+    are implemented: tests/serve/test_sampling_fields.py."""
     url, _, _ = fake_server()
     base = {"messages": MSG} if path == CHAT else {"prompt": "ab"}
     for v in neutral:
