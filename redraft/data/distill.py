@@ -234,17 +234,14 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
                 continue
             yield r
 
+    made_with = {"target": target.model_id, "temperature": temperature, "top_p": top_p,
+                 "max_new_tokens": max_new_tokens, "max_turns": max_turns}
     with open(output, "a", encoding="utf-8") as f:
         for batch in _length_sorted_batches(todo(), batch_size, sort_window):
             for r in distill_batch(target, batch, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_p=top_p, max_prompt_tokens=max_prompt_tokens, counts=counts,
                                    max_turns=max_turns):
-                obj = record_to_sharegpt(r)
-                obj["source"] = r.source
-                obj["distilled_with"] = {"target": target.model_id, "temperature": temperature,
-                                         "top_p": top_p, "max_new_tokens": max_new_tokens, "max_turns": max_turns}
-                f.write(json.dumps(obj, ensure_ascii=False) + "\n")
-                f.flush()
+                _write_reply(f, r, made_with)
                 done.add(r.id)
                 counts["written"] += 1
             bar.update(len(batch))
@@ -252,16 +249,30 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
             bar.set_postfix_str(f"{rate:,.1f} tok/s", refresh=False)
     bar.close()
     if not counts["conversations_read"]:
-        if not existed and output.stat().st_size == 0:
-            output.unlink()  # nothing was written: leave no empty file behind
-        raise DataError(f"data spec {spec!r} holds no conversation to distill "
-                        f"({counts['not_a_conversation']} document records; source: {stats.summary()}): "
-                        f"distillation regenerates the assistant turns of chats. Pass a chat source "
-                        f"(default-chat, sharegpt:PATH, ultrachat:PATH_OR_ID).")
+        _no_conversation(spec, output, existed, counts, stats)
     counts["seconds"] = round(time.perf_counter() - t0, 2)
     result = dict(counts)
     result["source"] = stats.summary()
     return result
+
+
+def _write_reply(f, r, made_with: dict) -> None:
+    """One distilled conversation as a ShareGPT JSONL line, flushed (a stopped run keeps it)."""
+    obj = record_to_sharegpt(r)
+    obj["source"] = r.source
+    obj["distilled_with"] = made_with
+    f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    f.flush()
+
+
+def _no_conversation(spec: str, output: Path, existed: bool, counts, stats) -> None:
+    """The source held no chat: leave no empty file behind and say what to pass."""
+    if not existed and output.stat().st_size == 0:
+        output.unlink()
+    raise DataError(f"data spec {spec!r} holds no conversation to distill "
+                    f"({counts['not_a_conversation']} document records; source: {stats.summary()}): "
+                    f"distillation regenerates the assistant turns of chats. Pass a chat source "
+                    f"(default-chat, sharegpt:PATH, ultrachat:PATH_OR_ID).")
 
 
 MODEL_FLAGS = ("target", "dtype", "device")  # the shared model flags it takes (redraft.cli.ModelSettings)

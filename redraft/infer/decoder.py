@@ -40,7 +40,8 @@ from redraft.infer.accept import HostAcceptance, RowSampling, logprob_table, pro
 from redraft.infer.budget import CostCurve, DrafterGate, SpeculationGuard
 from redraft.infer.config import DecoderConfig, SamplingParams
 from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback, HostFeedback, pad_paths_np
-from redraft.infer.engine import Clock, Engine
+from redraft.infer.engine import Engine
+from redraft.infer.rows import Clock
 from redraft.infer.hostdraft import HostStats, best_budget_np
 from redraft.infer.hosttree import (HostTree, accepted_prefix_np, build_tree_np, clean_paths_np, credit_np,
                                     hit_np)

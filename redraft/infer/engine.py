@@ -15,7 +15,7 @@ One :meth:`Engine.step` is a sequence of named calls, split between the host and
 The host keeps every row's tokens, so the learning-free drafters (context n-grams, model
 tables) draft from host memory and the tree is built in numpy (``redraft.infer.hostdraft``); the
 device gets one packed tensor (:class:`~redraft.infer.verify.StepInput`) and gives back one:
-the token each acceptance rule picks after every tree node (:class:`StepReadout`). The accepted
+the token each acceptance rule picks after every tree node (:class:`~redraft.infer.rows.StepReadout`). The accepted
 path is then walked on the host (``redraft.infer.accept.walk``), the cache commits it, and
 the drafters learn from it. Outside the target forward a greedy or N-Grammys step runs a
 handful of tensor ops (``redraft.infer.opcount``; a test keeps it so). Drafters that draft on
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -53,130 +52,13 @@ from redraft.infer.budget import PREFILL_CHUNK_MIN, prefill_chunk
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState
 from redraft.infer.processors import RowProcessors
-from redraft.infer.stats import Generation, RequestStats, StreamEvent
+from redraft.infer.stats import Generation, StreamEvent
 from redraft.infer.text import TextStream
+from redraft.infer.rows import Clock, HostState, Row, StepReadout, sampling_params_of
 from redraft.infer.verify import StepInput
 
 if TYPE_CHECKING:  # the decoder imports the engine
     from redraft.infer.decoder import SpeculativeDecoder
-
-
-@dataclass
-class _Row:
-    """Host-side record of one request: its tokens (prompt + output, the last one is the token
-    the target produced last, not yet in the cache) in a growing numpy buffer."""
-
-    rid: int
-    prompt: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    text: TextStream
-    uniforms: torch.Tensor | None = None  # a seeded request's own random numbers, one per output token
-    tokens: list[int] = field(default_factory=list)
-    stats: RequestStats = field(default_factory=RequestStats)
-    seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    length: int = 0  # valid entries of seq (prompt + output so far)
-    filled: int = 0  # prompt tokens in the cache while the row is being prefilled (chunked prefill)
-    logprobs: list = field(default_factory=list)  # TokenLogprob per kept token, when asked for
-    done: bool = False
-    t_start: float = 0.0
-
-    def append(self, toks) -> None:
-        """Add tokens to the row's sequence (the buffer doubles when full)."""
-        n = len(toks)
-        if self.length + n > len(self.seq):
-            grown = np.zeros(max(2 * len(self.seq), self.length + n + 64), np.int64)
-            grown[:self.length] = self.seq[:self.length]
-            self.seq = grown
-        self.seq[self.length:self.length + n] = toks
-        self.length += n
-
-    @property
-    def last(self) -> int:
-        return int(self.seq[self.length - 1])
-
-    def take(self, toks: list[int], eos: set) -> tuple[list[int], str, str | None]:
-        """Append a step's tokens: ``(tokens kept, text delta, finish reason or None)``."""
-        if len(self.tokens) < self.params.min_tokens:
-            eos = set()  # masked by the processors until then: a draft cannot end the row either
-        new, reason = [], None
-        for t in toks:
-            if len(self.tokens) >= self.params.max_new_tokens:
-                break
-            self.tokens.append(t)
-            new.append(t)
-            if t in eos:
-                reason = "eos"
-                break
-            if t in self.params.stop_token_ids:  # kept in the tokens, its text left out (as vLLM does)
-                reason = "stop"
-                break
-        if reason is None and len(self.tokens) >= self.params.max_new_tokens:
-            reason = "length"
-        text = self.text.add(new[:-1] if reason == "stop" else new)
-        if self.text.stopped:
-            reason = "stop"
-        if reason:
-            text += self.text.finish()
-        self.stats.new_tokens = len(self.tokens)
-        return new, text, reason
-
-
-@dataclass
-class HostState:
-    """What host drafters see: ``seqs[b]`` row b's tokens (int64 numpy, prompt + output, the
-    last one is ``last[b]``), ``prompt_lengths [B]``."""
-
-    seqs: list[np.ndarray]
-    last: np.ndarray
-    prompt_lengths: np.ndarray
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.seqs)
-
-
-class StepReadout:
-    """The step's one device-to-host transfer: ``choices`` ``[R, B, N]`` (R rules' picks per
-    node, see ``SpeculativeDecoder.choices``) as numpy; ``logprobs`` (``accept.logprob_table``,
-    a second read only when a row asked for log-probabilities) too."""
-
-    def __init__(self, choices: torch.Tensor, logprobs: torch.Tensor | None = None):
-        self.values = choices.cpu().numpy() if choices.device.type != "cpu" else choices.numpy()
-        self.logprobs = None if logprobs is None else logprobs.float().cpu().numpy()
-
-
-def _params(params) -> SamplingParams:
-    """``SamplingParams``, or a dict of its fields (checked), or None (the defaults)."""
-    if params is None:
-        return SamplingParams()
-    if isinstance(params, dict):
-        known = {f.name for f in dataclasses.fields(SamplingParams)}
-        if unknown := sorted(set(params) - known):
-            raise ConfigError(f"unknown sampling parameter(s) {unknown}; use {sorted(known)}.", param=unknown[0])
-        return SamplingParams.checked(**params)
-    if not hasattr(params, "max_new_tokens"):
-        raise ConfigError(f"params must be a SamplingParams or a dict of its fields, not {type(params).__name__}.",
-                          param="params")
-    return params
-
-
-class Clock:
-    """Step timestamps: CUDA events on a GPU (read after the step's one host read, no extra
-    sync), ``perf_counter`` on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def seconds(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
 class Engine:
@@ -192,9 +74,9 @@ class Engine:
         self.dec = decoder
         self.verifier = decoder.verifier
         self.device = decoder.target.device
-        self.rows: list[_Row] = []  # aligned with the cache's active slots
-        self.prefilling: list[_Row] = []  # being prefilled, in the slots after the active rows
-        self.waiting: list[_Row] = []
+        self.rows: list[Row] = []  # aligned with the cache's active slots
+        self.prefilling: list[Row] = []  # being prefilled, in the slots after the active rows
+        self.waiting: list[Row] = []
         self.state: DecodeState | None = None  # only when a drafter drafts on the device
         self.cache = None  # SlotKVCache, made at the first join, kept for the engine's life
         self.sampling: RowSampling | None = None
@@ -215,7 +97,7 @@ class Engine:
         logits, whoever shares the batch. ``generator``: without a seed, the ``torch.Generator``
         its samples come from (default: the decoder's shared one).
         """
-        params = _params(params)
+        params = sampling_params_of(params)
         if not params.greedy and self.dec.config.acceptance == "greedy":
             raise ConfigError("temperature > 0 needs the decoder's acceptance 'rejection' (lossless) or "
                               "'typical'; this decoder verifies greedily.", param="temperature")
@@ -233,7 +115,7 @@ class Engine:
                 generator.manual_seed(params.seed)
         rid = self._next_id
         self._next_id += 1
-        self.waiting.append(_Row(rid, list(prompt), params, generator, TextStream(self.dec.target.tokenizer, params.stop),
+        self.waiting.append(Row(rid, list(prompt), params, generator, TextStream(self.dec.target.tokenizer, params.stop),
                                  uniforms))
         return rid
 
@@ -364,7 +246,7 @@ class Engine:
         self.state = dataclasses.replace(s, tokens=buf, lengths=u[:, 0], last=u[:, 2],
                                          hidden=hidden[rows, u[:, 1]].clone(), step=s.step + 1)
 
-    def _processors(self, rows: list[_Row], tree_tokens: np.ndarray | None) -> RowProcessors | None:
+    def _processors(self, rows: list[Row], tree_tokens: np.ndarray | None) -> RowProcessors | None:
         """The step's penalties / bias / min_tokens for the rows that use them (None if none)."""
         idx = [b for b, r in enumerate(rows) if r.params.processed]
         if not idx:
@@ -397,7 +279,7 @@ class Engine:
             events += self._row_event(row, acc.emitted[b], lps.get(b))
         return events
 
-    def _row_event(self, row: _Row, toks: list[int], lps: list | None = None) -> list[StreamEvent]:
+    def _row_event(self, row: Row, toks: list[int], lps: list | None = None) -> list[StreamEvent]:
         if row.done:  # cancelled during this step
             return []
         new, text, reason = row.take(toks, self.dec.eos)
@@ -435,14 +317,14 @@ class Engine:
         for d in self.dec.drafters:
             d.select_rows(idx)
 
-    def _sampling(self, rows: list[_Row] | None = None) -> RowSampling:
+    def _sampling(self, rows: list[Row] | None = None) -> RowSampling:
         rows = self.rows if rows is None else rows
         return RowSampling([r.params.temperature for r in rows], [r.params.top_p for r in rows],
                            [r.generator or self.dec.generator for r in rows], self.device,
                            uniforms=[r.uniforms for r in rows], top_k=[r.params.top_k for r in rows],
                            min_p=[r.params.min_p for r in rows], logprobs=[r.params.logprobs for r in rows])
 
-    def _reserve(self, new: list[_Row]) -> None:
+    def _reserve(self, new: list[Row]) -> None:
         """A cache with room for the running rows, those being prefilled and ``new`` (made once,
         grown by doubling)."""
         dec = self.dec
@@ -510,7 +392,7 @@ class Engine:
             self.dec.measure_cost()
         return prefill_chunk(self.dec.cost_curve, self._step_tokens)
 
-    def _join(self, new: list[_Row], h_last: torch.Tensor) -> list[StreamEvent]:
+    def _join(self, new: list[Row], h_last: torch.Tensor) -> list[StreamEvent]:
         """Rows ``new`` (the first of the prefill queue, their prompts all in the cache, in the
         slots right after the active rows; ``h_last [n, H]`` their last hidden states): sample
         their first token and append them to the batch (cache, state, drafters)."""
@@ -541,7 +423,7 @@ class Engine:
             events += self._row_event(r, [t], lps.get(b))
         return events
 
-    def _join_state(self, new: list[_Row], y: torch.Tensor, h_last: torch.Tensor, start: int) -> None:
+    def _join_state(self, new: list[Row], y: torch.Tensor, h_last: torch.Tensor, start: int) -> None:
         """The device state of the new rows, appended to the running rows' (device drafters)."""
         dev = self.device
         width = max(r.length for r in new) + 64

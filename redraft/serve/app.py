@@ -141,7 +141,14 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "HEAD"],
                            allow_headers=["*"], max_age=600)
 
-    # ---------------------------------------------------------------- errors, in OpenAI's shape
+    _add_error_handlers(app, metrics)
+    app.include_router(_v1_router(sched, build, model_name, context, key, max_request_bytes, token_text))
+    _add_operations(app, sched, metrics)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error in OpenAI's shape; each counted by outcome (a 500 also logged with its traceback)."""
 
     @app.exception_handler(P.APIError)
     async def _api_error(request: Request, exc: P.APIError):
@@ -168,7 +175,10 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
         metrics.outcome("error")
         return JSONResponse(P.APIError(500, f"internal error: {exc!r}").body(), status_code=500)
 
-    # ---------------------------------------------------------------- auth
+
+def _v1_router(sched: Scheduler, build: JobBuilder, model_name: str, context, key, max_request_bytes: int,
+               token_text) -> APIRouter:
+    """``/v1``: the API key check, chat and text completions, the model list."""
 
     async def check_key(request: Request) -> None:
         if key is None:
@@ -228,10 +238,11 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
             raise P.APIError(404, f"model {model_id!r} is not served here; this server serves {model_name!r}.",
                              param="model", code="model_not_found")
         return P.model_card(model_name, context)
+    return v1
 
-    app.include_router(v1)
 
-    # ---------------------------------------------------------------- operations
+def _add_operations(app: FastAPI, sched: Scheduler, metrics: Metrics) -> None:
+    """``/health`` (GET and HEAD) and ``/metrics``."""
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
@@ -243,8 +254,6 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
-
-    return app
 
 
 def _close(sched: Scheduler, fan: FanIn) -> None:

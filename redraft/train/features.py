@@ -300,10 +300,7 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
         logger.info("features in %s are complete", out)
         return meta
 
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=sum(meta["shards"][i]["tokens"] for i in todo), unit="tok", desc="cache features",
-               disable=not progress, dynamic_ncols=True)
+    bar = _bar(sum(meta["shards"][i]["tokens"] for i in todo), progress)
     first_token = np.concatenate([[0], np.cumsum(records.lengths)])  # [R+1] of the flat token arrays
     for i in todo:
         start, end = meta["shards"][i]["records"]
@@ -320,6 +317,12 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
     meta["complete"] = True
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
     return meta
+
+
+def _bar(total: int, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="tok", desc="cache features", disable=not progress, dynamic_ncols=True)
 
 
 def _check_args(out: Path, top_k, hidden_dtype: str, batch_tokens, shard_mb) -> None:
