@@ -1,5 +1,5 @@
 # make demo / make test / make bench / make serve: each creates .venv when missing and installs what it needs.
-# make lint: ruff check + ruff format --check (joins make test once the tree is formatted).
+# make test runs make lint (ruff check + ruff format --check) first.
 # make gpu-bundle: the offline GPU run's parts in .gpu-bundle/ (docs/gpu.md).
 # Installation is skipped when pyproject.toml has not changed since the last install (stamp file).
 PY      ?= python3
@@ -29,7 +29,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: install
+test: install lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: install

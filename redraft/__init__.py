@@ -1,4 +1,5 @@
 """redraft: speculative decoding toolkit."""
+
 __version__ = "0.1.0"
 
 # transformers' AutoConfig/AutoModel learn the ReDrafter head once their Auto classes load; this

@@ -36,8 +36,13 @@ def print_error(prog: str, exc: BaseException) -> int:
     return EXIT_ERROR
 
 
-def run_cli(prog: str, work: Callable[[], int | None], *, interrupted: str = "",
-            errors: tuple[type[BaseException], ...] = ()) -> int:
+def run_cli(
+    prog: str,
+    work: Callable[[], int | None],
+    *,
+    interrupted: str = "",
+    errors: tuple[type[BaseException], ...] = (),
+) -> int:
     """Run ``work()`` and return its exit status (None counts as 0).
 
     A RedraftError (or one of ``errors``) prints one line and returns 2; a KeyboardInterrupt
@@ -65,14 +70,33 @@ class ModelSettings(Settings):
 
     KIND = "model setting"
 
-    target: str = setting("default", "Target model: 'default' (the embedded SmolLM2), a hub id[@rev], a local "
-                                     "HF/PEFT directory, a .gguf file or dummy:<shape>.")
-    drafters: list[str] = setting(default_factory=list, help="ReDrafter artifact directory or hub id (repeat for "
-                                  "several).", flag="--drafter", metavar="DIR", repeat=True)
-    ngrams: list[str] = setting(default_factory=list, help="N-gram table directory or hub id (repeat for several).",
-                                metavar="DIR", repeat=True)
-    dtype: str | None = setting(None, "Target dtype: float32, bfloat16 or float16; none = float32 on CPU, "
-                                      "bfloat16 on CUDA.")
-    device: str | None = setting(None, "Torch device: cpu, cuda or cuda:N; none = CUDA when available.")
-    threads: int | None = setting(None, "Torch CPU threads; none = torch's choice (on a CPU shared with other jobs "
-                                        "1 thread can be several times faster).", range=Range(1))
+    target: str = setting(
+        "default",
+        "Target model: 'default' (the embedded SmolLM2), a hub id[@rev], a local "
+        "HF/PEFT directory, a .gguf file or dummy:<shape>.",
+    )
+    drafters: list[str] = setting(
+        default_factory=list,
+        help="ReDrafter artifact directory or hub id (repeat for several).",
+        flag="--drafter",
+        metavar="DIR",
+        repeat=True,
+    )
+    ngrams: list[str] = setting(
+        default_factory=list,
+        help="N-gram table directory or hub id (repeat for several).",
+        metavar="DIR",
+        repeat=True,
+    )
+    dtype: str | None = setting(
+        None, "Target dtype: float32, bfloat16 or float16; none = float32 on CPU, bfloat16 on CUDA."
+    )
+    device: str | None = setting(
+        None, "Torch device: cpu, cuda or cuda:N; none = CUDA when available."
+    )
+    threads: int | None = setting(
+        None,
+        "Torch CPU threads; none = torch's choice (on a CPU shared with other jobs "
+        "1 thread can be several times faster).",
+        range=Range(1),
+    )

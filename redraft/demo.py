@@ -26,20 +26,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="redraft-demo",
         description="Build n-gram tables, train a ReDrafter head for a bounded time, then compare "
-                    "plain greedy decoding with the unified speculative decoder on held-out prompts.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "plain greedy decoding with the unified speculative decoder on held-out prompts.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--target", default="default", help="target spec (load_target)")
     p.add_argument("--output-root", default="checkpoints", help="where the artifacts go")
-    p.add_argument("--train-minutes", type=float, default=8.0,
-                   help="training time budget for the head (the demo's longest stage)")
+    p.add_argument(
+        "--train-minutes",
+        type=float,
+        default=8.0,
+        help="training time budget for the head (the demo's longest stage)",
+    )
     p.add_argument("--retrain", action="store_true", help="train the head again even if one exists")
     p.add_argument("--skip-train", action="store_true", help="use only the n-gram drafters")
     p.add_argument("--prompts", type=int, default=4, help="held-out ShareGPT prompts to decode")
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt")
-    p.add_argument("--dtypes", default="float32,bfloat16",
-                   help="comma list of target dtypes to decode in (float32: output identical to "
-                        "plain greedy; bfloat16: AMX/tensor-core speed, may differ at near-ties); "
-                        "the baseline runs in the same dtype")
+    p.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="comma list of target dtypes to decode in (float32: output identical to "
+        "plain greedy; bfloat16: AMX/tensor-core speed, may differ at near-ties); "
+        "the baseline runs in the same dtype",
+    )
     return p
 
 
@@ -67,8 +75,18 @@ def build_ngrams(target_spec: str, out: Path) -> Path:
     from redraft.ngrams.cli import main as ngrams_main
 
     # the builder skips kinds already in `out`, so an interrupted demo resumes where it stopped
-    rc = ngrams_main(["--target", target_spec, "--kinds", "unigram,bigram,extended,trigram",
-                      "--data", "default-chat", "--output-dir", str(out)])
+    rc = ngrams_main(
+        [
+            "--target",
+            target_spec,
+            "--kinds",
+            "unigram,bigram,extended,trigram",
+            "--data",
+            "default-chat",
+            "--output-dir",
+            str(out),
+        ]
+    )
     if rc:
         raise RedraftError(f"redraft-build-ngrams failed (exit {rc}); see the messages above.")
     return out
@@ -83,12 +101,15 @@ def train_head(target_spec: str, out: Path, minutes: float, retrain: bool) -> Pa
         return out
     # train/recipes/demo.yaml: the default recipe bounded for a CPU (reduced draft vocabulary,
     # schedule over the time budget)
-    cfg = make_config("demo", {"target": target_spec, "output_dir": str(out),
-                                  "max_time_minutes": minutes})
+    cfg = make_config(
+        "demo", {"target": target_spec, "output_dir": str(out), "max_time_minutes": minutes}
+    )
     metrics = train(cfg, resume=False, overwrite=True)
     if metrics.get("status") == "interrupted":
-        raise RedraftError(f"training was interrupted; the checkpoint in {out} can be resumed with "
-                           f"`redraft-train --output-dir {out} --resume`.")
+        raise RedraftError(
+            f"training was interrupted; the checkpoint in {out} can be resumed with "
+            f"`redraft-train --output-dir {out} --resume`."
+        )
     return out
 
 
@@ -97,8 +118,10 @@ def print_head_metrics(run: Path) -> None:
 
     m = json.loads((run / "metrics.json").read_text())
     top1 = m.get("eval_top1") or []
-    print("held-out top-1 accuracy by draft position: "
-          + " ".join(f"{i + 1}:{a:.3f}" for i, a in enumerate(top1)))
+    print(
+        "held-out top-1 accuracy by draft position: "
+        + " ".join(f"{i + 1}:{a:.3f}" for i, a in enumerate(top1))
+    )
     if "eval_tau_est" in m:
         print(f"estimated acceptance length tau_est = {m['eval_tau_est']:.3f}")
 
@@ -129,8 +152,15 @@ def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int) -> d
         n_sd += len(sd.tokens)
         calls += sd.stats.target_calls
         same += ar.tokens == sd.tokens
-        rows.append((i, len(sd.tokens), sd.stats.tokens_per_call, (t1 - t0) / max(t2 - t1, 1e-9),
-                     ar.tokens == sd.tokens))
+        rows.append(
+            (
+                i,
+                len(sd.tokens),
+                sd.stats.tokens_per_call,
+                (t1 - t0) / max(t2 - t1, 1e-9),
+                ar.tokens == sd.tokens,
+            )
+        )
         if i == 0:
             print(f"\nprompt: {msgs[-1]['content'][:200]!r}")
             print(f"reply : {sd.text[:400]!r}\n")
@@ -145,10 +175,14 @@ def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int) -> d
         "identical": f"{same}/{len(prompts)}",
     }
     print(f"\nplain greedy      : {summary['plain_tokens_per_s']:.1f} tokens/s")
-    print(f"unified decoder   : {summary['speculative_tokens_per_s']:.1f} tokens/s, "
-          f"tau {summary['tau']:.2f} tokens per target call")
-    print(f"speedup           : {summary['speedup']:.2f}x; outputs identical to plain greedy on "
-          f"{summary['identical']} prompts")
+    print(
+        f"unified decoder   : {summary['speculative_tokens_per_s']:.1f} tokens/s, "
+        f"tau {summary['tau']:.2f} tokens per target call"
+    )
+    print(
+        f"speedup           : {summary['speedup']:.2f}x; outputs identical to plain greedy on "
+        f"{summary['identical']} prompts"
+    )
     return summary
 
 
@@ -167,20 +201,26 @@ def main(argv: list[str] | None = None) -> int:
         drafters = []
         if not args.skip_train:
             _banner(f"2/3 ReDrafter head on ShareGPT ({args.train_minutes:g} min of training)")
-            run = train_head(args.target, root / "redrafter-smollm2", args.train_minutes, args.retrain)
+            run = train_head(
+                args.target, root / "redrafter-smollm2", args.train_minutes, args.retrain
+            )
             print_head_metrics(run)
             drafters = [str(run)]
         dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
         for i, dtype in enumerate(dtypes):
-            _banner(f"3/3 decoding {args.prompts} held-out ShareGPT prompts in {dtype} "
-                    f"({i + 1}/{len(dtypes)})")
+            _banner(
+                f"3/3 decoding {args.prompts} held-out ShareGPT prompts in {dtype} "
+                f"({i + 1}/{len(dtypes)})"
+            )
             target = load_target(args.target, dtype=dtype, device="cpu")
             compare(target, drafters, [str(ngrams)], args.prompts, args.max_new_tokens)
         print(f"\nartifacts: {ngrams}" + (f", {drafters[0]}" if drafters else ""))
-        print("use them from your own code:\n"
-              "    from redraft.infer import load_decoder\n"
-              f"    dec = load_decoder('default', drafters={drafters!r}, ngrams=[{str(ngrams)!r}])\n"
-              "    print(dec.generate([{'role': 'user', 'content': 'Hi!'}])[0].text)")
+        print(
+            "use them from your own code:\n"
+            "    from redraft.infer import load_decoder\n"
+            f"    dec = load_decoder('default', drafters={drafters!r}, ngrams=[{str(ngrams)!r}])\n"
+            "    print(dec.generate([{'role': 'user', 'content': 'Hi!'}])[0].text)"
+        )
         print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min")
 
     return run_cli("redraft-demo", work)

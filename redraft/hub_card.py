@@ -33,19 +33,37 @@ from redraft.hub_resolve import (
 )
 from redraft.utils import atomic_write_text, split_revision
 
-CARD_TEMPLATE = "hub_card.md"  # Jinja, shipped with the package (huggingface_hub.ModelCard.from_template)
+CARD_TEMPLATE = (
+    "hub_card.md"  # Jinja, shipped with the package (huggingface_hub.ModelCard.from_template)
+)
 # Data specs (redraft.data grammar) that name a Hub dataset, and the embedded default's source.
 DEFAULT_DATASETS = {"default-chat": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 HUB_DATA_KINDS = ("sharegpt", "ultrachat", "stack")
 
 # Per-position lists of the trainer's metrics.json (redraft.train.losses.EvalAccumulator).
-POSITION_METRICS = {"eval_top1": "top-1 (data)", "eval_top5": "top-5 (data)", "eval_top1_target":
-                    "top-1 (target greedy)", "eval_top5_target": "top-5 (target greedy)",
-                    "eval_chain_acc": "chain acceptance"}
+POSITION_METRICS = {
+    "eval_top1": "top-1 (data)",
+    "eval_top5": "top-5 (data)",
+    "eval_top1_target": "top-1 (target greedy)",
+    "eval_top5_target": "top-5 (target greedy)",
+    "eval_chain_acc": "chain acceptance",
+}
 # config.json keys that say nothing about the head (PretrainedConfig boilerplate, target fields).
-_CONFIG_NOISE = {"architectures", "transformers_version", "torch_dtype", "dtype", "model_type", "auto_map",
-                 "tie_word_embeddings", "tokenizer_fingerprint", "target_model", "return_dict", "use_cache",
-                 "output_hidden_states", "output_attentions"}
+_CONFIG_NOISE = {
+    "architectures",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "model_type",
+    "auto_map",
+    "tie_word_embeddings",
+    "tokenizer_fingerprint",
+    "target_model",
+    "return_dict",
+    "use_cache",
+    "output_hidden_states",
+    "output_attentions",
+}
 
 
 def _fmt(value) -> str:
@@ -59,8 +77,13 @@ def _fmt(value) -> str:
 
 
 def _table(header: list[str], rows: list[list]) -> str:
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                      *("| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows)])
+    return "\n".join(
+        [
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+            *("| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows),
+        ]
+    )
 
 
 def _hub_repo(value) -> str | None:
@@ -95,43 +118,105 @@ def dataset_ids(specs) -> list[str]:
 def _metrics_section(m: dict) -> str:
     """Per-position table, tau_est and the run's scalars, from the trainer's metrics.json."""
     cols = {k: v for k, v in POSITION_METRICS.items() if isinstance(m.get(k), list)}
-    rows = [[i + 1, *(m[k][i] if i < len(m[k]) else None for k in cols)]
-            for i in range(max((len(m[k]) for k in cols), default=0))]
-    parts = ["Per draft position (1 = the first token after the target's own; 'data' is the held-out "
-             "data's next token, 'target greedy' the target's own choice):\n\n"
-             + _table(["position", *cols.values()], rows)] if rows else []
+    rows = [
+        [i + 1, *(m[k][i] if i < len(m[k]) else None for k in cols)]
+        for i in range(max((len(m[k]) for k in cols), default=0))
+    ]
+    parts = (
+        [
+            "Per draft position (1 = the first token after the target's own; 'data' is the held-out "
+            "data's next token, 'target greedy' the target's own choice):\n\n"
+            + _table(["position", *cols.values()], rows)
+        ]
+        if rows
+        else []
+    )
     if "eval_tau_est" in m:
-        parts.append(f"**Estimated acceptance length tau_est = {_fmt(m['eval_tau_est'])}** tokens per target "
-                     f"call (`1 + sum_k chain_acc_k`: each position's chain accuracy taken as its acceptance rate).")
-    scalars = [[k, v] for k, v in m.items() if k != "eval_tau_est" and isinstance(v, (int, float, str))]
+        parts.append(
+            f"**Estimated acceptance length tau_est = {_fmt(m['eval_tau_est'])}** tokens per target "
+            f"call (`1 + sum_k chain_acc_k`: each position's chain accuracy taken as its acceptance rate)."
+        )
+    scalars = [
+        [k, v] for k, v in m.items() if k != "eval_tau_est" and isinstance(v, (int, float, str))
+    ]
     return "\n\n".join(parts + ([_table(["metric", "value"], scalars)] if scalars else []))
 
 
 def _bench_section(root: Path) -> str | None:
     """The table of ``bench.json`` as ``redraft-bench --out`` writes it (results -> data -> method)."""
     bench = read_json(root / BENCH_FILE) if (root / BENCH_FILE).is_file() else {}
-    rows = [[ds, name, r.get("tokens_per_call"), r.get("tokens_per_s"), r.get("speedup_vs_ar"),
-             r.get("identical_to_ar")] for ds, res in (bench.get("results") or {}).items() for name, r in res.items()]
-    return (f"`redraft-bench` on {bench.get('device', 'an unrecorded device')} (`{BENCH_FILE}`), every method in "
-            f"the same process as plain greedy decoding of the same target:\n\n" + _table(
-                ["data", "method", "tokens / call", "tokens / s", "speedup vs greedy", "identical to greedy"],
-                rows)) if rows else None
+    rows = [
+        [
+            ds,
+            name,
+            r.get("tokens_per_call"),
+            r.get("tokens_per_s"),
+            r.get("speedup_vs_ar"),
+            r.get("identical_to_ar"),
+        ]
+        for ds, res in (bench.get("results") or {}).items()
+        for name, r in res.items()
+    ]
+    return (
+        (
+            f"`redraft-bench` on {bench.get('device', 'an unrecorded device')} (`{BENCH_FILE}`), every method in "
+            f"the same process as plain greedy decoding of the same target:\n\n"
+            + _table(
+                [
+                    "data",
+                    "method",
+                    "tokens / call",
+                    "tokens / s",
+                    "speedup vs greedy",
+                    "identical to greedy",
+                ],
+                rows,
+            )
+        )
+        if rows
+        else None
+    )
 
 
 def _eval_results(m: dict, data, datasets: list[str]) -> list[EvalResult]:
     """Held-out tau_est and per-position top-1 accuracy as model-index entries."""
-    common = dict(task_type="text-generation", task_name="Speculative decoding (draft acceptance)",
-                  dataset_type=datasets[0] if datasets else "local",
-                  dataset_name=f"held-out split of {data or 'the training data'}")
-    out = [EvalResult(**common, metric_type="tau_est", metric_value=m["eval_tau_est"],
-                      metric_name="estimated tokens per target call")] if "eval_tau_est" in m else []
-    return out + [EvalResult(**common, metric_type="accuracy", metric_value=acc, metric_config=f"position-{i}",
-                             metric_name=f"top-1 accuracy, draft position {i}")
-                  for i, acc in enumerate(m.get("eval_top1") or [], 1)]
+    common = dict(
+        task_type="text-generation",
+        task_name="Speculative decoding (draft acceptance)",
+        dataset_type=datasets[0] if datasets else "local",
+        dataset_name=f"held-out split of {data or 'the training data'}",
+    )
+    out = (
+        [
+            EvalResult(
+                **common,
+                metric_type="tau_est",
+                metric_value=m["eval_tau_est"],
+                metric_name="estimated tokens per target call",
+            )
+        ]
+        if "eval_tau_est" in m
+        else []
+    )
+    return out + [
+        EvalResult(
+            **common,
+            metric_type="accuracy",
+            metric_value=acc,
+            metric_config=f"position-{i}",
+            metric_name=f"top-1 accuracy, draft position {i}",
+        )
+        for i, acc in enumerate(m.get("eval_top1") or [], 1)
+    ]
 
 
-def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None = None,
-                        license: str = "apache-2.0", base_model: str | None = None) -> str:
+def generate_model_card(
+    artifact_dir: str | os.PathLike,
+    *,
+    repo_id: str | None = None,
+    license: str = "apache-2.0",
+    base_model: str | None = None,
+) -> str:
     """The Hub model card (``README.md`` text) of a drafter or n-gram artifact.
 
     Reads the manifest (``config.json`` / ``ngrams.json``), for a drafter what the trainer wrote
@@ -153,56 +238,144 @@ def generate_model_card(artifact_dir: str | os.PathLike, *, repo_id: str | None 
     datasets = dataset_ids(data)
     evals = _eval_results(metrics, data, datasets)
     kinds = set(meta.get("kinds") or ())
-    tags = ["redraft", "speculative-decoding", *(["redrafter", "draft-model"] if drafter else [
-        "n-gram", *(["n-grammys"] if kinds & {"unigram", "bigram", "extended"} else []),
-        *(["aded"] if "trigram" in kinds else [])])]
+    tags = [
+        "redraft",
+        "speculative-decoding",
+        *(
+            ["redrafter", "draft-model"]
+            if drafter
+            else [
+                "n-gram",
+                *(["n-grammys"] if kinds & {"unigram", "bigram", "extended"} else []),
+                *(["aded"] if "trigram" in kinds else []),
+            ]
+        ),
+    ]
     # A head or a table set only runs together with its target: the Hub's "adapter" relation.
-    card_data = ModelCardData(library_name="redraft", license=license, base_model=base,
-                              base_model_relation="adapter" if base else None, tags=tags, datasets=datasets or None,
-                              model_name=name if evals else None, eval_results=evals or None)
-    link = f"[`{base}`](https://huggingface.co/{base})" if base else f"`{target or 'an unrecorded target'}`"
-    return str(ModelCard.from_template(
-        card_data, template_str=(files(__package__) / CARD_TEMPLATE).read_text(), name=name, kind=kind,
-        target=target or "TARGET", target_link=link, repo=repo_id or str(root),
-        sections=_sections(root, kind, meta, run, metrics, target, data, datasets)))
+    card_data = ModelCardData(
+        library_name="redraft",
+        license=license,
+        base_model=base,
+        base_model_relation="adapter" if base else None,
+        tags=tags,
+        datasets=datasets or None,
+        model_name=name if evals else None,
+        eval_results=evals or None,
+    )
+    link = (
+        f"[`{base}`](https://huggingface.co/{base})"
+        if base
+        else f"`{target or 'an unrecorded target'}`"
+    )
+    return str(
+        ModelCard.from_template(
+            card_data,
+            template_str=(files(__package__) / CARD_TEMPLATE).read_text(),
+            name=name,
+            kind=kind,
+            target=target or "TARGET",
+            target_link=link,
+            repo=repo_id or str(root),
+            sections=_sections(root, kind, meta, run, metrics, target, data, datasets),
+        )
+    )
 
 
 def _run_files(root: Path) -> tuple[dict, dict]:
     """(run_config.yaml, metrics.json) of a training run, each {} when absent."""
     try:
-        run = yaml.safe_load((root / RUN_CONFIG_FILE).read_text()) if (root / RUN_CONFIG_FILE).is_file() else {}
+        run = (
+            yaml.safe_load((root / RUN_CONFIG_FILE).read_text())
+            if (root / RUN_CONFIG_FILE).is_file()
+            else {}
+        )
     except yaml.YAMLError as exc:
-        raise ArtifactError(f"{root / RUN_CONFIG_FILE} is not valid YAML ({exc}); fix or delete it.") from exc
+        raise ArtifactError(
+            f"{root / RUN_CONFIG_FILE} is not valid YAML ({exc}); fix or delete it."
+        ) from exc
     return run or {}, read_json(root / METRICS_FILE) if (root / METRICS_FILE).is_file() else {}
 
 
 def _sections(root, kind, meta, run, metrics, target, data, datasets) -> list[tuple[str, str]]:
     """The card's (heading, markdown) sections between its summary and its usage."""
     drafter = kind == KIND_DRAFTER
-    out = [("Target model", _table(["field", "value"], [["model", target or "unknown"]] + [
-        [k, meta[k]] for k in ("target_vocab_size", "target_hidden_size", "tokenizer_fingerprint") if k in meta])
-        + "\n\nredraft refuses to load this artifact with a target whose tokenizer fingerprint differs.")]
+    out = [
+        (
+            "Target model",
+            _table(
+                ["field", "value"],
+                [["model", target or "unknown"]]
+                + [
+                    [k, meta[k]]
+                    for k in ("target_vocab_size", "target_hidden_size", "tokenizer_fingerprint")
+                    if k in meta
+                ],
+            )
+            + "\n\nredraft refuses to load this artifact with a target whose tokenizer fingerprint differs.",
+        )
+    ]
     if drafter:
-        out.append(("Architecture", _table(["setting", "value"], [
-            [k, v] for k, v in meta.items() if k not in _CONFIG_NOISE and not k.startswith(("_", "target_"))
-            and isinstance(v, (int, float, str, bool))])))
+        out.append(
+            (
+                "Architecture",
+                _table(
+                    ["setting", "value"],
+                    [
+                        [k, v]
+                        for k, v in meta.items()
+                        if k not in _CONFIG_NOISE
+                        and not k.startswith(("_", "target_"))
+                        and isinstance(v, (int, float, str, bool))
+                    ],
+                ),
+            )
+        )
     else:
-        settings = [[k, v] for k, v in meta.items() if isinstance(v, (int, float, str, bool, list))
-                    and k != "tokenizer_fingerprint" and not k.startswith("target_")]
-        tensors = [[info["file"], t, "x".join(map(str, shape)), dtype]
-                   for info in (meta.get("files") or {}).values() if (root / info["file"]).is_file()
-                   for t, (shape, dtype) in safetensors_header(root / info["file"]).items()]
-        out.append(("Tables", _table(["setting", "value"], settings) + "\n\n"
-                    + _table(["file", "tensor", "shape", "dtype"], tensors)))
+        settings = [
+            [k, v]
+            for k, v in meta.items()
+            if isinstance(v, (int, float, str, bool, list))
+            and k != "tokenizer_fingerprint"
+            and not k.startswith("target_")
+        ]
+        tensors = [
+            [info["file"], t, "x".join(map(str, shape)), dtype]
+            for info in (meta.get("files") or {}).values()
+            if (root / info["file"]).is_file()
+            for t, (shape, dtype) in safetensors_header(root / info["file"]).items()
+        ]
+        out.append(
+            (
+                "Tables",
+                _table(["setting", "value"], settings)
+                + "\n\n"
+                + _table(["file", "tensor", "shape", "dtype"], tensors),
+            )
+        )
     links = ", ".join(f"[{d}](https://huggingface.co/datasets/{d})" for d in datasets)
-    out.append(("Training data" if drafter else "Data",
-                f"`{data}`" + (f"\n\nHub datasets: {links}" if links else "") if data else
-                "Not recorded with this artifact." if drafter else
-                "Model-derived tables use no data: they come from the target's weights alone."))
+    out.append(
+        (
+            "Training data" if drafter else "Data",
+            f"`{data}`" + (f"\n\nHub datasets: {links}" if links else "")
+            if data
+            else "Not recorded with this artifact."
+            if drafter
+            else "Model-derived tables use no data: they come from the target's weights alone.",
+        )
+    )
     recipe = run if drafter else meta.get("build_args")
     if recipe:
-        where = f"The resolved training configuration (`{RUN_CONFIG_FILE}`)" if drafter else "Build arguments"
-        out.append(("Recipe", f"{where}:\n\n```yaml\n{yaml.safe_dump(recipe, sort_keys=False).strip()}\n```"))
+        where = (
+            f"The resolved training configuration (`{RUN_CONFIG_FILE}`)"
+            if drafter
+            else "Build arguments"
+        )
+        out.append(
+            (
+                "Recipe",
+                f"{where}:\n\n```yaml\n{yaml.safe_dump(recipe, sort_keys=False).strip()}\n```",
+            )
+        )
     if metrics:
         out.append(("Held-out metrics", _metrics_section(metrics)))
     if bench := _bench_section(root):

@@ -43,7 +43,11 @@ NOT_ARTIFACT = ["training_state/**", "tensorboard/**", "trigram-counts-*/**", "*
 def hub_offline() -> bool:
     """``HF_HUB_OFFLINE`` as set now (huggingface_hub reads it once, at import time)."""
     value = os.environ.get("HF_HUB_OFFLINE")
-    return bool(constants.HF_HUB_OFFLINE) if value is None else value.strip().lower() in ("1", "on", "yes", "true")
+    return (
+        bool(constants.HF_HUB_OFFLINE)
+        if value is None
+        else value.strip().lower() in ("1", "on", "yes", "true")
+    )
 
 
 def hub_cache_dir() -> Path:
@@ -80,33 +84,52 @@ def resolve_artifact(spec: str | os.PathLike, *, kind: str | None = None) -> Pat
     if path.is_dir():
         return _check_kind(path, kind, text)
     if path.exists():
-        raise ArtifactError(f"{path} is a file; an artifact is a directory (config.json + model.safetensors "
-                            f"for a drafter, ngrams.json + *.safetensors for n-gram tables). Pass the directory.")
+        raise ArtifactError(
+            f"{path} is a file; an artifact is a directory (config.json + model.safetensors "
+            f"for a drafter, ngrams.json + *.safetensors for n-gram tables). Pass the directory."
+        )
     if isinstance(spec, os.PathLike) or not looks_like_repo_id(text):
-        raise ArtifactError(f"Artifact directory {path.absolute()} does not exist. Pass an existing artifact "
-                            f"directory or a Hugging Face Hub repo id such as 'org/name' or 'org/name@revision'.")
+        raise ArtifactError(
+            f"Artifact directory {path.absolute()} does not exist. Pass an existing artifact "
+            f"directory or a Hugging Face Hub repo id such as 'org/name' or 'org/name@revision'."
+        )
     repo_id, revision = split_revision(text)
     at, offline, cache = text, hub_offline(), hub_cache_dir()
     # A relative path such as "checkpoints/run1" also reads as a repo id: say both were tried.
     nolocal = f" (there is no local directory {path.absolute()} either)"
     try:
-        snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
-                                          local_files_only=offline, ignore_patterns=NOT_ARTIFACT))
+        snapshot = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                cache_dir=cache,
+                local_files_only=offline,
+                ignore_patterns=NOT_ARTIFACT,
+            )
+        )
     except LocalEntryNotFoundError as exc:
-        why = ("HF_HUB_OFFLINE is set, so it cannot be downloaded. Either unset HF_HUB_OFFLINE (needs "
-               "network access to huggingface.co), or" if offline else
-               f"and the Hub could not be reached ({first_line(exc)}). Check the network (HF_ENDPOINT), or")
+        why = (
+            "HF_HUB_OFFLINE is set, so it cannot be downloaded. Either unset HF_HUB_OFFLINE (needs "
+            "network access to huggingface.co), or"
+            if offline
+            else f"and the Hub could not be reached ({first_line(exc)}). Check the network (HF_ENDPOINT), or"
+        )
         raise ArtifactError(
             f"Hub repo {at!r} is not in the local Hugging Face cache ({cache}){nolocal}, {why} download it "
             f"on a machine with network (`hf download {repo_id}{' --revision ' + revision if revision else ''}`)"
-            f" and copy the cache here (set HF_HUB_CACHE to it), or pass a local artifact directory.") from exc
+            f" and copy the cache here (set HF_HUB_CACHE to it), or pass a local artifact directory."
+        ) from exc
     except RevisionNotFoundError as exc:
-        raise ArtifactError(f"Hub repo {repo_id!r} has no revision {revision!r}. Use a branch, tag or commit "
-                            f"that exists (see https://huggingface.co/{repo_id}/tree/main).") from exc
+        raise ArtifactError(
+            f"Hub repo {repo_id!r} has no revision {revision!r}. Use a branch, tag or commit "
+            f"that exists (see https://huggingface.co/{repo_id}/tree/main)."
+        ) from exc
     except (RepositoryNotFoundError, GatedRepoError) as exc:
-        raise ArtifactError(f"Hub repo {repo_id!r} was not found or you have no access to it{nolocal}. Check "
-                            f"the id or path; for a private or gated repo, log in with `hf auth login` or set "
-                            f"HF_TOKEN.") from exc
+        raise ArtifactError(
+            f"Hub repo {repo_id!r} was not found or you have no access to it{nolocal}. Check "
+            f"the id or path; for a private or gated repo, log in with `hf auth login` or set "
+            f"HF_TOKEN."
+        ) from exc
     except (HfHubHTTPError, OSError) as exc:  # OSError: e.g. an incomplete snapshot
         raise ArtifactError(f"Downloading {at!r} from the Hub failed: {first_line(exc)}") from exc
     return _check_kind(snapshot, kind, text)
@@ -115,10 +138,14 @@ def resolve_artifact(spec: str | os.PathLike, *, kind: str | None = None) -> Pat
 def _check_kind(path: Path, kind: str | None, spec: str) -> Path:
     found = artifact_kind(path) if kind else None
     if kind and found != kind:
-        what = {KIND_DRAFTER: "a drafter (config.json with model_type 'redrafter')",
-                KIND_NGRAMS: "n-gram tables (ngrams.json)"}[kind]
-        raise ArtifactError(f"{spec!r} ({path}) is not {what}: it holds "
-                            f"{f'{found} files' if found else _listing(path)}.")
+        what = {
+            KIND_DRAFTER: "a drafter (config.json with model_type 'redrafter')",
+            KIND_NGRAMS: "n-gram tables (ngrams.json)",
+        }[kind]
+        raise ArtifactError(
+            f"{spec!r} ({path}) is not {what}: it holds "
+            f"{f'{found} files' if found else _listing(path)}."
+        )
     return path
 
 
@@ -128,16 +155,22 @@ def artifact_kind(path: str | os.PathLike) -> str | None:
     if (path / NGRAMS_FILE).is_file():
         return KIND_NGRAMS
     config = path / "config.json"
-    return KIND_DRAFTER if config.is_file() and read_json(config).get("model_type") == "redrafter" else None
+    return (
+        KIND_DRAFTER
+        if config.is_file() and read_json(config).get("model_type") == "redrafter"
+        else None
+    )
 
 
 def require_kind(root: Path) -> str:
     """The kind of the artifact in ``root``; ArtifactError (listing what is there) when it is none."""
     kind = artifact_kind(root)
     if kind is None:
-        raise ArtifactError(f"{root} is not a finished redraft artifact: it holds neither config.json (model_type "
-                            f"'redrafter') + model.safetensors nor {NGRAMS_FILE} + the tables it lists, but "
-                            f"{_listing(root)}. Point at the output directory of a finished run.")
+        raise ArtifactError(
+            f"{root} is not a finished redraft artifact: it holds neither config.json (model_type "
+            f"'redrafter') + model.safetensors nor {NGRAMS_FILE} + the tables it lists, but "
+            f"{_listing(root)}. Point at the output directory of a finished run."
+        )
     return kind
 
 
@@ -148,7 +181,9 @@ def read_json(path: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"{path} is not valid JSON ({exc}); re-create the artifact.") from exc
     if not isinstance(data, dict):
-        raise ArtifactError(f"{path} holds a JSON {type(data).__name__}, not an object; re-create the artifact.")
+        raise ArtifactError(
+            f"{path} holds a JSON {type(data).__name__}, not an object; re-create the artifact."
+        )
     return data
 
 
@@ -174,24 +209,38 @@ def safetensors_header(path: Path) -> dict[str, tuple[list[int], str]]:
         with safe_open(str(path), "numpy") as f:
             return {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}
     except (SafetensorError, OSError) as exc:
-        raise ArtifactError(f"{path} is truncated or not a safetensors file ({exc}); it was probably cut off "
-                            f"while being written. Re-run the save that wrote it.") from exc
+        raise ArtifactError(
+            f"{path} is truncated or not a safetensors file ({exc}); it was probably cut off "
+            f"while being written. Re-run the save that wrote it."
+        ) from exc
 
 
 def manifest(root: Path, kind: str) -> tuple[list[str], list[str]]:
     """(required, optional) files of the artifact, as its manifest names them."""
     if kind == KIND_DRAFTER:
         index = root / "model.safetensors.index.json"
-        weights = ([index.name, *sorted(set(read_json(index).get("weight_map", {}).values()))]
-                   if index.is_file() else ["model.safetensors"])
+        weights = (
+            [index.name, *sorted(set(read_json(index).get("weight_map", {}).values()))]
+            if index.is_file()
+            else ["model.safetensors"]
+        )
         # the module auto_map names (AutoModel with trust_remote_code reads it from the repo)
         auto_map = read_json(root / "config.json").get("auto_map") or {}
         remote = sorted({v.split(".")[0] + ".py" for v in auto_map.values() if isinstance(v, str)})
-        return ["config.json", *weights, *remote], [METRICS_FILE, RUN_CONFIG_FILE, BENCH_FILE, CARD_FILE]
+        return ["config.json", *weights, *remote], [
+            METRICS_FILE,
+            RUN_CONFIG_FILE,
+            BENCH_FILE,
+            CARD_FILE,
+        ]
     files = read_json(root / NGRAMS_FILE).get("files")
-    if not files or not isinstance(files, dict) or not all(
-            isinstance(v, dict) and isinstance(v.get("file"), str) for v in files.values()):
-        raise ArtifactError(f"{root / NGRAMS_FILE} names no table files ('files' is {files!r}, expected "
-                            f"kind -> {{file, bytes, sha256}}). Re-run redraft-build-ngrams into {root}.")
+    if (
+        not files
+        or not isinstance(files, dict)
+        or not all(isinstance(v, dict) and isinstance(v.get("file"), str) for v in files.values())
+    ):
+        raise ArtifactError(
+            f"{root / NGRAMS_FILE} names no table files ('files' is {files!r}, expected "
+            f"kind -> {{file, bytes, sha256}}). Re-run redraft-build-ngrams into {root}."
+        )
     return [NGRAMS_FILE, *(v["file"] for v in files.values())], [BENCH_FILE, CARD_FILE]
-

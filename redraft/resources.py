@@ -30,8 +30,10 @@ def config_dir(stage: str) -> Path:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     path = files("redraft") / "configs" / stage
     if not isinstance(path, Path) or not path.is_dir():  # a zipped install, or a broken one
-        raise ConfigError(f"redraft's {stage}/ files are missing from its installation ({path}); "
-                          f"reinstall redraft from a wheel or a checkout (pip install .).")
+        raise ConfigError(
+            f"redraft's {stage}/ files are missing from its installation ({path}); "
+            f"reinstall redraft from a wheel or a checkout (pip install .)."
+        )
     return path
 
 
@@ -52,5 +54,7 @@ def find_config(spec: str | os.PathLike, stage: str, suffix: str = ".yaml") -> P
         if cand.is_file():
             return cand
     have = sorted(p.relative_to(root).as_posix() for p in root.rglob(f"*{suffix}"))
-    raise ConfigError(f"{os.fspath(spec)!r} is neither an existing file nor one of the {stage} files "
-                      f"redraft ships ({', '.join(have)}).")
+    raise ConfigError(
+        f"{os.fspath(spec)!r} is neither an existing file nor one of the {stage} files "
+        f"redraft ships ({', '.join(have)})."
+    )

@@ -71,10 +71,21 @@ class Range:
         return s
 
 
-def setting(default: Any = dataclasses.MISSING, help: str = "", *, range: Range | None = None,
-            choices: typing.Iterable | None = None, hint: str = "", flag: str | None = None,
-            flags: tuple[str, ...] = (), metavar: str | tuple[str, ...] | None = None, repeat: bool = False,
-            literal: bool = False, cli: bool = True, default_factory: Any = dataclasses.MISSING):
+def setting(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    range: Range | None = None,
+    choices: typing.Iterable | None = None,
+    hint: str = "",
+    flag: str | None = None,
+    flags: tuple[str, ...] = (),
+    metavar: str | tuple[str, ...] | None = None,
+    repeat: bool = False,
+    literal: bool = False,
+    cli: bool = True,
+    default_factory: Any = dataclasses.MISSING,
+):
     """A dataclass field with its schema: ``help`` (the flag's help), ``range`` (numeric bounds),
     ``choices`` (the allowed values), ``hint`` (appended to an out-of-range error, e.g.
     ``" (0 turns clipping off)"``), ``flag`` (the option string when it is not ``--<key>``, e.g.
@@ -82,9 +93,18 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, range: Range 
     ``metavar``, ``repeat`` (a list given by repeating the flag), ``literal`` (an optional string
     taken as typed: ``none`` is not read as None, e.g. a secret), and ``cli=False`` for a setting
     that has no flag (a file-only key)."""
-    meta = {"help": help, "range": range, "choices": tuple(choices) if choices is not None else None,
-            "hint": hint, "flag": flag, "flags": tuple(flags), "metavar": metavar, "repeat": repeat,
-            "literal": literal, "cli": cli}
+    meta = {
+        "help": help,
+        "range": range,
+        "choices": tuple(choices) if choices is not None else None,
+        "hint": hint,
+        "flag": flag,
+        "flags": tuple(flags),
+        "metavar": metavar,
+        "repeat": repeat,
+        "literal": literal,
+        "cli": cli,
+    }
     if default_factory is not dataclasses.MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -122,7 +142,9 @@ def _sequence(tp) -> tuple[type, Any, int | None] | None:
 
 
 def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) if not typing.get_args(tp) else str(tp).replace("typing.", "")
+    return (
+        getattr(tp, "__name__", None) if not typing.get_args(tp) else str(tp).replace("typing.", "")
+    )
 
 
 def _convert(tp, value):
@@ -179,8 +201,14 @@ def _parsed(tp, value):
 
 
 def _kind(tp, optional: bool, r: Range | None) -> str:
-    what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, "a valid value")
-    return what + (f" {r}" if r is not None and tp in (int, float) else "") + (" or none" if optional else "")
+    what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, "a valid value"
+    )
+    return (
+        what
+        + (f" {r}" if r is not None and tp in (int, float) else "")
+        + (" or none" if optional else "")
+    )
 
 
 def _type_ok(tp, v) -> bool:
@@ -226,8 +254,10 @@ class Settings:
         known = sorted(known if known is not None else cls.schema())
         close = difflib.get_close_matches(str(key), known, n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
-        return ConfigError(f"Unknown {cls.KIND} {key!r} in {where}.{hint} Known settings: {', '.join(known)}.",
-                           param=str(key))
+        return ConfigError(
+            f"Unknown {cls.KIND} {key!r} in {where}.{hint} Known settings: {', '.join(known)}.",
+            param=str(key),
+        )
 
     @classmethod
     def subject(cls, key: str, value) -> str:
@@ -251,19 +281,28 @@ class Settings:
         try:
             value = _parsed(tp, value)
         except Exception as exc:  # yaml.YAMLError, without importing yaml here
-            raise ConfigError(f"Setting {key}={value!r} in {where} cannot be read ({type(exc).__name__}).",
-                              param=key) from None
+            raise ConfigError(
+                f"Setting {key}={value!r} in {where} cannot be read ({type(exc).__name__}).",
+                param=key,
+            ) from None
         literal = cls.schema()[key].metadata.get("literal", False)
-        if value is None or (optional and not literal and isinstance(value, str)
-                             and value.lower() in ("none", "null")):
+        if value is None or (
+            optional
+            and not literal
+            and isinstance(value, str)
+            and value.lower() in ("none", "null")
+        ):
             return None
         try:
             return _convert(tp, value)
         except (TypeError, ValueError) as exc:
             r = cls.schema()[key].metadata.get("range")
             valid = f"; valid: {r}" if r is not None else ""
-            raise ConfigError(f"{cls.subject(key, value)} ({key} in {where}) has the wrong type "
-                              f"({cls.schema()[key].type}): {exc}{valid}.", param=key) from exc
+            raise ConfigError(
+                f"{cls.subject(key, value)} ({key} in {where}) has the wrong type "
+                f"({cls.schema()[key].type}): {exc}{valid}.",
+                param=key,
+            ) from exc
 
     @classmethod
     def check_keys(cls, values: dict, where: str) -> None:
@@ -299,14 +338,25 @@ class Settings:
             if (v is None and optional) or self.skip_check(key):
                 continue
             meta, r = f.metadata, f.metadata.get("range")
-            if r is not None and isinstance(v, (int, float)) and not isinstance(v, bool) and not r.holds(v):
-                raise ConfigError(f"{self.subject(key, v)} is out of range: must be {r}{meta.get('hint', '')}.",
-                                  param=key)
+            if (
+                r is not None
+                and isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and not r.holds(v)
+            ):
+                raise ConfigError(
+                    f"{self.subject(key, v)} is out of range: must be {r}{meta.get('hint', '')}.",
+                    param=key,
+                )
             if not _type_ok(tp, v):
-                raise ConfigError(f"{self.subject(key, v)}: use {_kind(tp, optional, r)}.", param=key)
+                raise ConfigError(
+                    f"{self.subject(key, v)}: use {_kind(tp, optional, r)}.", param=key
+                )
             choices = meta.get("choices")
             if choices is not None and v not in choices:
-                raise ConfigError(f"{self.subject(key, v)}: use one of {', '.join(map(str, choices))}.", param=key)
+                raise ConfigError(
+                    f"{self.subject(key, v)}: use one of {', '.join(map(str, choices))}.", param=key
+                )
         self.check()
         return self
 
@@ -319,17 +369,36 @@ class Settings:
 
     # ---- the command line
     @classmethod
-    def add_arguments(cls, parser, title: str | None = None, description: str | None = None, *,
-                      only=None, exclude=(), shown: dict | None = None, help_suffix: dict | None = None):
+    def add_arguments(
+        cls,
+        parser,
+        title: str | None = None,
+        description: str | None = None,
+        *,
+        only=None,
+        exclude=(),
+        shown: dict | None = None,
+        help_suffix: dict | None = None,
+    ):
         """One flag per setting (``only``: a subset; ``exclude``: skipped) in a new argument group
         of ``parser`` (or ``parser`` itself when ``title`` is None). Every flag defaults to None;
         the help ends with the default (``shown[key]`` when given, e.g. a recipe's value)."""
         grp = parser.add_argument_group(title, description) if title else parser
         for key, f in cls.schema().items():
-            if not f.metadata.get("cli", True) or key in exclude or (only is not None and key not in only):
+            if (
+                not f.metadata.get("cli", True)
+                or key in exclude
+                or (only is not None and key not in only)
+            ):
                 continue
-            grp.add_argument(cls.flag(key), *f.metadata.get("flags", ()), dest=key, default=None,
-                             help=cls._flag_help(key, shown), **cls._flag_kwargs(key))
+            grp.add_argument(
+                cls.flag(key),
+                *f.metadata.get("flags", ()),
+                dest=key,
+                default=None,
+                help=cls._flag_help(key, shown),
+                **cls._flag_kwargs(key),
+            )
         return grp
 
     @classmethod
@@ -343,7 +412,9 @@ class Settings:
             value = f.default
         if value is None or (isinstance(value, (list, tuple)) and not value):
             text = "none"
-        elif isinstance(value, (list, tuple)):  # as it is typed: B1 B2 for nargs=2, else a comma list
+        elif isinstance(
+            value, (list, tuple)
+        ):  # as it is typed: B1 B2 for nargs=2, else a comma list
             fixed = (_sequence(cls.field_type(key)[0]) or (None, None, None))[2]
             text = (" " if fixed else ",").join(map(str, value))
         else:
@@ -369,7 +440,9 @@ class Settings:
         return kw
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, defaults: dict | None = None, where: str = "the command line"):
+    def from_args(
+        cls, args: argparse.Namespace, defaults: dict | None = None, where: str = "the command line"
+    ):
         """The settings of a command line: ``defaults`` (the command's own, e.g. another dtype)
         under the flags the user typed, read as the fields' types and validated. The values are
         written back onto ``args`` (for the flags it has), so the command reads ``args.dtype``."""

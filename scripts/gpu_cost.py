@@ -28,13 +28,25 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="gpu_cost.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--target", action="append", required=True, help="target spec (repeatable), e.g. dummy:llama-8b")
-    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p = argparse.ArgumentParser(
+        prog="gpu_cost.py", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    p.add_argument(
+        "--target",
+        action="append",
+        required=True,
+        help="target spec (repeatable), e.g. dummy:llama-8b",
+    )
+    p.add_argument(
+        "--device", default=None, help="torch device (default: cuda when available, else cpu)"
+    )
     p.add_argument("--dtype", default="bfloat16", help="target dtype")
-    p.add_argument("--context", type=int, default=512, help="tokens already in the cache when verifying")
-    p.add_argument("--max-nodes", type=int, default=64, help="largest tree measured (plus its root)")
+    p.add_argument(
+        "--context", type=int, default=512, help="tokens already in the cache when verifying"
+    )
+    p.add_argument(
+        "--max-nodes", type=int, default=64, help="largest tree measured (plus its root)"
+    )
     p.add_argument("--out", required=True, help="JSON file to write")
     args = p.parse_args(argv)
 
@@ -51,8 +63,13 @@ def main(argv=None) -> int:
         print(f"gpu_cost.py: error: {exc}", file=sys.stderr)
         return 2
     cuda = device.type == "cuda"
-    report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-              "context": args.context, "dtype": args.dtype, "targets": {}}
+    report = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "context": args.context,
+        "dtype": args.dtype,
+        "targets": {},
+    }
     for spec in args.target:
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -67,11 +84,16 @@ def main(argv=None) -> int:
             "load_s": round(load_s, 2),
             "params": sum(p.numel() for p in target.model.parameters()),
             "cost_curve_ms": curve.to_dict(),
-            "peak_mem_mib": round(torch.cuda.max_memory_allocated(device) / 2**20) if cuda else None,
+            "peak_mem_mib": round(torch.cuda.max_memory_allocated(device) / 2**20)
+            if cuda
+            else None,
         }
         c = report["targets"][spec]["cost_curve_ms"]
-        print(f"{spec}: loaded in {load_s:.1f} s; verify ms by tokens: "
-              + ", ".join(f"{n}:{ms}" for n, ms in zip(c["sizes"], c["ms"])), flush=True)
+        print(
+            f"{spec}: loaded in {load_s:.1f} s; verify ms by tokens: "
+            + ", ".join(f"{n}:{ms}" for n, ms in zip(c["sizes"], c["ms"])),
+            flush=True,
+        )
         del dec, target
         gc.collect()
         if cuda:

@@ -14,7 +14,8 @@ token for a forward of one token plus its host work, so::
 which decodes with a tiny random target so that only the decoder's own work is left: the same
 for every target (0 without an overhead file; the table says so). A bench method takes the
 overhead row of the same name, else the row that does its work (:data:`OVERHEAD_ROW`). K is
-the bench's ``tree_nodes_per_step`` (tree nodes verified per step) where it reports one, else each of ``--nodes``. The tau
+the bench's ``tree_nodes_per_step`` (tree nodes verified per step) where it reports one, else
+each of ``--nodes``. The tau
 comes from another target (the default 135M one): the result is a what-if for the larger
 target's verify cost, not a measurement on it. Without a bench file, tau runs over 1.5..3.
 
@@ -31,7 +32,12 @@ from pathlib import Path
 
 DEFAULT_TAUS = (1.5, 2.0, 2.5, 3.0)
 # bench method -> the overhead row that measures the same decoder work
-OVERHEAD_ROW = {"context": "context-16", "mix": "ngrammys", "aded": "mix-aded", "mix+aded": "mix-aded"}
+OVERHEAD_ROW = {
+    "context": "context-16",
+    "mix": "ngrammys",
+    "aded": "mix-aded",
+    "mix+aded": "mix-aded",
+}
 # tree size each overhead row verifies (auto-budget rows: the size the share is quoted at)
 ROW_NODES = {"greedy": 0, "context-16": 16, "context-64": 64}
 
@@ -47,8 +53,15 @@ def taus_from_bench(paths) -> list[dict]:
                 tau = r.get("tokens_per_call")
                 if tau is None or method in ("greedy", "hf-greedy"):
                     continue
-                rows.append({"source": f"{Path(p).stem} ({dtype})", "dataset": ds, "method": method,
-                             "tau": float(tau), "nodes": r.get("tree_nodes_per_step")})
+                rows.append(
+                    {
+                        "source": f"{Path(p).stem} ({dtype})",
+                        "dataset": ds,
+                        "method": method,
+                        "tau": float(tau),
+                        "nodes": r.get("tree_nodes_per_step"),
+                    }
+                )
     return rows
 
 
@@ -77,38 +90,79 @@ def predict(cost: dict, overhead: dict, rows: list[dict], nodes: list[int]) -> d
         for r in rows:
             h = host_ms(overhead, r["method"]) or 0.0
             ks = [int(round(r["nodes"]))] if r.get("nodes") else nodes
-            pred_rows.append({**r, "host_ms": h,
-                              "speedup": {k: round(r["tau"] * (ms(1) + h_plain) / (ms(k + 1) + h), 3) for k in ks}})
+            pred_rows.append(
+                {
+                    **r,
+                    "host_ms": h,
+                    "speedup": {
+                        k: round(r["tau"] * (ms(1) + h_plain) / (ms(k + 1) + h), 3) for k in ks
+                    },
+                }
+            )
         share = {}
         for m, v in overhead.get("overhead", {}).items():
             k = ROW_NODES.get(m, 16)
-            share[m] = {"nodes": k, **{b: round(v[b]["host_ms_per_step"] / ms(k + 1), 4) for b in ("batch_1", "batch_8")
-                                       if b in v}}
-        out[spec] = {"curve_ms": {n: round(ms(n), 3) for n in (1, 9, 17, 33, 65)}, "host_ms_plain": h_plain,
-                     "has_overhead": bool(overhead), "host_share": share, "rows": pred_rows}
+            share[m] = {
+                "nodes": k,
+                **{
+                    b: round(v[b]["host_ms_per_step"] / ms(k + 1), 4)
+                    for b in ("batch_1", "batch_8")
+                    if b in v
+                },
+            }
+        out[spec] = {
+            "curve_ms": {n: round(ms(n), 3) for n in (1, 9, 17, 33, 65)},
+            "host_ms_plain": h_plain,
+            "has_overhead": bool(overhead),
+            "host_share": share,
+            "rows": pred_rows,
+        }
     return out
 
 
 def markdown(pred: dict, nodes: list[int], measured: bool) -> str:
-    lines = ["## predicted speedup from the verify-cost curves", "",
-             "speedup = tau x (c(1) + host_plain) / (c(K+1) + host_method); tau "
-             + ("measured on the default target (a what-if for the larger target)" if measured
-                else "NOT measured yet (no bench file): a grid"), ""]
+    lines = [
+        "## predicted speedup from the verify-cost curves",
+        "",
+        "speedup = tau x (c(1) + host_plain) / (c(K+1) + host_method); tau "
+        + (
+            "measured on the default target (a what-if for the larger target)"
+            if measured
+            else "NOT measured yet (no bench file): a grid"
+        ),
+        "",
+    ]
     for spec, p in pred.items():
         curve = ", ".join(f"c({n})={v:.2f}" for n, v in p["curve_ms"].items())
-        lines += [f"### {spec}", "", f"verify ms: {curve}; host ms per plain step {p['host_ms_plain']:.2f}"
-                  + ("" if p["has_overhead"] else " (no overhead measurement: verify cost only)"), "",
-                  "| tau from | dataset | method | tau | " + " | ".join(f"K={k}" for k in nodes) + " |",
-                  "|---|---|---|---:|" + "---:|" * len(nodes)]
+        lines += [
+            f"### {spec}",
+            "",
+            f"verify ms: {curve}; host ms per plain step {p['host_ms_plain']:.2f}"
+            + ("" if p["has_overhead"] else " (no overhead measurement: verify cost only)"),
+            "",
+            "| tau from | dataset | method | tau | " + " | ".join(f"K={k}" for k in nodes) + " |",
+            "|---|---|---|---:|" + "---:|" * len(nodes),
+        ]
         for r in p["rows"]:
             if r.get("nodes"):
-                cells = [f"{v:.2f}x (K={k})" for k, v in r["speedup"].items()] + [""] * (len(nodes) - 1)
+                cells = [f"{v:.2f}x (K={k})" for k, v in r["speedup"].items()] + [""] * (
+                    len(nodes) - 1
+                )
             else:
                 cells = [f"{r['speedup'][k]:.2f}x" for k in nodes]
-            lines.append(f"| {r['source']} | {r['dataset']} | {r['method']} | {r['tau']:.2f} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {r['source']} | {r['dataset']} | {r['method']} | {r['tau']:.2f} | "
+                + " | ".join(cells)
+                + " |"
+            )
         if p["host_share"]:
-            lines += ["", "host work per step / verify of K+1 tokens (aim: < 10% on dummy:llama-8b):", "",
-                      "| overhead row | K | batch 1 | batch 8 |", "|---|---:|---:|---:|"]
+            lines += [
+                "",
+                "host work per step / verify of K+1 tokens (aim: < 10% on dummy:llama-8b):",
+                "",
+                "| overhead row | K | batch 1 | batch 8 |",
+                "|---|---:|---:|---:|",
+            ]
             for m, s in p["host_share"].items():
                 cells = [f"{100 * s[b]:.1f}%" if b in s else "-" for b in ("batch_1", "batch_8")]
                 lines.append(f"| {m} | {s['nodes']} | " + " | ".join(cells) + " |")
@@ -117,12 +171,24 @@ def markdown(pred: dict, nodes: list[int], measured: bool) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="gpu_predict.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="gpu_predict.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--cost", required=True, help="scripts/gpu_cost.py output")
     p.add_argument("--overhead", help="redraft-bench --overhead output")
-    p.add_argument("--bench", action="append", default=[], help="redraft-bench output with measured tau (repeatable)")
-    p.add_argument("--nodes", default="8,16,32,64", help="tree sizes K to predict for (when the bench has none)")
+    p.add_argument(
+        "--bench",
+        action="append",
+        default=[],
+        help="redraft-bench output with measured tau (repeatable)",
+    )
+    p.add_argument(
+        "--nodes",
+        default="8,16,32,64",
+        help="tree sizes K to predict for (when the bench has none)",
+    )
     p.add_argument("--out", required=True, help="JSON to write")
     p.add_argument("--markdown", help="Markdown table to write (also printed)")
     args = p.parse_args(argv)
@@ -136,7 +202,10 @@ def main(argv=None) -> int:
         return 2
     measured = bool(rows)
     if not rows:
-        rows = [{"source": "grid", "dataset": "-", "method": "-", "tau": t, "nodes": None} for t in DEFAULT_TAUS]
+        rows = [
+            {"source": "grid", "dataset": "-", "method": "-", "tau": t, "nodes": None}
+            for t in DEFAULT_TAUS
+        ]
     pred = predict(cost, overhead, rows, nodes)
     md = markdown(pred, nodes, measured)
     print(md)

@@ -57,11 +57,30 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also when loaded by path
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent)
+)  # its sibling modules, also when loaded by path
 
-from gpu_run_base import (ALL, EXIT_MISSING, IMPORTS, LOG_KEEP, MIB, OUT_MAX_FILE, OUT_MAX_FILES,  # noqa: E402,F401
-                          OUT_MAX_TOTAL, ORDER, REPO, STAGES, STEP_LIMITS, WORK, Bundle, Profile, RunnerError,
-                          StageRun, Step, read_json, sha256)
+from gpu_run_base import (
+    EXIT_MISSING,
+    IMPORTS,
+    LOG_KEEP,
+    MIB,
+    ORDER,
+    OUT_MAX_FILE,
+    OUT_MAX_FILES,  # noqa: E402,F401
+    OUT_MAX_TOTAL,
+    REPO,
+    STAGES,
+    WORK,
+    Bundle,
+    Profile,
+    RunnerError,
+    StageRun,
+    Step,
+    read_json,
+    sha256,
+)
 from gpu_run_stages import Stages, junit_summary, overhead_table  # noqa: E402,F401
 
 
@@ -91,21 +110,36 @@ class Runner(Stages):
     def env(self) -> dict:
         env = dict(os.environ)
         env.update(
-            PYTHONPATH=os.pathsep.join(p for p in (str(REPO), str(self.prefix), env.get("PYTHONPATH")) if p),
+            PYTHONPATH=os.pathsep.join(
+                p for p in (str(REPO), str(self.prefix), env.get("PYTHONPATH")) if p
+            ),
             PATH=os.pathsep.join([str(self.prefix / "bin"), env.get("PATH", "")]),
-            REDRAFT_CACHE=str(self.work / "cache"), HF_HOME=str(self.work / "hf"),
-            HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-            PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+            REDRAFT_CACHE=str(self.work / "cache"),
+            HF_HOME=str(self.work / "hf"),
+            HF_HUB_OFFLINE="1",
+            HF_DATASETS_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            PYTHONUNBUFFERED="1",
+            TOKENIZERS_PARALLELISM="false",
             DS_ACCELERATOR=self.profile.device,  # tests/conftest.py defaults it to cpu otherwise
         )
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        for k in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ):
             env.pop(k, None)
         return env
 
     def stage_parts(self) -> None:
         parts = [Path(p) for p in self.args.bundle or []]
         if not self.args.bundle and not self.dry:  # on the GPU machine: the parts this run carried
-            parts = sorted(p for p in (REPO / ".gpu-bundle").glob("part*") if (p / "MANIFEST.json").is_file())
+            parts = sorted(
+                p for p in (REPO / ".gpu-bundle").glob("part*") if (p / "MANIFEST.json").is_file()
+            )
         for p in parts:
             self.bundle.stage(p)
         for line in self.bundle.log:
@@ -121,12 +155,28 @@ class Runner(Stages):
         if not stamp.is_file():
             wheels = [str(self.bundle.dir / f) for f in self.bundle.asset_files("wheels")]
             self.say(f"installing {len(wheels)} wheels into {self.prefix}")
-            cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                   "--no-cache-dir", "--upgrade", "--disable-pip-version-check", "--target", str(self.prefix), *wheels]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                "--no-cache-dir",
+                "--upgrade",
+                "--disable-pip-version-check",
+                "--target",
+                str(self.prefix),
+                *wheels,
+            ]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
-                raise RunnerError(f"pip could not install the bundled wheels (exit {r.returncode}): "
-                                  f"{r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}")
+                raise RunnerError(
+                    f"pip could not install the bundled wheels (exit {r.returncode}): "
+                    f"{r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"
+                )
             stamp.touch()
         for key, a in m["assets"].items():
             if key != "wheels" and not self.bundle.missing([key]):
@@ -146,13 +196,15 @@ class Runner(Stages):
         with open(tmp, "wb") as out:
             for chunk in a["chunks"]:
                 src = self.bundle.dir / chunk
-                with (lzma.open(src, "rb") if a.get("compression") == "xz" else open(src, "rb")) as f:
+                with lzma.open(src, "rb") if a.get("compression") == "xz" else open(src, "rb") as f:
                     shutil.copyfileobj(f, out, 1 << 22)
         got = sha256(tmp)
         if got != a["sha256"]:
             tmp.unlink()
-            raise RunnerError(f"{key}: the reassembled {dst.name} has sha256 {got[:12]}..., expected "
-                              f"{a['sha256'][:12]}...; rebuild the bundle with `make gpu-bundle`.")
+            raise RunnerError(
+                f"{key}: the reassembled {dst.name} has sha256 {got[:12]}..., expected "
+                f"{a['sha256'][:12]}...; rebuild the bundle with `make gpu-bundle`."
+            )
         os.replace(tmp, dst)
         ok.write_text(a["sha256"] + "\n")
         self.say(f"placed {key}: {dst} ({a['size'] / MIB:.1f} MiB, checked)")
@@ -172,36 +224,60 @@ class Runner(Stages):
             "import torch\n"
             "out['cuda'] = torch.version.cuda\n"
             # dry run: the tiny test target that stands in for the default one, made here (one process fewer)
-            + (f"from redraft.testing import make_tiny_target_dir\nmake_tiny_target_dir({self.profile.target!r})\n"
-               if self.dry and not (Path(self.profile.target) / "config.json").is_file() else "") +
-            "out['device'] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or 'cpu'\n"
+            + (
+                f"from redraft.testing import make_tiny_target_dir\nmake_tiny_target_dir({self.profile.target!r})\n"
+                if self.dry and not (Path(self.profile.target) / "config.json").is_file()
+                else ""
+            )
+            + "out['device'] = torch.cuda.get_device_name(0) if torch.cuda.is_available() "
+            "else platform.processor() or 'cpu'\n"
             "print(json.dumps(out))\n"
         )
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self.env())
+        r = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=self.env()
+        )
         try:
             self.machine = json.loads(r.stdout.strip().splitlines()[-1])
         except (IndexError, json.JSONDecodeError):
             self.machine = {"errors": {"python": r.stderr[-2000:]}}
         if shutil.which("nvidia-smi"):
-            q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True)
+            q = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,memory.total,driver_version",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+            )
             self.machine["nvidia_smi"] = q.stdout.strip()
         self.machine["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
         self.machine["bundle"] = (self.bundle.manifest or {}).get("bundle_id")
         self.machine["bundle_commit"] = (self.bundle.manifest or {}).get("git_commit")
         if self.machine.get("errors"):
             self.say(f"imports that fail: {self.machine['errors']}")
-        self.say(f"machine: {self.machine.get('device')} | torch {self.machine.get('versions', {}).get('torch')} "
-                 f"| CUDA {self.machine.get('cuda')}")
+        self.say(
+            f"machine: {self.machine.get('device')} | torch {self.machine.get('versions', {}).get('torch')} "
+            f"| CUDA {self.machine.get('cuda')}"
+        )
 
     # ---- steps
 
     def deadline(self) -> float:
         return min(self.stage_t0 + self.profile.budget_s, self.t0 + self.profile.run_budget_s)
 
-    def run_step(self, st: StageRun, name: str, argv: list, *, env_extra: dict | None = None,
-                 min_s: float = 20.0, limit_s: float | None = None, reserve_s: float = 0.0,
-                 grace_s: float = 10.0) -> Step:
+    def run_step(
+        self,
+        st: StageRun,
+        name: str,
+        argv: list,
+        *,
+        env_extra: dict | None = None,
+        min_s: float = 20.0,
+        limit_s: float | None = None,
+        reserve_s: float = 0.0,
+        grace_s: float = 10.0,
+    ) -> Step:
         """Run one command under its own time limit, its output appended to the stage log;
         publish afterwards.
 
@@ -216,7 +292,10 @@ class Runner(Stages):
         own = limit_s if limit_s is not None else self.profile.step_limit(st.name, name)
         timeout = left if own is None else min(left, own)
         if left < min_s:
-            step.status, step.note = "no-time", f"{left:.0f} s left of the stage budget; run the stage again"
+            step.status, step.note = (
+                "no-time",
+                f"{left:.0f} s left of the stage budget; run the stage again",
+            )
             self.say(f"{st.name}/{name}: skipped ({step.note})")
             self.publish(st)
             return step
@@ -228,8 +307,14 @@ class Runner(Stages):
         with open(log, "a") as f:
             f.write(f"\n===== {name}: {' '.join(step.argv)}\n")
             f.flush()
-            proc = subprocess.Popen(step.argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                step.argv,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+            )
             try:
                 step.rc = proc.wait(timeout=max(timeout, 1.0))
                 step.status = "ok" if step.rc == 0 else "failed"
@@ -258,18 +343,27 @@ class Runner(Stages):
         d = self.results / st.name
         d.mkdir(parents=True, exist_ok=True)
         summary = {
-            "stage": st.name, "title": st.title, "dry_run": self.dry, "machine": self.machine,
+            "stage": st.name,
+            "title": st.title,
+            "dry_run": self.dry,
+            "machine": self.machine,
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.started)),
             "seconds": round(time.time() - st.started, 1),
-            "steps": [vars(s) for s in st.steps], "results": st.results,
+            "steps": [vars(s) for s in st.steps],
+            "results": st.results,
         }
-        lines = [f"# stage {st.name}: {st.title}", "",
-                 f"{self.machine.get('device', '?')} ({self.machine.get('nvidia_smi', '')}), "
-                 f"torch {self.machine.get('versions', {}).get('torch', '?')}, CUDA {self.machine.get('cuda')}, "
-                 f"transformers {self.machine.get('versions', {}).get('transformers', '?')}, "
-                 f"deepspeed {self.machine.get('versions', {}).get('deepspeed', '?')}; {self.machine.get('date', '')}; "
-                 f"bundle {self.machine.get('bundle')} (commit {str(self.machine.get('bundle_commit'))[:10]})", "",
-                 "| step | status | seconds | note |", "|---|---|---:|---|"]
+        lines = [
+            f"# stage {st.name}: {st.title}",
+            "",
+            f"{self.machine.get('device', '?')} ({self.machine.get('nvidia_smi', '')}), "
+            f"torch {self.machine.get('versions', {}).get('torch', '?')}, CUDA {self.machine.get('cuda')}, "
+            f"transformers {self.machine.get('versions', {}).get('transformers', '?')}, "
+            f"deepspeed {self.machine.get('versions', {}).get('deepspeed', '?')}; {self.machine.get('date', '')}; "
+            f"bundle {self.machine.get('bundle')} (commit {str(self.machine.get('bundle_commit'))[:10]})",
+            "",
+            "| step | status | seconds | note |",
+            "|---|---|---:|---|",
+        ]
         lines += [f"| {s.name} | {s.status} | {s.seconds} | {s.note} |" for s in st.steps]
         md = "\n".join(lines + [""] + st.md) + "\n"
         (d / f"{st.name}.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -291,7 +385,9 @@ class Runner(Stages):
             return
         with open(src, "rb") as f, open(dst, "wb") as out:
             out.write(f.read(256 * 1024))
-            out.write(f"\n\n[... {size - LOG_KEEP} bytes cut; the whole log is {src} on the GPU machine ...]\n\n".encode())
+            out.write(
+                f"\n\n[... {size - LOG_KEEP} bytes cut; the whole log is {src} on the GPU machine ...]\n\n".encode()
+            )
             f.seek(size - (LOG_KEEP - 256 * 1024))
             out.write(f.read())
 
@@ -301,8 +397,11 @@ class Runner(Stages):
     def add_pending(self, files: list[Path], replace_dir: Path | None = None) -> None:
         """Queue files to go back; ``replace_dir``: drop what is still queued from that folder
         (an older head's shards) first."""
-        p = [f for f in read_json(self.pending_file()) or []
-             if replace_dir is None or Path(f).parent != Path(replace_dir)]
+        p = [
+            f
+            for f in read_json(self.pending_file()) or []
+            if replace_dir is None or Path(f).parent != Path(replace_dir)
+        ]
         p += [str(f) for f in files if str(f) not in p]
         self.pending_file().write_text(json.dumps(p, indent=1))
 
@@ -317,7 +416,11 @@ class Runner(Stages):
             if not p.is_file():
                 continue
             size = p.stat().st_size
-            if count + 1 <= OUT_MAX_FILES and size <= OUT_MAX_FILE and total + size <= OUT_MAX_TOTAL - MIB:
+            if (
+                count + 1 <= OUT_MAX_FILES
+                and size <= OUT_MAX_FILE
+                and total + size <= OUT_MAX_TOTAL - MIB
+            ):
                 shutil.copyfile(p, self.out / p.name)
                 count, total = count + 1, total + size
                 sent.append(p.name)
@@ -327,19 +430,25 @@ class Runner(Stages):
         if sent:
             self.say(f"returned: {', '.join(sent)}")
         if left:
-            self.say(f"{len(left)} file(s) still waiting to go back ({', '.join(Path(x).name for x in left)}): make the "
-                     f"next run within 30 s (any stage, or --stage fetch)")
+            self.say(
+                f"{len(left)} file(s) still waiting to go back ({', '.join(Path(x).name for x in left)}): make the "
+                f"next run within 30 s (any stage, or --stage fetch)"
+            )
         return left
 
     def check_out_limits(self) -> None:
         """Say which files the device tool will not bring back (more than 8, or too big)."""
-        files = sorted((p for p in self.out.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime)
+        files = sorted(
+            (p for p in self.out.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime
+        )
         total = sum(p.stat().st_size for p in files)
         big = [p.name for p in files if p.stat().st_size > OUT_MAX_FILE]
         if len(files) > OUT_MAX_FILES or total > OUT_MAX_TOTAL or big:
-            self.say(f"warning: $OUT holds {len(files)} files, {total / MIB:.1f} MiB; the device tool returns at most "
-                     f"{OUT_MAX_FILES} files of <= 16 MiB, 64 MiB in all (too big: {big}); run fewer stages per run. "
-                     f"Everything is also kept in {self.results}.")
+            self.say(
+                f"warning: $OUT holds {len(files)} files, {total / MIB:.1f} MiB; the device tool returns at most "
+                f"{OUT_MAX_FILES} files of <= 16 MiB, 64 MiB in all (too big: {big}); run fewer stages per run. "
+                f"Everything is also kept in {self.results}."
+            )
 
     # ---- main
 
@@ -347,7 +456,9 @@ class Runner(Stages):
         try:  # pending.json and the staged parts live here; a fresh machine has none of it
             self.work.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise RunnerError(f"cannot create the work folder {self.work} ({exc.strerror}); pass --work DIR.") from None
+            raise RunnerError(
+                f"cannot create the work folder {self.work} ({exc.strerror}); pass --work DIR."
+            ) from None
         self.stage_parts()
         self.install()
         runnable, blocked = [], []
@@ -355,17 +466,26 @@ class Runner(Stages):
             miss = self.bundle.missing(STAGES[s][1]) if STAGES[s][1] else {}
             (blocked if miss else runnable).append((s, miss))
         for s, miss in blocked:
-            what = "; ".join(f"part{p} ({', '.join(files)})" if p else "every part (nothing staged yet)"
-                             for p, files in sorted(miss.items()))
-            how = ("pass the parts of a dry-run bundle: scripts/gpu_bundle.py --dry-run --out B, then --bundle "
-                   "B/part1 --bundle B/part2 --bundle B/part3" if self.dry else
-                   f"carry the missing part(s), e.g. carry=[\".gpu-bundle/part{min(miss) or 1}\"], in runs that "
-                   f"each start within 30 s of the previous one's end (see docs/gpu.md)")
+            what = "; ".join(
+                f"part{p} ({', '.join(files)})" if p else "every part (nothing staged yet)"
+                for p, files in sorted(miss.items())
+            )
+            how = (
+                "pass the parts of a dry-run bundle: scripts/gpu_bundle.py --dry-run --out B, then --bundle "
+                "B/part1 --bundle B/part2 --bundle B/part3"
+                if self.dry
+                else f'carry the missing part(s), e.g. carry=[".gpu-bundle/part{min(miss) or 1}"], in runs that '
+                f"each start within 30 s of the previous one's end (see docs/gpu.md)"
+            )
             self.say(f"stage {s} cannot run yet: missing {what}. To run it, {how}.")
         if any(STAGES[s][1] for s, _ in runnable):
             self.check_machine()
-            if self.machine.get("errors") and any(k in self.machine["errors"] for k in ("torch", "redraft")):
-                raise RunnerError(f"cannot import {sorted(self.machine['errors'])}: {self.machine['errors']}")
+            if self.machine.get("errors") and any(
+                k in self.machine["errors"] for k in ("torch", "redraft")
+            ):
+                raise RunnerError(
+                    f"cannot import {sorted(self.machine['errors'])}: {self.machine['errors']}"
+                )
         self.out.mkdir(parents=True, exist_ok=True)
         failed = []
         for s, _ in runnable:
@@ -408,23 +528,51 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpu-run.sh", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--stage", default="none",
-                   help=f"comma list of {list(STAGES)}, 'all' ({','.join(ORDER)}) or 'none' (only stage the carried parts)")
-    p.add_argument("--bundle", action="append",
-                   help="a carried part folder (repeatable; default: every .gpu-bundle/part* present, none with --dry-run)")
-    p.add_argument("--head", action="append", help="shards of a trained head (files or folders) for stage e2 when "
-                                                   "stage e's run is gone (default .gpu-bundle/head)")
-    p.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "gpu-out"),
-                   help="output folder (the device tool's $OUT)")
-    p.add_argument("--work", default=str(WORK), help="work folder kept between runs while the machine stays warm")
-    p.add_argument("--prompts", type=int, help="prompts per dataset in the decode tables (default 20, quick 10; "
-                                               "dry run 2)")
-    p.add_argument("--budget-s", type=float, help="seconds one stage may take (default 540: a run's 10 minutes "
-                                                  "less setup)")
-    p.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=False,
-                   help="CPU, tiny target, dummy:tiny, a few prompts and steps: the same code path (a test in the suite)")
+    p = argparse.ArgumentParser(
+        prog="gpu-run.sh", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    p.add_argument(
+        "--stage",
+        default="none",
+        help=f"comma list of {list(STAGES)}, 'all' ({','.join(ORDER)}) or 'none' (only stage the carried parts)",
+    )
+    p.add_argument(
+        "--bundle",
+        action="append",
+        help="a carried part folder (repeatable; default: every .gpu-bundle/part* present, none with --dry-run)",
+    )
+    p.add_argument(
+        "--head",
+        action="append",
+        help="shards of a trained head (files or folders) for stage e2 when "
+        "stage e's run is gone (default .gpu-bundle/head)",
+    )
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(REPO / "gpu-out"),
+        help="output folder (the device tool's $OUT)",
+    )
+    p.add_argument(
+        "--work",
+        default=str(WORK),
+        help="work folder kept between runs while the machine stays warm",
+    )
+    p.add_argument(
+        "--prompts",
+        type=int,
+        help="prompts per dataset in the decode tables (default 20, quick 10; dry run 2)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        help="seconds one stage may take (default 540: a run's 10 minutes less setup)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CPU, tiny target, dummy:tiny, a few prompts and steps: the same code path (a test in the suite)",
+    )
     return p
 
 

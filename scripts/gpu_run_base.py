@@ -19,31 +19,59 @@ MIB = 1 << 20
 EXIT_MISSING = 3  # a stage could not run: parts missing (the message names them)
 # what the device tool brings back from $OUT
 OUT_MAX_FILES, OUT_MAX_FILE, OUT_MAX_TOTAL = 8, 16 * MIB, 64 * MIB
-LOG_KEEP = 2 * MIB  # a longer log keeps its first 256 KiB and its end (4 head shards + logs fit one run)
+LOG_KEEP = (
+    2 * MIB
+)  # a longer log keeps its first 256 KiB and its end (4 head shards + logs fit one run)
 ALL = ("wheels", "gguf", "sharegpt")
 STAGES = {  # name: (title, assets it needs)
-    "quick": ("the headline figures in one call: dummy:llama-8b cost curve, host overhead, short bf16 decode table",
-              ALL),
+    "quick": (
+        "the headline figures in one call: dummy:llama-8b cost curve, host overhead, short bf16 decode table",
+        ALL,
+    ),
     "a": ("CUDA tests (pytest -m 'cuda and not slow')", ("wheels",)),
     "b": ("default target on CUDA: slow CUDA tests, n-gram tables, bf16 decode table", ALL),
     "b32": ("default target on CUDA: fp32 decode table", ALL),
-    "c": ("dummy:llama-1b / dummy:llama-8b: cost curves, host overhead, predicted speedups", ("wheels",)),
+    "c": (
+        "dummy:llama-1b / dummy:llama-8b: cost curves, host overhead, predicted speedups",
+        ("wheels",),
+    ),
     "d": ("redraft-train under the deepspeed launcher, 1 GPU: tokens/s", ALL),
-    "e": ("the default head, paper recipe (2 epochs or as many steps as fit; resumable): tau_est", ALL),
+    "e": (
+        "the default head, paper recipe (2 epochs or as many steps as fit; resumable): tau_est",
+        ALL,
+    ),
     "e2": ("bf16 decode table with the trained head in the mix", ALL),
     "fetch": ("publish the files still waiting to go back", ()),
 }
 ORDER = ("a", "c", "b", "b32", "d", "e", "e2")
-IMPORTS = ("torch", "transformers", "deepspeed", "datasets", "gguf", "fastapi", "uvicorn", "redraft")
+IMPORTS = (
+    "torch",
+    "transformers",
+    "deepspeed",
+    "datasets",
+    "gguf",
+    "fastapi",
+    "uvicorn",
+    "redraft",
+)
 BENCH_METHODS = "greedy,hf-greedy,hf-prompt-lookup,context,ngrammys,aded,hsddw,mix"
 QUICK_METHODS = "greedy,hf-prompt-lookup,ngrammys,mix"
 NGRAM_METHODS = {"bigram", "extended", "ngrammys", "aded", "mix+aded"}  # need the n-gram tables
 # GPU run: each step's own limit in seconds (the dry run sets none: the CPU is slower, the
 # mechanism is tested on its own). Estimates for one H100 are in docs/gpu.md; these leave ~2x.
 STEP_LIMITS = {
-    "b/pytest": 180, "ngrams": 180, "cost-curves": 180, "overhead": 120, "predict": 30,
-    "quick/cost-curves": 90, "quick/overhead": 90, "quick/ngrams": 150,
-    "train-default": 200, "train-dummy": 240, "head-shards": 60, "head-join": 60,
+    "b/pytest": 180,
+    "ngrams": 180,
+    "cost-curves": 180,
+    "overhead": 120,
+    "predict": 30,
+    "quick/cost-curves": 90,
+    "quick/overhead": 90,
+    "quick/ngrams": 150,
+    "train-default": 200,
+    "train-dummy": 240,
+    "head-shards": 60,
+    "head-join": 60,
 }
 
 
@@ -88,15 +116,35 @@ class Profile:
         return self.step_s.get(f"{stage}/{step}", self.step_s.get(step))
 
     @classmethod
-    def dry(cls, work: Path) -> "Profile":
-        return cls(device="cpu", target=str(work / "tiny-target"), dummies=("dummy:tiny",), train_dummy="dummy:tiny",
-                   prompts=2, max_new_tokens=8, bench_methods="greedy,context,ngrammys,mix",
-                   head_methods="greedy,redrafter,mix", pytest_paths=("tests/cuda",), cost_context=16,
-                   overhead_tokens=8, overhead_batches="1",
-                   recipe="tiny", train_overrides=("--data", "default-chat"), dummy_recipe="tiny",
-                   dummy_overrides=("--data", "default-chat", "--train-limit", "64", "--max-length", "64"),
-                   speed_targets=("dummy",), speed_steps=2, dummy_speed_steps=2, full_steps=4, num_proc=1,
-                   budget_s=1200.0, run_budget_s=7200.0, step_s={}, quick_dummy="dummy:tiny", quick_prompts=2)
+    def dry(cls, work: Path) -> Profile:
+        return cls(
+            device="cpu",
+            target=str(work / "tiny-target"),
+            dummies=("dummy:tiny",),
+            train_dummy="dummy:tiny",
+            prompts=2,
+            max_new_tokens=8,
+            bench_methods="greedy,context,ngrammys,mix",
+            head_methods="greedy,redrafter,mix",
+            pytest_paths=("tests/cuda",),
+            cost_context=16,
+            overhead_tokens=8,
+            overhead_batches="1",
+            recipe="tiny",
+            train_overrides=("--data", "default-chat"),
+            dummy_recipe="tiny",
+            dummy_overrides=("--data", "default-chat", "--train-limit", "64", "--max-length", "64"),
+            speed_targets=("dummy",),
+            speed_steps=2,
+            dummy_speed_steps=2,
+            full_steps=4,
+            num_proc=1,
+            budget_s=1200.0,
+            run_budget_s=7200.0,
+            step_s={},
+            quick_dummy="dummy:tiny",
+            quick_prompts=2,
+        )
 
 
 class RunnerError(Exception):
@@ -139,34 +187,50 @@ class Bundle:
         """Check every file of a carried part against its manifest and copy it in."""
         m = read_json(part_dir / "MANIFEST.json")
         if not m or "files" not in m:
-            raise RunnerError(f"{part_dir} holds no readable MANIFEST.json; it is not a part of a bundle made by "
-                              f"`make gpu-bundle`.")
+            raise RunnerError(
+                f"{part_dir} holds no readable MANIFEST.json; it is not a part of a bundle made by "
+                f"`make gpu-bundle`."
+            )
         if self.manifest and self.manifest["bundle_id"] != m["bundle_id"]:
-            self.log.append(f"dropping the parts of bundle {self.manifest['bundle_id']} staged earlier: "
-                            f"{part_dir} belongs to bundle {m['bundle_id']}")
+            self.log.append(
+                f"dropping the parts of bundle {self.manifest['bundle_id']} staged earlier: "
+                f"{part_dir} belongs to bundle {m['bundle_id']}"
+            )
             shutil.rmtree(self.dir.parent / "prefix", ignore_errors=True)
             shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True, exist_ok=True)
         mine = {k: v for k, v in m["files"].items() if part_dir.name == f"part{v['part']}"}
         if not mine:
-            raise RunnerError(f"{part_dir}: its manifest lists no file of a folder named {part_dir.name}; keep the "
-                              f"folder names part1, part2, ... that make gpu-bundle wrote.")
+            raise RunnerError(
+                f"{part_dir}: its manifest lists no file of a folder named {part_dir.name}; keep the "
+                f"folder names part1, part2, ... that make gpu-bundle wrote."
+            )
         for name, meta in sorted(mine.items()):
             src, dst = part_dir / name, self.dir / name
-            if dst.is_file() and dst.stat().st_size == meta["size"] and (self.dir / f".{name}.ok").is_file():
+            if (
+                dst.is_file()
+                and dst.stat().st_size == meta["size"]
+                and (self.dir / f".{name}.ok").is_file()
+            ):
                 continue
             if not src.is_file():
-                raise RunnerError(f"{src} is missing from the carried part; rebuild the bundle with `make gpu-bundle`.")
+                raise RunnerError(
+                    f"{src} is missing from the carried part; rebuild the bundle with `make gpu-bundle`."
+                )
             got = sha256(src)
             if got != meta["sha256"]:
-                raise RunnerError(f"{src} is corrupted (sha256 {got[:12]}..., the manifest says "
-                                  f"{meta['sha256'][:12]}...); rebuild the bundle with `make gpu-bundle` and carry "
-                                  f"{part_dir.name} again.")
+                raise RunnerError(
+                    f"{src} is corrupted (sha256 {got[:12]}..., the manifest says "
+                    f"{meta['sha256'][:12]}...); rebuild the bundle with `make gpu-bundle` and carry "
+                    f"{part_dir.name} again."
+                )
             shutil.copyfile(src, dst)
             (self.dir / f".{name}.ok").touch()
         (self.dir / "MANIFEST.json").write_text(json.dumps(m, indent=1))
         self.manifest = m
-        self.log.append(f"staged {part_dir.name} of bundle {m['bundle_id']}: {', '.join(sorted(mine))}")
+        self.log.append(
+            f"staged {part_dir.name} of bundle {m['bundle_id']}: {', '.join(sorted(mine))}"
+        )
 
     def has(self, name: str) -> bool:
         return (self.dir / name).is_file() and (self.dir / f".{name}.ok").is_file()
@@ -190,8 +254,11 @@ class Bundle:
         if not self.manifest:
             return "no bundle staged"
         n = self.manifest["parts"]
-        have = [i for i in range(1, n + 1) if not any(
-            not self.has(f) for f, v in self.manifest["files"].items() if v["part"] == i)]
+        have = [
+            i
+            for i in range(1, n + 1)
+            if not any(not self.has(f) for f, v in self.manifest["files"].items() if v["part"] == i)
+        ]
         return f"bundle {self.manifest['bundle_id']}: parts staged {have} of 1..{n}"
 
 

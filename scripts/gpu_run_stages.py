@@ -19,15 +19,33 @@ class Stages:
         xml = self.results / st.name / f"pytest-{st.name}.xml"
         # a module that cannot be imported there (a test-only package the image lacks) must not
         # keep the CUDA tests from running: it is reported as an error instead
-        step = self.run_step(st, "pytest", self.py("-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", marker,
-                                                   "--continue-on-collection-errors", f"--junitxml={xml}",
-                                                   *self.profile.pytest_paths))
+        step = self.run_step(
+            st,
+            "pytest",
+            self.py(
+                "-m",
+                "pytest",
+                "-q",
+                "-rA",
+                "-p",
+                "no:cacheprovider",
+                "-m",
+                marker,
+                "--continue-on-collection-errors",
+                f"--junitxml={xml}",
+                *self.profile.pytest_paths,
+            ),
+        )
         st.results["pytest"] = junit_summary(xml)
         st.results["pytest"]["exit"] = step.rc
         s = st.results["pytest"]
-        st.md += [f"## pytest -m \"{marker}\"", "",
-                  f"{s.get('passed', 0)} passed, {s.get('failed', 0)} failed, {s.get('errors', 0)} errors, "
-                  f"{s.get('skipped', 0)} skipped (exit {step.rc})", ""]
+        st.md += [
+            f'## pytest -m "{marker}"',
+            "",
+            f"{s.get('passed', 0)} passed, {s.get('failed', 0)} failed, {s.get('errors', 0)} errors, "
+            f"{s.get('skipped', 0)} skipped (exit {step.rc})",
+            "",
+        ]
         st.md += [f"- FAILED {t}: {msg}" for t, msg in s.get("failures", [])] + [""]
 
     def ngram_dir(self) -> Path:
@@ -36,16 +54,42 @@ class Stages:
     def build_ngrams(self, st: StageRun) -> None:
         done = self.ngram_dir() / ".gpu-run-complete"
         if done.is_file():
-            st.steps.append(Step("ngrams", [], 0, 0.0, "skipped", f"built by an earlier run: {self.ngram_dir()}"))
+            st.steps.append(
+                Step(
+                    "ngrams", [], 0, 0.0, "skipped", f"built by an earlier run: {self.ngram_dir()}"
+                )
+            )
             return
-        step = self.run_step(st, "ngrams", self.py("-m", "redraft.ngrams.cli", "--target", self.profile.target,
-                                                   "--device", self.profile.device, "--output-dir", self.ngram_dir(),
-                                                   "--num-proc", self.profile.num_proc, "--overwrite"))
+        step = self.run_step(
+            st,
+            "ngrams",
+            self.py(
+                "-m",
+                "redraft.ngrams.cli",
+                "--target",
+                self.profile.target,
+                "--device",
+                self.profile.device,
+                "--output-dir",
+                self.ngram_dir(),
+                "--num-proc",
+                self.profile.num_proc,
+                "--overwrite",
+            ),
+        )
         if step.status == "ok":
             done.touch()
 
-    def bench(self, st: StageRun, dtype: str, methods: str, drafter: Path | None = None, label: str = "",
-              prompts: int | None = None, reserve_s: float = 0.0) -> None:
+    def bench(
+        self,
+        st: StageRun,
+        dtype: str,
+        methods: str,
+        drafter: Path | None = None,
+        label: str = "",
+        prompts: int | None = None,
+        reserve_s: float = 0.0,
+    ) -> None:
         """A decode table; ``redraft-bench`` writes its JSON and Markdown after every prompt, so
         a table stopped at the step's limit still holds the prompts it finished."""
         name = f"bench-{label or dtype}"
@@ -55,11 +99,32 @@ class Stages:
         wanted = methods.split(",")
         dropped = [m for m in wanted if m in NGRAM_METHODS and not have_ngrams]
         if dropped:  # the n-gram step failed or ran out of time: the rest of the table still runs
-            st.md += [f"No n-gram tables (see the ngrams step): {', '.join(dropped)} left out of {name}.", ""]
-        argv = self.py("-m", "redraft.infer.bench", "--target", self.profile.target, "--device", self.profile.device,
-                       "--dtype", dtype, "--datasets", "chat,code", "--prompts", prompts or self.profile.prompts,
-                       "--max-new-tokens", self.profile.max_new_tokens,
-                       "--methods", ",".join(m for m in wanted if m not in dropped), "--out", out, "--markdown", md)
+            st.md += [
+                f"No n-gram tables (see the ngrams step): {', '.join(dropped)} left out of {name}.",
+                "",
+            ]
+        argv = self.py(
+            "-m",
+            "redraft.infer.bench",
+            "--target",
+            self.profile.target,
+            "--device",
+            self.profile.device,
+            "--dtype",
+            dtype,
+            "--datasets",
+            "chat,code",
+            "--prompts",
+            prompts or self.profile.prompts,
+            "--max-new-tokens",
+            self.profile.max_new_tokens,
+            "--methods",
+            ",".join(m for m in wanted if m not in dropped),
+            "--out",
+            out,
+            "--markdown",
+            md,
+        )
         if have_ngrams:
             argv += ["--ngrams", self.ngram_dir()]
         if drafter is not None:
@@ -98,13 +163,28 @@ class Stages:
         self.cost_curves(st, [p.quick_dummy])
         self.overhead(st)
         self.build_ngrams(st)
-        self.bench(st, "bfloat16", p.quick_methods, prompts=self.args.prompts or p.quick_prompts, reserve_s=20)
+        self.bench(
+            st,
+            "bfloat16",
+            p.quick_methods,
+            prompts=self.args.prompts or p.quick_prompts,
+            reserve_s=20,
+        )
         self.predict(st)
 
     def cost_curves(self, st: StageRun, targets) -> None:
         cost = self.results / st.name / "cost.json"
-        argv = self.py(SCRIPTS / "gpu_cost.py", "--device", self.profile.device, "--dtype", "bfloat16",
-                       "--context", self.profile.cost_context, "--out", cost)
+        argv = self.py(
+            SCRIPTS / "gpu_cost.py",
+            "--device",
+            self.profile.device,
+            "--dtype",
+            "bfloat16",
+            "--context",
+            self.profile.cost_context,
+            "--out",
+            cost,
+        )
         for t in targets:
             argv += ["--target", t]
         self.run_step(st, "cost-curves", argv)
@@ -116,9 +196,25 @@ class Stages:
         against each dummy target's verify cost. The table carries every figure the benchmark
         reports per row (host ms, forward ms, ops per step, ...)."""
         out = self.results / st.name / "overhead.json"
-        self.run_step(st, "overhead", self.py("-m", "redraft.infer.bench", "--overhead", "--device", self.profile.device,
-                                              "--dtype", "bfloat16", "--overhead-tokens", self.profile.overhead_tokens,
-                                              "--overhead-batches", self.profile.overhead_batches, "--out", out))
+        self.run_step(
+            st,
+            "overhead",
+            self.py(
+                "-m",
+                "redraft.infer.bench",
+                "--overhead",
+                "--device",
+                self.profile.device,
+                "--dtype",
+                "bfloat16",
+                "--overhead-tokens",
+                self.profile.overhead_tokens,
+                "--overhead-batches",
+                self.profile.overhead_batches,
+                "--out",
+                out,
+            ),
+        )
         res = read_json(out)
         if res:
             st.results["overhead"] = res
@@ -132,12 +228,22 @@ class Stages:
             return
         cost = self.results / src / "cost.json"
         overhead = self.results / src / "overhead.json"
-        benches = sorted(p for d in ("quick", "b", "b32", "e2") for p in (self.results / d).glob("bench-*.json"))
+        benches = sorted(
+            p for d in ("quick", "b", "b32", "e2") for p in (self.results / d).glob("bench-*.json")
+        )
         if not benches:
-            st.md += ["No tau measured yet: stage b predicts the speedups from these curves when it runs.", ""]
+            st.md += [
+                "No tau measured yet: stage b predicts the speedups from these curves when it runs.",
+                "",
+            ]
             return
-        pred_json, pred_md = self.results / st.name / "predict.json", self.results / st.name / "predict.md"
-        argv = self.py(SCRIPTS / "gpu_predict.py", "--cost", cost, "--out", pred_json, "--markdown", pred_md)
+        pred_json, pred_md = (
+            self.results / st.name / "predict.json",
+            self.results / st.name / "predict.md",
+        )
+        argv = self.py(
+            SCRIPTS / "gpu_predict.py", "--cost", cost, "--out", pred_json, "--markdown", pred_md
+        )
         if overhead.is_file():
             argv += ["--overhead", overhead]
         for b in benches:
@@ -148,33 +254,91 @@ class Stages:
             st.md += [pred_md.read_text(), ""]
 
     def train_argv(self, recipe: str, target: str, out: Path, extra) -> list:
-        return self.py("-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", free_port(),
-                       "--module", "redraft.train.cli", "--recipe", recipe, "--target", target,
-                       "--output-dir", out, "--num-proc", self.profile.num_proc, "--set", "tensorboard=false",
-                       *extra)
+        return self.py(
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            "1",
+            "--master_port",
+            free_port(),
+            "--module",
+            "redraft.train.cli",
+            "--recipe",
+            recipe,
+            "--target",
+            target,
+            "--output-dir",
+            out,
+            "--num-proc",
+            self.profile.num_proc,
+            "--set",
+            "tensorboard=false",
+            *extra,
+        )
 
     def stage_d(self, st: StageRun) -> None:
-        rows = ["## redraft-train tokens/s (deepspeed launcher, 1 process)", "",
-                "| target | recipe | precision | ZeRO | steps | tokens | seconds | tokens/s |",
-                "|---|---|---|---:|---:|---:|---:|---:|"]
+        rows = [
+            "## redraft-train tokens/s (deepspeed launcher, 1 process)",
+            "",
+            "| target | recipe | precision | ZeRO | steps | tokens | seconds | tokens/s |",
+            "|---|---|---|---:|---:|---:|---:|---:|",
+        ]
         p = self.profile
-        runs = {"default": ("default", p.target, p.recipe, p.train_overrides, p.speed_steps),
-                "dummy": (p.train_dummy.split(":")[-1], p.train_dummy, p.dummy_recipe, p.dummy_overrides,
-                          p.dummy_speed_steps)}
+        runs = {
+            "default": ("default", p.target, p.recipe, p.train_overrides, p.speed_steps),
+            "dummy": (
+                p.train_dummy.split(":")[-1],
+                p.train_dummy,
+                p.dummy_recipe,
+                p.dummy_overrides,
+                p.dummy_speed_steps,
+            ),
+        }
         for label, target, recipe, extra, steps in (runs[k] for k in p.speed_targets):
             out = self.runs / f"d-{label}"
-            self.run_step(st, f"train-{label}", self.train_argv(recipe, target, out, [
-                *extra, "--max-steps", steps, "--eval-every", "0", "--save-every", "0", "--eval-limit", "8",
-                "--no-self-distill",  # tokens/s of the trainer, not minutes of distilling first
-                "--overwrite"]), min_s=90, grace_s=60)
+            self.run_step(
+                st,
+                f"train-{label}",
+                self.train_argv(
+                    recipe,
+                    target,
+                    out,
+                    [
+                        *extra,
+                        "--max-steps",
+                        steps,
+                        "--eval-every",
+                        "0",
+                        "--save-every",
+                        "0",
+                        "--eval-limit",
+                        "8",
+                        "--no-self-distill",  # tokens/s of the trainer, not minutes of distilling first
+                        "--overwrite",
+                    ],
+                ),
+                min_s=90,
+                grace_s=60,
+            )
             m = read_json(out / "metrics.json")
-            cfg = (out / "run_config.yaml").read_text() if (out / "run_config.yaml").is_file() else ""
-            zero = next((ln.split(":")[1].strip() for ln in cfg.splitlines() if ln.startswith("zero_stage:")), "?")
+            cfg = (
+                (out / "run_config.yaml").read_text() if (out / "run_config.yaml").is_file() else ""
+            )
+            zero = next(
+                (
+                    ln.split(":")[1].strip()
+                    for ln in cfg.splitlines()
+                    if ln.startswith("zero_stage:")
+                ),
+                "?",
+            )
             if m:
                 st.results[f"train-{label}"] = m
-                rows.append(f"| {target} | {recipe} | {m.get('precision')} | {zero} | {m.get('global_step')} | "
-                            f"{m.get('train_tokens')} | {m.get('train_time_s', 0):.1f} | "
-                            f"{m.get('train_tokens_per_s', 0):.0f} |")
+                rows.append(
+                    f"| {target} | {recipe} | {m.get('precision')} | {zero} | {m.get('global_step')} | "
+                    f"{m.get('train_tokens')} | {m.get('train_time_s', 0):.1f} | "
+                    f"{m.get('train_tokens_per_s', 0):.0f} |"
+                )
         st.md += rows + [""]
 
     def head_dir(self) -> Path:
@@ -185,62 +349,111 @@ class Stages:
         m = read_json(out / "metrics.json") or {}
         done = m.get("status") == "completed" and m.get("global_step") == m.get("total_steps")
         if done:
-            st.steps.append(Step("train", [], 0, 0.0, "skipped", f"finished by an earlier run ({m.get('global_step')} steps)"))
+            st.steps.append(
+                Step(
+                    "train",
+                    [],
+                    0,
+                    0.0,
+                    "skipped",
+                    f"finished by an earlier run ({m.get('global_step')} steps)",
+                )
+            )
         else:
             resume = any(out.glob("training_state/*/redraft_state.json"))
-            extra = [*p.train_overrides, "--eval-every", "0", "--save-every", "500", "--resume" if resume else "--overwrite"]
+            extra = [
+                *p.train_overrides,
+                "--eval-every",
+                "0",
+                "--save-every",
+                "500",
+                "--resume" if resume else "--overwrite",
+            ]
             if p.full_steps:
                 extra += ["--max-steps", p.full_steps]
             else:
                 # the trainer stops when its cumulative training time reaches max_time_minutes: this run
                 # gets what its budget leaves after start-up (~1.5 min) and the final eval + save (~2 min)
-                prev = max([(read_json(f) or {}).get("elapsed_s", 0.0)
-                            for f in out.glob("training_state/*/redraft_state.json")], default=0.0)
+                prev = max(
+                    [
+                        (read_json(f) or {}).get("elapsed_s", 0.0)
+                        for f in out.glob("training_state/*/redraft_state.json")
+                    ],
+                    default=0.0,
+                )
                 mine = (self.deadline() - time.time() - 210) / 60
                 if mine < 1:
-                    st.steps.append(Step("train", [], None, 0.0, "no-time", "less than a minute of budget left"))
+                    st.steps.append(
+                        Step("train", [], None, 0.0, "no-time", "less than a minute of budget left")
+                    )
                     self.publish(st)
                     return
                 extra += ["--max-time-minutes", f"{prev / 60 + mine:.2f}"]
-            self.run_step(st, "train", self.train_argv(p.recipe, p.target, out, extra), min_s=120, grace_s=60)
+            self.run_step(
+                st, "train", self.train_argv(p.recipe, p.target, out, extra), min_s=120, grace_s=60
+            )
             m = read_json(out / "metrics.json") or {}
         st.results["train"] = m
         if m:
             top1 = " ".join(f"{x:.3f}" for x in m.get("eval_top1", []))
-            st.md += ["## the default head", "",
-                      "| status | steps | epochs | tokens/s | held-out tau_est | top-1 by position |",
-                      "|---|---:|---:|---:|---:|---|",
-                      f"| {m.get('status')} | {m.get('global_step')}/{m.get('total_steps')} | "
-                      f"{m.get('epochs_done', 0):.2f} | {m.get('train_tokens_per_s', 0):.0f} | "
-                      f"{m.get('eval_tau_est', float('nan')):.3f} | {top1} |", ""]
+            st.md += [
+                "## the default head",
+                "",
+                "| status | steps | epochs | tokens/s | held-out tau_est | top-1 by position |",
+                "|---|---:|---:|---:|---:|---|",
+                f"| {m.get('status')} | {m.get('global_step')}/{m.get('total_steps')} | "
+                f"{m.get('epochs_done', 0):.2f} | {m.get('train_tokens_per_s', 0):.0f} | "
+                f"{m.get('eval_tau_est', float('nan')):.3f} | {top1} |",
+                "",
+            ]
         if (out / "model.safetensors").is_file():
             shards = self.results / "e" / "head"
             shutil.rmtree(shards, ignore_errors=True)
-            step = self.run_step(st, "head-shards", self.py(SCRIPTS / "gpu_head.py", "split", out, shards), min_s=5)
+            step = self.run_step(
+                st, "head-shards", self.py(SCRIPTS / "gpu_head.py", "split", out, shards), min_s=5
+            )
             if step.status == "ok":
                 files = sorted(shards.glob("*.safetensors"))
                 self.add_pending(files, replace_dir=shards)
                 st.results["head_shards"] = [f.name for f in files]
-                st.md += [f"The head goes back in {len(files)} safetensors shards (<= 15 MiB each); put them "
-                          f"together with `python scripts/gpu_head.py join FILES... --out DIR`.", ""]
+                st.md += [
+                    f"The head goes back in {len(files)} safetensors shards (<= 15 MiB each); put them "
+                    f"together with `python scripts/gpu_head.py join FILES... --out DIR`.",
+                    "",
+                ]
 
     def restore_head(self, st: StageRun) -> Path | None:
         """The trained head: from stage e on this machine, else from carried shards."""
         if (self.head_dir() / "model.safetensors").is_file():
             return self.head_dir()
         carried = [Path(x) for x in (self.args.head or [])] or [REPO / ".gpu-bundle" / "head"]
-        files = [f for c in carried for f in (sorted(c.glob("*.safetensors")) if c.is_dir() else [c]) if f.is_file()]
+        files = [
+            f
+            for c in carried
+            for f in (sorted(c.glob("*.safetensors")) if c.is_dir() else [c])
+            if f.is_file()
+        ]
         if not files:
             return None
         dst = self.runs / "e-restored"
-        step = self.run_step(st, "head-join", self.py(SCRIPTS / "gpu_head.py", "join", *files, "--out", dst), min_s=5)
+        step = self.run_step(
+            st, "head-join", self.py(SCRIPTS / "gpu_head.py", "join", *files, "--out", dst), min_s=5
+        )
         return dst if step.status == "ok" else None
 
     def stage_e2(self, st: StageRun) -> None:
         head = self.restore_head(st)
         if head is None:
-            st.steps.append(Step("bench", [], None, 0.0, "skipped",
-                                 "no trained head: run stage e first, or carry its shards (.gpu-bundle/head)"))
+            st.steps.append(
+                Step(
+                    "bench",
+                    [],
+                    None,
+                    0.0,
+                    "skipped",
+                    "no trained head: run stage e first, or carry its shards (.gpu-bundle/head)",
+                )
+            )
             return
         self.build_ngrams(st)
         self.bench(st, "bfloat16", self.profile.head_methods, drafter=head, label="bf16-head")
@@ -255,12 +468,19 @@ def overhead_table(res: dict) -> list[str]:
     rows = res.get("overhead") or {}
     keys = list(dict.fromkeys(k for r in rows.values() for b in r.values() for k in b))
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = [f"## host overhead per decode step ({res.get('device', '?')}; tiny random target)", "",
-             "| method | batch | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys)]
+    lines = [
+        f"## host overhead per decode step ({res.get('device', '?')}; tiny random target)",
+        "",
+        "| method | batch | " + " | ".join(keys) + " |",
+        "|---|---:|" + "---:|" * len(keys),
+    ]
     for method, by_batch in rows.items():
         for b, r in by_batch.items():
-            lines.append(f"| {method} | {b.removeprefix('batch_')} | "
-                         + " | ".join(fmt(r[k]) if k in r else "-" for k in keys) + " |")
+            lines.append(
+                f"| {method} | {b.removeprefix('batch_')} | "
+                + " | ".join(fmt(r[k]) if k in r else "-" for k in keys)
+                + " |"
+            )
     return lines + [""]
 
 
@@ -277,7 +497,9 @@ def junit_summary(xml: Path) -> dict:
         if "failure" in kids or "error" in kids:
             key = "failed" if "failure" in kids else "errors"
             out[key] += 1
-            out["failures"].append((name, (kids.get("failure", kids.get("error")).get("message") or "")[:300]))
+            out["failures"].append(
+                (name, (kids.get("failure", kids.get("error")).get("message") or "")[:300])
+            )
         elif "skipped" in kids:
             out["skipped"] += 1
             out["skips"].append((name, (kids["skipped"].get("message") or "")[:200]))

@@ -8,8 +8,10 @@ from importlib.metadata import distribution
 
 import pytest
 
-SCRIPTS = sorted((ep for ep in distribution("redraft").entry_points if ep.group == "console_scripts"),
-                 key=lambda ep: ep.name)
+SCRIPTS = sorted(
+    (ep for ep in distribution("redraft").entry_points if ep.group == "console_scripts"),
+    key=lambda ep: ep.name,
+)
 # Runs the entry point as its console script would, and reports on exit whether torch was imported.
 WRAPPER = """
 import atexit, sys
@@ -22,9 +24,14 @@ sys.exit(main())
 
 def test_every_declared_script_is_checked():
     names = {ep.name for ep in SCRIPTS}
-    assert {"redraft-train", "redraft-build-ngrams", "redraft-distill-data", "redraft-bench", "redraft-push",
-            "redraft-demo"} <= names
-
+    assert {
+        "redraft-train",
+        "redraft-build-ngrams",
+        "redraft-distill-data",
+        "redraft-bench",
+        "redraft-push",
+        "redraft-demo",
+    } <= names
 
 
 def run(ep, *argv):
@@ -41,15 +48,22 @@ def test_help_exits_0_without_importing_torch(ep):
 
 
 def _one_line_error(out) -> str:
-    err = out.stderr.replace("\n[torch imported: False]\n", "").replace("\n[torch imported: True]\n", "")
+    err = out.stderr.replace("\n[torch imported: False]\n", "").replace(
+        "\n[torch imported: True]\n", ""
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert err.count("\n") == 1 and "Traceback" not in err, err
     return err
 
 
 # what each script requires (argparse names missing required arguments before unknown ones)
-REQUIRED = {"redraft-build-ngrams": ["--output-dir", "x"], "redraft-cache-features": ["--output-dir", "x"],
-            "redraft-distill-data": ["--output", "x"], "redraft-export": ["a", "b"], "redraft-push": ["a", "o/r"]}
+REQUIRED = {
+    "redraft-build-ngrams": ["--output-dir", "x"],
+    "redraft-cache-features": ["--output-dir", "x"],
+    "redraft-distill-data": ["--output", "x"],
+    "redraft-export": ["a", "b"],
+    "redraft-push": ["a", "o/r"],
+}
 
 
 @pytest.mark.parametrize("ep", SCRIPTS, ids=[ep.name for ep in SCRIPTS])
@@ -73,10 +87,19 @@ def test_a_flag_without_its_value_is_one_line_and_exit_2(ep):
     parser = mod.build_parser() if hasattr(mod, "build_parser") else None
     if parser is None:
         pytest.skip(f"{ep.module} has no build_parser()")
-    flag = next((a.option_strings[0] for a in parser._actions
-                 if a.option_strings and a.nargs is None and a.option_strings[0].startswith("--")
-                 and a.option_strings[0] != "--help" and getattr(a, "const", None) is None
-                 and type(a).__name__ == "_StoreAction"), None)
+    flag = next(
+        (
+            a.option_strings[0]
+            for a in parser._actions
+            if a.option_strings
+            and a.nargs is None
+            and a.option_strings[0].startswith("--")
+            and a.option_strings[0] != "--help"
+            and getattr(a, "const", None) is None
+            and type(a).__name__ == "_StoreAction"
+        ),
+        None,
+    )
     if flag is None:
         pytest.skip(f"{ep.name} has no option taking a value")
     err = _one_line_error(run(ep, *REQUIRED.get(ep.name, []), flag))

@@ -5,15 +5,18 @@ import pytest
 from redraft import demo
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--prompts", "0", "--skip-train"], "--prompts 0"),
-    (["--prompts", "-3"], "--prompts -3"),
-    (["--train-minutes", "-1"], "--train-minutes -1"),
-    (["--train-minutes", "0"], "--train-minutes 0"),
-    (["--train-minutes", "nan"], "--train-minutes nan"),
-    (["--max-new-tokens", "0", "--skip-train"], "--max-new-tokens 0"),
-    (["--dtypes", "float32,int4", "--skip-train"], "--dtypes"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--prompts", "0", "--skip-train"], "--prompts 0"),
+        (["--prompts", "-3"], "--prompts -3"),
+        (["--train-minutes", "-1"], "--train-minutes -1"),
+        (["--train-minutes", "0"], "--train-minutes 0"),
+        (["--train-minutes", "nan"], "--train-minutes nan"),
+        (["--max-new-tokens", "0", "--skip-train"], "--max-new-tokens 0"),
+        (["--dtypes", "float32,int4", "--skip-train"], "--dtypes"),
+    ],
+)
 def test_bad_values_are_refused_at_once(argv, flag, capsys, monkeypatch, tmp_path):
     def no_stage(*a, **k):
         raise AssertionError("a stage ran before the arguments were checked")
@@ -33,6 +36,18 @@ def test_train_minutes_is_not_checked_with_skip_train(monkeypatch, tmp_path):
     monkeypatch.setattr(demo, "build_ngrams", lambda *a: called.append("ngrams") or tmp_path)
     monkeypatch.setattr(demo, "compare", lambda *a: called.append("compare"))
     monkeypatch.setattr("redraft.models.load_target", lambda *a, **k: None)
-    assert demo.main(["--skip-train", "--train-minutes", "-1", "--dtypes", "float32", "--output-root",
-                      str(tmp_path)]) == 0
+    assert (
+        demo.main(
+            [
+                "--skip-train",
+                "--train-minutes",
+                "-1",
+                "--dtypes",
+                "float32",
+                "--output-root",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert called == ["ngrams", "compare"]

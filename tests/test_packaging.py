@@ -25,7 +25,9 @@ SOURCES = ("pyproject.toml", "README.md", "redraft", "train", "infer")
 
 
 def run(cmd, cwd, **kw):
-    out = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=300, **kw)
+    out = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=300, **kw
+    )
     assert out.returncode == 0, f"{cmd}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     return out
 
@@ -36,11 +38,31 @@ def wheel(tmp_path_factory) -> Path:
     src = tmp / "src"
     src.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for name in SOURCES:  # symlinks stay symlinks: redraft/configs/{train,infer} -> ../../{train,infer}
+    for (
+        name
+    ) in SOURCES:  # symlinks stay symlinks: redraft/configs/{train,infer} -> ../../{train,infer}
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
-        copy(REPO / name, src / name, **({"symlinks": True, "ignore": ignore} if copy is shutil.copytree else {}))
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "-w", tmp / "dist", src], cwd=tmp)
+        copy(
+            REPO / name,
+            src / name,
+            **({"symlinks": True, "ignore": ignore} if copy is shutil.copytree else {}),
+        )
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            tmp / "dist",
+            src,
+        ],
+        cwd=tmp,
+    )
     (whl,) = (tmp / "dist").glob("redraft-*.whl")
     return whl
 
@@ -57,27 +79,55 @@ def venv(wheel, tmp_path_factory) -> Path:
     env = tmp / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", env], check=True)
     py = env / "bin" / "python"
-    env_site = Path(run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp).stdout.strip())
+    env_site = Path(
+        run(
+            [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp
+        ).stdout.strip()
+    )
     (env_site / "redraft-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "--no-index", wheel], cwd=tmp)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            py,
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            wheel,
+        ],
+        cwd=tmp,
+    )
     return env
 
 
 def test_wheel_holds_every_module_and_the_shipped_files(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {p.relative_to(REPO).as_posix() for p in (REPO / "redraft").rglob("*.py")
-               if "__pycache__" not in p.parts and "configs" not in p.parts}
+    sources = {
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "redraft").rglob("*.py")
+        if "__pycache__" not in p.parts and "configs" not in p.parts
+    }
     assert sources <= names, sorted(sources - names)
     for stage in ("train", "infer"):
-        shipped = {f"redraft/configs/{stage}/{p.relative_to(REPO / stage).as_posix()}"
-                   for p in (REPO / stage).rglob("*") if p.suffix in (".yaml", ".json")}
+        shipped = {
+            f"redraft/configs/{stage}/{p.relative_to(REPO / stage).as_posix()}"
+            for p in (REPO / stage).rglob("*")
+            if p.suffix in (".yaml", ".json")
+        }
         assert shipped and shipped <= names, sorted(shipped - names)
     assert "redraft/configs/train/recipes/tiny.yaml" in names and "redraft/hub_card.md" in names
 
 
 def test_editable_install_reads_the_checkout_folders():
-    assert config_dir("train").samefile(REPO / "train") and config_dir("infer").samefile(REPO / "infer")
-    assert find_config("infer/bench-default.yaml", "infer").samefile(REPO / "infer" / "bench-default.yaml")
+    assert config_dir("train").samefile(REPO / "train") and config_dir("infer").samefile(
+        REPO / "infer"
+    )
+    assert find_config("infer/bench-default.yaml", "infer").samefile(
+        REPO / "infer" / "bench-default.yaml"
+    )
     assert find_config("decode-default", "infer").samefile(REPO / "infer" / "decode-default.yaml")
     with pytest.raises(Exception, match=r"'nope' is neither an existing file.*bench-default.yaml"):
         find_config("nope", "infer")
@@ -88,9 +138,21 @@ def test_installed_wheel_runs_from_another_directory(venv, tmp_path):
 
     target = make_tiny_target_dir(tmp_path / "tiny-target")
     chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
-        {"from": "human", "value": f"count from {i}"}, {"from": "gpt", "value": " ".join(["one two three"] * 3)}]})
-        + "\n" for i in range(24)))
+    chats.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"c{i}",
+                    "conversations": [
+                        {"from": "human", "value": f"count from {i}"},
+                        {"from": "gpt", "value": " ".join(["one two three"] * 3)},
+                    ],
+                }
+            )
+            + "\n"
+            for i in range(24)
+        )
+    )
     work = tmp_path / "work"
     work.mkdir()
     bin_dir = venv / "bin"
@@ -100,21 +162,55 @@ def test_installed_wheel_runs_from_another_directory(venv, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", *dist)}
     env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", REDRAFT_CACHE=str(tmp_path / "cache"))
 
-    where = run([bin_dir / "python", "-c", "import redraft, redraft.resources as r; "
-                 "print(redraft.__file__); print(r.config_dir('train'))"], work, env=env).stdout.split()
+    where = run(
+        [
+            bin_dir / "python",
+            "-c",
+            "import redraft, redraft.resources as r; "
+            "print(redraft.__file__); print(r.config_dir('train'))",
+        ],
+        work,
+        env=env,
+    ).stdout.split()
     site = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
     assert all(Path(p).is_relative_to(site) for p in where), where  # the wheel, not the checkout
 
     assert "--recipe" in run([bin_dir / "redraft-train", "--help"], work, env=env).stdout
-    run([bin_dir / "redraft-train", "--recipe", "tiny", "--target", target, "--data", f"sharegpt:{chats}",
-         "--max-steps", "2", "--num-proc", "1", "--data-cache-dir", tmp_path / "dc"],
-        work, env=env)
+    run(
+        [
+            bin_dir / "redraft-train",
+            "--recipe",
+            "tiny",
+            "--target",
+            target,
+            "--data",
+            f"sharegpt:{chats}",
+            "--max-steps",
+            "2",
+            "--num-proc",
+            "1",
+            "--data-cache-dir",
+            tmp_path / "dc",
+        ],
+        work,
+        env=env,
+    )
     run_dir = work / "checkpoints" / "redrafter-tiny-target"  # the default output, under the cwd
     assert (run_dir / "model.safetensors").is_file()
     assert json.loads((run_dir / "metrics.json").read_text())["status"] == "completed"
     assert not list(site.rglob("checkpoints")) and not list(site.rglob("metrics.json"))
 
     # The shipped benchmark recipe by its repository path, from a directory that has no infer/.
-    listed = run([bin_dir / "redraft-bench", "--recipe", "infer/bench-default.yaml", "--target", target,
-                  "--list-methods"], work, env=env).stdout.split()
+    listed = run(
+        [
+            bin_dir / "redraft-bench",
+            "--recipe",
+            "infer/bench-default.yaml",
+            "--target",
+            target,
+            "--list-methods",
+        ],
+        work,
+        env=env,
+    ).stdout.split()
     assert "greedy" in listed

@@ -16,7 +16,9 @@ from redraft.settings import Range, Settings, load_yaml, setting
 @dataclass
 class Demo(Settings):
     KIND = "demo setting"
-    lr: float = setting(1e-3, "Peak learning rate.", range=Range(0, lo_open=True), hint=" (e.g. 1e-3)")
+    lr: float = setting(
+        1e-3, "Peak learning rate.", range=Range(0, lo_open=True), hint=" (e.g. 1e-3)"
+    )
     steps: int | None = setting(None, "At most this many steps.", range=Range(1), flags=("--n",))
     loss: str = setting("ce", "The loss.", choices=("ce", "kd"))
     rnn: bool = setting(True, "Use the recurrence.")
@@ -54,7 +56,9 @@ def test_yaml_keys_are_split_across_schemas_and_a_key_no_schema_owns_is_an_error
     assert demo == {"lr": "3e-4", "names": "x,y"} and other == {"port": 9000}
     assert Demo.from_dict(demo, coerce=True).names == ["x", "y"]
     path.write_text("lr: 1\npotr: 1\n")
-    with pytest.raises(ConfigError, match=r"Unknown setting 'potr' in .*r\.yaml\. Did you mean port\?"):
+    with pytest.raises(
+        ConfigError, match=r"Unknown setting 'potr' in .*r\.yaml\. Did you mean port\?"
+    ):
         load_yaml(path, Demo, Other)
     path.write_text("- a list\n")
     with pytest.raises(ConfigError, match="must be a mapping of settings, got list"):
@@ -67,19 +71,33 @@ def test_yaml_keys_are_split_across_schemas_and_a_key_no_schema_owns_is_an_error
 # ---- coercion
 
 
-@pytest.mark.parametrize("key, raw, want", [
-    ("lr", "3e-4", 3e-4), ("lr", 2, 2.0), ("steps", "7", 7), ("steps", 7.0, 7), ("steps", "none", None),
-    ("steps", "", None), ("rnn", "false", False), ("rnn", True, True), ("betas", ["0.8", "0.95"], (0.8, 0.95)),
-    ("betas", "[0.8, 0.95]", (0.8, 0.95)), ("names", "a, b,,c", ["a", "b", "c"]), ("names", ["q"], ["q"]),
-    ("loss", "none", "none"),  # a non-optional string keeps its text
-])
+@pytest.mark.parametrize(
+    "key, raw, want",
+    [
+        ("lr", "3e-4", 3e-4),
+        ("lr", 2, 2.0),
+        ("steps", "7", 7),
+        ("steps", 7.0, 7),
+        ("steps", "none", None),
+        ("steps", "", None),
+        ("rnn", "false", False),
+        ("rnn", True, True),
+        ("betas", ["0.8", "0.95"], (0.8, 0.95)),
+        ("betas", "[0.8, 0.95]", (0.8, 0.95)),
+        ("names", "a, b,,c", ["a", "b", "c"]),
+        ("names", ["q"], ["q"]),
+        ("loss", "none", "none"),  # a non-optional string keeps its text
+    ],
+)
 def test_values_are_converted_to_the_field_type(key, raw, want):
     got = Demo.coerce(key, raw)
     assert got == want and type(got) is type(want)
 
 
-@pytest.mark.parametrize("key, raw", [("lr", "fast"), ("steps", "2.5"), ("steps", True), ("rnn", "maybe"),
-                                      ("rnn", 1), ("lr", [1])])
+@pytest.mark.parametrize(
+    "key, raw",
+    [("lr", "fast"), ("steps", "2.5"), ("steps", True), ("rnn", "maybe"), ("rnn", 1), ("lr", [1])],
+)
 def test_a_value_of_the_wrong_type_is_an_error_naming_flag_value_and_type(key, raw):
     with pytest.raises(ConfigError, match=r"has the wrong type") as exc:
         Demo.coerce(key, raw, where="r.yaml")
@@ -98,7 +116,9 @@ def test_an_unknown_key_given_to_coerce_is_an_error():
 def test_ranges_choices_types_and_the_cross_field_check_are_enforced():
     assert Demo().validate() == Demo()
     assert Demo(steps=None).validate().steps is None  # optional: None allowed whatever the range
-    with pytest.raises(ConfigError, match=r"^--lr 0 is out of range: must be > 0 \(e\.g\. 1e-3\)\.$") as exc:
+    with pytest.raises(
+        ConfigError, match=r"^--lr 0 is out of range: must be > 0 \(e\.g\. 1e-3\)\.$"
+    ) as exc:
         Demo(lr=0).validate()
     assert exc.value.param == "lr"
     with pytest.raises(ConfigError, match=r"^--lr nan is out of range"):
@@ -138,11 +158,25 @@ def _parser(**kw) -> argparse.ArgumentParser:
 
 def test_flags_are_generated_from_the_schema_and_given_tells_what_was_typed():
     p = _parser()
-    args = p.parse_args(["--lr", "3e-4", "--no-rnn", "--betas", "0.8", "0.95", "--n", "4", "--names", "x,y"])
+    args = p.parse_args(
+        ["--lr", "3e-4", "--no-rnn", "--betas", "0.8", "0.95", "--n", "4", "--names", "x,y"]
+    )
     given = Demo.given(args)
-    assert given == {"lr": "3e-4", "rnn": False, "betas": ["0.8", "0.95"], "steps": "4", "names": "x,y"}
+    assert given == {
+        "lr": "3e-4",
+        "rnn": False,
+        "betas": ["0.8", "0.95"],
+        "steps": "4",
+        "names": "x,y",
+    }
     cfg = Demo.from_dict(given, coerce=True)
-    assert (cfg.lr, cfg.rnn, cfg.betas, cfg.steps, cfg.names) == (3e-4, False, (0.8, 0.95), 4, ["x", "y"])
+    assert (cfg.lr, cfg.rnn, cfg.betas, cfg.steps, cfg.names) == (
+        3e-4,
+        False,
+        (0.8, 0.95),
+        4,
+        ["x", "y"],
+    )
     assert Demo.given(p.parse_args([])) == {}
     assert "--secret" not in p.format_help()  # cli=False
 
@@ -206,14 +240,20 @@ def test_model_flags_are_declared_once_and_a_command_keeps_its_own_defaults():
     from redraft.cli import ModelSettings
 
     p = argparse.ArgumentParser(prog="demo")
-    ModelSettings.add_arguments(p, only=("target", "dtype", "drafters"), shown={"dtype": "bfloat16"})
+    ModelSettings.add_arguments(
+        p, only=("target", "dtype", "drafters"), shown={"dtype": "bfloat16"}
+    )
     assert "(default: bfloat16)" in " ".join(p.format_help().split())
     args = p.parse_args(["--drafter", "a", "--drafter", "b"])
     got = ModelSettings.from_args(args, defaults={"dtype": "bfloat16"})
     assert (got.target, got.dtype, got.drafters) == ("default", "bfloat16", ["a", "b"])
     assert (args.target, args.dtype) == ("default", "bfloat16") and not hasattr(args, "threads")
     args = p.parse_args(["--dtype", "float32"])
-    assert ModelSettings.from_args(args, defaults={"dtype": "bfloat16"}).dtype == "float32" == args.dtype
+    assert (
+        ModelSettings.from_args(args, defaults={"dtype": "bfloat16"}).dtype
+        == "float32"
+        == args.dtype
+    )
     p.add_argument("--threads")
     with pytest.raises(ConfigError, match=r"^--threads 0 is out of range: must be >= 1\.$"):
         ModelSettings.from_args(p.parse_args(["--threads", "0"]))

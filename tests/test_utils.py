@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from redraft.errors import ConfigError
-from redraft.utils import atomic_path, atomic_write_text, resolve_device, resolve_dtype, split_revision
+from redraft.utils import (
+    atomic_path,
+    atomic_write_text,
+    resolve_device,
+    resolve_dtype,
+    split_revision,
+)
 
 
 def test_resolve_dtype_names_and_defaults():
@@ -70,7 +76,19 @@ def test_cache_kwargs_uses_the_name_the_forward_takes():
 
     cache = object()
     assert cache_kwargs(Old(), cache) == {"past_key_values": cache}
-    model = LlamaModel(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1))
-    want = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+    model = LlamaModel(
+        LlamaConfig(
+            vocab_size=16,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    want = (
+        "cache"
+        if "cache" in inspect.signature(LlamaModel.forward).parameters
+        else "past_key_values"
+    )
     assert list(cache_kwargs(model, cache)) == [want]

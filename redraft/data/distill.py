@@ -54,15 +54,21 @@ def read_done_ids(path: Path) -> set[str]:
             try:
                 obj = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise DataError(f"{path} line {lineno} is not JSON ({exc}); it is not an output of "
-                                f"{PROG}. Pass a new --output file.") from exc
+                raise DataError(
+                    f"{path} line {lineno} is not JSON ({exc}); it is not an output of "
+                    f"{PROG}. Pass a new --output file."
+                ) from exc
             if not isinstance(obj, dict) or "id" not in obj:
-                raise DataError(f"{path} line {lineno} is a JSON value without an 'id'; it is not an "
-                                f"output of {PROG}. Pass a new --output file.")
+                raise DataError(
+                    f"{path} line {lineno} is a JSON value without an 'id'; it is not an "
+                    f"output of {PROG}. Pass a new --output file."
+                )
             done.add(str(obj["id"]))
             good_end += len(line)
     if good_end < path.stat().st_size:
-        logger.warning("%s ends with an incomplete line (an interrupted run); removing it and resuming", path)
+        logger.warning(
+            "%s ends with an incomplete line (an interrupted run); removing it and resuming", path
+        )
         with open(path, "r+b") as f:
             f.truncate(good_end)
     return done
@@ -75,8 +81,9 @@ def _prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(out)
 
 
-def generate_replies(target, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
-                     top_p: float) -> list[tuple[list[int], bool]]:
+def generate_replies(
+    target, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float
+) -> list[tuple[list[int], bool]]:
     """One batched ``generate`` over left-padded prompts.
 
     Returns, per prompt, the new token ids up to (not including) the first end-of-sequence token,
@@ -92,26 +99,44 @@ def generate_replies(target, prompts: list[list[int]], *, max_new_tokens: int, t
     input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     attention = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        input_ids[i, width - len(p):] = torch.tensor(p)
-        attention[i, width - len(p):] = 1
+        input_ids[i, width - len(p) :] = torch.tensor(p)
+        attention[i, width - len(p) :] = 1
     sample = temperature > 0
     with torch.no_grad():
         out = model.generate(
-            input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
-            max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
-            top_p=top_p if sample else None, top_k=0 if sample else None,  # no hidden top-k cut
-            pad_token_id=pad, eos_token_id=eos,
+            input_ids=input_ids.to(target.device),
+            attention_mask=attention.to(target.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=sample,
+            temperature=temperature if sample else None,
+            top_p=top_p if sample else None,
+            top_k=0 if sample else None,  # no hidden top-k cut
+            pad_token_id=pad,
+            eos_token_id=eos,
         )
     new = out[:, width:].cpu()  # [B, <= max_new_tokens]
     is_eos = torch.isin(new, torch.tensor(eos))
     has_eos = is_eos.any(dim=1)
     # first eos position per row (the row length when there is none), vectorised
-    stop = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, new.shape[1], dtype=torch.long))
+    stop = torch.where(
+        has_eos,
+        is_eos.int().argmax(dim=1),
+        torch.full_like(has_eos, new.shape[1], dtype=torch.long),
+    )
     return [(new[i, : int(stop[i])].tolist(), bool(has_eos[i])) for i in range(len(prompts))]
 
 
-def distill_batch(target, records: list[Record], *, max_new_tokens: int, temperature: float, top_p: float,
-                  max_prompt_tokens: int, counts: dict, max_turns: int | None = None) -> list[Record]:
+def distill_batch(
+    target,
+    records: list[Record],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    max_prompt_tokens: int,
+    counts: dict,
+    max_turns: int | None = None,
+) -> list[Record]:
     """Regenerate the assistant turns of a batch of conversations, turn by turn.
 
     At step ``t`` every conversation that has a ``t``-th user turn (and is still going) gets one
@@ -140,22 +165,36 @@ def distill_batch(target, records: list[Record], *, max_new_tokens: int, tempera
             prompts.append(ids)
         if not active:
             break
-        for c, (reply, stopped) in zip(active, generate_replies(target, prompts, max_new_tokens=max_new_tokens,
-                                                                   temperature=temperature, top_p=top_p)):
+        for c, (reply, stopped) in zip(
+            active,
+            generate_replies(
+                target, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p
+            ),
+        ):
             counts["new_tokens"] += len(reply)
             text = tok.decode(reply, skip_special_tokens=True)
             if not text.strip():
                 c["open"] = False
                 counts["empty_reply"] += 1
                 continue
-            c["messages"] += [{"role": "user", "content": c["users"][t]}, {"role": "assistant", "content": text}]
+            c["messages"] += [
+                {"role": "user", "content": c["users"][t]},
+                {"role": "assistant", "content": text},
+            ]
             if not stopped:
                 c["open"] = False
                 counts["hit_max_new_tokens"] += 1
     out = []
     for c in convs:
         if any(m["role"] == "assistant" for m in c["messages"]):
-            out.append(Record(id=c["record"].id, kind="chat", messages=c["messages"], source=c["record"].source))
+            out.append(
+                Record(
+                    id=c["record"].id,
+                    kind="chat",
+                    messages=c["messages"],
+                    source=c["record"].source,
+                )
+            )
         else:
             counts["no_reply"] += 1
     return out
@@ -169,15 +208,31 @@ def _length_sorted_batches(records, batch_size: int, window: int):
         if not pool:
             return
         if window > 1:
-            pool.sort(key=lambda r: sum(len(m["content"]) for m in r.messages if m["role"] != "assistant"))
+            pool.sort(
+                key=lambda r: sum(len(m["content"]) for m in r.messages if m["role"] != "assistant")
+            )
         for i in range(0, len(pool), batch_size):
-            yield pool[i:i + batch_size]
+            yield pool[i : i + batch_size]
 
 
-def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size: int = 8,
-            temperature: float = 0.0, top_p: float = 1.0, limit: int | None = None, split: str = "all",
-            heldout_fraction: float = 0.02, max_prompt_tokens: int = 2048, seed: int = 0,
-            sort_window: int = 8, progress: bool = True, max_turns: int | None = None) -> dict:
+def distill(
+    target,
+    spec: str,
+    output,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    limit: int | None = None,
+    split: str = "all",
+    heldout_fraction: float = 0.02,
+    max_prompt_tokens: int = 2048,
+    seed: int = 0,
+    sort_window: int = 8,
+    progress: bool = True,
+    max_turns: int | None = None,
+) -> dict:
     """Write the target's own replies for the chats of ``spec`` to ``output`` (ShareGPT JSONL).
 
     Args:
@@ -199,9 +254,9 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
     Returns:
         Counts: written, skipped_done, new_tokens, seconds and why conversations ended early.
     """
-    import torch
     from collections import Counter
 
+    import torch
     from tqdm.auto import tqdm
 
     output = Path(output)
@@ -212,7 +267,9 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
     stats = DataStats()
     counts: Counter = Counter()
     records = iter_records(spec, stats=stats)
-    bar = tqdm(total=limit, desc="distilling", unit=" conv", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=limit, desc="distilling", unit=" conv", disable=not progress, dynamic_ncols=True
+    )
     t0 = time.perf_counter()
     seen = 0
 
@@ -234,13 +291,25 @@ def distill(target, spec: str, output, *, max_new_tokens: int = 256, batch_size:
                 continue
             yield r
 
-    made_with = {"target": target.model_id, "temperature": temperature, "top_p": top_p,
-                 "max_new_tokens": max_new_tokens, "max_turns": max_turns}
+    made_with = {
+        "target": target.model_id,
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_new_tokens": max_new_tokens,
+        "max_turns": max_turns,
+    }
     with open(output, "a", encoding="utf-8") as f:
         for batch in _length_sorted_batches(todo(), batch_size, sort_window):
-            for r in distill_batch(target, batch, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_p=top_p, max_prompt_tokens=max_prompt_tokens, counts=counts,
-                                   max_turns=max_turns):
+            for r in distill_batch(
+                target,
+                batch,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                max_prompt_tokens=max_prompt_tokens,
+                counts=counts,
+                max_turns=max_turns,
+            ):
                 _write_reply(f, r, made_with)
                 done.add(r.id)
                 counts["written"] += 1
@@ -269,47 +338,103 @@ def _no_conversation(spec: str, output: Path, existed: bool, counts, stats) -> N
     """The source held no chat: leave no empty file behind and say what to pass."""
     if not existed and output.stat().st_size == 0:
         output.unlink()
-    raise DataError(f"data spec {spec!r} holds no conversation to distill "
-                    f"({counts['not_a_conversation']} document records; source: {stats.summary()}): "
-                    f"distillation regenerates the assistant turns of chats. Pass a chat source "
-                    f"(default-chat, sharegpt:PATH, ultrachat:PATH_OR_ID).")
+    raise DataError(
+        f"data spec {spec!r} holds no conversation to distill "
+        f"({counts['not_a_conversation']} document records; source: {stats.summary()}): "
+        f"distillation regenerates the assistant turns of chats. Pass a chat source "
+        f"(default-chat, sharegpt:PATH, ultrachat:PATH_OR_ID)."
+    )
 
 
-MODEL_FLAGS = ("target", "dtype", "device")  # the shared model flags it takes (redraft.cli.ModelSettings)
+MODEL_FLAGS = (
+    "target",
+    "dtype",
+    "device",
+)  # the shared model flags it takes (redraft.cli.ModelSettings)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog=PROG,
         description="Regenerate every assistant turn of a chat dataset with the target model and write "
-                    "ShareGPT JSONL (resumable: ids already in --output are skipped).",
+        "ShareGPT JSONL (resumable: ids already in --output are skipped).",
         formatter_class=HelpFormatter,
     )
     ModelSettings.add_arguments(p, only=MODEL_FLAGS)
-    p.add_argument("--data", default="default-chat", help="chat data spec, e.g. default-chat, "
-                   "sharegpt:FILE.jsonl, ultrachat:HuggingFaceH4/ultrachat_200k?split=train_sft")
+    p.add_argument(
+        "--data",
+        default="default-chat",
+        help="chat data spec, e.g. default-chat, "
+        "sharegpt:FILE.jsonl, ultrachat:HuggingFaceH4/ultrachat_200k?split=train_sft",
+    )
     p.add_argument("--output", required=True, help="output JSONL file; appended to when it exists")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply in tokens (at least 1)")
-    p.add_argument("--max-turns", type=int, default=None, help="reply to at most this many user turns per "
-                   "conversation (at least 1; default: all)")
-    p.add_argument("--batch-size", type=int, default=8, help="conversations generated together (at least 1)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else the sampling temperature "
-                   "(a finite number >= 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold when sampling, in (0, 1]")
-    p.add_argument("--limit", type=int, default=None, help="at most this many source conversations, done ones "
-                   "included (at least 1; default: all)")
-    p.add_argument("--split", choices=["all", "train", "heldout"], default="all",
-                   help="which split of the source to distill")
-    p.add_argument("--heldout-fraction", type=float, default=0.02, help="held-out share for --split, in (0, 1)")
-    p.add_argument("--max-prompt-tokens", type=int, default=2048, help="end a conversation before a turn whose "
-                   "prompt is longer")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=256, help="longest reply in tokens (at least 1)"
+    )
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        default=None,
+        help="reply to at most this many user turns per conversation (at least 1; default: all)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="conversations generated together (at least 1)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy, else the sampling temperature (a finite number >= 0)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling threshold when sampling, in (0, 1]",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="at most this many source conversations, done ones "
+        "included (at least 1; default: all)",
+    )
+    p.add_argument(
+        "--split",
+        choices=["all", "train", "heldout"],
+        default="all",
+        help="which split of the source to distill",
+    )
+    p.add_argument(
+        "--heldout-fraction", type=float, default=0.02, help="held-out share for --split, in (0, 1)"
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=2048,
+        help="end a conversation before a turn whose prompt is longer",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice; on a "
-                   "CPU shared with other jobs 1 thread can be several times faster)")
-    p.add_argument("--sort-window", type=int, default=8, help="read this many batches ahead and sort them by "
-                   "prompt length to pad less; 1 keeps the source order")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="show a progress bar")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice; on a "
+        "CPU shared with other jobs 1 thread can be several times faster)",
+    )
+    p.add_argument(
+        "--sort-window",
+        type=int,
+        default=8,
+        help="read this many batches ahead and sort them by "
+        "prompt length to pad less; 1 keeps the source order",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="show a progress bar",
+    )
     return p
 
 
@@ -321,9 +446,12 @@ def check_args(args) -> None:
         DataError: a data spec that does not parse or names only document sources.
     """
     ModelSettings.from_args(args)  # the shared model flags: typed, checked, defaults set on args
+
     def bad(name: str, rule: str):
         value = getattr(args, name)
-        return ConfigError(f"--{name.replace('_', '-')} {value} is out of range: {rule}.", param=name)
+        return ConfigError(
+            f"--{name.replace('_', '-')} {value} is out of range: {rule}.", param=name
+        )
 
     if args.threads is not None and args.threads < 1:
         raise bad("threads", "it must be at least 1 (leave it out for torch's choice)")
@@ -342,20 +470,29 @@ def check_args(args) -> None:
         raise bad("heldout_fraction", "it must be in (0, 1)")
     components = parse_spec(args.data)  # DataError naming the spec
     if all(c.kind in DOCUMENT_KINDS for c in components):
-        raise ConfigError(f"--data {args.data!r} holds documents (code files), not conversations: "
-                          f"distillation regenerates the assistant turns of chats. Pass a chat source "
-                          f"(default-chat, sharegpt:PATH, ultrachat:PATH_OR_ID).", param="data")
+        raise ConfigError(
+            f"--data {args.data!r} holds documents (code files), not conversations: "
+            f"distillation regenerates the assistant turns of chats. Pass a chat source "
+            f"(default-chat, sharegpt:PATH, ultrachat:PATH_OR_ID).",
+            param="data",
+        )
     out = Path(args.output).expanduser()
     if out.is_dir():
-        raise ConfigError(f"--output {out} is a directory; pass a .jsonl file path (created, or "
-                          f"appended to when it exists).", param="output")
+        raise ConfigError(
+            f"--output {out} is a directory; pass a .jsonl file path (created, or "
+            f"appended to when it exists).",
+            param="output",
+        )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"--output {out}: its folder cannot be created ({exc.strerror or exc}).",
-                          param="output") from exc
+        raise ConfigError(
+            f"--output {out}: its folder cannot be created ({exc.strerror or exc}).", param="output"
+        ) from exc
     if not os.access(out if out.exists() else out.parent, os.W_OK):
-        raise ConfigError(f"--output {out} is not writable; pass a file you can write.", param="output")
+        raise ConfigError(
+            f"--output {out} is not writable; pass a file you can write.", param="output"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,23 +510,51 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         dtype = resolve_dtype(args.dtype, device) if args.dtype is not None else None
         target = load_target(args.target, dtype=dtype, device=device)
-        result = distill(target, args.data, args.output, max_new_tokens=args.max_new_tokens,
-                         batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
-                         limit=args.limit, split=args.split, heldout_fraction=args.heldout_fraction,
-                         max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                         sort_window=args.sort_window, progress=args.progress, max_turns=args.max_turns)
+        result = distill(
+            target,
+            args.data,
+            args.output,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            limit=args.limit,
+            split=args.split,
+            heldout_fraction=args.heldout_fraction,
+            max_prompt_tokens=args.max_prompt_tokens,
+            seed=args.seed,
+            sort_window=args.sort_window,
+            progress=args.progress,
+            max_turns=args.max_turns,
+        )
     except RedraftError as exc:
         print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; the conversations written so far are kept (run the same "
-              f"command again to resume).", file=sys.stderr)
+        print(
+            f"{PROG}: interrupted; the conversations written so far are kept (run the same "
+            f"command again to resume).",
+            file=sys.stderr,
+        )
         return 130
-    print(f"wrote {result.get('written', 0)} conversations to {args.output} "
-          f"({result.get('skipped_done', 0)} already there; {result.get('new_tokens', 0)} new tokens in "
-          f"{result['seconds']} s); source: {result['source']}", file=sys.stderr)
-    ended = {k: v for k, v in result.items()
-             if k in ("prompt_too_long", "empty_reply", "hit_max_new_tokens", "no_reply", "not_a_conversation")}
+    print(
+        f"wrote {result.get('written', 0)} conversations to {args.output} "
+        f"({result.get('skipped_done', 0)} already there; {result.get('new_tokens', 0)} new tokens in "
+        f"{result['seconds']} s); source: {result['source']}",
+        file=sys.stderr,
+    )
+    ended = {
+        k: v
+        for k, v in result.items()
+        if k
+        in (
+            "prompt_too_long",
+            "empty_reply",
+            "hit_max_new_tokens",
+            "no_reply",
+            "not_a_conversation",
+        )
+    }
     if ended:
         print(f"ended early or skipped: {ended}", file=sys.stderr)
     return 0

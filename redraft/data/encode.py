@@ -43,8 +43,16 @@ from redraft.data.records import DataStats, Record, Skip
 from redraft.errors import DataError
 
 # Tokens that end a turn in common templates; only used to trim the span's tail (see above).
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>", "<|endoftext|>",
-                      "<|end_of_text|>", "<|return|>")
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "</s>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|return|>",
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,8 +69,10 @@ class ChatRenderer:
     def __init__(self, tokenizer):
         template = getattr(tokenizer, "chat_template", None)
         if not template:
-            raise DataError(f"The tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template, so "
-                            f"chat data cannot be rendered. Use a chat model or document data (stack:, code-dir:).")
+            raise DataError(
+                f"The tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template, so "
+                f"chat data cannot be rendered. Use a chat model or document data (stack:, code-dir:)."
+            )
         if isinstance(template, dict):
             template = template.get("default") or next(iter(template.values()))
         self.tokenizer = tokenizer
@@ -84,10 +94,16 @@ class ChatRenderer:
             except ImportError:  # a transformers without the helper: the public (slower) path
                 self._compiled = False
         if self._compiled is False:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-        return self._compiled.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.variables)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        return self._compiled.render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.variables,
+        )
 
     def render_with_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The full rendering and the ``[start, end)`` character span of each assistant reply.
@@ -103,10 +119,14 @@ class ChatRenderer:
                 if m["role"] != "assistant":
                     continue
                 before = self.render(messages[:k], add_generation_prompt=True) if k else ""
-                through = full if k == len(messages) - 1 else self.render(messages[:k + 1])
+                through = full if k == len(messages) - 1 else self.render(messages[: k + 1])
                 if not full.startswith(through):
                     raise Skip("template_not_prefix")
-                start = len(before) if through.startswith(before) else _common_prefix_len(before, through)
+                start = (
+                    len(before)
+                    if through.startswith(before)
+                    else _common_prefix_len(before, through)
+                )
                 if start < len(through):
                     spans.append((start, len(through)))
         except Skip:
@@ -136,7 +156,9 @@ def end_of_turn_ids(tokenizer) -> set[int]:
     return ids
 
 
-def span_token_mask(encoding, ids: np.ndarray, spans: list[tuple[int, int]], eot_ids: set[int]) -> np.ndarray:
+def span_token_mask(
+    encoding, ids: np.ndarray, spans: list[tuple[int, int]], eot_ids: set[int]
+) -> np.ndarray:
     """Loss mask ``[T]`` (int8) of one tokenized rendering from its assistant character spans.
 
     ``encoding`` is the ``tokenizers.Encoding`` of the full text and ``ids`` its ids ``[T]``. A
@@ -154,7 +176,7 @@ def span_token_mask(encoding, ids: np.ndarray, spans: list[tuple[int, int]], eot
             if int(ids[t]) in eot_ids:
                 t1 = t
                 break
-        mask[t0:t1 + 1] = 1
+        mask[t0 : t1 + 1] = 1
     return mask
 
 
@@ -190,10 +212,14 @@ class Encoder:
     def __init__(self, tokenizer, mode: str, max_length: int | None, pack: bool):
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
-            raise DataError(f"{type(tokenizer).__name__} is not a fast tokenizer; redraft.data needs one "
-                            f"(load it with AutoTokenizer.from_pretrained(..., use_fast=True)).")
+            raise DataError(
+                f"{type(tokenizer).__name__} is not a fast tokenizer; redraft.data needs one "
+                f"(load it with AutoTokenizer.from_pretrained(..., use_fast=True))."
+            )
         self.backend = backend
-        self.renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        self.renderer = (
+            ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        )
         self.eot_ids = end_of_turn_ids(tokenizer)
         self.mode, self.max_length, self.pack = mode, max_length, pack
 
@@ -207,7 +233,9 @@ class Encoder:
                 docs.append((i, r.text, None))
                 continue
             if self.renderer is None:
-                raise DataError("The tokenizer has no chat template, so chat data cannot be rendered.")
+                raise DataError(
+                    "The tokenizer has no chat template, so chat data cannot be rendered."
+                )
             try:
                 if self.mode == "mask":
                     text, spans = self.renderer.render_with_spans(r.messages)
@@ -218,7 +246,9 @@ class Encoder:
                 continue
             chats.append((i, text, spans))
         if chats:
-            encodings = self.backend.encode_batch([t for _, t, _ in chats], add_special_tokens=False)
+            encodings = self.backend.encode_batch(
+                [t for _, t, _ in chats], add_special_tokens=False
+            )
             for (i, _, spans), enc in zip(chats, encodings):
                 ids = np.asarray(enc.ids, dtype=np.int32)
                 if self.mode == "arrays":
@@ -235,11 +265,18 @@ class Encoder:
             encodings = self.backend.encode_batch([t for _, t, _ in docs], add_special_tokens=True)
             for (i, _, _), enc in zip(docs, encodings):
                 rid, ids = records[i].id, np.asarray(enc.ids, dtype=np.int32)
-                if self.mode == "arrays" or self.pack or self.max_length is None or len(ids) <= self.max_length:
+                if (
+                    self.mode == "arrays"
+                    or self.pack
+                    or self.max_length is None
+                    or len(ids) <= self.max_length
+                ):
                     windows = [(rid, ids)]
                 else:  # a long document becomes consecutive windows, each a row of its own
-                    windows = [(f"{rid}#{w}", ids[s:s + self.max_length])
-                               for w, s in enumerate(range(0, len(ids), self.max_length))]
+                    windows = [
+                        (f"{rid}#{w}", ids[s : s + self.max_length])
+                        for w, s in enumerate(range(0, len(ids), self.max_length))
+                    ]
                 for wid, w in windows:
                     if len(w) >= 2:
                         mask = np.ones(len(w), dtype=np.int8) if self.mode == "mask" else None
@@ -249,8 +286,12 @@ class Encoder:
         flat = np.concatenate([r[1] for r in flat_rows]) if flat_rows else np.zeros(0, np.int32)
         flat_mask = None
         if self.mode == "mask":
-            flat_mask = np.concatenate([r[2] for r in flat_rows]) if flat_rows else np.zeros(0, np.int8)
-        return Chunk([r[0] for r in flat_rows], lengths, flat, flat_mask, stats.to_dict(), len(records))
+            flat_mask = (
+                np.concatenate([r[2] for r in flat_rows]) if flat_rows else np.zeros(0, np.int8)
+            )
+        return Chunk(
+            [r[0] for r in flat_rows], lengths, flat, flat_mask, stats.to_dict(), len(records)
+        )
 
 
 _WORKER_ENCODER: Encoder | None = None
@@ -281,7 +322,10 @@ def _fork_pool(ctx, num_proc: int, encoder: Encoder):
 
     if threading.current_thread() is not threading.main_thread():
         return ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder,))
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL), signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = (
+        signal.signal(signal.SIGTERM, signal.SIG_DFL),
+        signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     try:
         return ctx.Pool(num_proc, initializer=_worker_init, initargs=(encoder,))
     finally:

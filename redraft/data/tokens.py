@@ -57,21 +57,31 @@ def _tokenizer_key(tokenizer) -> dict:
     return {
         "fingerprint": tokenizer_fingerprint(tokenizer),
         "tokenizer_json": hashlib.sha256(blob.encode()).hexdigest()[:16],
-        "chat_template": hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16],
+        "chat_template": hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[
+            :16
+        ],
         "special_tokens": getattr(tokenizer, "special_tokens_map", {}),
     }
 
 
 def _cache_entry(kind: str, spec: str, tokenizer, settings: dict, cache_dir) -> tuple[Path, dict]:
-    key = {"format": FORMAT_VERSION, "kind": kind, "spec": spec, "source": source_state(spec),
-           "tokenizer": _tokenizer_key(tokenizer), "settings": settings}
+    key = {
+        "format": FORMAT_VERSION,
+        "kind": kind,
+        "spec": spec,
+        "source": source_state(spec),
+        "tokenizer": _tokenizer_key(tokenizer),
+        "settings": settings,
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", spec)[-48:].strip("_") or "data"
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return root / f"{kind}-{slug}-{digest}", key
 
 
-def _split_filter(records: Iterator[Record], split: str, heldout_fraction: float, limit: int | None):
+def _split_filter(
+    records: Iterator[Record], split: str, heldout_fraction: float, limit: int | None
+):
     if split not in SPLITS:
         raise DataError(f"split={split!r} is not one of {SPLITS}.")
     n = 0
@@ -109,9 +119,9 @@ class _Packer:
         n = len(ids) // self.L
         out_ids = list(ids[: n * self.L].reshape(n, self.L)) if n else []
         out_mask = list(mask[: n * self.L].reshape(n, self.L)) if n else []
-        if final and len(ids) - n * self.L >= 2 and mask[n * self.L:].any():
-            out_ids.append(ids[n * self.L:])
-            out_mask.append(mask[n * self.L:])
+        if final and len(ids) - n * self.L >= 2 and mask[n * self.L :].any():
+            out_ids.append(ids[n * self.L :])
+            out_mask.append(mask[n * self.L :])
             n += 1
         names = [f"pack-{self.rows + i}" for i in range(len(out_ids))]
         self.rows += len(out_ids)
@@ -141,20 +151,41 @@ def _arrow_batch(chunk: Chunk, schema):
 
     offsets = np.zeros(len(chunk.lengths) + 1, dtype=np.int32)  # per batch, so int32 is plenty
     np.cumsum(chunk.lengths, out=offsets[1:])
-    cols = [pa.array(chunk.ids, pa.string()),
-            pa.ListArray.from_arrays(pa.array(offsets), pa.array(chunk.input_ids, pa.int32()))]
+    cols = [
+        pa.array(chunk.ids, pa.string()),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(chunk.input_ids, pa.int32())),
+    ]
     if chunk.loss_mask is not None:
-        cols.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(chunk.loss_mask, pa.int8())))
+        cols.append(
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(chunk.loss_mask, pa.int8()))
+        )
     return pa.RecordBatch.from_arrays(cols, schema=schema)
 
 
-def _build(kind: str, spec: str, tokenizer, *, split: str, heldout_fraction: float, max_length: int | None,
-           pack: bool, limit: int | None, num_proc: int | None, cache_dir, progress: bool) -> Path:
+def _build(
+    kind: str,
+    spec: str,
+    tokenizer,
+    *,
+    split: str,
+    heldout_fraction: float,
+    max_length: int | None,
+    pack: bool,
+    limit: int | None,
+    num_proc: int | None,
+    cache_dir,
+    progress: bool,
+) -> Path:
     """Build (or find) the cached Arrow file for these settings; return its folder."""
     if pack and not max_length:
         raise DataError("pack=True needs a max_length (the length of each packed row).")
-    settings = {"split": split, "heldout_fraction": heldout_fraction, "max_length": max_length, "pack": pack,
-                "limit": limit}
+    settings = {
+        "split": split,
+        "heldout_fraction": heldout_fraction,
+        "max_length": max_length,
+        "pack": pack,
+        "limit": limit,
+    }
     entry, key = _cache_entry(kind, spec, tokenizer, settings, cache_dir)
     if (entry / "meta.json").is_file() and (entry / "data.arrow").is_file():
         return entry
@@ -182,7 +213,10 @@ def _build(kind: str, spec: str, tokenizer, *, split: str, heldout_fraction: flo
     worker_stats = DataStats()
     bar = tqdm(desc=f"tokenizing {spec}", unit=" rec", disable=not progress, dynamic_ncols=True)
     try:
-        with pa.OSFile(str(tmp / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        with (
+            pa.OSFile(str(tmp / "data.arrow"), "wb") as sink,
+            pa.ipc.new_stream(sink, schema) as writer,
+        ):
 
             def write(c: Chunk) -> None:
                 nonlocal n_rows, n_tokens, n_loss
@@ -197,21 +231,39 @@ def _build(kind: str, spec: str, tokenizer, *, split: str, heldout_fraction: flo
                 worker_stats.update(chunk.stats)
                 write(packer.add(chunk) if packer else chunk)
                 bar.update(chunk.n_records)
-                bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
+                bar.set_postfix_str(
+                    f"{n_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False
+                )
             if packer:
                 write(packer.finish())
         bar.close()
         seconds = time.perf_counter() - t0
         dropped = ", ".join(f"{k} {v:,}" for k, v in worker_stats.skipped.most_common()) or "none"
-        summary = (f"read {stats.summary()}; split {split}: {n_records:,} records, dropped while tokenizing: "
-                   f"{dropped}; {n_rows:,} rows, {n_tokens:,} tokens ({n_loss:,} in the loss)")
-        meta = {"key": key, "records": n_records, "rows": n_rows, "tokens": n_tokens, "loss_tokens": n_loss,
-                "seconds": round(seconds, 3), "source_stats": stats.to_dict(),
-                "tokenize_skipped": dict(worker_stats.skipped), "summary": summary}
+        summary = (
+            f"read {stats.summary()}; split {split}: {n_records:,} records, dropped while tokenizing: "
+            f"{dropped}; {n_rows:,} rows, {n_tokens:,} tokens ({n_loss:,} in the loss)"
+        )
+        meta = {
+            "key": key,
+            "records": n_records,
+            "rows": n_rows,
+            "tokens": n_tokens,
+            "loss_tokens": n_loss,
+            "seconds": round(seconds, 3),
+            "source_stats": stats.to_dict(),
+            "tokenize_skipped": dict(worker_stats.skipped),
+            "summary": summary,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
         if n_rows == 0:  # legitimate (a small file's held-out split) but worth a word
-            logger.warning("data spec %r (split=%s) gave no rows: %s. Check the source, the split "
-                           "(heldout_fraction=%s) and max_length.", spec, split, summary, heldout_fraction)
+            logger.warning(
+                "data spec %r (split=%s) gave no rows: %s. Check the source, the split "
+                "(heldout_fraction=%s) and max_length.",
+                spec,
+                split,
+                summary,
+                heldout_fraction,
+            )
         try:
             os.replace(tmp, entry)
         except OSError:  # another process finished the same entry first: use theirs
@@ -221,8 +273,11 @@ def _build(kind: str, spec: str, tokenizer, *, split: str, heldout_fraction: flo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if progress:
-        print(f"{spec}: {summary}; {seconds:.1f} s ({n_records / max(seconds, 1e-9):,.0f} records/s, "
-              f"{n_tokens / max(seconds, 1e-9):,.0f} tokens/s)", file=sys.stderr)
+        print(
+            f"{spec}: {summary}; {seconds:.1f} s ({n_records / max(seconds, 1e-9):,.0f} records/s, "
+            f"{n_tokens / max(seconds, 1e-9):,.0f} tokens/s)",
+            file=sys.stderr,
+        )
     return entry
 
 
@@ -246,9 +301,19 @@ def cache_meta(path: Path) -> dict:
 # public API
 
 
-def build_token_dataset(spec: str, tokenizer, *, split: str = "train", max_length: int = 2048, pack: bool = False,
-                        heldout_fraction: float = 0.02, num_proc: int | None = None, cache_dir=None,
-                        limit: int | None = None, progress: bool = True):
+def build_token_dataset(
+    spec: str,
+    tokenizer,
+    *,
+    split: str = "train",
+    max_length: int = 2048,
+    pack: bool = False,
+    heldout_fraction: float = 0.02,
+    num_proc: int | None = None,
+    cache_dir=None,
+    limit: int | None = None,
+    progress: bool = True,
+):
     """Token ids and assistant-only loss masks of a data spec, as a ``datasets.Dataset``.
 
     Args:
@@ -275,15 +340,34 @@ def build_token_dataset(spec: str, tokenizer, *, split: str = "train", max_lengt
     """
     from datasets import Dataset
 
-    entry = _build("tokens", spec, tokenizer, split=split, heldout_fraction=heldout_fraction,
-                   max_length=max_length, pack=pack, limit=limit, num_proc=num_proc, cache_dir=cache_dir,
-                   progress=progress)
+    entry = _build(
+        "tokens",
+        spec,
+        tokenizer,
+        split=split,
+        heldout_fraction=heldout_fraction,
+        max_length=max_length,
+        pack=pack,
+        limit=limit,
+        num_proc=num_proc,
+        cache_dir=cache_dir,
+        progress=progress,
+    )
     return Dataset.from_file(str(entry / "data.arrow"))
 
 
-def iter_token_arrays(spec: str, tokenizer, *, split: str = "all", heldout_fraction: float = 0.02,
-                      limit: int | None = None, num_proc: int | None = None, cache_dir=None,
-                      progress: bool = True, meta: dict | None = None) -> Iterator[np.ndarray]:
+def iter_token_arrays(
+    spec: str,
+    tokenizer,
+    *,
+    split: str = "all",
+    heldout_fraction: float = 0.02,
+    limit: int | None = None,
+    num_proc: int | None = None,
+    cache_dir=None,
+    progress: bool = True,
+    meta: dict | None = None,
+) -> Iterator[np.ndarray]:
     """Yield the int32 token ids of each record: a chat's full rendering, a whole document.
 
     Built like :func:`build_token_dataset` (parallel, cached) without masks or truncation; the
@@ -293,8 +377,19 @@ def iter_token_arrays(spec: str, tokenizer, *, split: str = "all", heldout_fract
     """
     import pyarrow as pa
 
-    entry = _build("arrays", spec, tokenizer, split=split, heldout_fraction=heldout_fraction, max_length=None,
-                   pack=False, limit=limit, num_proc=num_proc, cache_dir=cache_dir, progress=progress)
+    entry = _build(
+        "arrays",
+        spec,
+        tokenizer,
+        split=split,
+        heldout_fraction=heldout_fraction,
+        max_length=None,
+        pack=False,
+        limit=limit,
+        num_proc=num_proc,
+        cache_dir=cache_dir,
+        progress=progress,
+    )
     if meta is not None:
         meta.update(cache_meta(entry))
     with pa.memory_map(str(entry / "data.arrow")) as source:
@@ -304,4 +399,4 @@ def iter_token_arrays(spec: str, tokenizer, *, split: str = "all", heldout_fract
             offsets = col.offsets.to_numpy()
             values = col.values.to_numpy()
             for i in range(len(col)):
-                yield values[offsets[i]:offsets[i + 1]]
+                yield values[offsets[i] : offsets[i + 1]]

@@ -15,11 +15,17 @@ parsers need) does not load torch.
 import importlib
 
 _WHERE = {
-    "DecoderConfig": "config", "SamplingParams": "config",
-    "SpeculativeDecoder": "decoder", "plain_greedy": "decoder",
+    "DecoderConfig": "config",
+    "SamplingParams": "config",
+    "SpeculativeDecoder": "decoder",
+    "plain_greedy": "decoder",
     "Engine": "engine",
-    "load_decoder": "loader", "load_preset": "loader", "read_preset": "loader",
-    "Generation": "stats", "RequestStats": "stats", "StreamEvent": "stats",
+    "load_decoder": "loader",
+    "load_preset": "loader",
+    "read_preset": "loader",
+    "Generation": "stats",
+    "RequestStats": "stats",
+    "StreamEvent": "stats",
 }
 
 __all__ = sorted(_WHERE)

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
 import torch
 
 from redraft.infer.config import TYPICAL_DELTA, TYPICAL_EPS
@@ -84,16 +83,31 @@ class RowSampling:
             min_tokens) or ``None``; the engine sets it every step for rows that use them.
     """
 
-    def __init__(self, temperature, top_p, generators=None, device=None, uniforms=None, top_k=None, min_p=None,
-                 logprobs=None):
-        t = temperature.tolist() if isinstance(temperature, torch.Tensor) else [float(x) for x in temperature]
+    def __init__(
+        self,
+        temperature,
+        top_p,
+        generators=None,
+        device=None,
+        uniforms=None,
+        top_k=None,
+        min_p=None,
+        logprobs=None,
+    ):
+        t = (
+            temperature.tolist()
+            if isinstance(temperature, torch.Tensor)
+            else [float(x) for x in temperature]
+        )
         p = top_p.tolist() if isinstance(top_p, torch.Tensor) else [float(x) for x in top_p]
         self.temperature = torch.tensor(t, dtype=torch.float32, device=device)  # [B]
         self.top_p = torch.tensor(p, dtype=torch.float32, device=device)  # [B]
         k = [int(x) if y > 0 else 0 for x, y in zip(top_k or [0] * len(t), t)]
         m = [float(x) if y > 0 else 0.0 for x, y in zip(min_p or [0.0] * len(t), t)]
         self.top_k_max = max(k, default=0)  # host: 0 when no sampled row has a top_k
-        self.top_k = torch.tensor(k, dtype=torch.long, device=device) if self.top_k_max else None  # [B]
+        self.top_k = (
+            torch.tensor(k, dtype=torch.long, device=device) if self.top_k_max else None
+        )  # [B]
         self.min_p = torch.tensor(m, dtype=torch.float32, device=device) if any(m) else None  # [B]
         self.logprobs = list(logprobs) if logprobs else [None] * len(t)
         self.logprob_rows = [r for r, x in enumerate(self.logprobs) if x is not None]
@@ -109,14 +123,20 @@ class RowSampling:
             width = max(len(uniforms[r]) for r in self.seeded)
             table = torch.full((len(t), width), 0.5, dtype=torch.float64)
             for r in self.seeded:
-                table[r, :len(uniforms[r])] = uniforms[r]
+                table[r, : len(uniforms[r])] = uniforms[r]
             self.uniforms = table.to(device)  # [B, U]
         self.offset = torch.zeros(len(t), dtype=torch.long, device=device)
-        self.groups = _by_id(self.generators)  # every row by generator (drafters that sample use it)
-        self._target_groups = _by_id(self.generators, skip=set(self.seeded))  # the target's multinomial draws
+        self.groups = _by_id(
+            self.generators
+        )  # every row by generator (drafters that sample use it)
+        self._target_groups = _by_id(
+            self.generators, skip=set(self.seeded)
+        )  # the target's multinomial draws
 
     @classmethod
-    def uniform(cls, batch: int, temperature: float = 0.0, top_p: float = 1.0, generator=None, device=None):
+    def uniform(
+        cls, batch: int, temperature: float = 0.0, top_p: float = 1.0, generator=None, device=None
+    ):
         """Every row with the same settings and one shared generator."""
         return cls([temperature] * batch, [top_p] * batch, [generator] * batch, device)
 
@@ -136,8 +156,14 @@ def seed_uniforms(seed: int, n: int) -> torch.Tensor:
     return torch.rand(n, dtype=torch.float64, generator=gen)
 
 
-def warp_probs(logits: torch.Tensor, temperature, top_p=1.0, top_k: torch.Tensor | None = None,
-               min_p: torch.Tensor | None = None, top_k_max: int = 0) -> torch.Tensor:
+def warp_probs(
+    logits: torch.Tensor,
+    temperature,
+    top_p=1.0,
+    top_k: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    top_k_max: int = 0,
+) -> torch.Tensor:
     """Target distribution after temperature, ``min_p``, ``top_k`` and nucleus (top-p) warping,
     in that order (vLLM's): ``[B, ..., V]`` probs.
 
@@ -154,7 +180,9 @@ def warp_probs(logits: torch.Tensor, temperature, top_p=1.0, top_k: torch.Tensor
         logits = logits.masked_fill(logits < cut, float("-inf"))
     if top_k is not None and top_k_max:
         kth = logits.topk(min(top_k_max, logits.shape[-1]), dim=-1).values  # [B, ..., kmax]
-        k = (top_k.clamp(1, kth.shape[-1]) - 1).reshape(lead).expand(*kth.shape[:-1], 1)  # [B, ..., 1]
+        k = (
+            (top_k.clamp(1, kth.shape[-1]) - 1).reshape(lead).expand(*kth.shape[:-1], 1)
+        )  # [B, ..., 1]
         cut = torch.where(top_k.reshape(lead) > 0, kth.gather(-1, k), float("-inf"))
         logits = logits.masked_fill(logits < cut, float("-inf"))
     per_row = isinstance(top_p, torch.Tensor) and top_p.dim() > 0
@@ -182,7 +210,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def sample_tokens(logits: torch.Tensor, rows: RowSampling, depth: torch.Tensor | int = 0) -> torch.Tensor:
+def sample_tokens(
+    logits: torch.Tensor, rows: RowSampling, depth: torch.Tensor | int = 0
+) -> torch.Tensor:
     """One token per row and node from the warped target distribution: ``[B, ...]`` long
     (greedy rows take the argmax). ``logits [B, ..., V]``; ``depth`` (``[B, ...]`` or an int):
     how many output tokens after the row's ``offset`` each draw makes, which picks the uniform
@@ -190,8 +220,14 @@ def sample_tokens(logits: torch.Tensor, rows: RowSampling, depth: torch.Tensor |
     greedy = greedy_tokens(logits)
     if rows.all_greedy:
         return greedy
-    probs = warp_probs(logits, rows.temperature, rows.top_p if rows.any_top_p else 1.0, rows.top_k, rows.min_p,
-                       rows.top_k_max)
+    probs = warp_probs(
+        logits,
+        rows.temperature,
+        rows.top_p if rows.any_top_p else 1.0,
+        rows.top_k,
+        rows.min_p,
+        rows.top_k_max,
+    )
     B, V = probs.shape[0], probs.shape[-1]
     dev = probs.device
     out = greedy.clone()
@@ -205,15 +241,25 @@ def sample_tokens(logits: torch.Tensor, rows: RowSampling, depth: torch.Tensor |
     if rows.seeded:  # inverse CDF with the uniform of the output token each draw would be
         idx = torch.tensor(rows.seeded, device=dev)
         sub = probs[idx]  # [s, ..., V]
-        pos = (rows.offset[idx].reshape((-1,) + (1,) * (sub.dim() - 2)) + torch.as_tensor(depth, device=dev)[idx]
-               if isinstance(depth, torch.Tensor) else rows.offset[idx].reshape((-1,) + (1,) * (sub.dim() - 2)) + depth)
+        pos = (
+            rows.offset[idx].reshape((-1,) + (1,) * (sub.dim() - 2))
+            + torch.as_tensor(depth, device=dev)[idx]
+            if isinstance(depth, torch.Tensor)
+            else rows.offset[idx].reshape((-1,) + (1,) * (sub.dim() - 2)) + depth
+        )
         pos = pos.expand(sub.shape[:-1]).clamp(max=rows.uniforms.shape[1] - 1)
         u = rows.uniforms[idx].gather(1, pos.reshape(len(idx), -1)).reshape(sub.shape[:-1])
         cdf = sub.double().cumsum(dim=-1)
-        draw = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1).clamp(max=V - 1)
+        draw = (
+            torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1), right=True)
+            .squeeze(-1)
+            .clamp(max=V - 1)
+        )
         out[idx] = draw
     if rows.any_greedy:
-        out = torch.where((rows.temperature <= 0).reshape((-1,) + (1,) * (out.dim() - 1)), greedy, out)
+        out = torch.where(
+            (rows.temperature <= 0).reshape((-1,) + (1,) * (out.dim() - 1)), greedy, out
+        )
     return out
 
 
@@ -226,7 +272,9 @@ def _path_from_last(tree: Tree, last: torch.Tensor) -> Acceptance:
     node_ar = torch.arange(N, device=dev).expand(B, N)
     # each depth has exactly one node on the path: scatter node index into its depth slot
     slot = torch.where(on_path, tree.depth, torch.full_like(tree.depth, D))
-    path = torch.full((B, D + 1), -1, dtype=torch.long, device=dev).scatter_(1, slot, node_ar)[:, :D]
+    path = torch.full((B, D + 1), -1, dtype=torch.long, device=dev).scatter_(1, slot, node_ar)[
+        :, :D
+    ]
     num = tree.depth.gather(1, last[:, None])[:, 0]
     path = torch.where(torch.arange(D, device=dev)[None] <= num[:, None], path, -1)
     return Acceptance(path=path, num_accepted=num, last_node=last, bonus=torch.zeros_like(last))
@@ -267,8 +315,13 @@ def accept_rejection(tree: Tree, logits: torch.Tensor, rows: RowSampling) -> Acc
     return _follow(tree, sample_tokens(logits, rows, tree.depth))
 
 
-def accept_typical(tree: Tree, logits: torch.Tensor, rows: RowSampling, eps: float = TYPICAL_EPS,
-                   delta: float = TYPICAL_DELTA) -> Acceptance:
+def accept_typical(
+    tree: Tree,
+    logits: torch.Tensor,
+    rows: RowSampling,
+    eps: float = TYPICAL_EPS,
+    delta: float = TYPICAL_DELTA,
+) -> Acceptance:
     """Typical acceptance: ``p(t) > min(eps, delta * exp(-H(p_parent)))``. Not lossless.
     Probabilities are at each row's temperature (1 for greedy rows)."""
     temp = torch.where(rows.temperature > 0, rows.temperature, torch.ones_like(rows.temperature))
@@ -276,7 +329,9 @@ def accept_typical(tree: Tree, logits: torch.Tensor, rows: RowSampling, eps: flo
     ent = -(probs * probs.clamp_min(1e-20).log()).sum(dim=-1)  # [B, N]
     thresh = torch.minimum(torch.full_like(ent, eps), delta * torch.exp(-ent))
     par = tree.parent.clamp_min(0)
-    p_tok = probs.gather(1, par[:, :, None].expand_as(probs)).gather(2, tree.tokens.clamp_min(0)[:, :, None])[:, :, 0]
+    p_tok = probs.gather(1, par[:, :, None].expand_as(probs)).gather(
+        2, tree.tokens.clamp_min(0)[:, :, None]
+    )[:, :, 0]
     ok = (p_tok > thresh.gather(1, par)) & tree.valid
     ok[:, 0] = True
     ok |= _child_ok(tree, greedy_tokens(logits))  # the target's own argmax is always acceptable
@@ -331,8 +386,16 @@ class HostAcceptance:
     emitted: list
 
 
-def step_choices(rule: str, tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, logits: torch.Tensor,
-                 rows: RowSampling, eps: float = TYPICAL_EPS, delta: float = TYPICAL_DELTA) -> torch.Tensor:
+def step_choices(
+    rule: str,
+    tokens: torch.Tensor,
+    parent: torch.Tensor,
+    depth: torch.Tensor,
+    logits: torch.Tensor,
+    rows: RowSampling,
+    eps: float = TYPICAL_EPS,
+    delta: float = TYPICAL_DELTA,
+) -> torch.Tensor:
     """``[R, B, N]`` long: what the acceptance ``rule`` needs of every node of the packed trees
     ``tokens / parent / depth [B, N]`` given the target's ``logits [B, N, V]`` after each node
     (processed already: :func:`processed_logits`).
@@ -352,20 +415,31 @@ def step_choices(rule: str, tokens: torch.Tensor, parent: torch.Tensor, depth: t
     ent = -(probs * probs.clamp_min(1e-20).log()).sum(dim=-1)  # [B, N]
     thresh = torch.minimum(torch.full_like(ent, eps), delta * torch.exp(-ent))
     par = parent.clamp_min(0)
-    p_tok = probs.gather(1, par[:, :, None].expand_as(probs)).gather(2, tokens.clamp_min(0)[:, :, None])[:, :, 0]
+    p_tok = probs.gather(1, par[:, :, None].expand_as(probs)).gather(
+        2, tokens.clamp_min(0)[:, :, None]
+    )[:, :, 0]
     ok = (p_tok > thresh.gather(1, par)).long()
     return torch.stack([ok, greedy_tokens(logits), sample_tokens(logits, rows, depth)])
 
 
-def processed_logits(logits: torch.Tensor, rows: RowSampling, anc: torch.Tensor | None = None,
-                     depth: torch.Tensor | None = None) -> torch.Tensor:
+def processed_logits(
+    logits: torch.Tensor,
+    rows: RowSampling,
+    anc: torch.Tensor | None = None,
+    depth: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``logits [B, N, V]`` with the rows' penalties, bias and ``min_tokens`` applied
     (``rows.proc``; unchanged when no row uses them)."""
     return logits if rows.proc is None else rows.proc.apply(logits, anc, depth)
 
 
-def logprob_table(logits: torch.Tensor, pick: torch.Tensor, parent: torch.Tensor, tokens: torch.Tensor,
-                  rows: RowSampling) -> torch.Tensor | None:
+def logprob_table(
+    logits: torch.Tensor,
+    pick: torch.Tensor,
+    parent: torch.Tensor,
+    tokens: torch.Tensor,
+    rows: RowSampling,
+) -> torch.Tensor | None:
     """What the rows that asked for log-probabilities need, in one tensor (one read):
     ``[L, N, 2 + 2k]`` float32 for rows ``rows.logprob_rows``: per node the log-probability of
     its token after its parent, of the token picked after it (``pick [B, N]``), then the ``k``
@@ -382,21 +456,36 @@ def logprob_table(logits: torch.Tensor, pick: torch.Tensor, parent: torch.Tensor
     greedy = (t <= 0).reshape(lead)
     top_k = None if rows.top_k is None else rows.top_k[idx]
     min_p = None if rows.min_p is None else rows.min_p[idx]
-    warped = warp_probs(sub, torch.where(t > 0, t, 1.0), torch.where(t > 0, rows.top_p[idx], 1.0), top_k, min_p,
-                        rows.top_k_max).log()
+    warped = warp_probs(
+        sub,
+        torch.where(t > 0, t, 1.0),
+        torch.where(t > 0, rows.top_p[idx], 1.0),
+        top_k,
+        min_p,
+        rows.top_k_max,
+    ).log()
     lp = torch.where(greedy, sub.float().log_softmax(dim=-1), warped)  # [L, N, V]
     k = max(rows.logprobs[r] for r in rows.logprob_rows)
     L, N = lp.shape[:2]
-    at = lp.gather(2, tokens[idx].clamp_min(0)[:, None, :].expand(L, N, N))  # [L, from, to]: to's token after from
-    own = at.gather(1, parent[idx].clamp_min(0)[:, None, :])[:, 0, :, None]  # [L, N, 1]: after its parent
+    at = lp.gather(
+        2, tokens[idx].clamp_min(0)[:, None, :].expand(L, N, N)
+    )  # [L, from, to]: to's token after from
+    own = at.gather(1, parent[idx].clamp_min(0)[:, None, :])[
+        :, 0, :, None
+    ]  # [L, N, 1]: after its parent
     picked = lp.gather(2, pick[idx][:, :, None])
     top = lp.topk(k, dim=-1) if k else None
     parts = [own, picked] + ([top.values, top.indices.float()] if k else [])
     return torch.cat(parts, dim=2)
 
 
-def token_logprobs(table: np.ndarray | None, rows: RowSampling, path: np.ndarray, num_accepted: np.ndarray,
-                   emitted: list) -> dict:
+def token_logprobs(
+    table: np.ndarray | None,
+    rows: RowSampling,
+    path: np.ndarray,
+    num_accepted: np.ndarray,
+    emitted: list,
+) -> dict:
     """``{row: [TokenLogprob per emitted token]}`` for the rows that asked, from the host copy
     of :func:`logprob_table`: emitted token i is the node at depth i + 1 of the accepted
     ``path [B, D+1]`` (its log-probability after its parent), the last one the pick after the
@@ -413,7 +502,10 @@ def token_logprobs(table: np.ndarray | None, rows: RowSampling, path: np.ndarray
         for i, tok in enumerate(emitted[b]):
             at = path[b, i]
             lp = table[j, path[b, i + 1], 0] if i < n else table[j, at, 1]
-            top = [(int(t), float(v)) for t, v in zip(table[j, at, 2 + K:2 + K + k], table[j, at, 2:2 + k])]
+            top = [
+                (int(t), float(v))
+                for t, v in zip(table[j, at, 2 + K : 2 + K + k], table[j, at, 2 : 2 + k])
+            ]
             lps.append(TokenLogprob(int(tok), float(lp), top))
         out[b] = lps
     return out
@@ -445,5 +537,5 @@ def walk(rule: str, tree, choices: np.ndarray) -> HostAcceptance:
     on = anc[rows, last] if N > 1 else np.ones((B, 1), bool)  # [B, N] the accepted path's nodes
     b_idx, n_idx = np.nonzero(on)
     path[b_idx, depth[b_idx, n_idx]] = n_idx
-    emitted = [tokens[b, path[b, 1:num[b] + 1]].tolist() + [int(bonus[b])] for b in range(B)]
+    emitted = [tokens[b, path[b, 1 : num[b] + 1]].tolist() + [int(bonus[b])] for b in range(B)]
     return HostAcceptance(path=path, num_accepted=num, last_node=last, bonus=bonus, emitted=emitted)

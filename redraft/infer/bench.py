@@ -79,9 +79,16 @@ def _load(bench: dict, cfg, device):
 
     target = load_target(bench["target"], dtype=bench["dtype"], device=device)
     tables = [load_ngram_tables(p, target) for p in ngram_dirs]
-    heads = [load_redrafter(p, target, cfg.redrafter_width, cfg.redrafter_length,
-                            name="redrafter" if len(drafter_dirs) == 1 else f"redrafter{i}")
-             for i, p in enumerate(drafter_dirs)]
+    heads = [
+        load_redrafter(
+            p,
+            target,
+            cfg.redrafter_width,
+            cfg.redrafter_length,
+            name="redrafter" if len(drafter_dirs) == 1 else f"redrafter{i}",
+        )
+        for i, p in enumerate(drafter_dirs)
+    ]
     return methods, Context(target, tables, heads, cfg, bench, bench["retrieval_index"])
 
 
@@ -90,33 +97,52 @@ def _decode_tables(bench: dict, cfg, device) -> int:
 
     methods, ctx = _load(bench, cfg, device)
     runners = {m: Runner(m, ctx, REGISTRY[m]) for m in methods}
-    report = {"config": {**bench, "decoder": cfg.to_dict()}, "device": device_name(ctx.target.device),
-              "torch": torch.__version__, "cost_curve_ms": cost_curve(runners, bench), "complete": False,
-              "results": {}, "skipped_prompts": {}}
+    report = {
+        "config": {**bench, "decoder": cfg.to_dict()},
+        "device": device_name(ctx.target.device),
+        "torch": torch.__version__,
+        "cost_curve_ms": cost_curve(runners, bench),
+        "complete": False,
+        "results": {},
+        "skipped_prompts": {},
+    }
     context = getattr(ctx.target.model.config, "max_position_embeddings", None)
     for ds in bench["datasets"]:
         label = dataset_label(ds)
-        encoded = [runners["greedy"].decoder.encode(p)[0] for p in load_prompts(ds, bench["prompts"], bench["chat_spec"])]
+        encoded = [
+            runners["greedy"].decoder.encode(p)[0]
+            for p in load_prompts(ds, bench["prompts"], bench["chat_spec"])
+        ]
         prompts, skipped = fit_context(encoded, context, bench["max_new_tokens"], ds)
         if skipped:
-            print(f"redraft-bench: {ds}: {len(skipped)} of {len(encoded)} prompts skipped, longer than the target's "
-                  f"context ({context} tokens) less --max-new-tokens {bench['max_new_tokens']}", file=sys.stderr)
+            print(
+                f"redraft-bench: {ds}: {len(skipped)} of {len(encoded)} prompts skipped, longer than the target's "
+                f"context ({context} tokens) less --max-new-tokens {bench['max_new_tokens']}",
+                file=sys.stderr,
+            )
             report["skipped_prompts"][label] = [{**x, "context": context} for x in skipped]
 
         def partial(res, label=label):  # after every prompt: what was measured survives a stop
             report["results"][label] = res
-            _outputs(report, markdown(report["results"], bench, report["device"], report["skipped_prompts"]),
-                     {**bench, "report": None})
+            _outputs(
+                report,
+                markdown(report["results"], bench, report["device"], report["skipped_prompts"]),
+                {**bench, "report": None},
+            )
 
         report["results"][label] = run_dataset(runners, prompts, bench, ds, on_prompt=partial)
     report["complete"] = True
     md = markdown(report["results"], bench, report["device"], report["skipped_prompts"])
     print(md)
     _outputs(report, md, bench)
-    failed = sorted({m for res in report["results"].values() for m, r in res.items() if r.get("error")})
+    failed = sorted(
+        {m for res in report["results"].values() for m, r in res.items() if r.get("error")}
+    )
     if failed:
-        print(f"redraft-bench: methods that failed (see their error in the table): {', '.join(failed)}",
-              file=sys.stderr)
+        print(
+            f"redraft-bench: methods that failed (see their error in the table): {', '.join(failed)}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -143,11 +169,23 @@ def _from_json(path: Path, bench: dict) -> int:
     try:
         report = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"--from-json {path}: cannot read it ({exc}).", param="from_json") from exc
+        raise ConfigError(
+            f"--from-json {path}: cannot read it ({exc}).", param="from_json"
+        ) from exc
     if "results" not in report and "overhead" not in report:
-        raise ConfigError(f"--from-json {path} is not a redraft-bench --out file (no 'results' or 'overhead').")
-    md = markdown(report["results"], {**bench, **report.get("config", {})}, report.get("device", "?"),
-                  report.get("skipped_prompts")) if "results" in report else ""
+        raise ConfigError(
+            f"--from-json {path} is not a redraft-bench --out file (no 'results' or 'overhead')."
+        )
+    md = (
+        markdown(
+            report["results"],
+            {**bench, **report.get("config", {})},
+            report.get("device", "?"),
+            report.get("skipped_prompts"),
+        )
+        if "results" in report
+        else ""
+    )
     _outputs(report, md, {**bench, "out": None})
     return 0
 
@@ -155,13 +193,20 @@ def _from_json(path: Path, bench: dict) -> int:
 def _overhead(bench: dict, device) -> int:
     from redraft.infer.overhead import overhead_benchmark, overhead_markdown
 
-    result = overhead_benchmark(device=device, dtype=bench["dtype"], batches=bench["overhead_batches"],
-                                new_tokens=bench["overhead_tokens"])
+    result = overhead_benchmark(
+        device=device,
+        dtype=bench["dtype"],
+        batches=bench["overhead_batches"],
+        new_tokens=bench["overhead_tokens"],
+    )
     import torch
 
     desc = device_name(device)
-    result.update(device=desc, torch=torch.__version__, config={"dtype": bench["dtype"],
-                                                                 "new_tokens": bench["overhead_tokens"]})
+    result.update(
+        device=desc,
+        torch=torch.__version__,
+        config={"dtype": bench["dtype"], "new_tokens": bench["overhead_tokens"]},
+    )
     md = overhead_markdown(result, desc)
     print(md)
     _outputs(result, md, bench)

@@ -25,45 +25,81 @@ class BenchSettings(ModelSettings):
     KIND = "bench setting"
 
     dtype: str | None = setting("float32", "Target dtype: float32, bfloat16 or float16.")
-    datasets: list[str] = setting(default_factory=lambda: ["chat", "code"], help="Comma list: 'chat' (held-out "
-                                  "ShareGPT), 'code' (HumanEval), 'mt-bench:PATH' (MT-Bench question.jsonl) and JSONL "
-                                  "files of prompts.")
-    chat_spec: str = setting("default-chat", "The data spec 'chat' prompts are held out from.", cli=False)
+    datasets: list[str] = setting(
+        default_factory=lambda: ["chat", "code"],
+        help="Comma list: 'chat' (held-out "
+        "ShareGPT), 'code' (HumanEval), 'mt-bench:PATH' (MT-Bench question.jsonl) and JSONL "
+        "files of prompts.",
+    )
+    chat_spec: str = setting(
+        "default-chat", "The data spec 'chat' prompts are held out from.", cli=False
+    )
     prompts: int = setting(20, "Prompts per dataset.", range=Range(1))
     max_new_tokens: int = setting(128, "New tokens per prompt.", range=Range(1))
-    methods: list[str] = setting(default_factory=lambda: ["greedy", "hf-greedy", "hf-prompt-lookup", "context",
-                                                          "ngrammys", "redrafter", "mix"],
-                                 help="Comma list of methods (see --list-methods).")
-    prompt_lookup_num_tokens: int = setting(10, "hf-prompt-lookup's prompt_lookup_num_tokens.", range=Range(1))
-    retrieval_index: str | None = setting(None, "A draftretriever index, for the draftretriever method.")
-    cost_curve_ms: str | None = setting(None, "Verify cost curve to use instead of measuring one, 'tokens:ms,...' "
-                                        "(e.g. '1:63,8:116,16:146,64:245'); use it when the machine is too busy to "
-                                        "measure.", flag="--cost-curve", metavar="COST_CURVE")
+    methods: list[str] = setting(
+        default_factory=lambda: [
+            "greedy",
+            "hf-greedy",
+            "hf-prompt-lookup",
+            "context",
+            "ngrammys",
+            "redrafter",
+            "mix",
+        ],
+        help="Comma list of methods (see --list-methods).",
+    )
+    prompt_lookup_num_tokens: int = setting(
+        10, "hf-prompt-lookup's prompt_lookup_num_tokens.", range=Range(1)
+    )
+    retrieval_index: str | None = setting(
+        None, "A draftretriever index, for the draftretriever method."
+    )
+    cost_curve_ms: str | None = setting(
+        None,
+        "Verify cost curve to use instead of measuring one, 'tokens:ms,...' "
+        "(e.g. '1:63,8:116,16:146,64:245'); use it when the machine is too busy to "
+        "measure.",
+        flag="--cost-curve",
+        metavar="COST_CURVE",
+    )
     warmup: bool = setting(True, "Decode one short prompt per method before timing.")
-    overhead: bool = setting(False, "Instead: host time per decode step with a tiny random target "
-                                    "(redraft.infer.overhead).")
-    overhead_batches: list[int] = setting(default_factory=lambda: [1, 8], help="Batch sizes of --overhead, comma "
-                                          "list.")
+    overhead: bool = setting(
+        False,
+        "Instead: host time per decode step with a tiny random target (redraft.infer.overhead).",
+    )
+    overhead_batches: list[int] = setting(
+        default_factory=lambda: [1, 8], help="Batch sizes of --overhead, comma list."
+    )
     overhead_tokens: int = setting(200, "New tokens per row in --overhead.", range=Range(1))
     # ---- outputs
     out: str | None = setting(None, "Write the results as JSON to this file.")
-    markdown: str | None = setting(None, "Write the Markdown table to this file (it is also printed).")
+    markdown: str | None = setting(
+        None, "Write the Markdown table to this file (it is also printed)."
+    )
     report: str | None = setting(None, "Write PNG plots and an index.md into this directory.")
 
     def check(self) -> None:
         if not self.datasets:
-            raise ConfigError("--datasets is empty; use chat, code, mt-bench:PATH or JSONL files.", param="datasets")
+            raise ConfigError(
+                "--datasets is empty; use chat, code, mt-bench:PATH or JSONL files.",
+                param="datasets",
+            )
         if not all(b >= 1 for b in self.overhead_batches):
-            raise ConfigError(f"--overhead-batches {self.overhead_batches!r}: use batch sizes >= 1, e.g. 1,8.",
-                              param="overhead_batches")
+            raise ConfigError(
+                f"--overhead-batches {self.overhead_batches!r}: use batch sizes >= 1, e.g. 1,8.",
+                param="overhead_batches",
+            )
         if self.cost_curve_ms:
             from redraft.infer.budget import CostCurve
 
             try:
                 CostCurve.from_ms(self.cost_curve_ms)
             except (ValueError, TypeError):
-                raise ConfigError(f"cost curve {self.cost_curve_ms!r}: write 'tokens:ms,...', e.g. "
-                                  f"'1:63,8:116,16:146,64:245'.", param="cost_curve_ms") from None
+                raise ConfigError(
+                    f"cost curve {self.cost_curve_ms!r}: write 'tokens:ms,...', e.g. "
+                    f"'1:63,8:116,16:146,64:245'.",
+                    param="cost_curve_ms",
+                ) from None
 
 
 BENCH_DEFAULTS = BenchSettings().to_dict()  # what a run without a recipe or flags uses
@@ -72,16 +108,24 @@ DESCRIPTION = "``redraft-bench``: decoding methods side by side, in one run, on 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="redraft-bench", description=DESCRIPTION,
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="Defaults are those of infer/bench-default.yaml's keys when no recipe is given: "
-                              "target default, dtype float32, datasets chat,code, 20 prompts, 128 new tokens.")
+    p = ArgumentParser(
+        prog="redraft-bench",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Defaults are those of infer/bench-default.yaml's keys when no recipe is given: "
+        "target default, dtype float32, datasets chat,code, 20 prompts, 128 new tokens.",
+    )
     g = p.add_argument_group("what to run")
     g.add_argument("--recipe", help="YAML file with any of these settings (flags override it)")
-    g.add_argument("--list-methods", action="store_true", help="print the methods, what each needs, and exit")
+    g.add_argument(
+        "--list-methods", action="store_true", help="print the methods, what each needs, and exit"
+    )
     BenchSettings.add_arguments(g, exclude=OUTPUTS)
     o = BenchSettings.add_arguments(p, "outputs", only=OUTPUTS)
-    o.add_argument("--from-json", help="with --report (and/or --markdown): plot an earlier --out JSON, decode nothing")
+    o.add_argument(
+        "--from-json",
+        help="with --report (and/or --markdown): plot an earlier --out JSON, decode nothing",
+    )
     DecoderConfig.add_arguments(p, "decoder settings (DecoderConfig; recipe keys of the same name)")
     return p
 
@@ -110,13 +154,19 @@ def check_outputs(bench: dict) -> None:
         if bench[key]:
             p = Path(bench[key])
             if p.is_dir():
-                raise ConfigError(f"--{key} {p} is a directory; give a file path, e.g. {p / ('bench.json' if key == 'out' else 'bench.md')}.",
-                                  param=key)
+                raise ConfigError(
+                    f"--{key} {p} is a directory; give a file path, e.g. "
+                    f"{p / ('bench.json' if key == 'out' else 'bench.md')}.",
+                    param=key,
+                )
             _creatable(p.parent, key)
     if bench["report"]:
         p = Path(bench["report"])
         if p.exists() and not p.is_dir():
-            raise ConfigError(f"--report {p} is a file; give a directory for the plots and index.md.", param="report")
+            raise ConfigError(
+                f"--report {p} is a file; give a directory for the plots and index.md.",
+                param="report",
+            )
         _creatable(p, "report")
 
 
@@ -126,7 +176,9 @@ def _creatable(d: Path, key: str) -> None:
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"--{key}: cannot create directory {d} ({exc.strerror}).", param=key) from None
+        raise ConfigError(
+            f"--{key}: cannot create directory {d} ({exc.strerror}).", param=key
+        ) from None
     if not os.access(d, os.W_OK):
         raise ConfigError(f"--{key}: directory {d} is not writable.", param=key)
 
@@ -142,7 +194,9 @@ def resolve_artifacts(bench: dict) -> tuple[list[Path], list[Path], dict]:
         try:
             kinds |= set(json.loads((d / "ngrams.json").read_text()).get("kinds", []))
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"{d / 'ngrams.json'} cannot be read ({exc}); pass a redraft-build-ngrams output.") from exc
+            raise ConfigError(
+                f"{d / 'ngrams.json'} cannot be read ({exc}); pass a redraft-build-ngrams output."
+            ) from exc
     idx = bench["retrieval_index"]
     if idx and not Path(idx).exists():
         raise ConfigError(f"--retrieval-index {idx} does not exist.", param="retrieval_index")

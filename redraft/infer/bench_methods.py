@@ -4,8 +4,8 @@ registry itself is cheap to import."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from redraft.errors import ConfigError
 
@@ -46,7 +46,11 @@ def _context(ctx):
     from redraft.infer.drafters.ngram import ContextNGramDrafter
 
     c = ctx.cfg
-    return [ContextNGramDrafter(ctx.target.vocab_size, q=c.context_q, q_max=c.context_q_max, k=c.ngram_k, w=c.ngram_w)]
+    return [
+        ContextNGramDrafter(
+            ctx.target.vocab_size, q=c.context_q, q_max=c.context_q_max, k=c.ngram_k, w=c.ngram_w
+        )
+    ]
 
 
 def _table(kind: str):
@@ -63,8 +67,16 @@ def _ngrammys(ctx):
     from redraft.infer.drafters.ngram import NGrammysDrafter
 
     c = ctx.cfg
-    return [NGrammysDrafter(_ngram_table(ctx, "extended"), ctx.target.vocab_size, k=c.ngram_k, w=c.ngram_w,
-                            q=c.context_q, q_max=c.context_q_max)]
+    return [
+        NGrammysDrafter(
+            _ngram_table(ctx, "extended"),
+            ctx.target.vocab_size,
+            k=c.ngram_k,
+            w=c.ngram_w,
+            q=c.context_q,
+            q_max=c.context_q_max,
+        )
+    ]
 
 
 def _aded(ctx):
@@ -80,26 +92,51 @@ def _retrieval(ctx):
 
 
 REGISTRY: dict[str, Method] = {
-    "greedy": Method("plain autoregressive greedy decoding, our loop and cache (the baseline)", lambda ctx: []),
+    "greedy": Method(
+        "plain autoregressive greedy decoding, our loop and cache (the baseline)", lambda ctx: []
+    ),
     "hf-greedy": Method("transformers generate, greedy", lambda ctx: "hf"),
-    "hf-prompt-lookup": Method("transformers prompt lookup decoding (prompt_lookup_num_tokens)", lambda ctx: "hf",
-                               hf_kwargs=lambda ctx: {"prompt_lookup_num_tokens": ctx.bench["prompt_lookup_num_tokens"]}),
+    "hf-prompt-lookup": Method(
+        "transformers prompt lookup decoding (prompt_lookup_num_tokens)",
+        lambda ctx: "hf",
+        hf_kwargs=lambda ctx: {"prompt_lookup_num_tokens": ctx.bench["prompt_lookup_num_tokens"]},
+    ),
     "context": Method("context n-gram matches (prompt and output so far)", _context),
     "bigram": Method("model bigram rows", _table("bigram"), ("ngrams:bigram",)),
     "extended": Method("extended model-bigram chains", _table("extended"), ("ngrams:extended",)),
-    "ngrammys": Method("N-Grammys: context matches, then extended model-bigram chains", _ngrammys,
-                       ("ngrams:extended",)),
-    "redrafter": Method("the ReDrafter head(s) alone (beam search)", lambda ctx: list(ctx.heads), ("drafter",)),
-    "aded": Method("ADED: MCTS over the corpus tri-gram table, adapted per request", _aded, ("ngrams:trigram",)),
-    "hsddw": Method("HSDDW: early-exit M1 -> early-exit M2 -> target, entropy self-verify",
-                    lambda ctx: [_hierarchy(ctx)]),
-    "hsddw-m1": Method("HSDDW's M1 (early exit) with self-verify alone", lambda ctx: [_hierarchy(ctx, m2_layers=10 ** 6)]),
-    "draftretriever": Method("REST's suffix retriever (draftretriever) over --retrieval-index", _retrieval,
-                             ("retrieval",)),
+    "ngrammys": Method(
+        "N-Grammys: context matches, then extended model-bigram chains",
+        _ngrammys,
+        ("ngrams:extended",),
+    ),
+    "redrafter": Method(
+        "the ReDrafter head(s) alone (beam search)", lambda ctx: list(ctx.heads), ("drafter",)
+    ),
+    "aded": Method(
+        "ADED: MCTS over the corpus tri-gram table, adapted per request", _aded, ("ngrams:trigram",)
+    ),
+    "hsddw": Method(
+        "HSDDW: early-exit M1 -> early-exit M2 -> target, entropy self-verify",
+        lambda ctx: [_hierarchy(ctx)],
+    ),
+    "hsddw-m1": Method(
+        "HSDDW's M1 (early exit) with self-verify alone",
+        lambda ctx: [_hierarchy(ctx, m2_layers=10**6)],
+    ),
+    "draftretriever": Method(
+        "REST's suffix retriever (draftretriever) over --retrieval-index",
+        _retrieval,
+        ("retrieval",),
+    ),
     "mix": Method("the unified mix over every given artifact (what load_decoder builds)", _mix),
-    "mix+aded": Method("the mix plus ADED over every table set with tri-grams",
-                       lambda ctx: _mix(ctx, ctx.cfg.replace(aded=True)), ("ngrams:trigram",)),
-    "mix+hsddw": Method("the mix plus the HSDDW early-exit hierarchy", lambda ctx: _mix(ctx) + [_hierarchy(ctx)]),
+    "mix+aded": Method(
+        "the mix plus ADED over every table set with tri-grams",
+        lambda ctx: _mix(ctx, ctx.cfg.replace(aded=True)),
+        ("ngrams:trigram",),
+    ),
+    "mix+hsddw": Method(
+        "the mix plus the HSDDW early-exit hierarchy", lambda ctx: _mix(ctx) + [_hierarchy(ctx)]
+    ),
 }
 
 METHOD_NAMES = tuple(REGISTRY)
@@ -107,8 +144,10 @@ METHOD_NAMES = tuple(REGISTRY)
 
 def list_methods() -> str:
     """``--list-methods``: one line per method, with what it needs."""
-    return "\n".join(f"{name:18s} {m.help}" + (f"  [needs {', '.join(m.needs)}]" if m.needs else "")
-                     for name, m in REGISTRY.items())
+    return "\n".join(
+        f"{name:18s} {m.help}" + (f"  [needs {', '.join(m.needs)}]" if m.needs else "")
+        for name, m in REGISTRY.items()
+    )
 
 
 def check_methods(methods: list[str], have: dict) -> None:
@@ -116,13 +155,20 @@ def check_methods(methods: list[str], have: dict) -> None:
     ``have``: ``{"ngrams": {kind, ...}, "drafter": bool, "retrieval": bool}``."""
     for m in methods:
         if m not in REGISTRY:
-            raise ConfigError(f"--methods: unknown method {m!r}; available: {', '.join(METHOD_NAMES)} "
-                              f"(redraft-bench --list-methods says what each needs).", param="methods")
+            raise ConfigError(
+                f"--methods: unknown method {m!r}; available: {', '.join(METHOD_NAMES)} "
+                f"(redraft-bench --list-methods says what each needs).",
+                param="methods",
+            )
         for need in REGISTRY[m].needs:
             kind = need.partition(":")[2]
             ok = kind in have["ngrams"] if kind else bool(have[need])
             if not ok:
-                how = {"drafter": "pass --drafter DIR (a redraft-train output)",
-                       "retrieval": "pass --retrieval-index PATH (a draftretriever index)"}.get(
-                    need, f"pass --ngrams DIR with a {kind!r} table (redraft-build-ngrams --kinds {kind} ...)")
+                how = {
+                    "drafter": "pass --drafter DIR (a redraft-train output)",
+                    "retrieval": "pass --retrieval-index PATH (a draftretriever index)",
+                }.get(
+                    need,
+                    f"pass --ngrams DIR with a {kind!r} table (redraft-build-ngrams --kinds {kind} ...)",
+                )
                 raise ConfigError(f"method {m!r} needs {need}: {how}.", param="methods")

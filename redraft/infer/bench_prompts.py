@@ -8,8 +8,10 @@ from pathlib import Path
 
 from redraft.errors import DataError
 
-MT_BENCH_HINT = ("MT-Bench's questions are FastChat's fastchat/llm_judge/data/mt_bench/question.jsonl (80 lines); "
-                 "download it and pass --datasets mt-bench:PATH.")
+MT_BENCH_HINT = (
+    "MT-Bench's questions are FastChat's fastchat/llm_judge/data/mt_bench/question.jsonl (80 lines); "
+    "download it and pass --datasets mt-bench:PATH."
+)
 
 
 def load_prompts(dataset: str, n: int, chat_spec: str = "default-chat") -> list:
@@ -27,11 +29,17 @@ def load_prompts(dataset: str, n: int, chat_spec: str = "default-chat") -> list:
     if dataset.startswith("mt-bench"):
         path = Path(dataset.partition(":")[2])
         if not dataset.partition(":")[2] or not path.is_file():
-            raise DataError(f"MT-Bench questions file {str(path) or '(none given)'!r} does not exist. {MT_BENCH_HINT}")
-        return [[{"role": "user", "content": rec["turns"][0]}] for rec in _jsonl(path, ("turns",))][:n]
+            raise DataError(
+                f"MT-Bench questions file {str(path) or '(none given)'!r} does not exist. {MT_BENCH_HINT}"
+            )
+        return [[{"role": "user", "content": rec["turns"][0]}] for rec in _jsonl(path, ("turns",))][
+            :n
+        ]
     path = Path(dataset)
     if not path.is_file():
-        raise DataError(f"dataset {dataset!r} is neither 'chat', 'code', 'mt-bench:PATH' nor an existing JSONL file.")
+        raise DataError(
+            f"dataset {dataset!r} is neither 'chat', 'code', 'mt-bench:PATH' nor an existing JSONL file."
+        )
     out = []
     for rec in _jsonl(path, ("messages", "prompt", "text")):
         out.append(rec.get("messages") or rec.get("prompt") or rec.get("text"))
@@ -49,12 +57,18 @@ def _jsonl(path: Path, keys: tuple[str, ...]) -> list[dict]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{i} is not JSON ({exc}); each line must be an object with one of "
-                                f"{list(keys)}.") from exc
+                raise DataError(
+                    f"{path}:{i} is not JSON ({exc}); each line must be an object with one of "
+                    f"{list(keys)}."
+                ) from exc
             ok = isinstance(rec, dict) and any(
-                isinstance(rec.get(k), str) and rec[k] or isinstance(rec.get(k), list) and rec[k] for k in keys)
+                isinstance(rec.get(k), str) and rec[k] or isinstance(rec.get(k), list) and rec[k]
+                for k in keys
+            )
             if not ok:
-                raise DataError(f"{path}:{i} has none of {list(keys)} (a non-empty string or list).")
+                raise DataError(
+                    f"{path}:{i} has none of {list(keys)} (a non-empty string or list)."
+                )
             out.append(rec)
     if not out:
         raise DataError(f"{path} holds no prompts.")
@@ -70,7 +84,9 @@ def dataset_label(ds: str) -> str:
     return Path(ds).stem
 
 
-def fit_context(prompts: list[list[int]], context: int | None, max_new_tokens: int, dataset: str) -> tuple[list, list]:
+def fit_context(
+    prompts: list[list[int]], context: int | None, max_new_tokens: int, dataset: str
+) -> tuple[list, list]:
     """``(kept token lists, skipped)``: a prompt whose tokens plus ``max_new_tokens`` exceed the
     target's ``context`` is skipped (``{"prompt": index, "tokens": n}``) instead of aborting the
     run; a DataError when none is left."""
@@ -83,7 +99,9 @@ def fit_context(prompts: list[list[int]], context: int | None, max_new_tokens: i
         else:
             kept.append(ids)
     if not kept:
-        raise DataError(f"dataset {dataset!r}: every prompt ({len(prompts)}) is longer than the target's context of "
-                        f"{context} tokens less --max-new-tokens {max_new_tokens}; lower --max-new-tokens or use "
-                        f"a target with a longer context.")
+        raise DataError(
+            f"dataset {dataset!r}: every prompt ({len(prompts)}) is longer than the target's context of "
+            f"{context} tokens less --max-new-tokens {max_new_tokens}; lower --max-new-tokens or use "
+            f"a target with a longer context."
+        )
     return kept, skipped

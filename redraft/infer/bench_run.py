@@ -8,9 +8,9 @@ import sys
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from redraft.infer.bench_methods import Method
 from redraft.infer.config import DecoderConfig
@@ -54,9 +54,16 @@ class Runner:
         x = torch.tensor([ids], device=target.device)
         eos = target.eos_token_ids
         with torch.no_grad():
-            out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                        eos_token_id=eos, pad_token_id=eos[0], **self.hf_kwargs)
-        return out[0, len(ids):].tolist(), None
+            out = target.model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+                **self.hf_kwargs,
+            )
+        return out[0, len(ids) :].tolist(), None
 
 
 @dataclass
@@ -90,14 +97,21 @@ class _Agg:
 def _failed(name: str, exc: BaseException, where: str) -> str:
     """Report a method that raised (with its traceback: it is a bug) and return the one line kept."""
     line = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-    print(f"redraft-bench: method {name!r} failed {where} and is left out of the rest of the run: {line}",
-          file=sys.stderr)
+    print(
+        f"redraft-bench: method {name!r} failed {where} and is left out of the rest of the run: {line}",
+        file=sys.stderr,
+    )
     traceback.print_exc(file=sys.stderr)
     return f"{line} ({where})"
 
 
-def run_dataset(runners: dict, prompts: list[list[int]], bench: dict, label: str,
-                on_prompt: Callable[[dict], None] | None = None) -> dict:
+def run_dataset(
+    runners: dict,
+    prompts: list[list[int]],
+    bench: dict,
+    label: str,
+    on_prompt: Callable[[dict], None] | None = None,
+) -> dict:
     """Decode every prompt with every method (prompt-major); returns per-method aggregates.
 
     ``on_prompt(results)`` gets the aggregates so far after every prompt (the caller writes
@@ -153,7 +167,9 @@ def summarise(agg: dict) -> dict:
         res[name] = {
             "tokens_per_call": None if none else round(s.tokens_per_call, 3),
             "mean_accepted_length": None if none else round(s.mean_accepted_length, 3),
-            "acceptance_per_position": [] if none else [round(x, 3) for x in s.acceptance_per_position()],
+            "acceptance_per_position": []
+            if none
+            else [round(x, 3) for x in s.acceptance_per_position()],
             "tokens_per_s": round(tps, 2),
             "speedup_vs_ar": round(tps / base_tps, 3) if n else 0.0,
             "identical_to_ar": bool(n) and a.identical == len(base.times),
@@ -173,23 +189,34 @@ def summarise(agg: dict) -> dict:
 
 
 def markdown(results: dict, bench: dict, device: str, skipped: dict | None = None) -> str:
-    lines = [f"redraft-bench: target {bench['target']} ({bench['dtype']}), {device}, greedy, "
-             f"{bench['max_new_tokens']} new tokens; speedup vs plain greedy (ours) in the same run. tau = new "
-             f"tokens per target call (prefill included); MAL = mean accepted length (accepted draft tokens + 1 "
-             f"per verify step, vLLM / Spec-Bench).", ""]
+    lines = [
+        f"redraft-bench: target {bench['target']} ({bench['dtype']}), {device}, greedy, "
+        f"{bench['max_new_tokens']} new tokens; speedup vs plain greedy (ours) in the same run. tau = new "
+        f"tokens per target call (prefill included); MAL = mean accepted length (accepted draft tokens + 1 "
+        f"per verify step, vLLM / Spec-Bench).",
+        "",
+    ]
     for ds, res in results.items():
         lines += [f"### {ds}", ""]
         if (skipped or {}).get(ds):
-            lines += [f"{len(skipped[ds])} prompt(s) skipped: longer than the target's context less the new tokens "
-                      f"(prompts {', '.join(str(x['prompt']) for x in skipped[ds])}).", ""]
-        lines += ["| method | tau | MAL | tokens/s | speedup vs AR | identical to AR |", "|---|---:|---:|---:|---:|:---:|"]
+            lines += [
+                f"{len(skipped[ds])} prompt(s) skipped: longer than the target's context less the new tokens "
+                f"(prompts {', '.join(str(x['prompt']) for x in skipped[ds])}).",
+                "",
+            ]
+        lines += [
+            "| method | tau | MAL | tokens/s | speedup vs AR | identical to AR |",
+            "|---|---:|---:|---:|---:|:---:|",
+        ]
         for name, r in res.items():
             tau = "-" if r["tokens_per_call"] is None else f"{r['tokens_per_call']:.2f}"
             mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
             same = f"{'yes' if r['identical_to_ar'] else 'no'} ({r['identical_prompts']})"
             if r.get("error"):
                 same += f"; failed after {r.get('prompts', 0)} prompt(s): {r['error'][:120]}"
-            lines.append(f"| {name} | {tau} | {mal} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {same} |")
+            lines.append(
+                f"| {name} | {tau} | {mal} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {same} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -209,8 +236,11 @@ def cpu_name() -> str:
 def device_name(device) -> str:
     import torch
 
-    return (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else f"CPU {cpu_name()}, {torch.get_num_threads()} threads")
+    return (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU {cpu_name()}, {torch.get_num_threads()} threads"
+    )
 
 
 def cost_curve(runners: dict, bench: dict) -> dict:

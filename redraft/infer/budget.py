@@ -59,10 +59,13 @@ class CostCurve:
         return t
 
     def to_dict(self) -> dict:
-        return {"sizes": self.sizes.long().tolist(), "ms": [round(s * 1e3, 3) for s in self.seconds.tolist()]}
+        return {
+            "sizes": self.sizes.long().tolist(),
+            "ms": [round(s * 1e3, 3) for s in self.seconds.tolist()],
+        }
 
     @classmethod
-    def from_ms(cls, spec) -> "CostCurve":
+    def from_ms(cls, spec) -> CostCurve:
         """From ``{"sizes": [...], "ms": [...]}`` or ``"tokens:ms,tokens:ms,..."``."""
         if isinstance(spec, dict):
             return cls(spec["sizes"], [m / 1e3 for m in spec["ms"]])
@@ -70,7 +73,7 @@ class CostCurve:
         return cls([int(n) for n, _ in pts], [ms / 1e3 for _, ms in pts])
 
     @classmethod
-    def flat(cls) -> "CostCurve":
+    def flat(cls) -> CostCurve:
         """A cost that does not depend on n (use the whole draft)."""
         return cls([1, 1024], [1.0, 1.0])
 
@@ -100,7 +103,9 @@ def measure_cost_curve(forward, sizes=SIZES, repeats: int = 3, sync=None) -> Cos
     return CostCurve(sizes, secs)
 
 
-def best_budget(values: torch.Tensor, cost: CostCurve, max_nodes: int, overhead_s: float = 0.0) -> torch.Tensor:
+def best_budget(
+    values: torch.Tensor, cost: CostCurve, max_nodes: int, overhead_s: float = 0.0
+) -> torch.Tensor:
     """Nodes to verify per row, one K for the whole batch (see the module doc).
 
     Args:
@@ -159,8 +164,16 @@ class AcceptanceStats:
     decay (``decay`` per update of a drafter) so the estimate follows the request.
     """
 
-    def __init__(self, num_drafters: int, max_groups: int = 32, max_depth: int = 16,
-                 prior_rate: float = 0.3, prior_weight: float = 2.0, decay: float = 0.98, device=None):
+    def __init__(
+        self,
+        num_drafters: int,
+        max_groups: int = 32,
+        max_depth: int = 16,
+        prior_rate: float = 0.3,
+        prior_weight: float = 2.0,
+        decay: float = 0.98,
+        device=None,
+    ):
         shape = (max(num_drafters, 1), max_groups, max_depth)
         self.max_groups, self.max_depth, self.decay = max_groups, max_depth, decay
         self.prior = (prior_rate * prior_weight, prior_weight)
@@ -177,10 +190,16 @@ class AcceptanceStats:
 
     def _groups(self, B: int, P: int, group: torch.Tensor | None) -> torch.Tensor:
         dev = self.hits.device
-        g = torch.arange(P, device=dev)[None].expand(B, P) if group is None else group.to(dev).long()
+        g = (
+            torch.arange(P, device=dev)[None].expand(B, P)
+            if group is None
+            else group.to(dev).long()
+        )
         return g.clamp(0, self.max_groups - 1)
 
-    def values(self, drafter, shape: tuple[int, int, int], group: torch.Tensor | None = None) -> torch.Tensor:
+    def values(
+        self, drafter, shape: tuple[int, int, int], group: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``[B, P, L]`` path-product of rates for paths of ``shape``: ``drafter`` is an int, or a
         ``[P]`` long tensor (the drafter of every path), ``group [B, P]`` (default: the rank)."""
         B, P, L = shape
@@ -190,8 +209,14 @@ class AcceptanceStats:
         per = self.rates()[d[:, :, None], self._groups(B, P, group)[:, :, None], depths[None, None]]
         return per.cumprod(dim=2)
 
-    def update(self, drafter, tokens: torch.Tensor, accepted_prefix: torch.Tensor,
-               group: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> None:
+    def update(
+        self,
+        drafter,
+        tokens: torch.Tensor,
+        accepted_prefix: torch.Tensor,
+        group: torch.Tensor | None = None,
+        kept: torch.Tensor | None = None,
+    ) -> None:
         """Record one step.
 
         Args:
@@ -212,8 +237,12 @@ class AcceptanceStats:
         tried = valid & (depth <= pre)  # the parent was accepted
         hit = tried & (depth < pre)
         d = torch.as_tensor(drafter, device=dev).expand(P)
-        flat = ((d * self.max_groups + self._groups(B, P, group)) * self.max_depth)[:, :, None] + depth  # [B, P, L_]
-        decay = torch.ones(self.hits.shape[0], device=dev).index_fill_(0, d, self.decay)[:, None, None]
+        flat = ((d * self.max_groups + self._groups(B, P, group)) * self.max_depth)[
+            :, :, None
+        ] + depth  # [B, P, L_]
+        decay = torch.ones(self.hits.shape[0], device=dev).index_fill_(0, d, self.decay)[
+            :, None, None
+        ]
         self.hits.mul_(decay).view(-1).index_add_(0, flat.reshape(-1), hit.reshape(-1).float())
         self.tries.mul_(decay).view(-1).index_add_(0, flat.reshape(-1), tried.reshape(-1).float())
 
@@ -278,7 +307,9 @@ class DrafterGate:
         for each drafter called, its exclusive accepted tokens per row."""
         spt = step_secs / max(tokens_per_row, 1e-9)
         a = self.TIME_EMA
-        self.sec_per_token = spt if self.sec_per_token is None else a * self.sec_per_token + (1 - a) * spt
+        self.sec_per_token = (
+            spt if self.sec_per_token is None else a * self.sec_per_token + (1 - a) * spt
+        )
         if not self.enabled:
             return
         for i, g in exclusive.items():
@@ -355,7 +386,9 @@ class SpeculationGuard:
             st.wait = self.explore
             # after a plain run: speculate for a long stretch; after that stretch: a short plain probe
             st.speculative, st.left = (True, self.REPROBE) if not last else (False, self.RUN)
-        elif last or not held:  # speculation lost (tried just now, or against a plain run): plain for a while
+        elif (
+            last or not held
+        ):  # speculation lost (tried just now, or against a plain run): plain for a while
             st.speculative, st.left, st.held = False, st.wait, True
             st.wait = min(2 * st.wait, self.MAX_WAIT_FACTOR * self.explore)
         else:  # the plain stretch is over: try speculation again
@@ -382,7 +415,9 @@ class _GuardBucket:
     wait: int  # plain steps before losing speculation is tried again
     speculative: bool = True  # the current run's mode
     held: bool = False  # the current run is a plain stretch after speculation lost
-    steps: int = 0  # the current run's steps so far, and the seconds and tokens of all but its first
+    steps: int = (
+        0  # the current run's steps so far, and the seconds and tokens of all but its first
+    )
     secs: float = 0.0
     tokens: int = 0
     tps: dict = dataclasses.field(default_factory=dict)  # mode -> output tokens/s of its latest run

@@ -36,47 +36,97 @@ class DecoderConfig(Settings):
     KIND = "decoder setting"
 
     # ---- verification
-    acceptance: str = _f("greedy", "'greedy' (output equals plain greedy decoding), 'rejection' (lossless "
-                         "sampling; greedy at temperature 0) or 'typical' (Medusa's typical acceptance, not lossless).",
-                         choices=ACCEPTANCE)
-    budget: Any = _f("auto", "Tree nodes verified per step besides the root: 'auto' (chosen per step from the "
-                     "measured verify-cost curve and the drafters' acceptance rates) or a number.")
-    max_nodes: int = _f(64, "Upper bound on tree nodes per row and step for the 'auto' budget.", range=Range(0, 4096))
-    fp32_logits: bool = _f(False, "Compute verify logits with a float32 LM head (bf16 targets: fewer near-tie flips).")
-    typical_eps: float = _f(TYPICAL_EPS, "Typical acceptance: probability threshold epsilon.",
-                            range=Range(0, 1e6, lo_open=True))
-    typical_delta: float = _f(TYPICAL_DELTA, "Typical acceptance: entropy-scaled threshold delta.",
-                              range=Range(0, 1e6, lo_open=True))
-    adapt: bool = _f(True, "Update per-drafter acceptance rates while decoding (they rank tree nodes).")
-    gate: bool = _f(True, "With several drafters and the 'auto' budget, skip a drafter while the tokens only it "
-                    "gets accepted are worth less than its drafting time (re-tried after growing waits).")
-    gate_explore: int = _f(8, "Steps a skipped drafter waits before it is tried again (doubles while useless, "
-                           "up to 16x).", range=Range(1))
-    guard: bool = _f(True, "With the 'auto' budget and a batch of 2 or more rows, time speculative and plain "
-                     "steps per batch size and run plain steps where speculation is slower (re-tried "
-                     "after growing waits): speculation never makes a loaded batch slower for long.")
-    cpu_pack: bool = _f(True, "On CPU, faster weight layouts for multi-token verify forwards (oneDNN-packed float32 "
-                        "linears, contiguous LM head); the model itself is not modified.")
-    static_verify: Any = _f("auto", "Pad verify trees to a few fixed sizes and capture the forward in a CUDA graph: "
-                            "'auto' (on for CUDA, off on CPU), true or false.")
-    prefill_chunk: Any = _f("auto", "Prompt tokens prefilled per step while other requests decode (chunked prefill: "
-                            "a long prompt joins over several steps, each one chunk's forward beside the running "
-                            "rows' step): 'auto' (from the measured verify-cost curve: the largest chunk, a "
-                            "multiple of 16 in [16, 2048], whose forward costs no more than the running rows' "
-                            "last verify forward; while no row decodes, every waiting prompt in one forward), a "
-                            "number of tokens, or 0 (off: every prompt in one forward).")
+    acceptance: str = _f(
+        "greedy",
+        "'greedy' (output equals plain greedy decoding), 'rejection' (lossless "
+        "sampling; greedy at temperature 0) or 'typical' (Medusa's typical acceptance, not lossless).",
+        choices=ACCEPTANCE,
+    )
+    budget: Any = _f(
+        "auto",
+        "Tree nodes verified per step besides the root: 'auto' (chosen per step from the "
+        "measured verify-cost curve and the drafters' acceptance rates) or a number.",
+    )
+    max_nodes: int = _f(
+        64,
+        "Upper bound on tree nodes per row and step for the 'auto' budget.",
+        range=Range(0, 4096),
+    )
+    fp32_logits: bool = _f(
+        False, "Compute verify logits with a float32 LM head (bf16 targets: fewer near-tie flips)."
+    )
+    typical_eps: float = _f(
+        TYPICAL_EPS,
+        "Typical acceptance: probability threshold epsilon.",
+        range=Range(0, 1e6, lo_open=True),
+    )
+    typical_delta: float = _f(
+        TYPICAL_DELTA,
+        "Typical acceptance: entropy-scaled threshold delta.",
+        range=Range(0, 1e6, lo_open=True),
+    )
+    adapt: bool = _f(
+        True, "Update per-drafter acceptance rates while decoding (they rank tree nodes)."
+    )
+    gate: bool = _f(
+        True,
+        "With several drafters and the 'auto' budget, skip a drafter while the tokens only it "
+        "gets accepted are worth less than its drafting time (re-tried after growing waits).",
+    )
+    gate_explore: int = _f(
+        8,
+        "Steps a skipped drafter waits before it is tried again (doubles while useless, "
+        "up to 16x).",
+        range=Range(1),
+    )
+    guard: bool = _f(
+        True,
+        "With the 'auto' budget and a batch of 2 or more rows, time speculative and plain "
+        "steps per batch size and run plain steps where speculation is slower (re-tried "
+        "after growing waits): speculation never makes a loaded batch slower for long.",
+    )
+    cpu_pack: bool = _f(
+        True,
+        "On CPU, faster weight layouts for multi-token verify forwards (oneDNN-packed float32 "
+        "linears, contiguous LM head); the model itself is not modified.",
+    )
+    static_verify: Any = _f(
+        "auto",
+        "Pad verify trees to a few fixed sizes and capture the forward in a CUDA graph: "
+        "'auto' (on for CUDA, off on CPU), true or false.",
+    )
+    prefill_chunk: Any = _f(
+        "auto",
+        "Prompt tokens prefilled per step while other requests decode (chunked prefill: "
+        "a long prompt joins over several steps, each one chunk's forward beside the running "
+        "rows' step): 'auto' (from the measured verify-cost curve: the largest chunk, a "
+        "multiple of 16 in [16, 2048], whose forward costs no more than the running rows' "
+        "last verify forward; while no row decodes, every waiting prompt in one forward), a "
+        "number of tokens, or 0 (off: every prompt in one forward).",
+    )
     # ---- drafters (load_decoder / make_drafters)
     redrafter_width: int = _f(8, "ReDrafter beams per step.", range=Range(1, 1024))
-    redrafter_length: int | None = _f(None, "ReDrafter tokens per beam (default: the head's training horizon).",
-                                      range=Range(1, 256))
-    ngram_k: int = _f(8, "N-gram draft rows per step (context matches, then model-bigram chains).",
-                      range=Range(1, 1024))
+    redrafter_length: int | None = _f(
+        None,
+        "ReDrafter tokens per beam (default: the head's training horizon).",
+        range=Range(1, 256),
+    )
+    ngram_k: int = _f(
+        8,
+        "N-gram draft rows per step (context matches, then model-bigram chains).",
+        range=Range(1, 1024),
+    )
     ngram_w: int = _f(12, "Tokens per n-gram draft row.", range=Range(1, 1024))
     context_q: int = _f(1, "Shortest context match, in tokens.", range=Range(1, 64))
     context_q_max: int = _f(3, "Longest context match, tried first.", range=Range(1, 64))
-    context: bool | None = _f(None, "Add a context n-gram drafter (default: only when no n-gram tables are "
-                              "given; the N-Grammys drafter of each table already matches the context).")
-    aded: bool = _f(False, "Also draft with ADED's MCTS over every n-gram table set that holds tri-grams.")
+    context: bool | None = _f(
+        None,
+        "Add a context n-gram drafter (default: only when no n-gram tables are "
+        "given; the N-Grammys drafter of each table already matches the context).",
+    )
+    aded: bool = _f(
+        False, "Also draft with ADED's MCTS over every n-gram table set that holds tri-grams."
+    )
 
     def __post_init__(self):
         self.validate()
@@ -89,6 +139,7 @@ class DecoderConfig(Settings):
         """What the schema's types and ranges cannot say: ``budget`` is 'auto' or a number of
         nodes (a string number is read as one), ``static_verify`` 'auto' or a bool, and the
         shortest context match is not longer than the longest."""
+
         def bad(key, why):
             raise ConfigError(f"{self.subject(key, getattr(self, key))}: {why}", param=key)
 
@@ -97,8 +148,9 @@ class DecoderConfig(Settings):
                 self.budget = int(self.budget)
             except ValueError:
                 bad("budget", "use 'auto' or a number of tree nodes >= 0.")
-        if self.budget != "auto" and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
-                                      or self.budget < 0):
+        if self.budget != "auto" and (
+            isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 0
+        ):
             bad("budget", "use an integer >= 0.")
         if self.static_verify not in ("auto", True, False):
             bad("static_verify", "use 'auto', true or false.")
@@ -107,13 +159,19 @@ class DecoderConfig(Settings):
                 self.prefill_chunk = int(self.prefill_chunk)
             except ValueError:
                 bad("prefill_chunk", "use 'auto', a number of tokens >= 1, or 0 (off).")
-        if self.prefill_chunk != "auto" and (isinstance(self.prefill_chunk, bool)
-                                             or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0):
+        if self.prefill_chunk != "auto" and (
+            isinstance(self.prefill_chunk, bool)
+            or not isinstance(self.prefill_chunk, int)
+            or self.prefill_chunk < 0
+        ):
             bad("prefill_chunk", "use 'auto', a number of tokens >= 1, or 0 (off).")
         if self.context_q > self.context_q_max:
-            raise ConfigError(f"decoder settings context_q={self.context_q} and context_q_max={self.context_q_max}: "
-                              f"the shortest context match cannot be longer than the longest; use context_q <= "
-                              f"context_q_max (raise context_q_max too).", param="context_q")
+            raise ConfigError(
+                f"decoder settings context_q={self.context_q} and context_q_max={self.context_q_max}: "
+                f"the shortest context match cannot be longer than the longest; use context_q <= "
+                f"context_q_max (raise context_q_max too).",
+                param="context_q",
+            )
 
 
 FIELDS = {f.name: f for f in fields(DecoderConfig)}
@@ -170,15 +228,32 @@ class SamplingParams:
     logprobs: int | None = None
 
     @classmethod
-    def checked(cls, max_new_tokens: Any = 128, temperature: Any = 0.0, top_p: Any = 1.0,
-                stop: str | Sequence[str] | None = None, seed: Any = None,
-                stop_token_ids: Sequence[int] | None = None, *, presence_penalty: Any = 0.0,
-                frequency_penalty: Any = 0.0, repetition_penalty: Any = 1.0, logit_bias: Any = None,
-                min_tokens: Any = 0, min_p: Any = 0.0, top_k: Any = 0, logprobs: Any = None) -> SamplingParams:
+    def checked(
+        cls,
+        max_new_tokens: Any = 128,
+        temperature: Any = 0.0,
+        top_p: Any = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: Any = None,
+        stop_token_ids: Sequence[int] | None = None,
+        *,
+        presence_penalty: Any = 0.0,
+        frequency_penalty: Any = 0.0,
+        repetition_penalty: Any = 1.0,
+        logit_bias: Any = None,
+        min_tokens: Any = 0,
+        min_p: Any = 0.0,
+        top_k: Any = 0,
+        logprobs: Any = None,
+    ) -> SamplingParams:
         def bad(param, value, why):
             raise ConfigError(f"{param}={value!r}: {why}", param=param)
 
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 1
+        ):
             bad("max_new_tokens", max_new_tokens, "use an integer >= 1.")
         for name, v in (("temperature", temperature), ("top_p", top_p)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -198,32 +273,67 @@ class SamplingParams:
         for s in stop:
             if not isinstance(s, str) or not s:
                 bad("stop", list(stop), "every stop string must be a non-empty string.")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63):
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63
+        ):
             bad("seed", seed, "use an integer in [0, 2**63) or none.")
         ids = tuple(stop_token_ids or ())
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             bad("stop_token_ids", list(ids), "use a list of token ids (integers >= 0).")
-        processing = _checked_processing(bad, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
-                                         min_tokens, min_p, top_k, logprobs, max_new_tokens)
-        return cls(int(max_new_tokens), float(temperature), float(top_p), stop, seed, ids, **processing)
+        processing = _checked_processing(
+            bad,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            logit_bias,
+            min_tokens,
+            min_p,
+            top_k,
+            logprobs,
+            max_new_tokens,
+        )
+        return cls(
+            int(max_new_tokens), float(temperature), float(top_p), stop, seed, ids, **processing
+        )
 
     @property
     def processed(self) -> bool:
         """Whether the logits are changed before sampling (penalties, bias, ``min_tokens``)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.min_tokens)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
 
 
-def _checked_processing(bad, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens,
-                        min_p, top_k, logprobs, max_new_tokens) -> dict:
+def _checked_processing(
+    bad,
+    presence_penalty,
+    frequency_penalty,
+    repetition_penalty,
+    logit_bias,
+    min_tokens,
+    min_p,
+    top_k,
+    logprobs,
+    max_new_tokens,
+) -> dict:
     """The logits-processing fields of :meth:`SamplingParams.checked`, normalised."""
+
     def number(name, v, low, high, low_open=False):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v > high or (
-                v <= low if low_open else v < low):
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or not math.isfinite(v)
+            or v > high
+            or (v <= low if low_open else v < low)
+        ):
             bad(name, v, f"use a number in {'(' if low_open else '['}{low}, {high}].")
         return float(v)
 
@@ -232,13 +342,17 @@ def _checked_processing(bad, presence_penalty, frequency_penalty, repetition_pen
             bad(name, v, f"use an integer in [{low}, {high}].")
         return int(v)
 
-    out = {"presence_penalty": number("presence_penalty", presence_penalty, -2, 2),
-           "frequency_penalty": number("frequency_penalty", frequency_penalty, -2, 2),
-           "repetition_penalty": number("repetition_penalty", repetition_penalty, 0, 1e6, low_open=True),
-           "min_p": number("min_p", min_p, 0, 1),
-           "top_k": 0 if top_k == -1 else integer("top_k", top_k, 0, 1 << 30),
-           "min_tokens": integer("min_tokens", min_tokens, 0, max_new_tokens),
-           "logprobs": None if logprobs is None else integer("logprobs", logprobs, 0, 20)}
+    out = {
+        "presence_penalty": number("presence_penalty", presence_penalty, -2, 2),
+        "frequency_penalty": number("frequency_penalty", frequency_penalty, -2, 2),
+        "repetition_penalty": number(
+            "repetition_penalty", repetition_penalty, 0, 1e6, low_open=True
+        ),
+        "min_p": number("min_p", min_p, 0, 1),
+        "top_k": 0 if top_k == -1 else integer("top_k", top_k, 0, 1 << 30),
+        "min_tokens": integer("min_tokens", min_tokens, 0, max_new_tokens),
+        "logprobs": None if logprobs is None else integer("logprobs", logprobs, 0, 20),
+    }
     bias = {}
     if isinstance(logit_bias, dict):
         logit_bias = list(logit_bias.items())
@@ -248,7 +362,9 @@ def _checked_processing(bad, presence_penalty, frequency_penalty, repetition_pen
         bad("logit_bias", logit_bias, "use a mapping of token ids to biases in [-100, 100].")
     for item in logit_bias:
         tok, b = item if isinstance(item, (list, tuple)) and len(item) == 2 else (item, None)
-        t = int(tok) if isinstance(tok, str) and tok.isascii() and tok.isdecimal() else tok  # JSON keys are strings
+        t = (
+            int(tok) if isinstance(tok, str) and tok.isascii() and tok.isdecimal() else tok
+        )  # JSON keys are strings
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             bad("logit_bias", tok, "every key must be a token id (an integer >= 0).")
         bias[t] = number("logit_bias", b, -100, 100)
@@ -256,23 +372,38 @@ def _checked_processing(bad, presence_penalty, frequency_penalty, repetition_pen
     return out
 
 
-def check_prompt(ids: Any, vocab_size: int, context_length: int | None, max_new_tokens: int,
-                 index: int | None = None) -> list[int]:
+def check_prompt(
+    ids: Any,
+    vocab_size: int,
+    context_length: int | None,
+    max_new_tokens: int,
+    index: int | None = None,
+) -> list[int]:
     """A prompt's token ids as a list of ints, checked: non-empty, every id in ``[0, vocab_size)``,
     and prompt + ``max_new_tokens`` within the model's context (when it has a known one)."""
     where = "prompt" if index is None else f"prompt {index}"
     if not isinstance(ids, list) or not ids:
         raise ConfigError(f"{where} is empty; give at least one token.", param="prompt")
-    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    bad = [
+        t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size
+    ]
     if bad:
-        raise ConfigError(f"{where} holds token id {bad[0]!r}, outside the vocabulary [0, {vocab_size}).",
-                          param="prompt")
+        raise ConfigError(
+            f"{where} holds token id {bad[0]!r}, outside the vocabulary [0, {vocab_size}).",
+            param="prompt",
+        )
     if context_length:
         if len(ids) >= context_length:
-            raise ConfigError(f"{where} has {len(ids)} tokens; the model's context is {context_length} tokens. "
-                              f"Shorten the prompt.", param="prompt")
+            raise ConfigError(
+                f"{where} has {len(ids)} tokens; the model's context is {context_length} tokens. "
+                f"Shorten the prompt.",
+                param="prompt",
+            )
         if len(ids) + max_new_tokens > context_length:
-            raise ConfigError(f"{where} has {len(ids)} tokens and max_new_tokens is {max_new_tokens}: together "
-                              f"they exceed the model's context of {context_length} tokens; use max_new_tokens "
-                              f"<= {context_length - len(ids)}.", param="max_new_tokens")
+            raise ConfigError(
+                f"{where} has {len(ids)} tokens and max_new_tokens is {max_new_tokens}: together "
+                f"they exceed the model's context of {context_length} tokens; use max_new_tokens "
+                f"<= {context_length - len(ids)}.",
+                param="max_new_tokens",
+            )
     return ids

@@ -29,22 +29,43 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.accept import HostAcceptance, RowSampling, logprob_table, processed_logits, step_choices, walk
+from redraft.infer.accept import (
+    HostAcceptance,
+    RowSampling,
+    logprob_table,
+    processed_logits,
+    step_choices,
+    walk,
+)
 from redraft.infer.budget import CostCurve, DrafterGate, SpeculationGuard
 from redraft.infer.config import DecoderConfig, SamplingParams
-from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback, HostFeedback, pad_paths_np
+from redraft.infer.drafters.base import (
+    PAD,
+    DecodeState,
+    Draft,
+    Drafter,
+    Feedback,
+    HostFeedback,
+    pad_paths_np,
+)
 from redraft.infer.engine import Engine
-from redraft.infer.rows import Clock
 from redraft.infer.hostdraft import HostStats, best_budget_np
-from redraft.infer.hosttree import (HostTree, accepted_prefix_np, build_tree_np, clean_paths_np, credit_np,
-                                    hit_np)
+from redraft.infer.hosttree import (
+    HostTree,
+    accepted_prefix_np,
+    build_tree_np,
+    clean_paths_np,
+    credit_np,
+    hit_np,
+)
+from redraft.infer.rows import Clock
 from redraft.infer.stats import Generation, StreamEvent
 from redraft.infer.verify import Verifier
 
@@ -86,8 +107,15 @@ class SpeculativeDecoder:
             ``acceptance="rejection"``, ...); unknown names are errors.
     """
 
-    def __init__(self, target, drafters: Sequence[Drafter] = (), config: DecoderConfig | None = None, *,
-                 cost_curve: CostCurve | None = None, **settings):
+    def __init__(
+        self,
+        target,
+        drafters: Sequence[Drafter] = (),
+        config: DecoderConfig | None = None,
+        *,
+        cost_curve: CostCurve | None = None,
+        **settings,
+    ):
         config = config or DecoderConfig()
         self.config = config.replace(**settings) if settings else config
         self.target = target
@@ -99,18 +127,29 @@ class SpeculativeDecoder:
         cfg = self.config
         dev = target.device
         static = cfg.static_verify if cfg.static_verify != "auto" else dev.type == "cuda"
-        self.verifier = Verifier(target, fp32_logits=cfg.fp32_logits, cpu_pack=cfg.cpu_pack, static=static)
+        self.verifier = Verifier(
+            target, fp32_logits=cfg.fp32_logits, cpu_pack=cfg.cpu_pack, static=static
+        )
         self.cost_curve = cost_curve
         self.eos = set(target.eos_token_ids)
         self.stats = HostStats(len(self.drafters))
-        self.gate = DrafterGate(len(self.drafters), cfg.gate_explore,
-                                enabled=cfg.gate and len(self.drafters) > 1 and cfg.budget == "auto")
-        self.guard = SpeculationGuard(cfg.gate_explore, enabled=cfg.guard and bool(self.drafters) and cfg.budget == "auto")
-        self.generator: torch.Generator | None = None  # the shared sampling generator (None: torch's)
+        self.gate = DrafterGate(
+            len(self.drafters),
+            cfg.gate_explore,
+            enabled=cfg.gate and len(self.drafters) > 1 and cfg.budget == "auto",
+        )
+        self.guard = SpeculationGuard(
+            cfg.gate_explore, enabled=cfg.guard and bool(self.drafters) and cfg.budget == "auto"
+        )
+        self.generator: torch.Generator | None = (
+            None  # the shared sampling generator (None: torch's)
+        )
         self._clock = Clock(dev)
         self._draft_overhead = 0.0  # EMA of drafting seconds per step (part of the budget's cost)
         self._costs = None  # (cost curve, its table c(0..n) as numpy)
-        self._engine: Engine | None = None  # the engine generate() reuses while idle (its cache and graphs)
+        self._engine: Engine | None = (
+            None  # the engine generate() reuses while idle (its cache and graphs)
+        )
 
     # ------------------------------------------------------------------ inputs
 
@@ -123,12 +162,16 @@ class SpeculativeDecoder:
         Text must be valid Unicode (a lone surrogate such as ``"\\ud83d"`` is an error naming it).
         """
         inputs = _from_numpy(inputs)
+
         def is_chat(x):
             return isinstance(x, (list, tuple)) and bool(x) and all(isinstance(m, dict) for m in x)
 
         def is_ids(x):
-            return isinstance(x, (list, tuple)) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                                     for t in x)
+            return (
+                isinstance(x, (list, tuple))
+                and bool(x)
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+            )
 
         def one(x, i):
             x = _from_numpy(x)
@@ -138,8 +181,11 @@ class SpeculativeDecoder:
             if is_chat(x):
                 for j, m in enumerate(x):
                     if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                        raise ConfigError(f"prompt {i}, message {j}: a chat message needs a string 'role' and a "
-                                          f"string 'content' (got keys {sorted(m)}).", param="messages")
+                        raise ConfigError(
+                            f"prompt {i}, message {j}: a chat message needs a string 'role' and a "
+                            f"string 'content' (got keys {sorted(m)}).",
+                            param="messages",
+                        )
                     _check_unicode(m["content"], f"prompt {i}, message {j}", "messages")
                 return self.target.chat_ids(list(x))
             if isinstance(x, torch.Tensor) and x.dim() == 1:
@@ -148,17 +194,27 @@ class SpeculativeDecoder:
                 return list(x)
             if isinstance(x, (list, tuple)) and not x:
                 raise ConfigError(f"prompt {i} is empty; give at least one token.", param="prompt")
-            raise ConfigError(f"prompt {i}: cannot read a prompt of type {type(x).__name__}; pass text, a chat "
-                              f"(list of role/content dicts) or token ids.", param="prompt")
+            raise ConfigError(
+                f"prompt {i}: cannot read a prompt of type {type(x).__name__}; pass text, a chat "
+                f"(list of role/content dicts) or token ids.",
+                param="prompt",
+            )
 
-        if isinstance(inputs, str) or is_chat(inputs) or is_ids(inputs) or (
-                isinstance(inputs, torch.Tensor) and inputs.dim() == 1):
+        if (
+            isinstance(inputs, str)
+            or is_chat(inputs)
+            or is_ids(inputs)
+            or (isinstance(inputs, torch.Tensor) and inputs.dim() == 1)
+        ):
             return [one(inputs, 0)]
         if isinstance(inputs, torch.Tensor) and inputs.dim() == 2:
             return [one(row, i) for i, row in enumerate(inputs)]
         if not isinstance(inputs, (list, tuple)) or not inputs:
-            raise ConfigError(f"no prompts: pass text, a chat, token ids or a non-empty list of them "
-                              f"(got {type(inputs).__name__} {inputs!r:.40}).", param="prompt")
+            raise ConfigError(
+                f"no prompts: pass text, a chat, token ids or a non-empty list of them "
+                f"(got {type(inputs).__name__} {inputs!r:.40}).",
+                param="prompt",
+            )
         return [one(x, i) for i, x in enumerate(inputs)]
 
     # ------------------------------------------------------------------ decoding
@@ -169,8 +225,15 @@ class SpeculativeDecoder:
         return Engine(self)
 
     @torch.no_grad()
-    def stream(self, inputs, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               stop: str | Sequence[str] | None = None, seed: int | None = None) -> Iterator[StreamEvent]:
+    def stream(
+        self,
+        inputs,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> Iterator[StreamEvent]:
         """Decode and yield :class:`StreamEvent` s as tokens are accepted (text deltas per request).
 
         Args:
@@ -186,19 +249,35 @@ class SpeculativeDecoder:
         """
         params = SamplingParams.checked(max_new_tokens, temperature, top_p, stop, seed)
         prompts = self.encode(inputs)
-        engine = self._engine if self._engine is not None and not self._engine.has_work else self.engine()
+        engine = (
+            self._engine
+            if self._engine is not None and not self._engine.has_work
+            else self.engine()
+        )
         self._engine = engine
         # a seed is per request (prompt i: row_seed(seed, i)): its tokens are drawn with its own
         # uniforms, so the same seed gives the same text on any decoder, whatever the drafts,
         # the batch or what the decoder learnt from earlier requests
-        index = {engine.add(p, params if seed is None else dataclasses.replace(params, seed=row_seed(seed, i))): i
-                 for i, p in enumerate(prompts)}  # request id -> prompt
+        index = {
+            engine.add(
+                p, params if seed is None else dataclasses.replace(params, seed=row_seed(seed, i))
+            ): i
+            for i, p in enumerate(prompts)
+        }  # request id -> prompt
         while engine.has_work:
             for ev in engine.step():
                 yield dataclasses.replace(ev, index=index[ev.index])
 
-    def generate(self, inputs, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 stop: str | Sequence[str] | None = None, stream: bool = False, seed: int | None = None):
+    def generate(
+        self,
+        inputs,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        stream: bool = False,
+        seed: int | None = None,
+    ):
         """Decode a prompt or a batch; returns a list of :class:`Generation` (one per prompt),
         or, with ``stream=True``, the iterator of :meth:`stream`."""
         it = self.stream(inputs, max_new_tokens, temperature, top_p, stop, seed)
@@ -225,7 +304,7 @@ class SpeculativeDecoder:
         merge their paths and value every entry (host arrays)."""
         B = host.batch_size
         drafts, marks = [], []
-        for i in (self.gate.active() if speculate else ()):
+        for i in self.gate.active() if speculate else ():
             d = self.drafters[i]
             m0 = self._clock.mark()
             if d.host:
@@ -238,8 +317,15 @@ class SpeculativeDecoder:
             if dr.num_paths:
                 drafts.append((i, dr))
         if not drafts:
-            return Proposal(_EMPTY_PATHS[:B], np.zeros((B, 0, 1), np.float32), _EMPTY_OWNER, np.zeros((B, 0), np.int64),
-                            [], np.zeros(B, np.int64), marks)
+            return Proposal(
+                _EMPTY_PATHS[:B],
+                np.zeros((B, 0, 1), np.float32),
+                _EMPTY_OWNER,
+                np.zeros((B, 0), np.int64),
+                [],
+                np.zeros(B, np.int64),
+                marks,
+            )
         L = max(dr.path_length for _, dr in drafts)
         toks, owner, group, slices, start = [], [], [], [], 0
         for i, dr in drafts:
@@ -247,7 +333,11 @@ class SpeculativeDecoder:
             p = t.shape[1]
             toks.append(t)
             owner.append(np.full(p, i, np.int64))
-            group.append(np.broadcast_to(np.arange(p), (B, p)) if dr.group is None else np.asarray(dr.group, np.int64))
+            group.append(
+                np.broadcast_to(np.arange(p), (B, p))
+                if dr.group is None
+                else np.asarray(dr.group, np.int64)
+            )
             slices.append((i, dr, start, start + p))
             start += p
         paths = toks[0] if len(toks) == 1 else np.concatenate(toks, axis=1)
@@ -292,25 +382,39 @@ class SpeculativeDecoder:
             self._costs = (self.cost_curve, self.cost_curve.table(B_max, "cpu").numpy())
         return self._costs[1]
 
-    def choices(self, step, logits: torch.Tensor, sampling: RowSampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def choices(
+        self, step, logits: torch.Tensor, sampling: RowSampling
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[R, B, N]``: what the acceptance rule needs of every node (``accept.step_choices``)
         of the processed logits (penalties, bias, min_tokens: ``accept.processed_logits``), and
         the log-probabilities of the rows that asked for them (``accept.logprob_table``, else
         ``None``)."""
         cfg = self.config
         logits = processed_logits(logits, sampling, step.anc, step.depth)
-        choices = step_choices(cfg.acceptance, step.tokens, step.parent, step.depth, logits, sampling,
-                               cfg.typical_eps, cfg.typical_delta)
+        choices = step_choices(
+            cfg.acceptance,
+            step.tokens,
+            step.parent,
+            step.depth,
+            logits,
+            sampling,
+            cfg.typical_eps,
+            cfg.typical_delta,
+        )
         if not sampling.logprob_rows:
             return choices, None
-        pick = choices[2] if cfg.acceptance == "typical" else choices[0]  # the bonus after each node
+        pick = (
+            choices[2] if cfg.acceptance == "typical" else choices[0]
+        )  # the bonus after each node
         return choices, logprob_table(logits, pick, step.parent, step.tokens, sampling)
 
     def accept(self, tree, readout) -> HostAcceptance:
         """The accepted path of every row, walked on the host from the step's readout."""
         return walk(self.config.acceptance, tree, readout.values)
 
-    def feedback(self, host, state: DecodeState | None, prop: Proposal, tree, acc: HostAcceptance) -> np.ndarray:
+    def feedback(
+        self, host, state: DecodeState | None, prop: Proposal, tree, acc: HostAcceptance
+    ) -> np.ndarray:
         """Tell every drafter called what happened to its paths, update the acceptance rates;
         returns the credit ``[B, drafters]``: accepted draft tokens each drafter had proposed (a
         token several drafters proposed counts for each)."""
@@ -330,14 +434,22 @@ class SpeculativeDecoder:
                 d.observe_host(host, dr, HostFeedback(prefix[:, a:b], acc, verified[:, a:b]))
             else:
                 fb = fb or _device_feedback(acc, state.device)
-                d.observe(state, dr.device_draft, dataclasses.replace(
-                    fb, accepted_prefix=torch.from_numpy(prefix[:, a:b]).to(state.device),
-                    verified=torch.from_numpy(verified[:, a:b]).to(state.device)))
+                d.observe(
+                    state,
+                    dr.device_draft,
+                    dataclasses.replace(
+                        fb,
+                        accepted_prefix=torch.from_numpy(prefix[:, a:b]).to(state.device),
+                        verified=torch.from_numpy(verified[:, a:b]).to(state.device),
+                    ),
+                )
         if self.config.adapt:
             self.stats.update(prop.owner, prop.paths, prefix, prop.group, kept=kept)
         return credit
 
-    def after_step(self, prop: Proposal, acc: HostAcceptance, credit: np.ndarray, secs: tuple[float, float]) -> None:
+    def after_step(
+        self, prop: Proposal, acc: HostAcceptance, credit: np.ndarray, secs: tuple[float, float]
+    ) -> None:
         """Host-side bookkeeping: drafting-time averages, the gate's exclusive gains, the guard."""
         n_acc = acc.num_accepted
         if prop.marks:  # drafters ran (not a plain step)
@@ -352,7 +464,9 @@ class SpeculativeDecoder:
             exclusive[i] = float(np.maximum(0, n_acc - best_other).mean())
         if called:  # a plain step (the guard's) says nothing about the drafters
             self.gate.update(secs[0] + secs[1], float(n_acc.mean()) + 1.0, exclusive)
-        self.guard.record(len(n_acc), bool(called), int(n_acc.sum()) + len(n_acc), secs[0] + secs[1])
+        self.guard.record(
+            len(n_acc), bool(called), int(n_acc.sum()) + len(n_acc), secs[0] + secs[1]
+        )
 
 
 _EMPTY_PATHS = np.full((1 << 16, 0, 1), PAD, np.int64)  # [B, 0, 1] views for plain steps
@@ -367,7 +481,14 @@ def _root_parts(B: int, N: int):
     valid[:, 0] = True
     anc = np.broadcast_to(np.eye(N, dtype=bool), (B, N, N)).copy()
     anc[:, :, 0] = True
-    return parent, np.zeros((B, N), np.int64), valid, anc, np.ones(B, np.int64), np.zeros(B, np.int64)
+    return (
+        parent,
+        np.zeros((B, N), np.int64),
+        valid,
+        anc,
+        np.ones(B, np.int64),
+        np.zeros(B, np.int64),
+    )
 
 
 def root_tree(last: np.ndarray, size: int) -> HostTree:
@@ -376,15 +497,26 @@ def root_tree(last: np.ndarray, size: int) -> HostTree:
     parent, depth, valid, anc, ones, zeros = _root_parts(B, size)
     tokens = np.full((B, size), PAD, np.int64)
     tokens[:, 0] = last
-    return HostTree(tokens=tokens, parent=parent, depth=depth, valid=valid, anc=anc,
-                    path_node=np.full((B, 0, 1), -1, np.int64), num_nodes=ones, num_entries=zeros, max_depth=0)
+    return HostTree(
+        tokens=tokens,
+        parent=parent,
+        depth=depth,
+        valid=valid,
+        anc=anc,
+        path_node=np.full((B, 0, 1), -1, np.int64),
+        num_nodes=ones,
+        num_entries=zeros,
+        max_depth=0,
+    )
 
 
 def _to_host(dr: Draft) -> Draft:
     """A device drafter's draft as host arrays (its paths are read back: a device read)."""
-    return Draft(tokens=dr.tokens.cpu().numpy().astype(np.int64),
-                 logp=None if dr.logp is None else dr.logp.float().cpu().numpy(),
-                 group=None if dr.group is None else dr.group.cpu().numpy().astype(np.int64))
+    return Draft(
+        tokens=dr.tokens.cpu().numpy().astype(np.int64),
+        logp=None if dr.logp is None else dr.logp.float().cpu().numpy(),
+        group=None if dr.group is None else dr.group.cpu().numpy().astype(np.int64),
+    )
 
 
 def _device_feedback(acc: HostAcceptance, device) -> Feedback:
@@ -393,9 +525,17 @@ def _device_feedback(acc: HostAcceptance, device) -> Feedback:
     A = max(1, int(acc.num_accepted.max()))
     accepted = np.full((B, A), PAD, np.int64)
     for b, e in enumerate(acc.emitted):
-        accepted[b, :len(e) - 1] = e[:-1]
-    up = torch.from_numpy(np.concatenate([accepted, acc.num_accepted[:, None], acc.bonus[:, None]], axis=1)).to(device)
-    return Feedback(accepted_prefix=None, accepted=up[:, :A], num_accepted=up[:, A], bonus=up[:, A + 1], verified=None)
+        accepted[b, : len(e) - 1] = e[:-1]
+    up = torch.from_numpy(
+        np.concatenate([accepted, acc.num_accepted[:, None], acc.bonus[:, None]], axis=1)
+    ).to(device)
+    return Feedback(
+        accepted_prefix=None,
+        accepted=up[:, :A],
+        num_accepted=up[:, A],
+        bonus=up[:, A + 1],
+        verified=None,
+    )
 
 
 def row_seed(seed: int, i: int) -> int:
@@ -408,7 +548,9 @@ def _from_numpy(x):
     if type(x).__module__ != "numpy" or not hasattr(x, "dtype"):
         return x
     if x.dtype.kind not in "iu":
-        raise ConfigError(f"token ids must be integers; got a NumPy array of dtype {x.dtype}.", param="prompt")
+        raise ConfigError(
+            f"token ids must be integers; got a NumPy array of dtype {x.dtype}.", param="prompt"
+        )
     return torch.as_tensor(x.astype("int64", copy=False))
 
 
@@ -419,13 +561,16 @@ def _check_unicode(text: str, where: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ConfigError(f"{where} holds a lone UTF-16 surrogate {text[exc.start]!r} at character {exc.start}, "
-                          f"which is not valid Unicode; pass valid text (decode bytes with errors='replace').",
-                          param=param) from None
-
+        raise ConfigError(
+            f"{where} holds a lone UTF-16 surrogate {text[exc.start]!r} at character {exc.start}, "
+            f"which is not valid Unicode; pass valid text (decode bytes with errors='replace').",
+            param=param,
+        ) from None
 
 
 @torch.no_grad()
 def plain_greedy(target, inputs, max_new_tokens: int = 128, **kw) -> list[Generation]:
     """Plain autoregressive greedy decoding with the same model and cache (the baseline)."""
-    return SpeculativeDecoder(target, [], budget=0).generate(inputs, max_new_tokens=max_new_tokens, **kw)
+    return SpeculativeDecoder(target, [], budget=0).generate(
+        inputs, max_new_tokens=max_new_tokens, **kw
+    )

@@ -52,9 +52,9 @@ from redraft.infer.budget import PREFILL_CHUNK_MIN, prefill_chunk
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState
 from redraft.infer.processors import RowProcessors
+from redraft.infer.rows import Clock, HostState, Row, StepReadout, sampling_params_of
 from redraft.infer.stats import Generation, StreamEvent
 from redraft.infer.text import TextStream
-from redraft.infer.rows import Clock, HostState, Row, StepReadout, sampling_params_of
 from redraft.infer.verify import StepInput
 
 if TYPE_CHECKING:  # the decoder imports the engine
@@ -81,7 +81,9 @@ class Engine:
         self.cache = None  # SlotKVCache, made at the first join, kept for the engine's life
         self.sampling: RowSampling | None = None
         self.steps = 0
-        self._step_tokens = 0  # tokens the last verify forward ran (batch x tree size): the auto prefill chunk
+        self._step_tokens = (
+            0  # tokens the last verify forward ran (batch x tree size): the auto prefill chunk
+        )
         self._next_id = 0
         self._clock = Clock(self.device)
         self._context = getattr(decoder.model.config, "max_position_embeddings", None)
@@ -99,13 +101,22 @@ class Engine:
         """
         params = sampling_params_of(params)
         if not params.greedy and self.dec.config.acceptance == "greedy":
-            raise ConfigError("temperature > 0 needs the decoder's acceptance 'rejection' (lossless) or "
-                              "'typical'; this decoder verifies greedily.", param="temperature")
+            raise ConfigError(
+                "temperature > 0 needs the decoder's acceptance 'rejection' (lossless) or "
+                "'typical'; this decoder verifies greedily.",
+                param="temperature",
+            )
         check_prompt(prompt, self.dec.target.vocab_size, self._context, params.max_new_tokens)
         V = self.dec.target.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
             if any(t >= V for t in ids):
-                raise ConfigError(f"{name} holds token id {max(ids)}, outside the vocabulary [0, {V}).", param=name)
+                raise ConfigError(
+                    f"{name} holds token id {max(ids)}, outside the vocabulary [0, {V}).",
+                    param=name,
+                )
         uniforms = None
         if params.seed is not None:
             # one per output token, and slack for draws a tree makes past the last one
@@ -115,8 +126,16 @@ class Engine:
                 generator.manual_seed(params.seed)
         rid = self._next_id
         self._next_id += 1
-        self.waiting.append(Row(rid, list(prompt), params, generator, TextStream(self.dec.target.tokenizer, params.stop),
-                                 uniforms))
+        self.waiting.append(
+            Row(
+                rid,
+                list(prompt),
+                params,
+                generator,
+                TextStream(self.dec.target.tokenizer, params.stop),
+                uniforms,
+            )
+        )
         return rid
 
     def cancel(self, rid: int) -> None:
@@ -140,7 +159,9 @@ class Engine:
         """(tokens the running rows hold in the KV cache, token slots allocated over all rows)."""
         if self.cache is None:
             return 0, 0
-        held = sum(r.length - 1 for r in self.rows if not r.done) + sum(r.filled for r in self.prefilling)
+        held = sum(r.length - 1 for r in self.rows if not r.done) + sum(
+            r.filled for r in self.prefilling
+        )
         return held, self.cache.capacity * self.cache.slots
 
     # ------------------------------------------------------------------ the step
@@ -165,7 +186,9 @@ class Engine:
         t1 = clock.mark()
         hidden = self.verifier.verify(step_in, self.cache)  # [B, N, H]
         if self.sampling.seeded:  # output tokens so far: which uniform a seeded row's draw takes
-            self.sampling.offset = torch.tensor([r.length - len(r.prompt) for r in self.rows]).to(self.device)
+            self.sampling.offset = torch.tensor([r.length - len(r.prompt) for r in self.rows]).to(
+                self.device
+            )
         self.sampling.proc = self._processors(self.rows, tree.tokens)
         choices, lp = dec.choices(step_in, self.verifier.logits(hidden), self.sampling)  # [R, B, N]
         t2 = clock.mark()
@@ -185,19 +208,22 @@ class Engine:
 
     def _host_state(self) -> HostState:
         rows = self.rows
-        seqs = [r.seq[:r.length] for r in rows]
-        return HostState(seqs, np.array([s[-1] for s in seqs], np.int64),
-                         np.array([len(r.prompt) for r in rows], np.int64))
+        seqs = [r.seq[: r.length] for r in rows]
+        return HostState(
+            seqs,
+            np.array([s[-1] for s in seqs], np.int64),
+            np.array([len(r.prompt) for r in rows], np.int64),
+        )
 
     def _upload(self, tree) -> StepInput:
         """The tree and the rows' cache lengths in one packed tensor, one host-to-device copy."""
         B, N = tree.tokens.shape
         packed = np.empty((B, StepInput.width(N)), np.int64)
         packed[:, 0] = self.cache.host_lengths
-        packed[:, 1:1 + N] = tree.tokens
-        packed[:, 1 + N:1 + 2 * N] = tree.depth
-        packed[:, 1 + 2 * N:1 + 3 * N] = tree.parent
-        packed[:, 1 + 3 * N:] = tree.anc.reshape(B, N * N)
+        packed[:, 1 : 1 + N] = tree.tokens
+        packed[:, 1 + N : 1 + 2 * N] = tree.depth
+        packed[:, 1 + 2 * N : 1 + 3 * N] = tree.parent
+        packed[:, 1 + 3 * N :] = tree.anc.reshape(B, N * N)
         t = torch.from_numpy(packed)
         if self.device.type != "cpu":
             t = t.to(self.device)  # the previous step's read synced: nothing to overlap with
@@ -230,21 +256,31 @@ class Engine:
         buf = s.tokens
         new_len = [r.length for r in self.rows]
         if max(new_len) + 1 > buf.shape[1]:
-            buf = torch.cat([buf, buf.new_full((B, max(new_len) + 1 - buf.shape[1] + 64), PAD)], dim=1)
+            buf = torch.cat(
+                [buf, buf.new_full((B, max(new_len) + 1 - buf.shape[1] + 64), PAD)], dim=1
+            )
         up = np.full((B, 3 + D1), PAD, np.int64)
         for b, e in enumerate(acc.emitted):
-            up[b, 3:3 + len(e)] = e
+            up[b, 3 : 3 + len(e)] = e
         up[:, 0] = new_len
         up[:, 1] = acc.last_node
         up[:, 2] = acc.bonus
         u = torch.from_numpy(up).to(self.device)
         old_len = s.lengths
-        pos = (old_len[:, None] + torch.arange(D1, device=buf.device)[None]).clamp(max=buf.shape[1] - 1)
+        pos = (old_len[:, None] + torch.arange(D1, device=buf.device)[None]).clamp(
+            max=buf.shape[1] - 1
+        )
         em = u[:, 3:]
         buf = buf.scatter(1, pos, torch.where(em >= 0, em, buf.gather(1, pos)))
         rows = torch.arange(B, device=buf.device)
-        self.state = dataclasses.replace(s, tokens=buf, lengths=u[:, 0], last=u[:, 2],
-                                         hidden=hidden[rows, u[:, 1]].clone(), step=s.step + 1)
+        self.state = dataclasses.replace(
+            s,
+            tokens=buf,
+            lengths=u[:, 0],
+            last=u[:, 2],
+            hidden=hidden[rows, u[:, 1]].clone(),
+            step=s.step + 1,
+        )
 
     def _processors(self, rows: list[Row], tree_tokens: np.ndarray | None) -> RowProcessors | None:
         """The step's penalties / bias / min_tokens for the rows that use them (None if none)."""
@@ -252,16 +288,29 @@ class Engine:
         if not idx:
             return None
         sel = [rows[b] for b in idx]
-        return RowProcessors.build(idx, [r.params for r in sel], [np.asarray(r.prompt, np.int64) for r in sel],
-                                   [r.seq[len(r.prompt):r.length] for r in sel], tree_tokens,
-                                   self.dec.target.output_head.weight.shape[0], self.dec.eos, self.device)
+        return RowProcessors.build(
+            idx,
+            [r.params for r in sel],
+            [np.asarray(r.prompt, np.int64) for r in sel],
+            [r.seq[len(r.prompt) : r.length] for r in sel],
+            tree_tokens,
+            self.dec.target.output_head.weight.shape[0],
+            self.dec.eos,
+            self.device,
+        )
 
-    def _emit(self, tree, prop, acc: HostAcceptance, credit: np.ndarray, secs, lp_table=None) -> list[StreamEvent]:
+    def _emit(
+        self, tree, prop, acc: HostAcceptance, credit: np.ndarray, secs, lp_table=None
+    ) -> list[StreamEvent]:
         """Per row: stats, new tokens and text; a finished row gets its final event."""
         events = []
         names = [d.name for d in self.dec.drafters]
         nodes = tree.num_nodes - 1
-        kept = (tree.path_node >= 0).sum(axis=(1, 2)) if tree.path_node.size else np.zeros(len(self.rows), int)
+        kept = (
+            (tree.path_node >= 0).sum(axis=(1, 2))
+            if tree.path_node.size
+            else np.zeros(len(self.rows), int)
+        )
         lps = token_logprobs(lp_table, self.sampling, acc.path, acc.num_accepted, acc.emitted)
         for b, row in enumerate(self.rows):
             n = int(acc.num_accepted[b])
@@ -283,14 +332,19 @@ class Engine:
         if row.done:  # cancelled during this step
             return []
         new, text, reason = row.take(toks, self.dec.eos)
-        lps = None if lps is None else lps[:len(new)]
+        lps = None if lps is None else lps[: len(new)]
         if lps is not None:
             row.logprobs += lps
         if reason:
             row.done = True
             row.stats.total_time = time.perf_counter() - row.t_start
-            g = Generation(text=row.text.text, tokens=row.tokens, finish_reason=reason, stats=row.stats,
-                           logprobs=row.logprobs if row.params.logprobs is not None else None)
+            g = Generation(
+                text=row.text.text,
+                tokens=row.tokens,
+                finish_reason=reason,
+                stats=row.stats,
+                logprobs=row.logprobs if row.params.logprobs is not None else None,
+            )
             return [StreamEvent(row.rid, text, new, True, g, lps)]
         return [StreamEvent(row.rid, text, new, logprobs=lps)] if new else []
 
@@ -311,18 +365,35 @@ class Engine:
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         if self.state is not None:
             s = self.state
-            self.state = None if not keep else dataclasses.replace(
-                s, tokens=s.tokens[idx], lengths=s.lengths[idx], last=s.last[idx], hidden=s.hidden[idx],
-                prompt_lengths=s.prompt_lengths[idx], request_ids=s.request_ids[idx], sampling=self.sampling)
+            self.state = (
+                None
+                if not keep
+                else dataclasses.replace(
+                    s,
+                    tokens=s.tokens[idx],
+                    lengths=s.lengths[idx],
+                    last=s.last[idx],
+                    hidden=s.hidden[idx],
+                    prompt_lengths=s.prompt_lengths[idx],
+                    request_ids=s.request_ids[idx],
+                    sampling=self.sampling,
+                )
+            )
         for d in self.dec.drafters:
             d.select_rows(idx)
 
     def _sampling(self, rows: list[Row] | None = None) -> RowSampling:
         rows = self.rows if rows is None else rows
-        return RowSampling([r.params.temperature for r in rows], [r.params.top_p for r in rows],
-                           [r.generator or self.dec.generator for r in rows], self.device,
-                           uniforms=[r.uniforms for r in rows], top_k=[r.params.top_k for r in rows],
-                           min_p=[r.params.min_p for r in rows], logprobs=[r.params.logprobs for r in rows])
+        return RowSampling(
+            [r.params.temperature for r in rows],
+            [r.params.top_p for r in rows],
+            [r.generator or self.dec.generator for r in rows],
+            self.device,
+            uniforms=[r.uniforms for r in rows],
+            top_k=[r.params.top_k for r in rows],
+            min_p=[r.params.min_p for r in rows],
+            logprobs=[r.params.logprobs for r in rows],
+        )
 
     def _reserve(self, new: list[Row]) -> None:
         """A cache with room for the running rows, those being prefilled and ``new`` (made once,
@@ -330,7 +401,10 @@ class Engine:
         dec = self.dec
         slack = dec.config.max_nodes + 2 if dec.drafters else 2
         width = max(len(r.prompt) + r.params.max_new_tokens for r in new) + slack + 1
-        width = max([width] + [r.length + r.params.max_new_tokens - len(r.tokens) + slack + 1 for r in self.rows])
+        width = max(
+            [width]
+            + [r.length + r.params.max_new_tokens - len(r.tokens) + slack + 1 for r in self.rows]
+        )
         if self.cache is None:
             self.cache = self.verifier.new_cache(len(new), width)
         else:
@@ -352,12 +426,20 @@ class Engine:
         rows, cache = self.prefilling[:n], self.cache
         t0 = time.perf_counter()
         starts = [r.filled for r in rows]
-        cache.reserve(cache.batch + len(self.prefilling), max(starts) + T + 1)  # padding columns of short pieces
-        h_last = self.verifier.prefill([r.prompt[r.filled:r.filled + T] for r in rows], cache,
-                                       first_slot=cache.batch, starts=starts)  # [n, H]
+        cache.reserve(
+            cache.batch + len(self.prefilling), max(starts) + T + 1
+        )  # padding columns of short pieces
+        h_last = self.verifier.prefill(
+            [r.prompt[r.filled : r.filled + T] for r in rows],
+            cache,
+            first_slot=cache.batch,
+            starts=starts,
+        )  # [n, H]
         for r in rows:
             r.filled = min(len(r.prompt), r.filled + T)
-        done = sum(r.filled == len(r.prompt) for r in rows)  # a prefix of the queue (see _chunk_rows)
+        done = sum(
+            r.filled == len(r.prompt) for r in rows
+        )  # a prefix of the queue (see _chunk_rows)
         events = self._join(rows[:done], h_last[:done]) if done else []
         for r in rows:
             r.stats.prefill_time += time.perf_counter() - t0  # the first token's read synced
@@ -384,7 +466,9 @@ class Engine:
         chunk = self.dec.config.prefill_chunk
         if chunk != "auto":
             return chunk or 1 << 40  # 0: off, every prompt in one piece
-        if not self.rows:  # nobody to stall: every waiting prompt in one forward (a batch joins together)
+        if (
+            not self.rows
+        ):  # nobody to stall: every waiting prompt in one forward (a batch joins together)
             return 1 << 40
         if all(len(r.prompt) - r.filled <= PREFILL_CHUNK_MIN for r in self.prefilling):
             return PREFILL_CHUNK_MIN  # whatever the cost: no need to measure it
@@ -405,11 +489,16 @@ class Engine:
         zeros = torch.zeros_like(y)[:, None]
         table = logprob_table(logits, y[:, None], zeros, zeros, sampling)  # [L, 1, 2 + 2k] or None
         y_host = y.tolist()
-        lps = token_logprobs(None if table is None else table.float().cpu().numpy(), sampling,
-                             np.zeros((len(new), 1), np.int64), np.zeros(len(new), np.int64), [[t] for t in y_host])
+        lps = token_logprobs(
+            None if table is None else table.float().cpu().numpy(),
+            sampling,
+            np.zeros((len(new), 1), np.int64),
+            np.zeros(len(new), np.int64),
+            [[t] for t in y_host],
+        )
         cache.host_lengths += [len(r.prompt) for r in new]
         cache.batch += len(new)
-        self.prefilling = self.prefilling[len(new):]
+        self.prefilling = self.prefilling[len(new) :]
         for r, t in zip(new, y_host):
             r.append(r.prompt + [t])
         self.rows += new
@@ -423,31 +512,45 @@ class Engine:
             events += self._row_event(r, [t], lps.get(b))
         return events
 
-    def _join_state(self, new: list[Row], y: torch.Tensor, h_last: torch.Tensor, start: int) -> None:
+    def _join_state(
+        self, new: list[Row], y: torch.Tensor, h_last: torch.Tensor, start: int
+    ) -> None:
         """The device state of the new rows, appended to the running rows' (device drafters)."""
         dev = self.device
         width = max(r.length for r in new) + 64
         buf = torch.full((len(new), width), PAD, dtype=torch.long)
         for i, r in enumerate(new):
-            buf[i, :r.length] = torch.from_numpy(r.seq[:r.length])
+            buf[i, : r.length] = torch.from_numpy(r.seq[: r.length])
         plen = torch.tensor([len(r.prompt) for r in new], device=dev)
-        part = DecodeState(tokens=buf.to(dev), lengths=plen + 1, last=y, hidden=h_last, prompt_lengths=plen,
-                           step=0, request_ids=torch.tensor([r.rid for r in new], device=dev))
+        part = DecodeState(
+            tokens=buf.to(dev),
+            lengths=plen + 1,
+            last=y,
+            hidden=h_last,
+            prompt_lengths=plen,
+            step=0,
+            request_ids=torch.tensor([r.rid for r in new], device=dev),
+        )
         if self.state is None or start == 0:
             self.state = part
         else:
             s = self.state
             W = max(s.tokens.shape[1], part.tokens.shape[1])
             self.state = dataclasses.replace(
-                s, tokens=torch.cat([_widen(s.tokens, W), _widen(part.tokens, W)]),
-                lengths=torch.cat([s.lengths, part.lengths]), last=torch.cat([s.last, y]),
+                s,
+                tokens=torch.cat([_widen(s.tokens, W), _widen(part.tokens, W)]),
+                lengths=torch.cat([s.lengths, part.lengths]),
+                last=torch.cat([s.last, y]),
                 hidden=torch.cat([s.hidden, h_last.to(s.hidden.dtype)]),
                 prompt_lengths=torch.cat([s.prompt_lengths, plen]),
-                request_ids=torch.cat([s.request_ids, part.request_ids]))
+                request_ids=torch.cat([s.request_ids, part.request_ids]),
+            )
         self.state = dataclasses.replace(self.state, sampling=self.sampling)
 
 
 def _widen(tokens: torch.Tensor, width: int) -> torch.Tensor:
     if tokens.shape[1] >= width:
         return tokens
-    return torch.cat([tokens, tokens.new_full((tokens.shape[0], width - tokens.shape[1]), PAD)], dim=1)
+    return torch.cat(
+        [tokens, tokens.new_full((tokens.shape[0], width - tokens.shape[1]), PAD)], dim=1
+    )

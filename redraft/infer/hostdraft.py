@@ -31,8 +31,15 @@ from redraft.infer.drafters.base import PAD
 GROUPS_PER_CLASS = 4  # statistics groups per match length: ranks 0, 1, 2 and the rest
 
 
-def _matches(cat: np.ndarray, pos: np.ndarray, n: np.ndarray, end: np.ndarray, rid: np.ndarray, q_min: int,
-             q_max: int) -> tuple[np.ndarray, np.ndarray]:
+def _matches(
+    cat: np.ndarray,
+    pos: np.ndarray,
+    n: np.ndarray,
+    end: np.ndarray,
+    rid: np.ndarray,
+    q_min: int,
+    q_max: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """``(cand, ell)``: the flat positions whose preceding tokens agree with their row's last
     ``q_min`` or more tokens, and how many agree (capped at ``q_max``, at the position in the row
     and at the row's length - 1): ``context_matches_multi``'s ``ell >= q_min``."""
@@ -48,7 +55,9 @@ def _matches(cat: np.ndarray, pos: np.ndarray, n: np.ndarray, end: np.ndarray, r
     ell = np.full(len(cand), first, dtype=np.int64)
     alive = np.ones(len(cand), dtype=bool)
     pc, rc = pos[cand], rid[cand]
-    for i in range(first, q_max):  # token p-1-i (in the same row while p > i) against suffix token i
+    for i in range(
+        first, q_max
+    ):  # token p-1-i (in the same row while p > i) against suffix token i
         alive &= (pc > i) & (cat[np.maximum(cand - 1 - i, 0)] == suffix[i][rc])
         ell += alive
     return cand, ell
@@ -68,8 +77,9 @@ def _first_of_run(keys: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(np.where(_run_starts(keys), np.arange(len(keys)), 0))
 
 
-def context_matches_np(rows, q_min: int, q_max: int, k: int, w: int, vocab_size: int,
-                       window: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+def context_matches_np(
+    rows, q_min: int, q_max: int, k: int, w: int, vocab_size: int, window: int = 4096
+) -> tuple[np.ndarray, np.ndarray]:
     """Context matches of every length ``q_max .. q_min``, longest first, on host token lists.
 
     All rows are handled together on their concatenation (a fixed number of numpy calls per
@@ -120,7 +130,9 @@ def context_matches_np(rows, q_min: int, q_max: int, k: int, w: int, vocab_size:
     row, best, start, slot = row[keep], best[keep], start[keep], slot[keep]
     cont = start[:, None] + np.arange(w)[None]  # [F, w] positions of the continuation
     nr = n[row][:, None]
-    paths[row, slot] = np.where(cont < nr, cat[(end[row] - n[row])[:, None] + np.minimum(cont, nr - 1)], PAD)
+    paths[row, slot] = np.where(
+        cont < nr, cat[(end[row] - n[row])[:, None] + np.minimum(cont, nr - 1)], PAD
+    )
     cls = q_max - best  # 0 = the longest match length (q_min <= best <= q_max)
     rank = slot - slot[_first_of_run(row * Q + cls)]  # rank among the row's rows of that class
     group[row, slot] = cls * GROUPS_PER_CLASS + np.minimum(rank, GROUPS_PER_CLASS - 1)
@@ -140,8 +152,10 @@ def _cols(k, have: int, name: str) -> int:
     if not 1 <= int(k) <= have:
         from redraft.errors import ConfigError
 
-        raise ConfigError(f"{name}={k} but the table stores {have} columns; rebuild with a larger {name}.",
-                          param=name)
+        raise ConfigError(
+            f"{name}={k} but the table stores {have} columns; rebuild with a larger {name}.",
+            param=name,
+        )
     return int(k)
 
 
@@ -166,8 +180,12 @@ class HostTables:
                 bigram = (b["ids"], b["probs"])
             if "extended" in kinds:
                 extended = tables.table("extended")["ids"]
-        self.unigram = None if unigram is None else (_np(unigram[0], np.int32), _np(unigram[1], np.float32))
-        self.bigram = None if bigram is None else (_np(bigram[0], np.int32), _np(bigram[1], np.float32))
+        self.unigram = (
+            None if unigram is None else (_np(unigram[0], np.int32), _np(unigram[1], np.float32))
+        )
+        self.bigram = (
+            None if bigram is None else (_np(bigram[0], np.int32), _np(bigram[1], np.float32))
+        )
         self.ext = None if extended is None else _np(extended, np.int32)
         # log-probabilities and their exp (a fixed budget's node values), made once with torch's
         # own kernels: numpy's log differs from torch's in the last bit for ~20% of inputs
@@ -178,8 +196,10 @@ class HostTables:
         if arr is None:
             from redraft.errors import ArtifactError
 
-            raise ArtifactError(f"these host tables hold no {kind} table; load the n-gram artifact with "
-                                f"the {kind} kind (redraft-build-ngrams --kinds {kind}).")
+            raise ArtifactError(
+                f"these host tables hold no {kind} table; load the n-gram artifact with "
+                f"the {kind} kind (redraft-build-ngrams --kinds {kind})."
+            )
         return arr
 
     def unigram_topk(self, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -219,11 +239,22 @@ def _pad_w(paths: np.ndarray, w: int) -> np.ndarray:
     L = paths.shape[-1]
     if L >= w:
         return paths[..., :w]
-    return np.concatenate([paths, np.full((*paths.shape[:-1], w - L), PAD, dtype=paths.dtype)], axis=-1)
+    return np.concatenate(
+        [paths, np.full((*paths.shape[:-1], w - L), PAD, dtype=paths.dtype)], axis=-1
+    )
 
 
-def ngrammys_np(rows, last, tables: HostTables, vocab_size: int, k: int, w: int, q: int, q_max: int | None = None,
-                window: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+def ngrammys_np(
+    rows,
+    last,
+    tables: HostTables,
+    vocab_size: int,
+    k: int,
+    w: int,
+    q: int,
+    q_max: int | None = None,
+    window: int = 4096,
+) -> tuple[np.ndarray, np.ndarray]:
     """``NGrammysDrafter.propose`` on the host: context rows first, then the extended rows of
     ``last``; the first ``k`` that exist. Returns ``(paths int64 [B, k, w], group int64 [B, k])``."""
     q_max = max(q_max or q, q)
@@ -238,8 +269,9 @@ def ngrammys_np(rows, last, tables: HostTables, vocab_size: int, k: int, w: int,
     return np.take_along_axis(allp, order[:, :, None], 1), np.take_along_axis(group, order, 1)
 
 
-def table_rows_np(kind: str, tables: HostTables, last, k: int, w: int | None = None
-                  ) -> tuple[np.ndarray, np.ndarray | None]:
+def table_rows_np(
+    kind: str, tables: HostTables, last, k: int, w: int | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
     """``TableDrafter.propose`` on the host: ``(tokens int64 [B, P, L], logp float32 [B, P, L]
     or None)`` for ``kind`` "bigram", "extended" or "unigram" (``last [B]``)."""
     last = np.asarray(last, dtype=np.int64)
@@ -247,8 +279,10 @@ def table_rows_np(kind: str, tables: HostTables, last, k: int, w: int | None = N
     if kind == "unigram":
         ids, _ = tables.unigram_topk(k)
         logp = tables.unigram_logp[: len(ids)]
-        return (np.broadcast_to(ids[None, :, None], (B, len(ids), 1)).copy(),
-                np.broadcast_to(logp[None, :, None], (B, len(ids), 1)).copy())
+        return (
+            np.broadcast_to(ids[None, :, None], (B, len(ids), 1)).copy(),
+            np.broadcast_to(logp[None, :, None], (B, len(ids), 1)).copy(),
+        )
     if kind == "bigram":
         ids, _ = tables.bigram_topk(last, k)
         return ids[:, :, None], tables.bigram_logp[last, : ids.shape[1], None]
@@ -257,7 +291,9 @@ def table_rows_np(kind: str, tables: HostTables, last, k: int, w: int | None = N
         return (ids if w is None else ids[:, :, :w]), None
     from redraft.errors import ConfigError
 
-    raise ConfigError(f"table drafter kind {kind!r} is unknown; use one of ('bigram', 'extended', 'unigram').")
+    raise ConfigError(
+        f"table drafter kind {kind!r} is unknown; use one of ('bigram', 'extended', 'unigram')."
+    )
 
 
 class HostStats:
@@ -267,8 +303,15 @@ class HostStats:
     accepted | its parent was), with a Beta prior and a decay per update of a drafter.
     """
 
-    def __init__(self, num_drafters: int, max_groups: int = 32, max_depth: int = 16,
-                 prior_rate: float = 0.3, prior_weight: float = 2.0, decay: float = 0.98):
+    def __init__(
+        self,
+        num_drafters: int,
+        max_groups: int = 32,
+        max_depth: int = 16,
+        prior_rate: float = 0.3,
+        prior_weight: float = 2.0,
+        decay: float = 0.98,
+    ):
         shape = (max(num_drafters, 1), max_groups, max_depth)
         self.max_groups, self.max_depth, self.decay = max_groups, max_depth, np.float32(decay)
         self.prior = (prior_rate * prior_weight, prior_weight)
@@ -284,7 +327,11 @@ class HostStats:
         return (self.hits + np.float32(self.prior[0])) / (self.tries + np.float32(self.prior[1]))
 
     def _groups(self, B: int, P: int, group) -> np.ndarray:
-        g = np.broadcast_to(np.arange(P), (B, P)) if group is None else np.asarray(group, dtype=np.int64)
+        g = (
+            np.broadcast_to(np.arange(P), (B, P))
+            if group is None
+            else np.asarray(group, dtype=np.int64)
+        )
         return np.clip(g, 0, self.max_groups - 1)
 
     def values(self, owner, shape: tuple[int, int, int], group=None) -> np.ndarray:
@@ -311,7 +358,9 @@ class HostStats:
         tried = valid & (depth <= pre)  # the parent was accepted
         hit = tried & (depth < pre)
         d = np.broadcast_to(np.asarray(owner, dtype=np.int64), (P,))
-        flat = ((d * self.max_groups + self._groups(B, P, group)) * self.max_depth)[:, :, None] + depth
+        flat = ((d * self.max_groups + self._groups(B, P, group)) * self.max_depth)[
+            :, :, None
+        ] + depth
         decay = np.ones(self.hits.shape[0], dtype=np.float32)
         decay[d] = self.decay
         self.hits *= decay[:, None, None]
@@ -338,17 +387,25 @@ def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0) -> int
     if M == 0 or B == 0:
         return 0
     n = B * (M + 1)
-    table = cost.table(n, "cpu").numpy() if hasattr(cost, "table") else np.asarray(cost, dtype=np.float32)
+    table = (
+        cost.table(n, "cpu").numpy()
+        if hasattr(cost, "table")
+        else np.asarray(cost, dtype=np.float32)
+    )
     if len(table) <= n:
         from redraft.errors import ConfigError
 
-        raise ConfigError(f"best_budget_np: the cost table covers c(0..{len(table) - 1}) but a batch of {B} rows "
-                          f"with {M} candidate nodes needs c({n}); pass cost.table({n}, 'cpu').numpy() or larger.")
+        raise ConfigError(
+            f"best_budget_np: the cost table covers c(0..{len(table) - 1}) but a batch of {B} rows "
+            f"with {M} candidate nodes needs c({n}); pass cost.table({n}, 'cpu').numpy() or larger."
+        )
     top = -np.sort(-np.clip(values.astype(np.float32), 0, 1), axis=1)[:, :M]  # [B, M] descending
     total = top[0].copy()
     for b in range(1, B):  # the row sum in float32, row by row (torch's order over dim 0)
         total += top[b]
-    gain = np.float32(B) + np.concatenate([[0], np.cumsum(total, dtype=np.float64)]).astype(np.float32)
+    gain = np.float32(B) + np.concatenate([[0], np.cumsum(total, dtype=np.float64)]).astype(
+        np.float32
+    )
     secs = table[B * np.arange(1, M + 2)]
     return int(np.argmax(gain / (secs + np.float32(overhead_s))))
 
@@ -369,7 +426,9 @@ def table_values_np(kind: str, tables: HostTables, last, k: int, L: int) -> np.n
     else:
         from redraft.errors import ConfigError
 
-        raise ConfigError(f"table_values_np: kind {kind!r} carries no probabilities; use 'bigram' or 'unigram'.")
+        raise ConfigError(
+            f"table_values_np: kind {kind!r} carries no probabilities; use 'bigram' or 'unigram'."
+        )
     out = np.zeros((len(last), k, max(L, 1)), dtype=np.float32)
     out[:, :, 0] = np.maximum(v, 0)
     return out[:, :, :L]

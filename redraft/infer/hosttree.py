@@ -47,8 +47,16 @@ class HostTree:
         ``out``: write there instead (e.g. a view of a pinned host buffer) and return it."""
         B, N = self.tokens.shape
         P, L = self.path_node.shape[1:]
-        parts = [self.tokens, self.parent, self.depth, self.num_nodes[:, None], self.num_entries[:, None],
-                 self.path_node.reshape(B, P * L), self.valid, self.anc.reshape(B, N * N)]
+        parts = [
+            self.tokens,
+            self.parent,
+            self.depth,
+            self.num_nodes[:, None],
+            self.num_entries[:, None],
+            self.path_node.reshape(B, P * L),
+            self.valid,
+            self.anc.reshape(B, N * N),
+        ]
         if out is not None:
             return np.concatenate(parts, axis=1, out=out)
         return np.concatenate(parts, axis=1, dtype=np.int64)
@@ -68,9 +76,17 @@ def unpack_tree(t, N: int, max_depth: int, P: int, L: int):
     B = t.shape[0]
     o = 3 * N + 2 + P * L
     flags = t[:, o:].bool()  # [B, N + N*N], the only new tensor
-    return Tree(tokens=t[:, :N], parent=t[:, N:2 * N], depth=t[:, 2 * N:3 * N], valid=flags[:, :N],
-                anc=flags[:, N:].view(B, N, N), path_node=t[:, 3 * N + 2:o].view(B, P, L),
-                num_nodes=t[:, 3 * N], num_entries=t[:, 3 * N + 1], max_depth=max_depth)
+    return Tree(
+        tokens=t[:, :N],
+        parent=t[:, N : 2 * N],
+        depth=t[:, 2 * N : 3 * N],
+        valid=flags[:, :N],
+        anc=flags[:, N:].view(B, N, N),
+        path_node=t[:, 3 * N + 2 : o].view(B, P, L),
+        num_nodes=t[:, 3 * N],
+        num_entries=t[:, 3 * N + 1],
+        max_depth=max_depth,
+    )
 
 
 def clean_paths_np(paths: np.ndarray) -> np.ndarray:
@@ -120,9 +136,13 @@ def _kept_entries_np(valid, rep, is_new, values: np.ndarray, budget) -> np.ndarr
     budget = np.asarray(budget).reshape(-1, 1) if not isinstance(budget, int) else budget
     rows, ranks = _index(B, P * L)
     keep_node = np.empty((B, P * L), dtype=bool)
-    keep_node[rows, order] = np.broadcast_to(ranks < budget, (B, P * L))  # the first `budget` in that order
+    keep_node[rows, order] = np.broadcast_to(
+        ranks < budget, (B, P * L)
+    )  # the first `budget` in that order
     keep_node &= is_new.reshape(B, -1)
-    keep = keep_node[rows, (rep * L + _index(1, 1, L)[2]).reshape(B, P * L)].reshape(B, P, L) & valid
+    keep = (
+        keep_node[rows, (rep * L + _index(1, 1, L)[2]).reshape(B, P * L)].reshape(B, P, L) & valid
+    )
     return np.logical_and.accumulate(keep, axis=-1)  # an entry stays only if its whole prefix does
 
 
@@ -139,13 +159,22 @@ def _root_only(paths, root, size, num_entries) -> HostTree:
     anc[:, :, 0] = True
     parent = np.zeros((B, N), dtype=np.int64)
     parent[:, 0] = -1
-    return HostTree(tokens=tokens, parent=parent, depth=np.zeros((B, N), dtype=np.int64), valid=valid, anc=anc,
-                    path_node=np.full((B, P, L), -1, dtype=np.int64), num_nodes=np.ones(B, dtype=np.int64),
-                    num_entries=num_entries, max_depth=0)
+    return HostTree(
+        tokens=tokens,
+        parent=parent,
+        depth=np.zeros((B, N), dtype=np.int64),
+        valid=valid,
+        anc=anc,
+        path_node=np.full((B, P, L), -1, dtype=np.int64),
+        num_nodes=np.ones(B, dtype=np.int64),
+        num_entries=num_entries,
+        max_depth=0,
+    )
 
 
-def build_tree_np(paths, values=None, budget=None, root=None, size: int | None = None,
-                  clean: bool = True) -> HostTree:
+def build_tree_np(
+    paths, values=None, budget=None, root=None, size: int | None = None, clean: bool = True
+) -> HostTree:
     """``tree.build_tree`` on the host: merge ``paths [B, P, L]`` into one :class:`HostTree`,
     keeping the ``budget`` (int or ``[B]``) most valuable nodes per row by ``values [B, P, L]``
     (non-increasing along a path); ``root [B]`` is node 0's token; ``size`` the packed node
@@ -190,8 +219,17 @@ def build_tree_np(paths, values=None, budget=None, root=None, size: int | None =
     node_valid = nodes2 < num_nodes[:, None]
     tokens = np.where(node_valid, paths[rows2, node_path, np.maximum(depth - 1, 0)], PAD)
     tokens[:, 0] = PAD if root is None else np.asarray(root, dtype=np.int64)
-    return HostTree(tokens=tokens, parent=parent, depth=depth, valid=node_valid, anc=anc, path_node=path_node,
-                    num_nodes=num_nodes, num_entries=num_entries, max_depth=L)
+    return HostTree(
+        tokens=tokens,
+        parent=parent,
+        depth=depth,
+        valid=node_valid,
+        anc=anc,
+        path_node=path_node,
+        num_nodes=num_nodes,
+        num_entries=num_entries,
+        max_depth=L,
+    )
 
 
 # ---------------------------------------------------------------------- after the step
@@ -205,10 +243,14 @@ def hit_np(tree: HostTree, path) -> np.ndarray:
     on_path = np.zeros((B, N + 1), dtype=bool)
     on_path[np.arange(B)[:, None], np.where(path >= 0, path, N)] = True
     pn = tree.path_node
-    return (pn >= 0) & np.take_along_axis(on_path[:, :N], np.maximum(pn, 0).reshape(B, -1), 1).reshape(pn.shape)
+    return (pn >= 0) & np.take_along_axis(
+        on_path[:, :N], np.maximum(pn, 0).reshape(B, -1), 1
+    ).reshape(pn.shape)
 
 
-def credit_np(tree: HostTree, path, owner, num_drafters: int, hit: np.ndarray | None = None) -> np.ndarray:
+def credit_np(
+    tree: HostTree, path, owner, num_drafters: int, hit: np.ndarray | None = None
+) -> np.ndarray:
     """``SpeculativeDecoder.credit``'s first output: ``int64 [B, num_drafters]`` accepted draft
     tokens each drafter proposed (a node several of its paths share counts once; a node several
     drafters proposed counts for each). ``owner [P]``: the drafter of every path."""

@@ -24,7 +24,7 @@ class _SlotLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, cache: "SlotKVCache", idx: int):
+    def __init__(self, cache: SlotKVCache, idx: int):
         super().__init__()
         self.cache, self.idx = cache, idx
         self.is_initialized = True
@@ -38,17 +38,19 @@ class _SlotLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         c = self.cache
         lo, hi = c.window
-        idx = c.write_index.expand_as(key_states)  # [B, heads, n, head_dim]: column of every written entry
+        idx = c.write_index.expand_as(
+            key_states
+        )  # [B, heads, n, head_dim]: column of every written entry
         k = c.kv[self.idx, 0, lo:hi]  # [B, heads, capacity, head_dim] view of the active slots
         v = c.kv[self.idx, 1, lo:hi]
         k.scatter_(2, idx, key_states)
         v.scatter_(2, idx, value_states)
-        return k[:, :, :c.span], v[:, :, :c.span]
+        return k[:, :, : c.span], v[:, :, : c.span]
 
     @property
     def keys(self):
         lo, hi = self.cache.window
-        return self.cache.kv[self.idx, 0, lo:hi, :, :self.cache.span]
+        return self.cache.kv[self.idx, 0, lo:hi, :, : self.cache.span]
 
     @keys.setter
     def keys(self, value):
@@ -57,7 +59,7 @@ class _SlotLayer(CacheLayerMixin):
     @property
     def values(self):
         lo, hi = self.cache.window
-        return self.cache.kv[self.idx, 1, lo:hi, :, :self.cache.span]
+        return self.cache.kv[self.idx, 1, lo:hi, :, : self.cache.span]
 
     @values.setter
     def values(self, value):
@@ -93,12 +95,19 @@ class SlotKVCache(Cache):
     """
 
     def __init__(self, model_config, slots: int, capacity: int, dtype, device):
-        cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        cfg = (
+            model_config.get_text_config()
+            if hasattr(model_config, "get_text_config")
+            else model_config
+        )
         self.num_layers = int(cfg.num_hidden_layers)
         heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.kv = torch.zeros((self.num_layers, 2, max(slots, 1), heads, capacity, head_dim), dtype=dtype,
-                              device=device)
+        self.kv = torch.zeros(
+            (self.num_layers, 2, max(slots, 1), heads, capacity, head_dim),
+            dtype=dtype,
+            device=device,
+        )
         self.batch = 0  # active rows (slots 0..batch-1)
         self.host_lengths: list[int] = []
         self.lengths = torch.zeros(0, dtype=torch.long, device=device)
@@ -106,7 +115,9 @@ class SlotKVCache(Cache):
         self.span = 0  # columns the current forward attends over
         self.fed = 0  # tokens per row the current forward writes
         self.write_index: torch.Tensor | None = None  # [B, 1, n, 1] columns the forward writes
-        self.generation = 0  # bumped whenever `kv` is reallocated (captured graphs hold its address)
+        self.generation = (
+            0  # bumped whenever `kv` is reallocated (captured graphs hold its address)
+        )
         super().__init__(layers=[_SlotLayer(self, i) for i in range(self.num_layers)])
 
     @property
@@ -137,32 +148,43 @@ class SlotKVCache(Cache):
             return False
         new_slots = max(slots, self.slots * 2 if slots > self.slots else self.slots)
         new_cap = max(capacity, self.capacity * 2 if capacity > self.capacity else self.capacity)
-        new = self.kv.new_zeros((*self.kv.shape[:2], new_slots, self.kv.shape[3], new_cap, self.kv.shape[5]))
-        new[:, :, :self.slots, :, :self.capacity] = self.kv
+        new = self.kv.new_zeros(
+            (*self.kv.shape[:2], new_slots, self.kv.shape[3], new_cap, self.kv.shape[5])
+        )
+        new[:, :, : self.slots, :, : self.capacity] = self.kv
         self.kv = new
         self.generation += 1
         return True
 
-    def begin(self, lengths: torch.Tensor, n: int, span: int, rows: tuple[int, int] | None = None) -> None:
+    def begin(
+        self, lengths: torch.Tensor, n: int, span: int, rows: tuple[int, int] | None = None
+    ) -> None:
         """Set up a forward of ``n`` tokens per row over slots ``rows`` (default: the batch) whose
         rows hold ``lengths [B]`` tokens (device), attending over the first ``span`` columns."""
         self.window = rows or (0, self.batch)
         self.lengths = lengths
-        self.write_index = (lengths[:, None] + torch.arange(n, device=lengths.device)[None])[:, None, :, None]
+        self.write_index = (lengths[:, None] + torch.arange(n, device=lengths.device)[None])[
+            :, None, :, None
+        ]
         self.span = span
         self.fed = n
 
-    def attention_bias(self, anc: torch.Tensor, dtype, columns: torch.Tensor | None = None) -> torch.Tensor:
+    def attention_bias(
+        self, anc: torch.Tensor, dtype, columns: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Additive mask ``[B, 1, n, span]`` for the current forward: row b's token i sees cache
         columns ``< lengths[b]`` and the tree columns ``lengths[b] + m`` of its ancestors m
         (``anc [B, n, n]`` bool, ``anc[b, i, m]``). ``columns``: ``arange(span)`` if cached."""
         B, n, _ = anc.shape
         c = torch.arange(self.span, device=anc.device) if columns is None else columns
         rel = c[None, :] - self.lengths[:, None]  # [B, span]: tree node of each column, < 0 = cache
-        tree = anc.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(B, n, self.span))  # [B, n, span]
+        tree = anc.gather(
+            2, rel.clamp(0, n - 1)[:, None, :].expand(B, n, self.span)
+        )  # [B, n, span]
         vis = (rel < 0)[:, None, :] | (tree & (rel < n)[:, None, :])
         return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(
-            ~vis, torch.finfo(dtype).min)[:, None]
+            ~vis, torch.finfo(dtype).min
+        )[:, None]
 
     def commit_moves(self, rows: list[int], src: list[int], dst: list[int]) -> None:
         """Move entries ``(row, src column) -> (row, dst column)`` for every layer (host lists;
@@ -179,12 +201,12 @@ class SlotKVCache(Cache):
         slots = list(keep) + [self.batch + j for j in pending]
         if slots != list(range(len(slots))):
             idx = torch.tensor(slots, dtype=torch.long).to(self.kv.device)
-            self.kv[:, :, :len(slots)] = self.kv[:, :, idx]
+            self.kv[:, :, : len(slots)] = self.kv[:, :, idx]
         self.host_lengths = [self.host_lengths[i] for i in keep] if self.host_lengths else []
         self.batch = len(keep)
 
     def add_rows(self, n: int) -> None:
         """``n`` empty rows after the active ones (the caller fills them)."""
         self.reserve(self.batch + n, self.capacity)
-        self.lengths = torch.cat([self.lengths[:self.batch], self.lengths.new_zeros(n)])
+        self.lengths = torch.cat([self.lengths[: self.batch], self.lengths.new_zeros(n)])
         self.batch += n

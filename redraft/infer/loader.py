@@ -27,7 +27,9 @@ logger = logging.getLogger(__name__)
 LOAD_KEYS = ("target", "drafters", "ngrams", "dtype", "device")  # load_decoder's own arguments
 
 
-def load_redrafter(path, target, width: int = 8, length: int | None = None, name: str = "redrafter"):
+def load_redrafter(
+    path, target, width: int = 8, length: int | None = None, name: str = "redrafter"
+):
     """A :class:`ReDrafterDrafter` from a drafter artifact (``length`` defaults to the head's
     training horizon ``num_steps``)."""
     from redraft.models.drafter_io import load_drafter
@@ -51,7 +53,9 @@ def ngram_drafters(tables, target, cfg: DecoderConfig, name_prefix: str = "") ->
     V = target.vocab_size
     k, w, q, q_max = cfg.ngram_k, cfg.ngram_w, cfg.context_q, cfg.context_q_max
     if "extended" in kinds:
-        return [NGrammysDrafter(tables, V, k=k, w=w, q=q, q_max=q_max, name=f"{name_prefix}ngrammys")]
+        return [
+            NGrammysDrafter(tables, V, k=k, w=w, q=q, q_max=q_max, name=f"{name_prefix}ngrammys")
+        ]
     out = [ContextNGramDrafter(V, q=q, q_max=q_max, k=k, w=w, name=f"{name_prefix}context")]
     if "bigram" in kinds:
         out.append(TableDrafter(tables, "bigram", k=k, name=f"{name_prefix}bigram"))
@@ -76,8 +80,15 @@ def make_drafters(target, heads=(), tables=(), cfg: DecoderConfig | None = None)
             d.name = f"{prefix}aded"
             ds.append(d)
     if cfg.context if cfg.context is not None else not tables:
-        ds.append(ContextNGramDrafter(target.vocab_size, q=cfg.context_q, q_max=cfg.context_q_max, k=cfg.ngram_k,
-                                      w=cfg.ngram_w))
+        ds.append(
+            ContextNGramDrafter(
+                target.vocab_size,
+                q=cfg.context_q,
+                q_max=cfg.context_q_max,
+                k=cfg.ngram_k,
+                w=cfg.ngram_w,
+            )
+        )
     return ds
 
 
@@ -85,15 +96,26 @@ def _artifact_list(value, key: str) -> list[str]:
     if value is None:
         return []
     if isinstance(value, (str, Path)):
-        raise ConfigError(f"{key}={str(value)!r}: pass a list of artifact paths or hub ids, e.g. "
-                          f"{key}=[{str(value)!r}].", param=key)
+        raise ConfigError(
+            f"{key}={str(value)!r}: pass a list of artifact paths or hub ids, e.g. "
+            f"{key}=[{str(value)!r}].",
+            param=key,
+        )
     if not all(isinstance(v, (str, Path)) for v in value):
         raise ConfigError(f"{key}: every entry must be a path or hub id string.", param=key)
     return [str(v) for v in value]
 
 
-def load_decoder(target="default", drafters=(), ngrams=(), *, config: DecoderConfig | None = None,
-                 dtype=None, device=None, **settings) -> SpeculativeDecoder:
+def load_decoder(
+    target="default",
+    drafters=(),
+    ngrams=(),
+    *,
+    config: DecoderConfig | None = None,
+    dtype=None,
+    device=None,
+    **settings,
+) -> SpeculativeDecoder:
     """The unified decoder over every given artifact.
 
     Args:
@@ -104,15 +126,24 @@ def load_decoder(target="default", drafters=(), ngrams=(), *, config: DecoderCon
             ``acceptance``, ``ngram_w``, ``aded``, ...) override it. Unknown names are errors.
         dtype, device: for ``load_target`` when ``target`` is a spec.
     """
-    cfg = (config or DecoderConfig()).replace(**settings) if settings else (config or DecoderConfig())
+    cfg = (
+        (config or DecoderConfig()).replace(**settings) if settings else (config or DecoderConfig())
+    )
     drafters, ngrams = _artifact_list(drafters, "drafters"), _artifact_list(ngrams, "ngrams")
     if isinstance(target, (str, Path)):
         from redraft.models import load_target
 
         target = load_target(str(target), dtype=dtype, device=device)
-    heads = [load_redrafter(path, target, cfg.redrafter_width, cfg.redrafter_length,
-                            name="redrafter" if len(drafters) == 1 else f"redrafter{i}")
-             for i, path in enumerate(drafters)]
+    heads = [
+        load_redrafter(
+            path,
+            target,
+            cfg.redrafter_width,
+            cfg.redrafter_length,
+            name="redrafter" if len(drafters) == 1 else f"redrafter{i}",
+        )
+        for i, path in enumerate(drafters)
+    ]
     tables = [load_ngram_tables(path, target) for path in ngrams]
     return SpeculativeDecoder(target, make_drafters(target, heads, tables, cfg), cfg)
 

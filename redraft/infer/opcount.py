@@ -47,10 +47,16 @@ def _is_view(func) -> bool:
 
 
 # ops that touch no data and launch no kernel (shape/metadata queries and aliasing)
-_METADATA_OPS = {torch.ops.aten.alias.default, torch.ops.aten.detach.default,
-                 torch.ops.aten.lift_fresh.default, torch.ops.aten.sym_size.int,
-                 torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
-                 torch.ops.aten.sym_storage_offset.default, torch.ops.aten.is_same_size.default}
+_METADATA_OPS = {
+    torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.lift_fresh.default,
+    torch.ops.aten.sym_size.int,
+    torch.ops.aten.sym_stride.int,
+    torch.ops.aten.sym_numel.default,
+    torch.ops.aten.sym_storage_offset.default,
+    torch.ops.aten.is_same_size.default,
+}
 
 
 class OpCounter(TorchDispatchMode):
@@ -72,7 +78,8 @@ class OpCounter(TorchDispatchMode):
             name = func.overloadpacket.__name__
             self.by_name[name] += 1
             if name == "_local_scalar_dense" or (
-                    name in ("_to_copy", "to", "copy_") and _device_to_host(func, args, kwargs)):
+                name in ("_to_copy", "to", "copy_") and _device_to_host(func, args, kwargs)
+            ):
                 self.host_reads += 1
         return func(*args, **kwargs)
 
@@ -82,7 +89,11 @@ def _device_to_host(func, args, kwargs) -> bool:
     if src is None or src.device.type == "cpu":
         return False
     if func.overloadpacket.__name__ == "copy_":  # dst.copy_(src)
-        return args[0].device.type == "cpu" and isinstance(args[1], torch.Tensor) and args[1].device.type != "cpu"
+        return (
+            args[0].device.type == "cpu"
+            and isinstance(args[1], torch.Tensor)
+            and args[1].device.type != "cpu"
+        )
     dev = kwargs.get("device")
     return dev is not None and torch.device(dev).type == "cpu"
 

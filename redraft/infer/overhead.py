@@ -31,8 +31,10 @@ import numpy as np
 import torch
 
 OVERHEAD_METHODS = ("greedy", "context-16", "context-64", "ngrammys", "mix-aded")
-_TEXT = ("The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n"
-         "Speculative decoding drafts tokens and the target verifies them in one pass. ")
+_TEXT = (
+    "The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n"
+    "Speculative decoding drafts tokens and the target verifies them in one pass. "
+)
 
 
 def tiny_setup(workdir: Path, device="cpu", dtype="float32"):
@@ -40,17 +42,30 @@ def tiny_setup(workdir: Path, device="cpu", dtype="float32"):
     from its own weights, tri-grams counted over its own greedy continuations)."""
     from redraft.infer.decoder import plain_greedy
     from redraft.models import load_target
-    from redraft.ngrams import (NGramTables, build_bigram, build_extended, build_trigram_table, count_trigrams,
-                                save_tables)
+    from redraft.ngrams import (
+        NGramTables,
+        build_bigram,
+        build_extended,
+        build_trigram_table,
+        count_trigrams,
+        save_tables,
+    )
     from redraft.testing import make_tiny_target_dir
 
-    target = load_target(str(make_tiny_target_dir(workdir / "target", hidden_size=32, num_layers=1)),
-                         dtype=dtype, device=device)
+    target = load_target(
+        str(make_tiny_target_dir(workdir / "target", hidden_size=32, num_layers=1)),
+        dtype=dtype,
+        device=device,
+    )
     V = target.vocab_size
     bigram = build_bigram(target, k=8)
     extended = build_extended(bigram[0], w=4, k=8)
-    docs = [np.asarray(g.tokens) for g in plain_greedy(target, [_TEXT[i:i + 60] for i in range(0, len(_TEXT) - 60, 15)],
-                                                       max_new_tokens=64)]
+    docs = [
+        np.asarray(g.tokens)
+        for g in plain_greedy(
+            target, [_TEXT[i : i + 60] for i in range(0, len(_TEXT) - 60, 15)], max_new_tokens=64
+        )
+    ]
     trigram = build_trigram_table(count_trigrams(docs, V), t=12)
     meta = dict(target.artifact_metadata(), vocab_size=V)
     save_tables(workdir / "ngrams", meta, bigram=bigram, extended=extended, trigram=trigram)
@@ -69,8 +84,13 @@ def make_method(name: str, target, tables):
     if name == "greedy":
         return SpeculativeDecoder(target, [], cfg, budget=0)
     if name.startswith("context-"):
-        ctx = ContextNGramDrafter(target.vocab_size, q=cfg.context_q, q_max=cfg.context_q_max, k=cfg.ngram_k,
-                                  w=cfg.ngram_w)
+        ctx = ContextNGramDrafter(
+            target.vocab_size,
+            q=cfg.context_q,
+            q_max=cfg.context_q_max,
+            k=cfg.ngram_k,
+            w=cfg.ngram_w,
+        )
         return SpeculativeDecoder(target, [ctx], cfg, budget=int(name.split("-")[1]))
     if name in ("ngrammys", "mix-aded"):
         cfg = cfg.replace(aded=name == "mix-aded")
@@ -80,7 +100,7 @@ def make_method(name: str, target, tables):
 
 def _prompts(target, batch: int) -> list[list[int]]:
     ids = target.tokenizer(_TEXT * 2, add_special_tokens=False)["input_ids"]
-    return [ids[i * 7 % 40: i * 7 % 40 + 64] for i in range(batch)]
+    return [ids[i * 7 % 40 : i * 7 % 40 + 64] for i in range(batch)]
 
 
 @torch.no_grad()
@@ -93,7 +113,9 @@ def ops_per_step(decoder, prompts: list[list[int]], steps: int = 8) -> float:
     decoder.eos = set()
     engine = decoder.engine()
     for p in prompts:
-        engine.add(p, SamplingParams.checked(max_new_tokens=16 * (steps + 2)))  # every row decodes throughout
+        engine.add(
+            p, SamplingParams.checked(max_new_tokens=16 * (steps + 2))
+        )  # every row decodes throughout
     engine.step()
     engine.step()
     with OpCounter() as ops:
@@ -123,8 +145,15 @@ def measure(decoder, prompts: list[list[int]], new_tokens: int) -> dict:
     return {"wall_s": wall, "forward_s": v.forward_seconds, "steps": engine.steps}
 
 
-def overhead_benchmark(device="cpu", dtype="float32", batches=(1, 8), new_tokens: int = 200, repeats: int = 3,
-                       methods=OVERHEAD_METHODS, progress=print) -> dict:
+def overhead_benchmark(
+    device="cpu",
+    dtype="float32",
+    batches=(1, 8),
+    new_tokens: int = 200,
+    repeats: int = 3,
+    methods=OVERHEAD_METHODS,
+    progress=print,
+) -> dict:
     """``{"overhead": {method: {"batch_B": {"host_ms_per_step", "forward_ms", "steps"}}}}``."""
     out = {}
     with tempfile.TemporaryDirectory(prefix="redraft-overhead-") as tmp:
@@ -133,29 +162,56 @@ def overhead_benchmark(device="cpu", dtype="float32", batches=(1, 8), new_tokens
             for B in batches:
                 dec = make_method(name, target, tables)
                 prompts = _prompts(target, B)
-                measure(dec, prompts, min(new_tokens, 16))  # warm-up: allocator, cost curve, kernels
-                best = min((measure(dec, prompts, new_tokens) for _ in range(repeats)),
-                           key=lambda r: r["wall_s"] - r["forward_s"])
+                measure(
+                    dec, prompts, min(new_tokens, 16)
+                )  # warm-up: allocator, cost curve, kernels
+                best = min(
+                    (measure(dec, prompts, new_tokens) for _ in range(repeats)),
+                    key=lambda r: r["wall_s"] - r["forward_s"],
+                )
                 steps = max(best["steps"], 1)
-                row = {"host_ms_per_step": round(1e3 * (best["wall_s"] - best["forward_s"]) / steps, 3),
-                       "forward_ms": round(1e3 * best["forward_s"] / (steps + 1), 3),
-                       "steps": best["steps"], "tokens_per_step": round(B * new_tokens / steps, 3),
-                       "ops_per_step": round(ops_per_step(dec, prompts), 1)}
+                row = {
+                    "host_ms_per_step": round(
+                        1e3 * (best["wall_s"] - best["forward_s"]) / steps, 3
+                    ),
+                    "forward_ms": round(1e3 * best["forward_s"] / (steps + 1), 3),
+                    "steps": best["steps"],
+                    "tokens_per_step": round(B * new_tokens / steps, 3),
+                    "ops_per_step": round(ops_per_step(dec, prompts), 1),
+                }
                 out.setdefault(name, {})[f"batch_{B}"] = row
-                progress(f"[overhead] {name:12s} batch {B}: host {row['host_ms_per_step']:.2f} ms/step, "
-                         f"{row['ops_per_step']:.0f} ops/step, forward {row['forward_ms']:.2f} ms, {row['steps']} steps")
+                progress(
+                    f"[overhead] {name:12s} batch {B}: host {row['host_ms_per_step']:.2f} ms/step, "
+                    f"{row['ops_per_step']:.0f} ops/step, forward {row['forward_ms']:.2f} ms, {row['steps']} steps"
+                )
     return {"overhead": out}
 
 
 def overhead_markdown(result: dict, device: str) -> str:
     rows = result["overhead"]
     batches = sorted({b for r in rows.values() for b in r}, key=lambda b: int(b.split("_")[1]))
-    head = "| method | " + " | ".join(f"host ms/step ({b.replace('_', ' ')}) | ops/step ({b.replace('_', ' ')}) | "
-                                      f"forward ms ({b.replace('_', ' ')})" for b in batches) + " |"
-    lines = [f"Host overhead per decode step, tiny random target (hidden 32, 1 layer), {device}.", "", head,
-             "|---|" + "---:|---:|---:|" * len(batches)]
+    head = (
+        "| method | "
+        + " | ".join(
+            f"host ms/step ({b.replace('_', ' ')}) | ops/step ({b.replace('_', ' ')}) | "
+            f"forward ms ({b.replace('_', ' ')})"
+            for b in batches
+        )
+        + " |"
+    )
+    lines = [
+        f"Host overhead per decode step, tiny random target (hidden 32, 1 layer), {device}.",
+        "",
+        head,
+        "|---|" + "---:|---:|---:|" * len(batches),
+    ]
     for name, r in rows.items():
-        cells = [f"{r[b]['host_ms_per_step']:.2f} | {r[b].get('ops_per_step', float('nan')):.0f} | "
-                 f"{r[b]['forward_ms']:.2f}" if b in r else "- | - | -" for b in batches]
+        cells = [
+            f"{r[b]['host_ms_per_step']:.2f} | {r[b].get('ops_per_step', float('nan')):.0f} | "
+            f"{r[b]['forward_ms']:.2f}"
+            if b in r
+            else "- | - | -"
+            for b in batches
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -55,8 +55,17 @@ class RowProcessors:
     penalties: bool
 
     @classmethod
-    def build(cls, rows: list[int], params: list, prompts: list[np.ndarray], outputs: list[np.ndarray],
-              tree_tokens: np.ndarray | None, vocab_size: int, eos, device) -> RowProcessors:
+    def build(
+        cls,
+        rows: list[int],
+        params: list,
+        prompts: list[np.ndarray],
+        outputs: list[np.ndarray],
+        tree_tokens: np.ndarray | None,
+        vocab_size: int,
+        eos,
+        device,
+    ) -> RowProcessors:
         """Host arrays of the rows ``rows`` (``params``, ``prompts``, ``outputs``: theirs, output
         = tokens emitted so far, the tree's root included), ``tree_tokens [B, N]`` the batch's
         tree (None at the join: no tree yet); one upload."""
@@ -70,7 +79,11 @@ class RowProcessors:
             if N:
                 t = tree_tokens[r, 1:]
                 parts.append(t[t >= 0])
-            cand = np.unique(np.concatenate(parts)) if any(len(x) for x in parts) else np.zeros(1, np.int64)
+            cand = (
+                np.unique(np.concatenate(parts))
+                if any(len(x) for x in parts)
+                else np.zeros(1, np.int64)
+            )
             uo, co = np.unique(out, return_counts=True)
             cnt = np.zeros(len(cand), np.int64)
             cnt[np.searchsorted(cand, uo)] = co
@@ -81,25 +94,32 @@ class RowProcessors:
             counts.append(cnt)
             seens.append(seen)
         U = max(len(c) for c in cands)
-        packed = np.zeros((s, 4 * U + N + 1), np.int64)  # [cand | count | seen | pad | node_col | out_len]
+        packed = np.zeros(
+            (s, 4 * U + N + 1), np.int64
+        )  # [cand | count | seen | pad | node_col | out_len]
         for i, (cand, cnt, seen) in enumerate(zip(cands, counts, seens)):
             u = len(cand)
             packed[i, :U] = cand[0]
             packed[i, :u] = cand
-            packed[i, U:U + u] = cnt
-            packed[i, 2 * U:2 * U + u] = seen
-            packed[i, 3 * U:3 * U + u] = 1
+            packed[i, U : U + u] = cnt
+            packed[i, 2 * U : 2 * U + u] = seen
+            packed[i, 3 * U : 3 * U + u] = 1
             if N:
                 t = tree_tokens[rows[i]]
                 col = np.full(N, U, np.int64)
                 ok = t >= 0
                 ok[0] = False  # the root is in the output already
                 col[ok] = np.searchsorted(cand, t[ok])
-                packed[i, 4 * U:4 * U + N] = col
+                packed[i, 4 * U : 4 * U + N] = col
             packed[i, -1] = len(outputs[i])
         up = torch.from_numpy(packed).to(device)
-        f = torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens]
-                          for p in params], dtype=torch.float32).to(device)
+        f = torch.tensor(
+            [
+                [p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens]
+                for p in params
+            ],
+            dtype=torch.float32,
+        ).to(device)
         bias = stoppers = None
         if any(p.logit_bias for p in params):
             bias = torch.zeros(s, vocab_size)
@@ -115,15 +135,32 @@ class RowProcessors:
                     if t < vocab_size:
                         stoppers[i, t] = True
             stoppers = stoppers.to(device)
-        penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params)
-        return cls(rows=torch.tensor(rows, dtype=torch.long).to(device), cand=up[:, :U], count=up[:, U:2 * U],
-                   seen=up[:, 2 * U:3 * U].bool(), pad=up[:, 3 * U:4 * U],
-                   node_col=up[:, 4 * U:4 * U + N] if N else None,
-                   out_len=up[:, -1], presence=f[:, 0], frequency=f[:, 1], repetition=f[:, 2], bias=bias,
-                   min_tokens=f[:, 3], stoppers=stoppers, penalties=penalties)
+        penalties = any(
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
+        )
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.long).to(device),
+            cand=up[:, :U],
+            count=up[:, U : 2 * U],
+            seen=up[:, 2 * U : 3 * U].bool(),
+            pad=up[:, 3 * U : 4 * U],
+            node_col=up[:, 4 * U : 4 * U + N] if N else None,
+            out_len=up[:, -1],
+            presence=f[:, 0],
+            frequency=f[:, 1],
+            repetition=f[:, 2],
+            bias=bias,
+            min_tokens=f[:, 3],
+            stoppers=stoppers,
+            penalties=penalties,
+        )
 
-    def apply(self, logits: torch.Tensor, anc: torch.Tensor | None = None, depth: torch.Tensor | None = None
-              ) -> torch.Tensor:
+    def apply(
+        self,
+        logits: torch.Tensor,
+        anc: torch.Tensor | None = None,
+        depth: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``logits [B, N, V]`` after every tree node (``anc [B, N, N]`` ancestor mask, self
         included; ``depth [B, N]``) -> the processed logits (float32 for the processed rows)."""
         idx = self.rows
@@ -137,17 +174,28 @@ class RowProcessors:
             seen = self.seen[:, None, :].expand(s, N, U)
             if self.node_col is not None:  # the tokens on each node's path, root excluded
                 path = torch.zeros(s, N, U + 1, device=sub.device).scatter_add_(
-                    2, self.node_col[:, None, :].expand(s, N, N), anc[idx].float())
+                    2, self.node_col[:, None, :].expand(s, N, N), anc[idx].float()
+                )
                 cnt = cnt + path[..., :U]
                 seen = seen | (path[..., :U] > 0)
             cols = self.cand[:, None, :].expand(s, N, U)
             lg = sub.gather(2, cols)
             rep = self.repetition[:, None, None]
             new = torch.where(seen, torch.where(lg > 0, lg / rep, lg * rep), lg)
-            new = new - self.frequency[:, None, None] * cnt - self.presence[:, None, None] * (cnt > 0).float()
-            sub = sub.scatter_add(2, cols, (new - lg) * self.pad[:, None, :])  # padding columns change nothing
+            new = (
+                new
+                - self.frequency[:, None, None] * cnt
+                - self.presence[:, None, None] * (cnt > 0).float()
+            )
+            sub = sub.scatter_add(
+                2, cols, (new - lg) * self.pad[:, None, :]
+            )  # padding columns change nothing
         if self.stoppers is not None:
-            d = torch.zeros(s, N, dtype=torch.long, device=sub.device) if depth is None else depth[idx]
+            d = (
+                torch.zeros(s, N, dtype=torch.long, device=sub.device)
+                if depth is None
+                else depth[idx]
+            )
             early = (self.out_len[:, None] + d) < self.min_tokens[:, None]  # [s, N]
             sub = sub.masked_fill(early[:, :, None] & self.stoppers[:, None, :], float("-inf"))
         return logits.float().index_copy(0, idx, sub)

@@ -40,7 +40,13 @@ def _bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str) ->
         bars = ax.bar(xs, vals, width, label=name)
         for b, v in zip(bars, vals):
             if v:
-                ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=7)
+                ax.annotate(
+                    f"{v:.2f}",
+                    (b.get_x() + b.get_width() / 2, v),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
     ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right")
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
@@ -80,17 +86,30 @@ def _plot_results(figs: _Figures, results: dict) -> None:
     datasets = list(results)
     methods = list(dict.fromkeys(m for ds in results.values() for m in ds))
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(methods) + 2), 4))
-    _bars(ax, methods, {ds: [results[ds].get(m, {}).get("speedup_vs_ar", 0) for m in methods] for ds in datasets},
-          "speedup over plain greedy (tokens/s)")
+    _bars(
+        ax,
+        methods,
+        {ds: [results[ds].get(m, {}).get("speedup_vs_ar", 0) for m in methods] for ds in datasets},
+        "speedup over plain greedy (tokens/s)",
+    )
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
     ax.set_title("Speedup per method (baseline = 1.0, same run)")
     figs.save(fig, "speedup.png", "Speedup over plain greedy")
 
-    spec = [m for m in methods if any(results[ds].get(m, {}).get("tokens_per_call") for ds in datasets)]
+    spec = [
+        m for m in methods if any(results[ds].get(m, {}).get("tokens_per_call") for ds in datasets)
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(spec) + 3), 4))
-    for ax, key, label in ((axes[0], "tokens_per_call", "tau (new tokens / target call)"),
-                           (axes[1], "mean_accepted_length", "mean accepted length (vLLM)")):
-        _bars(ax, spec, {ds: [results[ds].get(m, {}).get(key) or 0 for m in spec] for ds in datasets}, label)
+    for ax, key, label in (
+        (axes[0], "tokens_per_call", "tau (new tokens / target call)"),
+        (axes[1], "mean_accepted_length", "mean accepted length (vLLM)"),
+    ):
+        _bars(
+            ax,
+            spec,
+            {ds: [results[ds].get(m, {}).get(key) or 0 for m in spec] for ds in datasets},
+            label,
+        )
     figs.save(fig, "acceptance.png", "Tokens per target call and mean accepted length")
 
     fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
@@ -114,10 +133,21 @@ def _plot_shares(figs: _Figures, results: dict, datasets: list, mixes: list) -> 
         return
     fig, ax = figs.plt.subplots(figsize=(7, 4))
     labels = [f"{ds}\n{m}" for ds in datasets for m in mixes]
-    names = sorted({d for ds in datasets for m in mixes for d in results[ds].get(m, {}).get("drafter_share", {})})
+    names = sorted(
+        {
+            d
+            for ds in datasets
+            for m in mixes
+            for d in results[ds].get(m, {}).get("drafter_share", {})
+        }
+    )
     bottom = [0.0] * len(labels)
     for name in names:
-        vals = [results[ds].get(m, {}).get("drafter_share", {}).get(name, 0.0) for ds in datasets for m in mixes]
+        vals = [
+            results[ds].get(m, {}).get("drafter_share", {}).get(name, 0.0)
+            for ds in datasets
+            for m in mixes
+        ]
         ax.bar(labels, vals, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("share of accepted draft tokens")
@@ -136,7 +166,10 @@ def _plot_cost_curve(figs: _Figures, report: dict) -> None:
     ax.set_xlabel("tokens verified in one forward (tree nodes + root)")
     ax.set_ylabel("ms")
     ax.set_xscale("log", base=2)
-    ax.set_title(f"Verify cost curve ({report.get('device', '')})" + (" [given]" if curve.get("given") else ""))
+    ax.set_title(
+        f"Verify cost curve ({report.get('device', '')})"
+        + (" [given]" if curve.get("given") else "")
+    )
     figs.save(fig, "cost_curve.png", "Measured verify-cost curve")
 
 
@@ -145,8 +178,17 @@ def _plot_overhead(figs: _Figures, overhead: dict | None) -> None:
         return
     batches = sorted({b for r in overhead.values() for b in r}, key=lambda b: int(b.split("_")[1]))
     fig, ax = figs.plt.subplots(figsize=(7, 4))
-    _bars(ax, list(overhead), {b.replace("_", " "): [overhead[m].get(b, {}).get("host_ms_per_step", 0)
-                                                     for m in overhead] for b in batches}, "host ms per step")
+    _bars(
+        ax,
+        list(overhead),
+        {
+            b.replace("_", " "): [
+                overhead[m].get(b, {}).get("host_ms_per_step", 0) for m in overhead
+            ]
+            for b in batches
+        },
+        "host ms per step",
+    )
     ax.set_title("Host time per decode step (tiny random target)")
     figs.save(fig, "overhead.png", "Host overhead per decode step")
 
@@ -154,26 +196,47 @@ def _plot_overhead(figs: _Figures, overhead: dict | None) -> None:
 def _index_lines(report: dict, images: list) -> list[str]:
     """``index.md``: settings, one table per dataset, then the plots."""
     results = report.get("results", {})
-    lines = ["# redraft-bench report", "", f"Device: {report.get('device', '?')}; torch {report.get('torch', '?')}.", ""]
+    lines = [
+        "# redraft-bench report",
+        "",
+        f"Device: {report.get('device', '?')}; torch {report.get('torch', '?')}.",
+        "",
+    ]
     cfg = report.get("config", {})
     if cfg:
         keys = ("target", "dtype", "datasets", "prompts", "max_new_tokens", "methods")
         lines += ["Settings: " + ", ".join(f"{k} = {cfg[k]}" for k in keys if k in cfg) + ".", ""]
     if report.get("complete") is False:
-        lines += ["**Partial run** (stopped before its end): the figures cover the prompts each method finished.", ""]
+        lines += [
+            "**Partial run** (stopped before its end): the figures cover the prompts each method finished.",
+            "",
+        ]
     skipped = report.get("skipped_prompts") or {}
     for ds, res in results.items():
         lines += [f"## {ds}", ""]
         if skipped.get(ds):
-            lines += [f"{len(skipped[ds])} prompt(s) skipped: longer than the target's context less the new tokens.", ""]
-        lines += ["| method | tau | mean accepted length | tokens/s | speedup | identical to greedy |",
-                  "|---|---:|---:|---:|---:|:---:|"]
+            lines += [
+                f"{len(skipped[ds])} prompt(s) skipped: longer than the target's context less the new tokens.",
+                "",
+            ]
+        lines += [
+            "| method | tau | mean accepted length | tokens/s | speedup | identical to greedy |",
+            "|---|---:|---:|---:|---:|:---:|",
+        ]
         for m, r in res.items():
             tau = "-" if r.get("tokens_per_call") is None else f"{r['tokens_per_call']:.2f}"
-            mal = "-" if r.get("mean_accepted_length") is None else f"{r['mean_accepted_length']:.2f}"
-            failed = f"; failed after {r.get('prompts', 0)} prompt(s): {r['error'][:120]}" if r.get("error") else ""
-            lines.append(f"| {m} | {tau} | {mal} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | "
-                         f"{r['identical_prompts']}{failed} |")
+            mal = (
+                "-" if r.get("mean_accepted_length") is None else f"{r['mean_accepted_length']:.2f}"
+            )
+            failed = (
+                f"; failed after {r.get('prompts', 0)} prompt(s): {r['error'][:120]}"
+                if r.get("error")
+                else ""
+            )
+            lines.append(
+                f"| {m} | {tau} | {mal} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | "
+                f"{r['identical_prompts']}{failed} |"
+            )
         lines.append("")
     for title, name in images:
         lines += [f"## {title}", "", f"![{title}]({name})", ""]

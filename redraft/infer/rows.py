@@ -32,7 +32,9 @@ class Row:
     params: SamplingParams
     generator: torch.Generator | None
     text: TextStream
-    uniforms: torch.Tensor | None = None  # a seeded request's own random numbers, one per output token
+    uniforms: torch.Tensor | None = (
+        None  # a seeded request's own random numbers, one per output token
+    )
     tokens: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
     seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -47,9 +49,9 @@ class Row:
         n = len(toks)
         if self.length + n > len(self.seq):
             grown = np.zeros(max(2 * len(self.seq), self.length + n + 64), np.int64)
-            grown[:self.length] = self.seq[:self.length]
+            grown[: self.length] = self.seq[: self.length]
             self.seq = grown
-        self.seq[self.length:self.length + n] = toks
+        self.seq[self.length : self.length + n] = toks
         self.length += n
 
     @property
@@ -69,7 +71,9 @@ class Row:
             if t in eos:
                 reason = "eos"
                 break
-            if t in self.params.stop_token_ids:  # kept in the tokens, its text left out (as vLLM does)
+            if (
+                t in self.params.stop_token_ids
+            ):  # kept in the tokens, its text left out (as vLLM does)
                 reason = "stop"
                 break
         if reason is None and len(self.tokens) >= self.params.max_new_tokens:
@@ -114,11 +118,15 @@ def sampling_params_of(params) -> SamplingParams:
     if isinstance(params, dict):
         known = {f.name for f in dataclasses.fields(SamplingParams)}
         if unknown := sorted(set(params) - known):
-            raise ConfigError(f"unknown sampling parameter(s) {unknown}; use {sorted(known)}.", param=unknown[0])
+            raise ConfigError(
+                f"unknown sampling parameter(s) {unknown}; use {sorted(known)}.", param=unknown[0]
+            )
         return SamplingParams.checked(**params)
     if not hasattr(params, "max_new_tokens"):
-        raise ConfigError(f"params must be a SamplingParams or a dict of its fields, not {type(params).__name__}.",
-                          param="params")
+        raise ConfigError(
+            f"params must be a SamplingParams or a dict of its fields, not {type(params).__name__}.",
+            param="params",
+        )
     return params
 
 

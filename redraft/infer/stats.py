@@ -28,7 +28,9 @@ class RequestStats:
     verify_time: float = 0.0
     prefill_time: float = 0.0
     total_time: float = 0.0
-    drafter_accepted: Counter = field(default_factory=Counter)  # name -> accepted tokens it proposed
+    drafter_accepted: Counter = field(
+        default_factory=Counter
+    )  # name -> accepted tokens it proposed
     tree_entries: int = 0  # draft tokens proposed (before prefix sharing, after pruning)
     tree_nodes: int = 0  # tree nodes verified (after sharing, root excluded)
     tree_entries_raw: int = 0  # draft tokens proposed before pruning
@@ -57,7 +59,9 @@ class RequestStats:
         if not steps or not self.accepted_hist:
             return []
         deepest = max(self.accepted_hist)
-        return [sum(v for k, v in self.accepted_hist.items() if k > i) / steps for i in range(deepest)]
+        return [
+            sum(v for k, v in self.accepted_hist.items() if k > i) / steps for i in range(deepest)
+        ]
 
     def drafter_share(self) -> dict:
         """Each drafter's share of the accepted draft tokens (a token several drafters proposed

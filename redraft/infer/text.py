@@ -31,7 +31,9 @@ class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tok = tokenizer
         self.stop = tuple(stop)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1  # characters held back while running
+        self.hold = (
+            max((len(s) for s in self.stop), default=1) - 1
+        )  # characters held back while running
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start (already decoded tokens kept for context)
         self.read_offset = 0  # tokens whose text is in self.text
@@ -48,10 +50,10 @@ class TextStream:
         if self.stopped or not new_ids:
             return ""
         self.ids.extend(new_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
+            delta = new_text[len(prefix_text) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             before = len(self.text)
             self.text += delta
@@ -59,7 +61,7 @@ class TextStream:
                 start = max(before - self.hold, 0)
                 cuts = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
                 if cuts:
-                    self.text = self.text[:min(cuts)]
+                    self.text = self.text[: min(cuts)]
                     self.stopped = True
                     return self._take(len(self.text))
         return self._take(max(len(self.text) - self.hold, self.sent))
@@ -68,12 +70,13 @@ class TextStream:
         """The rest of the text (held-back characters; an incomplete final character as the
         tokenizer decodes it) when the request ends."""
         if not self.stopped and self.read_offset < len(self.ids):
-            self.text += self._decode(self.ids[self.prefix_offset:])[
-                len(self._decode(self.ids[self.prefix_offset:self.read_offset])):]
+            self.text += self._decode(self.ids[self.prefix_offset :])[
+                len(self._decode(self.ids[self.prefix_offset : self.read_offset])) :
+            ]
             self.read_offset = len(self.ids)
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
-        out = self.text[self.sent:upto]
+        out = self.text[self.sent : upto]
         self.sent = max(self.sent, upto)
         return out

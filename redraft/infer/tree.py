@@ -66,7 +66,9 @@ class Tree:
         return int(self.tokens.shape[1])
 
 
-def dedup_paths(paths: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dedup_paths(
+    paths: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Find shared prefixes. ``paths [B, P, L]`` -> ``(valid, rep, is_new)`` all ``[B, P, L]``.
 
     ``rep[b, i, l]`` is the smallest path index whose first ``l+1`` tokens equal path ``i``'s.
@@ -95,14 +97,26 @@ def _kept_entries(valid, rep, is_new, values: torch.Tensor, budget) -> torch.Ten
     node_val = torch.where(is_new.reshape(B, -1), node_val, neg)
     order = torch.sort(node_val, dim=1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(1, order, cached_arange(P * L, dev).expand(B, -1))
-    budget = torch.as_tensor(budget, device=dev).reshape(-1, 1) if not isinstance(budget, int) else budget
+    budget = (
+        torch.as_tensor(budget, device=dev).reshape(-1, 1)
+        if not isinstance(budget, int)
+        else budget
+    )
     keep_node = (rank < budget) & is_new.reshape(B, -1)
     keep = keep_node.gather(1, rep_flat).reshape(B, P, L) & valid
-    return keep.to(torch.int8).cumprod(dim=-1).bool()  # an entry stays only if its whole prefix does
+    return (
+        keep.to(torch.int8).cumprod(dim=-1).bool()
+    )  # an entry stays only if its whole prefix does
 
 
-def build_tree(paths: torch.Tensor, values: torch.Tensor | None = None, budget: torch.Tensor | int | None = None,
-               root: torch.Tensor | None = None, size: int | None = None, clean: bool = True) -> Tree:
+def build_tree(
+    paths: torch.Tensor,
+    values: torch.Tensor | None = None,
+    budget: torch.Tensor | int | None = None,
+    root: torch.Tensor | None = None,
+    size: int | None = None,
+    clean: bool = True,
+) -> Tree:
     """Merge candidate paths into one :class:`Tree`, keeping the ``budget`` best nodes per row.
 
     Args:
@@ -133,9 +147,17 @@ def build_tree(paths: torch.Tensor, values: torch.Tensor | None = None, budget: 
         anc[:, :, 0] = True
         parent = z.clone()
         parent[:, 0] = -1
-        return Tree(tokens=tokens, parent=parent, depth=z, valid=node_valid, anc=anc,
-                    path_node=paths.new_full((B, P, L), -1), num_nodes=z[:, 0] + 1, num_entries=num_entries,
-                    max_depth=0)
+        return Tree(
+            tokens=tokens,
+            parent=parent,
+            depth=z,
+            valid=node_valid,
+            anc=anc,
+            path_node=paths.new_full((B, P, L), -1),
+            num_nodes=z[:, 0] + 1,
+            num_entries=num_entries,
+            max_depth=0,
+        )
     valid, rep, is_new = dedup_paths(paths, valid)
     if budget is not None:
         keep = _kept_entries(valid, rep, is_new, values, budget)
@@ -146,31 +168,51 @@ def build_tree(paths: torch.Tensor, values: torch.Tensor | None = None, budget: 
     num_nodes = 1 + flat_new.sum(dim=1)  # [B]
     N = size if size is not None else (int(num_nodes.max()) if B else 1)
     # every entry's node = the node of (its representative path, same depth)
-    path_node = nid_flat.gather(1, (rep * L + cached_arange(L, dev)).reshape(B, P * L)).reshape(B, P, L)
+    path_node = nid_flat.gather(1, (rep * L + cached_arange(L, dev)).reshape(B, P * L)).reshape(
+        B, P, L
+    )
     path_node = torch.where(valid, path_node, -1)
     # per node: the path it was first seen on and its depth (new entries write, the rest go to
     # slot 0, the root, which is overwritten; a too-small fixed size drops into the spare slot N)
     slot = nid_flat.clamp(max=N)
     node_path = torch.zeros((B, N + 1), dtype=torch.long, device=dev).scatter_(
-        1, slot, _entry_path(P, L, dev).expand(B, -1))[:, :N]
+        1, slot, _entry_path(P, L, dev).expand(B, -1)
+    )[:, :N]
     depth = torch.zeros((B, N + 1), dtype=torch.long, device=dev).scatter_(
-        1, slot, flat_new * _entry_depth(P, L, dev))[:, :N]
+        1, slot, flat_new * _entry_depth(P, L, dev)
+    )[:, :N]
     depth[:, 0] = 0
     # a node's ancestors are the nodes on its first path above it: one gather of that path
     on_path = path_node.gather(1, node_path[:, :, None].expand(B, N, L))  # [B, N, L]
-    upto = cached_arange(L, dev) < depth[:, :, None]  # entries 0..depth-1: the ancestors and the node itself
+    upto = (
+        cached_arange(L, dev) < depth[:, :, None]
+    )  # entries 0..depth-1: the ancestors and the node itself
     anc = torch.zeros((B, N, N + 1), dtype=torch.bool, device=dev).scatter_(
-        2, torch.where(upto, on_path, N), True)[:, :, :N]
+        2, torch.where(upto, on_path, N), True
+    )[:, :, :N]
     anc[:, :, 0] = True
     anc |= _eye(N, dev)
-    parent = torch.where(depth > 1, on_path.gather(2, (depth - 2).clamp_min(0)[:, :, None])[:, :, 0], 0)
+    parent = torch.where(
+        depth > 1, on_path.gather(2, (depth - 2).clamp_min(0)[:, :, None])[:, :, 0], 0
+    )
     parent[:, 0] = -1
-    tokens = paths.gather(1, node_path[:, :, None].expand(B, N, L)).gather(2, (depth - 1).clamp_min(0)[:, :, None])[:, :, 0]
+    tokens = paths.gather(1, node_path[:, :, None].expand(B, N, L)).gather(
+        2, (depth - 1).clamp_min(0)[:, :, None]
+    )[:, :, 0]
     node_valid = cached_arange(N, dev)[None, :] < num_nodes[:, None]
     tokens = torch.where(node_valid, tokens, PAD)
     tokens[:, 0] = PAD if root is None else root
-    return Tree(tokens=tokens, parent=parent, depth=depth, valid=node_valid, anc=anc,
-                path_node=path_node, num_nodes=num_nodes, num_entries=num_entries, max_depth=L)
+    return Tree(
+        tokens=tokens,
+        parent=parent,
+        depth=depth,
+        valid=node_valid,
+        anc=anc,
+        path_node=path_node,
+        num_nodes=num_nodes,
+        num_entries=num_entries,
+        max_depth=L,
+    )
 
 
 # small index tensors every step needs, made once per shape and device (each torch op on a small
@@ -198,7 +240,9 @@ def _entry_depth(P: int, L: int, device) -> torch.Tensor:
     return (torch.arange(L, device=device) + 1).repeat(P)[None]
 
 
-def prune_paths(paths: torch.Tensor, values: torch.Tensor, budget: torch.Tensor | int) -> torch.Tensor:
+def prune_paths(
+    paths: torch.Tensor, values: torch.Tensor, budget: torch.Tensor | int
+) -> torch.Tensor:
     """The paths with every entry :func:`build_tree` would drop for ``budget`` set to ``PAD``
     (for inspection and tests; the decoder prunes inside ``build_tree``)."""
     paths = clean_paths(paths)

@@ -64,21 +64,21 @@ class StepInput:
 
     @property
     def tokens(self) -> torch.Tensor:
-        return self.packed[:, 1:1 + self.size]
+        return self.packed[:, 1 : 1 + self.size]
 
     @property
     def depth(self) -> torch.Tensor:
-        return self.packed[:, 1 + self.size:1 + 2 * self.size]
+        return self.packed[:, 1 + self.size : 1 + 2 * self.size]
 
     @property
     def parent(self) -> torch.Tensor:
-        return self.packed[:, 1 + 2 * self.size:1 + 3 * self.size]
+        return self.packed[:, 1 + 2 * self.size : 1 + 3 * self.size]
 
     @property
     def anc(self) -> torch.Tensor:
         """``[B, N, N]`` long 0/1."""
         N = self.size
-        return self.packed[:, 1 + 3 * N:].view(-1, N, N)
+        return self.packed[:, 1 + 3 * N :].view(-1, N, N)
 
     @staticmethod
     def width(size: int) -> int:
@@ -135,8 +135,15 @@ class Verifier:
         capture: the capture function (``cuda_capture``); tests inject their own.
     """
 
-    def __init__(self, target, fp32_logits: bool = False, cpu_pack: bool = True, static: bool = False,
-                 graphs: bool | None = None, capture=None):
+    def __init__(
+        self,
+        target,
+        fp32_logits: bool = False,
+        cpu_pack: bool = True,
+        static: bool = False,
+        graphs: bool | None = None,
+        capture=None,
+    ):
         self.target = target
         self.model = target.model
         self.base = getattr(self.model, self.model.base_model_prefix)
@@ -195,8 +202,13 @@ class Verifier:
 
     def _model(self, ids, positions, bias, cache) -> torch.Tensor:
         with self._attention, cpu.use_packed(self._packs):
-            out = self.base(input_ids=ids, attention_mask=bias, position_ids=positions, use_cache=True,
-                            **cache_kwargs(self.base, cache))
+            out = self.base(
+                input_ids=ids,
+                attention_mask=bias,
+                position_ids=positions,
+                use_cache=True,
+                **cache_kwargs(self.base, cache),
+            )
         return out.last_hidden_state  # [B, n, H] after the final norm
 
     def _tree_forward(self, step: StepInput, cache: SlotKVCache, static: bool) -> torch.Tensor:
@@ -204,12 +216,19 @@ class Verifier:
         with not_counted():
             N = step.size
             lengths = step.lengths
-            cache.begin(lengths, N, cache.capacity if static else min(cache.capacity, cache.physical + N))
+            cache.begin(
+                lengths, N, cache.capacity if static else min(cache.capacity, cache.physical + N)
+            )
             bias = cache.attention_bias(step.anc.bool(), self.dtype)
             return self._model(step.tokens.clamp_min(0), lengths[:, None] + step.depth, bias, cache)
 
-    def prefill(self, prompts: list[list[int]], cache: SlotKVCache, first_slot: int = 0,
-                starts: list[int] | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        prompts: list[list[int]],
+        cache: SlotKVCache,
+        first_slot: int = 0,
+        starts: list[int] | None = None,
+    ) -> torch.Tensor:
         """Run right-padded token pieces into slots ``first_slot ..`` of ``cache``; returns each
         row's hidden state after its last piece token ``[n, H]``. The caller sets
         ``cache.host_lengths`` for these rows afterwards.
@@ -222,15 +241,19 @@ class Verifier:
         B, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros((B, T), dtype=torch.long)
         for b, p in enumerate(prompts):
-            ids[b, :len(p)] = torch.tensor(p)
+            ids[b, : len(p)] = torch.tensor(p)
         plen = torch.tensor([len(p) for p in prompts]).to(dev)
         start = torch.tensor(starts or [0] * B, dtype=torch.long).to(dev)
         ids = ids.to(dev)
         with not_counted(), _Timer(self) if self.timing else contextlib.nullcontext():
             ar = torch.arange(T, device=dev)
             cache.begin(start, T, span=max(starts or [0]) + T, rows=(first_slot, first_slot + B))
-            causal = (ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < plen[:, None, None])  # [B, T, T]
-            hid = self._model(ids, start[:, None] + ar[None], cache.attention_bias(causal, self.dtype), cache)
+            causal = (ar[None, :, None] >= ar[None, None, :]) & (
+                ar[None, None, :] < plen[:, None, None]
+            )  # [B, T, T]
+            hid = self._model(
+                ids, start[:, None] + ar[None], cache.attention_bias(causal, self.dtype), cache
+            )
         return hid[torch.arange(B, device=dev), plen - 1]
 
     def verify(self, step: StepInput, cache: SlotKVCache) -> torch.Tensor:
@@ -265,18 +288,26 @@ class Verifier:
         try:
             if graphs.pool is None and self.device.type == "cuda":
                 graphs.pool = torch.cuda.graph_pool_handle()
-            graph, out = self.capture(lambda: self._tree_forward(static, cache, static=True), self.device,
-                                      graphs.pool)
+            graph, out = self.capture(
+                lambda: self._tree_forward(static, cache, static=True), self.device, graphs.pool
+            )
         except Exception as exc:  # noqa: BLE001 - any capture failure must leave decoding intact
             graphs.eager.add(key)
-            graphs.pool = None  # a failed capture may leave its pool unusable: the next one starts anew
+            graphs.pool = (
+                None  # a failed capture may leave its pool unusable: the next one starts anew
+            )
             if self.device.type == "cuda":
                 with contextlib.suppress(Exception):
                     torch.cuda.synchronize(self.device)
             if not self._warned:
-                log.warning("CUDA graph capture of the verify forward failed for batch %d, tree size %d "
-                            "(%s: %s); this shape runs eagerly from now on (the output is unchanged).",
-                            key[0], key[1], type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                log.warning(
+                    "CUDA graph capture of the verify forward failed for batch %d, tree size %d "
+                    "(%s: %s); this shape runs eagerly from now on (the output is unchanged).",
+                    key[0],
+                    key[1],
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                )
                 self._warned = True
             return None
         finally:
@@ -307,9 +338,16 @@ def chain_step(lengths: list[int], n: int, device, token: int = 0) -> StepInput:
     """A :class:`StepInput` of one chain of ``n`` tokens per row (for measurements and tests)."""
     B = len(lengths)
     ar = torch.arange(n)
-    packed = torch.cat([torch.tensor(lengths)[:, None], torch.full((B, n), token), ar.expand(B, n),
-                        (ar - 1).expand(B, n), torch.tril(torch.ones(n, n, dtype=torch.long)).reshape(1, -1).expand(B, -1)],
-                       dim=1)
+    packed = torch.cat(
+        [
+            torch.tensor(lengths)[:, None],
+            torch.full((B, n), token),
+            ar.expand(B, n),
+            (ar - 1).expand(B, n),
+            torch.tril(torch.ones(n, n, dtype=torch.long)).reshape(1, -1).expand(B, -1),
+        ],
+        dim=1,
+    )
     return StepInput(packed.to(device), n)
 
 

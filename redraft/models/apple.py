@@ -69,8 +69,15 @@ REDRAFT_KEY = "redraft"  # our own entry in Apple's config.json (ignored by Appl
 NUM_LOOKBACK_TOKENS = 1
 RNN_KEYS = ("rnn_u.weight", "rnn_u.bias", "rnn_w.weight")
 # ReDrafterConfig fields that Apple's config has no place for, kept under REDRAFT_KEY.
-_KEPT = ("num_steps", "activation", "target_model", "tokenizer_fingerprint", "target_vocab_size",
-         "target_hidden_size", "initializer_range")
+_KEPT = (
+    "num_steps",
+    "activation",
+    "target_model",
+    "tokenizer_fingerprint",
+    "target_vocab_size",
+    "target_hidden_size",
+    "initializer_range",
+)
 # Kept too when the config has it: the trainer records the target's weights fingerprint
 # (redraft.train.fingerprint), a config built by hand has none.
 _KEPT_IF_SET = ("target_weights_fingerprint",)
@@ -90,16 +97,21 @@ def check_exportable(config: ReDrafterConfig) -> None:
             f"{config.vocab_size}); Apple's and TensorRT-LLM's output layer covers the full target vocabulary "
             f"and has no bias, so the missing tokens cannot be made impossible. Train with the full "
             f"vocabulary (draft_vocab_size: null, e.g. recipe llama3-8b-full-vocab-8xh100) to export.",
-            param="draft_vocab_size")
+            param="draft_vocab_size",
+        )
     if config.activation != "silu":
         raise ConfigError(
             f"this head uses activation {config.activation!r}; Apple's and TensorRT-LLM's recurrence and "
-            f"residual blocks use SiLU. Train with --activation silu to export.", param="activation")
+            f"residual blocks use SiLU. Train with --activation silu to export.",
+            param="activation",
+        )
     if config.embedding_dim != config.hidden_size:
         raise ConfigError(
             f"this head's embedding_dim ({config.embedding_dim}) differs from hidden_size "
             f"({config.hidden_size}); Apple's rnn_u/rnn_w are hidden_size x hidden_size. Only targets whose "
-            f"input embedding is as wide as their hidden state can be exported.", param="embedding_dim")
+            f"input embedding is as wide as their hidden state can be exported.",
+            param="embedding_dim",
+        )
 
 
 def apple_config(config: ReDrafterConfig) -> dict:
@@ -114,8 +126,10 @@ def apple_config(config: ReDrafterConfig) -> dict:
         "num_draft_layers": config.num_layers,
         "num_lookback_tokens": NUM_LOOKBACK_TOKENS,
         "rnn": config.rnn,
-        REDRAFT_KEY: {**{k: getattr(config, k) for k in _KEPT},
-                      **{k: getattr(config, k) for k in _KEPT_IF_SET if getattr(config, k, None) is not None}},
+        REDRAFT_KEY: {
+            **{k: getattr(config, k) for k in _KEPT},
+            **{k: getattr(config, k) for k in _KEPT_IF_SET if getattr(config, k, None) is not None},
+        },
     }
 
 
@@ -143,11 +157,15 @@ def _field(raw: dict, key: str, where: Path, kind: type, minimum: int | None = N
     ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
     if not ok or (minimum is not None and value < minimum):
         want = "true or false" if kind is bool else f"an integer >= {minimum}"
-        raise ArtifactError(f"{where / artifact.CONFIG_NAME}: {key}={value!r} must be {want} (Apple's DrafterConfig).")
+        raise ArtifactError(
+            f"{where / artifact.CONFIG_NAME}: {key}={value!r} must be {want} (Apple's DrafterConfig)."
+        )
     return value
 
 
-def config_from_apple(raw: dict, where: Path, config_class: type[ReDrafterConfig]) -> ReDrafterConfig:
+def config_from_apple(
+    raw: dict, where: Path, config_class: type[ReDrafterConfig]
+) -> ReDrafterConfig:
     """The ``config_class`` (:class:`~redraft.models.redrafter.ReDrafterConfig`) of an Apple-layout
     ``config.json`` (``raw``) read from directory ``where``. Values of the wrong type, and an
     ``exit_dim`` other than ``2 * hidden_size`` (an ``input_proj`` layer, which redraft's head
@@ -158,17 +176,25 @@ def config_from_apple(raw: dict, where: Path, config_class: type[ReDrafterConfig
     rnn = _field(raw, "rnn", where, bool)
     exit_dim = _field(raw, "exit_dim", where, int, 1)
     if exit_dim != 2 * H:
-        raise ArtifactError(f"{where / artifact.CONFIG_NAME}: exit_dim={exit_dim} != 2 * hidden_size ({2 * H}): "
-                            f"the head has an input_proj layer, which redraft's head cannot express.")
+        raise ArtifactError(
+            f"{where / artifact.CONFIG_NAME}: exit_dim={exit_dim} != 2 * hidden_size ({2 * H}): "
+            f"the head has an input_proj layer, which redraft's head cannot express."
+        )
     kept = raw.get(REDRAFT_KEY) or {}
     if not isinstance(kept, dict):
-        raise ArtifactError(f"{where / artifact.CONFIG_NAME}: {REDRAFT_KEY} must be an object, got {kept!r}.")
+        raise ArtifactError(
+            f"{where / artifact.CONFIG_NAME}: {REDRAFT_KEY} must be an object, got {kept!r}."
+        )
     unknown = sorted(set(kept) - set(_KEPT) - set(_KEPT_IF_SET))
     if unknown:
-        raise ArtifactError(f"{where / artifact.CONFIG_NAME}: unknown {REDRAFT_KEY} keys {unknown} "
-                            f"(known: {list(_KEPT + _KEPT_IF_SET)}).")
+        raise ArtifactError(
+            f"{where / artifact.CONFIG_NAME}: unknown {REDRAFT_KEY} keys {unknown} "
+            f"(known: {list(_KEPT + _KEPT_IF_SET)})."
+        )
     try:
-        return config_class(hidden_size=H, embedding_dim=H, vocab_size=V, num_layers=L, rnn=rnn, **kept)
+        return config_class(
+            hidden_size=H, embedding_dim=H, vocab_size=V, num_layers=L, rnn=rnn, **kept
+        )
     except ConfigError as exc:
         raise ArtifactError(f"{where / artifact.CONFIG_NAME}: {exc}") from exc
 
@@ -176,7 +202,9 @@ def config_from_apple(raw: dict, where: Path, config_class: type[ReDrafterConfig
 def apple_shapes(config: ReDrafterConfig) -> dict[str, tuple[int, ...]]:
     """``{tensor name: shape}`` of Apple's layout for ``config``."""
     H, V, L = config.hidden_size, config.vocab_size, config.num_layers
-    shapes = {"rnn_u.weight": (H, H), "rnn_u.bias": (H,), "rnn_w.weight": (H, H)} if config.rnn else {}
+    shapes = (
+        {"rnn_u.weight": (H, H), "rnn_u.bias": (H,), "rnn_w.weight": (H, H)} if config.rnn else {}
+    )
     for i in range(L):
         shapes[f"lm_head.{i}.linear.weight"] = (2 * H, 2 * H)
         shapes[f"lm_head.{i}.linear.bias"] = (2 * H,)
@@ -184,7 +212,9 @@ def apple_shapes(config: ReDrafterConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def from_apple(config: ReDrafterConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_apple(
+    config: ReDrafterConfig, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """redraft's state dict from Apple-layout ``tensors`` (the inverse of :func:`to_apple`)."""
     S, H, L = config.state_size, config.hidden_size, config.num_layers
     inv = torch.argsort(swap_halves(S, H))  # h = h_apple[inv]
@@ -199,8 +229,13 @@ def from_apple(config: ReDrafterConfig, tensors: dict[str, torch.Tensor]) -> dic
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def read_apple_drafter(directory: Path, model_class: type[ReDrafter], raw: dict | None = None,
-                       dtype: torch.dtype | None = None, verify: bool = True) -> ReDrafter:
+def read_apple_drafter(
+    directory: Path,
+    model_class: type[ReDrafter],
+    raw: dict | None = None,
+    dtype: torch.dtype | None = None,
+    verify: bool = True,
+) -> ReDrafter:
     """A ``model_class`` (:class:`~redraft.models.redrafter.ReDrafter`) from an Apple-layout
     directory, checked exactly like redraft's own artifacts (tensor names and shapes, recorded
     sha256, finite weights). ``raw``: its parsed ``config.json`` when already read. ``dtype``
@@ -211,10 +246,13 @@ def read_apple_drafter(directory: Path, model_class: type[ReDrafter], raw: dict 
     raw = artifact.read_config_json(directory) if raw is None else raw
     config = config_from_apple(raw, directory, model_class.config_class)
     files = artifact.weight_files(directory)
-    artifact.check_tensor_layout(artifact.tensor_shapes(files), apple_shapes(config),
-                                 files[0] if len(files) == 1 else directory,
-                                 f"Apple layout: hidden_size={config.hidden_size}, vocab_size={config.vocab_size}, "
-                                 f"num_draft_layers={config.num_layers}, rnn={config.rnn}")
+    artifact.check_tensor_layout(
+        artifact.tensor_shapes(files),
+        apple_shapes(config),
+        files[0] if len(files) == 1 else directory,
+        f"Apple layout: hidden_size={config.hidden_size}, vocab_size={config.vocab_size}, "
+        f"num_draft_layers={config.num_layers}, rnn={config.rnn}",
+    )
     if verify:
         artifact.verify_sha256(directory, raw, files)
     tensors = {}
@@ -227,8 +265,12 @@ def read_apple_drafter(directory: Path, model_class: type[ReDrafter], raw: dict 
     return model if dtype is None else model.to(dtype)
 
 
-def write_apple(model: ReDrafter, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
-                readme: str | None = None) -> Path:
+def write_apple(
+    model: ReDrafter,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    readme: str | None = None,
+) -> Path:
     """Write ``model`` in Apple's layout into ``out_dir``: ``config.json`` (with the weights'
     sha256), ``model.safetensors`` and, when given, ``README.md``.
 
@@ -247,7 +289,9 @@ def write_apple(model: ReDrafter, out_dir: str | os.PathLike, dtype: torch.dtype
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         save_file(tensors, str(tmp / artifact.WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / artifact.CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        (tmp / artifact.CONFIG_NAME).write_text(
+            json.dumps(config, indent=2) + "\n", encoding="utf-8"
+        )
         artifact.record_sha256(tmp)
         if readme is not None:
             (tmp / "README.md").write_text(readme, encoding="utf-8")
@@ -259,12 +303,22 @@ def write_apple(model: ReDrafter, out_dir: str | os.PathLike, dtype: torch.dtype
             os.chmod(tmp, 0o777 & ~umask)
             os.replace(tmp, out)
         else:
-            for f in sorted(tmp.iterdir(), key=lambda f: f.name == artifact.CONFIG_NAME):  # config.json last
+            for f in sorted(
+                tmp.iterdir(), key=lambda f: f.name == artifact.CONFIG_NAME
+            ):  # config.json last
                 os.replace(f, out / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-__all__ = ["APPLE_MODEL_TYPE", "check_exportable", "config_from_apple", "from_apple", "read_apple_drafter",
-           "swap_halves", "to_apple", "write_apple"]
+__all__ = [
+    "APPLE_MODEL_TYPE",
+    "check_exportable",
+    "config_from_apple",
+    "from_apple",
+    "read_apple_drafter",
+    "swap_halves",
+    "to_apple",
+    "write_apple",
+]

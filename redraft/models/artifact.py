@@ -36,14 +36,20 @@ def read_config_json(directory: Path) -> dict:
     """The parsed ``config.json`` of an artifact directory (a dict), or an ArtifactError."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
-        raise ArtifactError(f"{directory} holds no {CONFIG_NAME}; it is not a drafter artifact (redraft-train "
-                            f"writes config.json + model.safetensors).")
+        raise ArtifactError(
+            f"{directory} holds no {CONFIG_NAME}; it is not a drafter artifact (redraft-train "
+            f"writes config.json + model.safetensors)."
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ArtifactError(f"{path} is not valid JSON ({exc}); restore it from the run that wrote it.") from exc
+        raise ArtifactError(
+            f"{path} is not valid JSON ({exc}); restore it from the run that wrote it."
+        ) from exc
     if not isinstance(data, dict):
-        raise ArtifactError(f"{path} holds a JSON {type(data).__name__}, not an object with the drafter's settings.")
+        raise ArtifactError(
+            f"{path} holds a JSON {type(data).__name__}, not an object with the drafter's settings."
+        )
     return data
 
 
@@ -56,15 +62,25 @@ def weight_files(directory: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise ArtifactError(f"{index} is not a safetensors index (a JSON object with a weight_map): {exc}") from exc
+        except (
+            UnicodeDecodeError,
+            json.JSONDecodeError,
+            KeyError,
+            TypeError,
+            AttributeError,
+        ) as exc:
+            raise ArtifactError(
+                f"{index} is not a safetensors index (a JSON object with a weight_map): {exc}"
+            ) from exc
         files = [directory / n for n in names]
     else:
         files = [directory / WEIGHTS_NAME]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise ArtifactError(f"{directory} lacks its weights {', '.join(missing)}: the artifact is incomplete "
-                            f"(copy or download it again, or re-run the training or export that wrote it).")
+        raise ArtifactError(
+            f"{directory} lacks its weights {', '.join(missing)}: the artifact is incomplete "
+            f"(copy or download it again, or re-run the training or export that wrote it)."
+        )
     return files
 
 
@@ -79,13 +95,19 @@ def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
                 for key in f.keys():
                     shapes[key] = tuple(f.get_slice(key).get_shape())
         except Exception as exc:  # SafetensorError (truncated, bad header), OSError
-            raise ArtifactError(f"{path} is not a complete safetensors file ({exc}): it was cut off or damaged; "
-                                f"copy or download it again, or re-run what wrote it.") from exc
+            raise ArtifactError(
+                f"{path} is not a complete safetensors file ({exc}): it was cut off or damaged; "
+                f"copy or download it again, or re-run what wrote it."
+            ) from exc
     return shapes
 
 
-def check_tensor_layout(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
-                        where: Path, implied_by: str) -> None:
+def check_tensor_layout(
+    found: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]],
+    where: Path,
+    implied_by: str,
+) -> None:
     """ArtifactError unless ``found`` has exactly the names and shapes of ``expected``.
 
     ``implied_by`` names the config values the expectation comes from (shown in the message).
@@ -98,14 +120,18 @@ def check_tensor_layout(found: dict[str, tuple[int, ...]], expected: dict[str, t
             parts.append(f"missing tensors {', '.join(missing)}")
         if unexpected:
             parts.append(f"unexpected tensors {', '.join(unexpected)}")
-        raise ArtifactError(f"{where}: {'; '.join(parts)} for the config ({implied_by}). The weights and "
-                            f"config.json belong to different heads or the file is incomplete: use the "
-                            f"directory exactly as it was written.")
+        raise ArtifactError(
+            f"{where}: {'; '.join(parts)} for the config ({implied_by}). The weights and "
+            f"config.json belong to different heads or the file is incomplete: use the "
+            f"directory exactly as it was written."
+        )
     for key, shape in expected.items():
         if tuple(found[key]) != tuple(shape):
-            raise ArtifactError(f"{where}: tensor {key} has shape {list(found[key])}, but the config "
-                                f"({implied_by}) needs {list(shape)}. The weights and config.json belong "
-                                f"to different heads: use the directory exactly as it was written.")
+            raise ArtifactError(
+                f"{where}: tensor {key} has shape {list(found[key])}, but the config "
+                f"({implied_by}) needs {list(shape)}. The weights and config.json belong "
+                f"to different heads: use the directory exactly as it was written."
+            )
 
 
 def verify_sha256(directory: Path, config: dict, files: list[Path]) -> None:
@@ -113,23 +139,33 @@ def verify_sha256(directory: Path, config: dict, files: list[Path]) -> None:
     where = Path(directory) / CONFIG_NAME
     recorded = config.get(SHA_KEY)
     if recorded is None:
-        warnings.warn(f"{where} records no {SHA_KEY} (written by an older redraft or another tool), so a "
-                      f"corrupted weights file cannot be detected; save the head again with "
-                      f"save_pretrained (or redraft-export) to record it.", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{where} records no {SHA_KEY} (written by an older redraft or another tool), so a "
+            f"corrupted weights file cannot be detected; save the head again with "
+            f"save_pretrained (or redraft-export) to record it.",
+            UserWarning,
+            stacklevel=3,
+        )
         return
     if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
-        raise ArtifactError(f"{where}: {SHA_KEY} must map each weights file name to its hex sha256, "
-                            f"got {recorded!r}.")
+        raise ArtifactError(
+            f"{where}: {SHA_KEY} must map each weights file name to its hex sha256, "
+            f"got {recorded!r}."
+        )
     for path in files:
         want = recorded.get(path.name)
         if want is None:
-            raise ArtifactError(f"{where} records no sha256 for {path.name} (it names {sorted(recorded)}); "
-                                f"the weights file does not belong to this config.")
+            raise ArtifactError(
+                f"{where} records no sha256 for {path.name} (it names {sorted(recorded)}); "
+                f"the weights file does not belong to this config."
+            )
         got = sha256_file(path)
         if got != want:
-            raise ArtifactError(f"{path} does not match the sha256 recorded in {where} (recorded {want[:16]}..., "
-                                f"file {got[:16]}...): it changed after it was written (corrupted, cut off "
-                                f"or edited). Copy or download it again, or re-run what wrote it.")
+            raise ArtifactError(
+                f"{path} does not match the sha256 recorded in {where} (recorded {want[:16]}..., "
+                f"file {got[:16]}...): it changed after it was written (corrupted, cut off "
+                f"or edited). Copy or download it again, or re-run what wrote it."
+            )
 
 
 def record_sha256(directory: Path, files: list[Path] | None = None) -> dict:
@@ -153,6 +189,8 @@ def check_finite(state: dict, where: str | os.PathLike) -> None:
         if t.is_floating_point() and t.device.type != "meta":
             bad = int((~torch.isfinite(t)).sum())
             if bad:
-                raise ArtifactError(f"{where}: tensor {key} holds {bad} non-finite values (NaN or inf) of "
-                                    f"{t.numel()}; the training diverged or the file is damaged. Retrain "
-                                    f"(a lower --lr, --grad-clip) or restore the file.")
+                raise ArtifactError(
+                    f"{where}: tensor {key} holds {bad} non-finite values (NaN or inf) of "
+                    f"{t.numel()}; the training diverged or the file is damaged. Retrain "
+                    f"(a lower --lr, --grad-clip) or restore the file."
+                )

@@ -29,8 +29,11 @@ HEAD_MODULE = "redraft.models.redrafter"
 
 
 # Loaders created per module file (the finder makes a new instance for each spec).
-_FILE_LOADERS = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader,
-                 importlib.machinery.ExtensionFileLoader)
+_FILE_LOADERS = (
+    importlib.machinery.SourceFileLoader,
+    importlib.machinery.SourcelessFileLoader,
+    importlib.machinery.ExtensionFileLoader,
+)
 
 
 def _initializing(name: str) -> bool:
@@ -41,8 +44,12 @@ def _initializing(name: str) -> bool:
 def _busy(just_loaded: str) -> bool:
     """Another ``transformers`` module is still executing its own import (the one that just ran its
     last line is still flagged until the import system returns)."""
-    return any(name != just_loaded and (name == "transformers" or name.startswith("transformers."))
-               and _initializing(name) for name in list(sys.modules))
+    return any(
+        name != just_loaded
+        and (name == "transformers" or name.startswith("transformers."))
+        and _initializing(name)
+        for name in list(sys.modules)
+    )
 
 
 class _Finder:
@@ -88,8 +95,11 @@ class _Finder:
         try:
             importlib.import_module(HEAD_MODULE)  # registers at its end
         except Exception as exc:  # never break the user's own import of transformers
-            logger.debug("redraft: deferred Auto registration failed (%s); `import redraft.models.redrafter` "
-                         "registers explicitly", exc)
+            logger.debug(
+                "redraft: deferred Auto registration failed (%s); `import redraft.models.redrafter` "
+                "registers explicitly",
+                exc,
+            )
         _remove(self)
 
 

@@ -40,8 +40,11 @@ MIN_PACKED_WEIGHT = 1 << 16
 
 def packing_available() -> bool:
     """True when this torch build has oneDNN's prepacked linear ops."""
-    return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return bool(
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = 8) -> torch.Tensor:
@@ -52,13 +55,15 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 8) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + b`` with a weight from :func:`pack_weight` (any leading shape of ``x``)."""
     lead = x.shape[:-1]
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(
+        x.reshape(-1, x.shape[-1]).contiguous(), packed, bias, "none", [], ""
+    )
     return out.reshape(*lead, out.shape[-1])
 
 
 # derived weights per layer, made once and shared by every decoder over the same model; an
 # entry is remade when the weight changes (another tensor, or an in-place update: ``_version``)
-_DERIVED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_DERIVED: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def _derived(layer: torch.nn.Module, kind, make) -> torch.Tensor:
@@ -71,7 +76,9 @@ def _derived(layer: torch.nn.Module, kind, make) -> torch.Tensor:
     return hit[1]
 
 
-def pack_linears(model: torch.nn.Module, batch_hint: int = 8, min_weight: int = MIN_PACKED_WEIGHT) -> dict:
+def pack_linears(
+    model: torch.nn.Module, batch_hint: int = 8, min_weight: int = MIN_PACKED_WEIGHT
+) -> dict:
     """Packed weights for every float32 CPU ``nn.Linear`` of ``model`` with at least
     ``min_weight`` weights: ``{layer: packed}``.
 
@@ -80,16 +87,23 @@ def pack_linears(model: torch.nn.Module, batch_hint: int = 8, min_weight: int = 
     layer is float32 on CPU.
     """
     if not packing_available():
-        logger.info("oneDNN packed linears are not available in this torch build; using the default kernels")
+        logger.info(
+            "oneDNN packed linears are not available in this torch build; using the default kernels"
+        )
         return {}
-    return {m: _derived(m, ("packed", batch_hint), lambda m=m: pack_weight(m.weight, batch_hint))
-            for m in model.modules()
-            if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
-            and m.weight.numel() >= min_weight}
+    return {
+        m: _derived(m, ("packed", batch_hint), lambda m=m: pack_weight(m.weight, batch_hint))
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+        and m.weight.device.type == "cpu"
+        and m.weight.dtype == torch.float32
+        and m.weight.numel() >= min_weight
+    }
 
 
-def head_weights(head: torch.nn.Module, dtype: torch.dtype,
-                 min_weight: int = MIN_PACKED_WEIGHT) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_weights(
+    head: torch.nn.Module, dtype: torch.dtype, min_weight: int = MIN_PACKED_WEIGHT
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The LM head for CPU verification: ``(W.T contiguous [in, out] in dtype, packed or None)``.
 
     ``x @ W.T`` with ``W.T`` stored contiguously is faster than ``F.linear(x, W)`` for the
@@ -107,9 +121,14 @@ def head_weights(head: torch.nn.Module, dtype: torch.dtype,
 def _packed_forward(layer: torch.nn.Linear, packed: torch.Tensor):
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
-        if MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS and x.dtype == torch.float32 and not x.requires_grad:
+        if (
+            MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS
+            and x.dtype == torch.float32
+            and not x.requires_grad
+        ):
             return packed_linear(x, packed, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
     return forward
 
 
@@ -118,7 +137,9 @@ def use_packed(packs: dict):
     """Within the block, the layers of ``packs`` (from :func:`pack_linears`) run multi-token
     inputs with their packed weights; on exit they are exactly as before. Not thread-safe for
     two users of one model at the same time."""
-    saved = {layer: layer.__dict__.get("forward") for layer in packs}  # instance-level forwards (hooks)
+    saved = {
+        layer: layer.__dict__.get("forward") for layer in packs
+    }  # instance-level forwards (hooks)
     for layer, packed in packs.items():
         layer.forward = _packed_forward(layer, packed)
     try:

@@ -19,12 +19,18 @@ import torch
 
 from redraft.errors import ArtifactError, RedraftError
 from redraft.models import artifact
-from redraft.models.redrafter import ReDrafter, check_artifact, describe, expected_shapes, parse_config  # noqa: F401
+from redraft.models.redrafter import (
+    ReDrafter,
+    check_artifact,
+    expected_shapes,
+    parse_config,
+)  # noqa: F401
 from redraft.models.redrafter_config import MODEL_TYPE, ReDrafterConfig
 from redraft.models.target import Target, check_fingerprint
 from redraft.utils import resolve_dtype
 
 __all__ = ["check_artifact", "expected_shapes", "load_drafter", "parse_config", "read_drafter"]
+
 
 def _resolve(path) -> Path:
     """A local directory, or ``REPO_ID[@rev]`` through ``redraft.hub_resolve.resolve_artifact`` when the
@@ -64,8 +70,10 @@ def read_drafter(path, dtype: torch.dtype | str | None = None, *, verify: bool =
     except RedraftError:
         raise
     except Exception as exc:
-        raise ArtifactError(f"Could not load the drafter weights from {p} ({type(exc).__name__}: {exc}). The "
-                            f"directory should hold model.safetensors as written by redraft-train.") from exc
+        raise ArtifactError(
+            f"Could not load the drafter weights from {p} ({type(exc).__name__}: {exc}). The "
+            f"directory should hold model.safetensors as written by redraft-train."
+        ) from exc
     return model.eval()
 
 
@@ -75,7 +83,9 @@ def _apple():
     return apple
 
 
-def load_drafter(path, target: Target, dtype: torch.dtype | str | None = None, *, verify: bool = True) -> ReDrafter:
+def load_drafter(
+    path, target: Target, dtype: torch.dtype | str | None = None, *, verify: bool = True
+) -> ReDrafter:
     """Load a drafter artifact for ``target``: check it exactly, check its tokenizer fingerprint,
     attach the target's input embedding, move it to the target's device, eval mode.
 
@@ -104,9 +114,12 @@ def load_drafter(path, target: Target, dtype: torch.dtype | str | None = None, *
         config = parse_config(raw, p)
     if config.tokenizer_fingerprint is None and raw.get("model_type") != MODEL_TYPE:
         _check_sizes(config, target, p)
-        warnings.warn(f"{p} records no tokenizer fingerprint (a head trained outside redraft); only its sizes "
-                      f"were checked against {target.model_id!r}. Make sure it was trained for this target.",
-                      UserWarning, stacklevel=2)
+        warnings.warn(
+            f"{p} records no tokenizer fingerprint (a head trained outside redraft); only its sizes "
+            f"were checked against {target.model_id!r}. Make sure it was trained for this target.",
+            UserWarning,
+            stacklevel=2,
+        )
     else:
         check_fingerprint(config.tokenizer_fingerprint, target, p)
     drafter = read_drafter(p, dtype=dtype, verify=verify)
@@ -116,8 +129,14 @@ def load_drafter(path, target: Target, dtype: torch.dtype | str | None = None, *
 
 def _check_sizes(config: ReDrafterConfig, target: Target, where: Path) -> None:
     E = target.input_embedding.weight
-    want = {"vocab_size": int(E.shape[0]), "hidden_size": int(target.hidden_size), "embedding_dim": int(E.shape[1])}
+    want = {
+        "vocab_size": int(E.shape[0]),
+        "hidden_size": int(target.hidden_size),
+        "embedding_dim": int(E.shape[1]),
+    }
     for key, value in want.items():
         if getattr(config, key) != value:
-            raise ArtifactError(f"{where / artifact.CONFIG_NAME} has {key}={getattr(config, key)}, but target "
-                                f"{target.model_id!r} has {value}: the head was trained for another model.")
+            raise ArtifactError(
+                f"{where / artifact.CONFIG_NAME} has {key}={getattr(config, key)}, but target "
+                f"{target.model_id!r} has {value}: the head was trained for another model."
+            )

@@ -38,14 +38,31 @@ class DummyTokenizerSpec:
 
 DUMMY_TOKENIZERS = {
     # Llama 3: the real ids of the specials its chat template uses
-    "llama3": DummyTokenizerSpec({128000: "<|begin_of_text|>", 128001: "<|end_of_text|>",
-                                  128006: "<|start_header_id|>", 128007: "<|end_header_id|>",
-                                  128008: "<|eom_id|>", 128009: "<|eot_id|>"},
-                                 "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", LLAMA3_TEMPLATE),
+    "llama3": DummyTokenizerSpec(
+        {
+            128000: "<|begin_of_text|>",
+            128001: "<|end_of_text|>",
+            128006: "<|start_header_id|>",
+            128007: "<|end_header_id|>",
+            128008: "<|eom_id|>",
+            128009: "<|eot_id|>",
+        },
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        "<|end_of_text|>",
+        LLAMA3_TEMPLATE,
+    ),
     # Llama 2 / Vicuna (SentencePiece): <unk> <s> </s> at 0, 1, 2
-    "vicuna": DummyTokenizerSpec({0: "<unk>", 1: "<s>", 2: "</s>"}, "<s>", "</s>", "<unk>", VICUNA_TEMPLATE),
-    "chatml": DummyTokenizerSpec({0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"},
-                                 None, "<|im_end|>", "<|endoftext|>", CHATML_TEMPLATE),
+    "vicuna": DummyTokenizerSpec(
+        {0: "<unk>", 1: "<s>", 2: "</s>"}, "<s>", "</s>", "<unk>", VICUNA_TEMPLATE
+    ),
+    "chatml": DummyTokenizerSpec(
+        {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"},
+        None,
+        "<|im_end|>",
+        "<|endoftext|>",
+        CHATML_TEMPLATE,
+    ),
 }
 
 
@@ -60,29 +77,89 @@ class DummyShape:
 
 
 DUMMY_SHAPES = {
-    "llama-8b": DummyShape("meta-llama/Meta-Llama-3-8B-Instruct", dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False,
-        bos_token_id=128000, eos_token_id=[128001, 128009]), "llama3"),
-    "llama-1b": DummyShape("meta-llama/Llama-3.2-1B-Instruct", dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 8192},
-        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=[128001, 128008, 128009]), "llama3"),
-    "vicuna-7b": DummyShape("lmsys/vicuna-7b-v1.3", dict(
-        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0), "vicuna"),
+    "llama-8b": DummyShape(
+        "meta-llama/Meta-Llama-3-8B-Instruct",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            tie_word_embeddings=False,
+            bos_token_id=128000,
+            eos_token_id=[128001, 128009],
+        ),
+        "llama3",
+    ),
+    "llama-1b": DummyShape(
+        "meta-llama/Llama-3.2-1B-Instruct",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            tie_word_embeddings=True,
+            bos_token_id=128000,
+            eos_token_id=[128001, 128008, 128009],
+        ),
+        "llama3",
+    ),
+    "vicuna-7b": DummyShape(
+        "lmsys/vicuna-7b-v1.3",
+        dict(
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        "vicuna",
+    ),
     # for tests: the same code path in milliseconds
-    "tiny": DummyShape("(no public model: a 2-layer Llama for tests)", dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=2, pad_token_id=0), "chatml"),
+    "tiny": DummyShape(
+        "(no public model: a 2-layer Llama for tests)",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        "chatml",
+    ),
 }
 
 
@@ -91,15 +168,21 @@ def dummy_config(name: str):
     from transformers import LlamaConfig
 
     if name not in DUMMY_SHAPES:
-        raise TargetLoadError(f"unknown dummy target {DUMMY_PREFIX}{name}; use one of "
-                              f"{[DUMMY_PREFIX + k for k in DUMMY_SHAPES]}.")
+        raise TargetLoadError(
+            f"unknown dummy target {DUMMY_PREFIX}{name}; use one of "
+            f"{[DUMMY_PREFIX + k for k in DUMMY_SHAPES]}."
+        )
     shape = DUMMY_SHAPES[name]
     return LlamaConfig(**shape.config, architectures=["LlamaForCausalLM"])
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map (the alphabet of ``tokenizers``' ByteLevel)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), 256))
+    )
     chars, n = {}, 0
     for b in range(256):
         if b in keep:
@@ -121,8 +204,10 @@ def dummy_tokenizer(vocab_size: int, family: str):
 
     spec = DUMMY_TOKENIZERS[family]
     if vocab_size < 256 + len(spec.specials) or max(spec.specials) >= vocab_size:
-        raise TargetLoadError(f"a byte-level dummy tokenizer needs a vocabulary of at least "
-                              f"{max(256 + len(spec.specials), max(spec.specials) + 1)} tokens, not {vocab_size}.")
+        raise TargetLoadError(
+            f"a byte-level dummy tokenizer needs a vocabulary of at least "
+            f"{max(256 + len(spec.specials), max(spec.specials) + 1)} tokens, not {vocab_size}."
+        )
     free = (i for i in range(vocab_size) if i not in spec.specials)
     vocab = {ch: next(free) for _, ch in sorted(_bytes_to_unicode().items())}
     vocab.update({text: i for i, text in spec.specials.items()})
@@ -130,10 +215,16 @@ def dummy_tokenizer(vocab_size: int, family: str):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=spec.bos, eos_token=spec.eos,
-                                   pad_token=spec.pad, unk_token=spec.pad,
-                                   additional_special_tokens=[t for t in spec.specials.values()
-                                                              if t not in (spec.bos, spec.eos, spec.pad)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=spec.bos,
+        eos_token=spec.eos,
+        pad_token=spec.pad,
+        unk_token=spec.pad,
+        additional_special_tokens=[
+            t for t in spec.specials.values() if t not in (spec.bos, spec.eos, spec.pad)
+        ],
+    )
     fast.chat_template = spec.template
     return fast
 
@@ -175,8 +266,17 @@ def load_dummy(name: str, torch_dtype: torch.dtype, device: torch.device, seed: 
                 p.zero_()
             else:  # RMSNorm weights
                 p.fill_(1.0)
-    logger.warning("%s%s has random weights (shaped like %s): its outputs are meaningless; use it "
-                   "for speed measurements only", DUMMY_PREFIX, name, shape.like)
-    source = {"kind": "dummy", "shape": name, "like": shape.like,
-              "note": "random weights, byte-level tokenizer: for speed measurements only"}
+    logger.warning(
+        "%s%s has random weights (shaped like %s): its outputs are meaningless; use it "
+        "for speed measurements only",
+        DUMMY_PREFIX,
+        name,
+        shape.like,
+    )
+    source = {
+        "kind": "dummy",
+        "shape": name,
+        "like": shape.like,
+        "note": "random weights, byte-level tokenizer: for speed measurements only",
+    }
     return model, tok, DUMMY_PREFIX + name, source

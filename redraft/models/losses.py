@@ -46,9 +46,14 @@ def step_weights(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return valid.float() * per_step, count
 
 
-def drafter_loss(logits: torch.Tensor, targets_draft: torch.Tensor, valid: torch.Tensor,
-                 target_logprobs: torch.Tensor | None = None, ce_weight: float = 1.0,
-                 kd_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
+def drafter_loss(
+    logits: torch.Tensor,
+    targets_draft: torch.Tensor,
+    valid: torch.Tensor,
+    target_logprobs: torch.Tensor | None = None,
+    ce_weight: float = 1.0,
+    kd_weight: float = 0.0,
+) -> tuple[torch.Tensor, dict]:
     """Mean over steps of the masked per-step loss, from dense logits.
 
     Args:
@@ -80,7 +85,9 @@ def drafter_loss(logits: torch.Tensor, targets_draft: torch.Tensor, valid: torch
     return loss, {"step_loss": step_loss.detach(), "step_count": count.detach()}
 
 
-def sparse_teacher(teacher_draft_ids: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_teacher(
+    teacher_draft_ids: torch.Tensor, teacher_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's top-k as a distribution over the draft vocabulary.
 
     Args:
@@ -107,13 +114,23 @@ class _FusedLinearDrafterLoss(torch.autograd.Function):
     def forward(ctx, h, weight, targets, w_ce, w_kd, t_ids, t_probs, chunk_rows):
         # h [N, D], weight [Vd, D], targets [N] (>= 0), w_ce / w_kd [N] float32,
         # t_ids / t_probs [N, k] (k = 0: no KD term)
-        N = h.shape[0]
         dev = h.device.type
         # the matmuls run in the autocast dtype (bf16 under amp) with the weight cast once, not per chunk
         cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
         with torch.autocast(dev, enabled=False):
-            return _FusedLinearDrafterLoss._chunks(ctx, h, weight, weight.to(cd), h.to(cd), targets, w_ce, w_kd,
-                                                   t_ids, t_probs, chunk_rows)
+            return _FusedLinearDrafterLoss._chunks(
+                ctx,
+                h,
+                weight,
+                weight.to(cd),
+                h.to(cd),
+                targets,
+                w_ce,
+                w_kd,
+                t_ids,
+                t_probs,
+                chunk_rows,
+            )
 
     @staticmethod
     def _chunks(ctx, h, weight, w_c, h_c, targets, w_ce, w_kd, t_ids, t_probs, chunk_rows):
@@ -152,13 +169,24 @@ class _FusedLinearDrafterLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_per_tok, _grad_top1):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), *([None] * 6)
+        return (
+            grad_h * grad_loss.to(grad_h.dtype),
+            grad_w * grad_loss.to(grad_w.dtype),
+            *([None] * 6),
+        )
 
 
-def fused_drafter_loss(features: torch.Tensor, weight: torch.Tensor, targets_draft: torch.Tensor,
-                       valid: torch.Tensor, teacher_ids: torch.Tensor | None = None,
-                       teacher_probs: torch.Tensor | None = None, ce_weight: float = 1.0, kd_weight: float = 0.0,
-                       chunk_rows: int = DEFAULT_CHUNK_ROWS) -> tuple[torch.Tensor, dict]:
+def fused_drafter_loss(
+    features: torch.Tensor,
+    weight: torch.Tensor,
+    targets_draft: torch.Tensor,
+    valid: torch.Tensor,
+    teacher_ids: torch.Tensor | None = None,
+    teacher_probs: torch.Tensor | None = None,
+    ce_weight: float = 1.0,
+    kd_weight: float = 0.0,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> tuple[torch.Tensor, dict]:
     """:func:`drafter_loss` of ``logits = features @ weight.T`` without holding the logits.
 
     Args:
@@ -180,14 +208,21 @@ def fused_drafter_loss(features: torch.Tensor, weight: torch.Tensor, targets_dra
     use_kd = bool(kd_weight) and teacher_ids is not None
     w_kd = (weights * kd_weight).reshape(-1) if use_kd else torch.zeros_like(w_ce)
     if use_kd:
-        t_ids, t_probs = teacher_ids.reshape(P * n, -1).long(), teacher_probs.reshape(P * n, -1).float()
+        t_ids, t_probs = (
+            teacher_ids.reshape(P * n, -1).long(),
+            teacher_probs.reshape(P * n, -1).float(),
+        )
     else:
         t_ids = torch.zeros(P * n, 0, dtype=torch.long, device=features.device)
         t_probs = torch.zeros(P * n, 0, device=features.device)
     targets = targets_draft.clamp(min=0).reshape(-1)
-    loss, per_tok, top1 = _FusedLinearDrafterLoss.apply(features.reshape(P * n, D), weight, targets, w_ce, w_kd,
-                                                        t_ids, t_probs, chunk_rows)
+    loss, per_tok, top1 = _FusedLinearDrafterLoss.apply(
+        features.reshape(P * n, D), weight, targets, w_ce, w_kd, t_ids, t_probs, chunk_rows
+    )
     # per_tok is weighted by step; unweight it per step for the meter's per-step loss
     per_step = (per_tok.view(P, n).sum(0) / weights.sum(0).clamp(min=1e-30)) * (count > 0)
-    return loss, {"step_loss": per_step.detach(), "step_count": count.detach(),
-                  "top1": top1.view(P, n) & ce_valid}
+    return loss, {
+        "step_loss": per_step.detach(),
+        "step_count": count.detach(),
+        "top1": top1.view(P, n) & ce_valid,
+    }

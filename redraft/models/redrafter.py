@@ -69,12 +69,23 @@ from redraft.errors import ArtifactError, RedraftError
 from redraft.models import artifact
 from redraft.models.losses import IGNORE_INDEX, drafter_loss
 from redraft.models.redrafter_config import (  # noqa: F401  (public names of this module)
-    AUTO_MAP, AUTO_MODULE, AUTO_MODULE_SOURCE, MODEL_TYPE, ReDrafterConfig,
+    AUTO_MAP,
+    AUTO_MODULE,
+    AUTO_MODULE_SOURCE,
+    MODEL_TYPE,
+    ReDrafterConfig,
 )
 from redraft.models.target import Target
 from redraft.utils import atomic_write_text
 
-__all__ = ["ReDrafterConfig", "ReDrafter", "ReDrafterOutput", "check_artifact", "expected_shapes", "parse_config"]
+__all__ = [
+    "ReDrafterConfig",
+    "ReDrafter",
+    "ReDrafterOutput",
+    "check_artifact",
+    "expected_shapes",
+    "parse_config",
+]
 
 
 class ResBlock(nn.Module):
@@ -122,17 +133,21 @@ class ReDrafter(PreTrainedModel):
             self.rnn_w = nn.Linear(config.embedding_dim, S, bias=False)  # W
             self.rnn_u = nn.Linear(S, S, bias=True)  # U and b
         self.act = ACT2FN[config.activation]
-        self.blocks = nn.ModuleList([ResBlock(S + H, config.activation) for _ in range(config.num_layers)])
+        self.blocks = nn.ModuleList(
+            [ResBlock(S + H, config.activation) for _ in range(config.num_layers)]
+        )
         self.lm_head = nn.Linear(S + H, config.out_vocab_size, bias=False)  # O
         if config.draft_vocab_size is not None:
             # [Vd] target id of each draft id; set by set_draft_vocab and saved in the checkpoint.
-            self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=True)
+            self.register_buffer(
+                "draft_to_target", torch.arange(config.draft_vocab_size), persistent=True
+            )
         self._embedding: tuple[nn.Embedding, ...] = ()  # a tuple hides it from nn.Module
         self.post_init()
 
     # ---------------------------------------------------------------- target embedding, vocab
 
-    def attach_embeddings(self, embedding: nn.Embedding) -> "ReDrafter":
+    def attach_embeddings(self, embedding: nn.Embedding) -> ReDrafter:
         """Use ``embedding`` (the target's input embedding, [V, E]) for draft tokens. Returns self."""
         V, E = embedding.weight.shape
         if (V, E) != (self.config.vocab_size, self.config.embedding_dim):
@@ -144,7 +159,7 @@ class ReDrafter(PreTrainedModel):
         self._embedding = (embedding,)
         return self
 
-    def attach_target(self, target: Target) -> "ReDrafter":
+    def attach_target(self, target: Target) -> ReDrafter:
         """Attach ``target.input_embedding``. Returns self."""
         return self.attach_embeddings(target.input_embedding)
 
@@ -175,8 +190,11 @@ class ReDrafter(PreTrainedModel):
                 f"set_draft_vocab got {target_ids.numel()} ids for draft_vocab_size="
                 f"{self.config.draft_vocab_size}."
             )
-        if target_ids.unique().numel() != target_ids.numel() or target_ids.min() < 0 or \
-                target_ids.max() >= self.config.vocab_size:
+        if (
+            target_ids.unique().numel() != target_ids.numel()
+            or target_ids.min() < 0
+            or target_ids.max() >= self.config.vocab_size
+        ):
             raise RedraftError("set_draft_vocab needs distinct target ids in [0, vocab_size).")
         self.draft_to_target.copy_(target_ids.to(self.draft_to_target.device))
 
@@ -198,7 +216,9 @@ class ReDrafter(PreTrainedModel):
         key = (self.draft_to_target.data_ptr(), self.draft_to_target._version, str(device))
         if getattr(self, "_lut_key", None) != key:
             lut = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=device)
-            lut[self.draft_to_target.to(device)] = torch.arange(self.config.draft_vocab_size, device=device)
+            lut[self.draft_to_target.to(device)] = torch.arange(
+                self.config.draft_vocab_size, device=device
+            )
             self._lut, self._lut_key = lut, key
         return self._lut
 
@@ -235,13 +255,24 @@ class ReDrafter(PreTrainedModel):
         we = self.rnn_w(e)  # [..., L, S]: one matmul for all steps; only U s is sequential
         out, s = [], None
         for i in range(tokens.shape[-1]):  # L <= num_steps (5): a loop over steps, not positions
-            s = self.act(we[..., i, :] + self.rnn_u(torch.zeros_like(we[..., i, :]) if s is None else s))
+            s = self.act(
+                we[..., i, :] + self.rnn_u(torch.zeros_like(we[..., i, :]) if s is None else s)
+            )
             out.append(s)
         return torch.stack(out, dim=-2)
 
-    def forward(self, context: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor | None = None, *,
-                target_logprobs: torch.Tensor | None = None, ce_weight: float = 1.0, kd_weight: float = 0.0,
-                return_dict: bool | None = None, return_features: bool = False):
+    def forward(
+        self,
+        context: torch.Tensor,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        target_logprobs: torch.Tensor | None = None,
+        ce_weight: float = 1.0,
+        kd_weight: float = 0.0,
+        return_dict: bool | None = None,
+        return_features: bool = False,
+    ):
         """Teacher-forced logits of a whole chain in one pass (and the training loss with ``labels``).
 
         Args:
@@ -275,17 +306,26 @@ class ReDrafter(PreTrainedModel):
         loss = None
         if labels is not None:
             if labels.shape != tokens.shape:
-                raise RedraftError(f"labels have shape {list(labels.shape)}, tokens {list(tokens.shape)}: "
-                                   f"they must be equal (labels[..., i] is what logits[..., i] predicts).")
+                raise RedraftError(
+                    f"labels have shape {list(labels.shape)}, tokens {list(tokens.shape)}: "
+                    f"they must be equal (labels[..., i] is what logits[..., i] predicts)."
+                )
             L, Vd = logits.shape[-2:]
             lab = labels.reshape(-1, L).to(logits.device)  # [P, L]
             tlp = None if target_logprobs is None else target_logprobs.reshape(-1, L, Vd)
-            loss, _ = drafter_loss(logits.reshape(-1, L, Vd), self.to_draft_ids(lab), lab != IGNORE_INDEX,
-                                   tlp, ce_weight=ce_weight, kd_weight=kd_weight)
+            loss, _ = drafter_loss(
+                logits.reshape(-1, L, Vd),
+                self.to_draft_ids(lab),
+                lab != IGNORE_INDEX,
+                tlp,
+                ce_weight=ce_weight,
+                kd_weight=kd_weight,
+            )
         return ReDrafterOutput(loss=loss, logits=logits)
 
-    def step(self, state: torch.Tensor | None, context: torch.Tensor,
-             token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, state: torch.Tensor | None, context: torch.Tensor, token: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One recurrence step (for beam search).
 
         Args:
@@ -316,8 +356,10 @@ class ReDrafter(PreTrainedModel):
         call :meth:`push_to_hub` or ``redraft-push``.
         """
         if kwargs.get("push_to_hub"):
-            raise RedraftError("save_pretrained(push_to_hub=True) is not supported for a ReDrafter head: save it, "
-                               "then call head.push_to_hub(repo_id) or `redraft-push DIR REPO_ID`.")
+            raise RedraftError(
+                "save_pretrained(push_to_hub=True) is not supported for a ReDrafter head: save it, "
+                "then call head.push_to_hub(repo_id) or `redraft-push DIR REPO_ID`."
+            )
         super().save_pretrained(save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", True):
             return
@@ -337,13 +379,19 @@ class ReDrafter(PreTrainedModel):
         if path.is_dir() and not kwargs.get("subfolder"):
             check_artifact(path, verify=verify)
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
-                                              **kwargs)
-        bad = {k: sorted(map(str, v)) for k, v in info.items()
-               if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+        )
+        bad = {
+            k: sorted(map(str, v))
+            for k, v in info.items()
+            if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v
+        }
         if bad:
-            raise ArtifactError(f"{pretrained_model_name_or_path} does not match its config: "
-                                + "; ".join(f"{k.replace('_', ' ')} {', '.join(v)}" for k, v in bad.items()))
+            raise ArtifactError(
+                f"{pretrained_model_name_or_path} does not match its config: "
+                + "; ".join(f"{k.replace('_', ' ')} {', '.join(v)}" for k, v in bad.items())
+            )
         artifact.check_finite(model.state_dict(), pretrained_model_name_or_path)
         return (model, info) if want_info else model
 
@@ -369,23 +417,29 @@ def expected_shapes(config: ReDrafterConfig) -> dict[str, tuple[int, ...]]:
 
 def describe(config: ReDrafterConfig) -> str:
     """The config values that decide the tensor shapes, for error messages."""
-    return (f"hidden_size={config.hidden_size}, embedding_dim={config.embedding_dim}, vocab_size="
-            f"{config.vocab_size}, draft_vocab_size={config.draft_vocab_size}, num_layers={config.num_layers}, "
-            f"rnn={config.rnn}")
+    return (
+        f"hidden_size={config.hidden_size}, embedding_dim={config.embedding_dim}, vocab_size="
+        f"{config.vocab_size}, draft_vocab_size={config.draft_vocab_size}, num_layers={config.num_layers}, "
+        f"rnn={config.rnn}"
+    )
 
 
 def parse_config(raw: dict, where: Path) -> ReDrafterConfig:
     """A :class:`ReDrafterConfig` from the dict of ``where/config.json``; a value of the wrong type
     or range is an ArtifactError naming the file and the key."""
     if raw.get("model_type") != MODEL_TYPE:
-        raise ArtifactError(f"{where / artifact.CONFIG_NAME} has model_type {raw.get('model_type')!r}, expected "
-                            f"{MODEL_TYPE!r} (or Apple's 'recurrent_drafting_drafter', which load_drafter reads).")
+        raise ArtifactError(
+            f"{where / artifact.CONFIG_NAME} has model_type {raw.get('model_type')!r}, expected "
+            f"{MODEL_TYPE!r} (or Apple's 'recurrent_drafting_drafter', which load_drafter reads)."
+        )
     try:
         return ReDrafterConfig.from_dict(dict(raw))
     except RedraftError as exc:
         raise ArtifactError(f"{where / artifact.CONFIG_NAME}: {exc}") from exc
     except (TypeError, ValueError) as exc:
-        raise ArtifactError(f"{where / artifact.CONFIG_NAME} is not a ReDrafter config ({exc}).") from exc
+        raise ArtifactError(
+            f"{where / artifact.CONFIG_NAME} is not a ReDrafter config ({exc})."
+        ) from exc
 
 
 def check_artifact(directory: Path, verify: bool = True) -> ReDrafterConfig:
@@ -396,8 +450,12 @@ def check_artifact(directory: Path, verify: bool = True) -> ReDrafterConfig:
     raw = artifact.read_config_json(directory)
     config = parse_config(raw, directory)
     files = artifact.weight_files(directory)
-    artifact.check_tensor_layout(artifact.tensor_shapes(files), expected_shapes(config),
-                                 files[0] if len(files) == 1 else directory, describe(config))
+    artifact.check_tensor_layout(
+        artifact.tensor_shapes(files),
+        expected_shapes(config),
+        files[0] if len(files) == 1 else directory,
+        describe(config),
+    )
     if verify:
         artifact.verify_sha256(directory, raw, files)
     return config

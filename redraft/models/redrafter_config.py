@@ -37,15 +37,20 @@ def _int(name: str, value, minimum: int, optional: bool = False) -> int | None:
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ConfigError(f"ReDrafterConfig {name}={value!r} ({type(value).__name__}) must be an integer "
-                          f">= {minimum}{' or null' if optional else ''}.", param=name)
+        raise ConfigError(
+            f"ReDrafterConfig {name}={value!r} ({type(value).__name__}) must be an integer "
+            f">= {minimum}{' or null' if optional else ''}.",
+            param=name,
+        )
     return int(value)
 
 
 def _str(name: str, value) -> str | None:
     if value is not None and not isinstance(value, str):
-        raise ConfigError(f"ReDrafterConfig {name}={value!r} ({type(value).__name__}) must be a string or null.",
-                          param=name)
+        raise ConfigError(
+            f"ReDrafterConfig {name}={value!r} ({type(value).__name__}) must be a string or null.",
+            param=name,
+        )
     return value
 
 
@@ -94,35 +99,52 @@ class ReDrafterConfig(PretrainedConfig):
         kwargs.pop(artifact.SHA_KEY, None)
         kwargs.pop("auto_map", None)  # always ours (AUTO_MAP), set below
         self.hidden_size = _int("hidden_size", hidden_size, 1)
-        self.embedding_dim = _int("embedding_dim", embedding_dim, 1, optional=True) or self.hidden_size
+        self.embedding_dim = (
+            _int("embedding_dim", embedding_dim, 1, optional=True) or self.hidden_size
+        )
         self.vocab_size = _int("vocab_size", vocab_size, 1)
         # 0 was written by old configs for "full vocabulary"; None is the spelling now.
         self.draft_vocab_size = _int("draft_vocab_size", draft_vocab_size, 0, optional=True) or None
         self.num_layers = _int("num_layers", num_layers, 0)
         if not isinstance(rnn, bool):
-            raise ConfigError(f"ReDrafterConfig rnn={rnn!r} ({type(rnn).__name__}) must be true or false.", param="rnn")
+            raise ConfigError(
+                f"ReDrafterConfig rnn={rnn!r} ({type(rnn).__name__}) must be true or false.",
+                param="rnn",
+            )
         self.rnn = rnn
         if not isinstance(activation, str) or activation not in ACT2FN:
-            raise ConfigError(f"ReDrafterConfig activation={activation!r} is not one of {sorted(ACT2FN)}.",
-                              param="activation")
+            raise ConfigError(
+                f"ReDrafterConfig activation={activation!r} is not one of {sorted(ACT2FN)}.",
+                param="activation",
+            )
         self.activation = activation
         self.num_steps = _int("num_steps", num_steps, 1)
         self.target_model = _str("target_model", target_model)
         self.tokenizer_fingerprint = _str("tokenizer_fingerprint", tokenizer_fingerprint)
-        self.target_vocab_size = _int("target_vocab_size", target_vocab_size, 1, optional=True) or self.vocab_size
-        self.target_hidden_size = (_int("target_hidden_size", target_hidden_size, 1, optional=True)
-                                   or self.hidden_size)
-        if isinstance(initializer_range, bool) or not isinstance(initializer_range, numbers.Real) \
-                or not initializer_range >= 0:
-            raise ConfigError(f"ReDrafterConfig initializer_range={initializer_range!r} must be a number >= 0.",
-                              param="initializer_range")
+        self.target_vocab_size = (
+            _int("target_vocab_size", target_vocab_size, 1, optional=True) or self.vocab_size
+        )
+        self.target_hidden_size = (
+            _int("target_hidden_size", target_hidden_size, 1, optional=True) or self.hidden_size
+        )
+        if (
+            isinstance(initializer_range, bool)
+            or not isinstance(initializer_range, numbers.Real)
+            or not initializer_range >= 0
+        ):
+            raise ConfigError(
+                f"ReDrafterConfig initializer_range={initializer_range!r} must be a number >= 0.",
+                param="initializer_range",
+            )
         self.initializer_range = float(initializer_range)
         super().__init__(**kwargs)
         self.auto_map = dict(AUTO_MAP)
         if self.draft_vocab_size is not None and not self.draft_vocab_size <= self.vocab_size:
             raise ConfigError(
                 f"ReDrafterConfig draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size="
-                f"{self.vocab_size}] (or null for the full vocabulary).", param="draft_vocab_size")
+                f"{self.vocab_size}] (or null for the full vocabulary).",
+                param="draft_vocab_size",
+            )
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig"):
@@ -140,7 +162,7 @@ class ReDrafterConfig(PretrainedConfig):
         return self.draft_vocab_size or self.vocab_size
 
     @classmethod
-    def for_target(cls, target: Target, **kwargs) -> "ReDrafterConfig":
+    def for_target(cls, target: Target, **kwargs) -> ReDrafterConfig:
         """A config sized for ``target`` that records its id, sizes and tokenizer fingerprint."""
         meta = target.artifact_metadata()
         return cls(

@@ -145,7 +145,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return "sha256:" + h.hexdigest()[:16]
 
 
-def check_fingerprint(artifact_fingerprint: str | None, target: Target, artifact: str | os.PathLike) -> None:
+def check_fingerprint(
+    artifact_fingerprint: str | None, target: Target, artifact: str | os.PathLike
+) -> None:
     """Raise :class:`FingerprintMismatchError` when an artifact was built for another tokenizer."""
     if artifact_fingerprint is None:
         raise FingerprintMismatchError(
@@ -191,7 +193,8 @@ def _looks_like_path(spec: str) -> bool:
         spec.startswith(("/", "./", "../", "~"))
         or spec.endswith(".gguf")
         or spec.count("/") > 1
-        or os.sep != "/" and os.sep in spec
+        or os.sep != "/"
+        and os.sep in spec
         or os.path.exists(spec)
     )
 
@@ -221,7 +224,9 @@ def load_target(spec: str = DEFAULT_SPEC, dtype=None, device=None) -> Target:
     torch_dtype = resolve_dtype(dtype, device, error=TargetLoadError)
     spec = str(spec)
     if spec.startswith(DUMMY_PREFIX):
-        model, tokenizer, model_id, source = load_dummy(spec[len(DUMMY_PREFIX):], torch_dtype, device)
+        model, tokenizer, model_id, source = load_dummy(
+            spec[len(DUMMY_PREFIX) :], torch_dtype, device
+        )
         fingerprint = DUMMY_FINGERPRINT_PREFIX + tokenizer_fingerprint(tokenizer)
     else:
         model, tokenizer, model_id, source = _load_model_and_tokenizer(spec, torch_dtype)
@@ -232,14 +237,25 @@ def load_target(spec: str = DEFAULT_SPEC, dtype=None, device=None) -> Target:
         p.requires_grad_(False)
     if getattr(tokenizer, "chat_template", None) is None:
         logger.warning("tokenizer of %s has no chat template; chat inputs will fail", model_id)
-    return Target(model=model, tokenizer=tokenizer, model_id=model_id,
-                  fingerprint=fingerprint, spec=spec, source=source)
+    return Target(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=model_id,
+        fingerprint=fingerprint,
+        spec=spec,
+        source=source,
+    )
 
 
 def _load_model_and_tokenizer(spec: str, torch_dtype: torch.dtype):
     if spec == DEFAULT_SPEC:
         model, tok = _load_gguf(default_gguf_path(), torch_dtype)
-        return model, tok, DEFAULT_MODEL_ID, {"kind": "default-gguf", "path": str(default_gguf_path())}
+        return (
+            model,
+            tok,
+            DEFAULT_MODEL_ID,
+            {"kind": "default-gguf", "path": str(default_gguf_path())},
+        )
     if _looks_like_path(spec):
         path = Path(spec).expanduser()
         if not path.exists():
@@ -339,7 +355,9 @@ def _load_peft(adapter_dir: Path, torch_dtype, adapter_id: str | None = None):
     try:
         cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise TargetLoadError(f"{adapter_dir / 'adapter_config.json'} cannot be read: {exc}") from exc
+        raise TargetLoadError(
+            f"{adapter_dir / 'adapter_config.json'} cannot be read: {exc}"
+        ) from exc
     base_spec = cfg.get("base_model_name_or_path")
     if not base_spec:
         raise TargetLoadError(
@@ -365,7 +383,9 @@ def _load_peft(adapter_dir: Path, torch_dtype, adapter_id: str | None = None):
 
 def _gguf_cache_dir(path: Path) -> Path:
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[
+        :12
+    ]
     return CACHE_ROOT / "gguf" / f"{path.stem}-{key}"
 
 
@@ -382,7 +402,9 @@ def _load_gguf(path: Path, torch_dtype):
     if (cached / ".complete").is_file():
         return _load_hf(str(cached), torch_dtype)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise TargetLoadError(
@@ -412,8 +434,11 @@ def _save_dequantized(model, tok, cached: Path) -> None:
     config["architectures"] = [type(model).__name__]
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tied = getattr(model.config, "tie_word_embeddings", False)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-             if not (tied and k == "lm_head.weight")}
+    state = {
+        k: v.detach().contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(str(tmp))
     (tmp / ".complete").touch()

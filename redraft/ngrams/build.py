@@ -17,11 +17,12 @@ from redraft.ngrams.format import shard_dir_name
 logger = logging.getLogger("redraft.ngrams")
 
 # The flags that shaped each kind, recorded in ngrams.json (build_args) beside it.
-BUILD_FLAGS = {"unigram": ("target", "k"), "bigram": ("target", "k", "dtype", "batch_size"),
-               "extended": ("w", "extend_with_model", "dtype"),
-               "trigram": ("target", "data", "split", "limit", "t", "min_count", "memory_mb",
-                           "chunk_tokens")}
-
+BUILD_FLAGS = {
+    "unigram": ("target", "k"),
+    "bigram": ("target", "k", "dtype", "batch_size"),
+    "extended": ("w", "extend_with_model", "dtype"),
+    "trigram": ("target", "data", "split", "limit", "t", "min_count", "memory_mb", "chunk_tokens"),
+}
 
 
 def peak_rss_mb() -> float:
@@ -37,8 +38,11 @@ def shard_dir(output_dir, shard_id: int, num_shards: int) -> Path:
 def check_vocab_bounds(args, vocab_size: int) -> None:
     for name in ("k", "t"):
         if getattr(args, name) > vocab_size:
-            raise ConfigError(f"-{name} {getattr(args, name)} is above the target's vocabulary "
-                              f"size {vocab_size}: choose 1..{vocab_size}.", param=name)
+            raise ConfigError(
+                f"-{name} {getattr(args, name)} is above the target's vocabulary "
+                f"size {vocab_size}: choose 1..{vocab_size}.",
+                param=name,
+            )
 
 
 def load_build_target(args):
@@ -68,8 +72,12 @@ class TableWriter:
     def __call__(self, kind: str, seconds: float, fields: dict, **tables) -> None:
         from redraft.ngrams.tables import save_tables
 
-        meta = dict(self.base, build_seconds={kind: round(seconds, 2)},
-                    build_args={kind: {f: getattr(self.args, f) for f in BUILD_FLAGS[kind]}}, **fields)
+        meta = dict(
+            self.base,
+            build_seconds={kind: round(seconds, 2)},
+            build_args={kind: {f: getattr(self.args, f) for f in BUILD_FLAGS[kind]}},
+            **fields,
+        )
         save_tables(self.out, meta, **tables)
         self.written.update(meta)
 
@@ -79,7 +87,12 @@ def build_unigram(args, target, save: TableWriter) -> None:
 
     t0 = time.perf_counter()
     uni = mt.build_unigram(target, args.k)
-    save("unigram", time.perf_counter() - t0, {"k": args.k, "unigram": {"k": int(len(uni[0]))}}, unigram=uni)
+    save(
+        "unigram",
+        time.perf_counter() - t0,
+        {"k": args.k, "unigram": {"k": int(len(uni[0]))}},
+        unigram=uni,
+    )
 
 
 def build_bigram(args, target, save: TableWriter):
@@ -87,12 +100,23 @@ def build_bigram(args, target, save: TableWriter):
     from redraft.ngrams import model_tables as mt
 
     t0 = time.perf_counter()
-    bigram = mt.build_bigram(target, args.k, batch_size=args.batch_size, dtype=args.dtype,
-                             progress=not args.quiet)
+    bigram = mt.build_bigram(
+        target, args.k, batch_size=args.batch_size, dtype=args.dtype, progress=not args.quiet
+    )
     seconds = time.perf_counter() - t0
-    save("bigram", seconds, {"k": args.k, "bigram": {"k": args.k, "dtype": args.dtype,
-                                                     "bos_prefix": mt.bigram_context(target.tokenizer)}},
-         bigram=bigram)
+    save(
+        "bigram",
+        seconds,
+        {
+            "k": args.k,
+            "bigram": {
+                "k": args.k,
+                "dtype": args.dtype,
+                "bos_prefix": mt.bigram_context(target.tokenizer),
+            },
+        },
+        bigram=bigram,
+    )
     logger.info("bigram table: %.1f s", seconds)
     return bigram[0]
 
@@ -107,12 +131,29 @@ def build_extended(args, target, out: Path, bigram_ids, save: TableWriter) -> No
         bigram_ids = NGramTables.load(out, target=target, kinds=["bigram"]).table("bigram")["ids"]
     t0 = time.perf_counter()
     if args.extend_with_model:
-        ext = mt.build_extended_with_model(target, bigram_ids, args.w, batch_size=args.batch_size,
-                                           dtype=args.dtype, progress=not args.quiet)
+        ext = mt.build_extended_with_model(
+            target,
+            bigram_ids,
+            args.w,
+            batch_size=args.batch_size,
+            dtype=args.dtype,
+            progress=not args.quiet,
+        )
     else:
         ext = mt.build_extended(bigram_ids, args.w)
-    save("extended", time.perf_counter() - t0, {"w": args.w, "extended": {
-        "w": args.w, "k": int(ext.shape[1]), "with_model": bool(args.extend_with_model)}}, extended=ext)
+    save(
+        "extended",
+        time.perf_counter() - t0,
+        {
+            "w": args.w,
+            "extended": {
+                "w": args.w,
+                "k": int(ext.shape[1]),
+                "with_model": bool(args.extend_with_model),
+            },
+        },
+        extended=ext,
+    )
 
 
 def report_records(args, read: dict) -> None:
@@ -122,13 +163,19 @@ def report_records(args, read: dict) -> None:
     skipped = {**src.get("skipped", {}), **read.get("tokenize_skipped", {})}
     if skipped:
         reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(skipped.items(), key=lambda kv: -kv[1]))
-        logger.warning("--data %s: kept %s records, skipped %s malformed or unusable ones (%s)", args.data,
-                       f"{src.get('kept', read.get('records', 0)):,}", f"{sum(skipped.values()):,}", reasons)
+        logger.warning(
+            "--data %s: kept %s records, skipped %s malformed or unusable ones (%s)",
+            args.data,
+            f"{src.get('kept', read.get('records', 0)):,}",
+            f"{sum(skipped.values()):,}",
+            reasons,
+        )
     if read and not read.get("records"):
         why = f"every record was skipped ({reasons})" if skipped else "it holds no record"
-        raise DataError(f"--data {args.data} (split {args.split}): no usable record, {why}. Fix the file or "
-                        f"choose another --data (docs/data.md lists the formats).")
-
+        raise DataError(
+            f"--data {args.data} (split {args.split}): no usable record, {why}. Fix the file or "
+            f"choose another --data (docs/data.md lists the formats)."
+        )
 
 
 def build_trigram(args, target, out: Path, save: TableWriter) -> dict | None:
@@ -140,16 +187,28 @@ def build_trigram(args, target, out: Path, save: TableWriter) -> dict | None:
     progress = not args.quiet
     t0 = time.perf_counter()
     read: dict = {}  # what reading --data kept and skipped (filled once counting starts)
-    arrays = iter_token_arrays(args.data, target.tokenizer, split=args.split, limit=args.limit,
-                               num_proc=args.num_proc, progress=progress, meta=read)
+    arrays = iter_token_arrays(
+        args.data,
+        target.tokenizer,
+        split=args.split,
+        limit=args.limit,
+        num_proc=args.num_proc,
+        progress=progress,
+        meta=read,
+    )
     if args.num_shards > 1:
         arrays = itertools.islice(arrays, args.shard_id, None, args.num_shards)
     # Spilled runs go into a private folder under --spill-dir (default: the output dir, on
     # the disk the artifact goes to); the `with` below removes it on success, errors and
     # Ctrl-C, and a SIGKILLed build's folder is removed by the next build (_clean_spills).
-    counts = count_trigrams(arrays, target.vocab_size, chunk_tokens=args.chunk_tokens,
-                            memory_mb=args.memory_mb, spill_dir=args.spill_dir or out,
-                            progress=progress)
+    counts = count_trigrams(
+        arrays,
+        target.vocab_size,
+        chunk_tokens=args.chunk_tokens,
+        memory_mb=args.memory_mb,
+        spill_dir=args.spill_dir or out,
+        progress=progress,
+    )
     with counts:
         report_records(args, read)
         t_count = time.perf_counter() - t0
@@ -157,20 +216,46 @@ def build_trigram(args, target, out: Path, save: TableWriter) -> dict | None:
             return save_shard(args, target, out, counts, t_count)
         table = build_trigram_table(counts, t=args.t, min_count=args.min_count, progress=progress)
     seconds = time.perf_counter() - t0
-    save("trigram", seconds, {"t": args.t, "trigram": {
-        "t": args.t, "min_count": args.min_count, "data": args.data, "split": args.split,
-        "corpus": table.stats, "count_seconds": round(t_count, 2),
-        "table_bytes": table.nbytes(), "peak_rss_mb": round(peak_rss_mb(), 1)}}, trigram=table)
-    logger.info("tri-gram table: %s contexts, %s entries, %.1f s", f"{table.stats['contexts']:,}",
-                f"{table.stats['entries']:,}", seconds)
+    save(
+        "trigram",
+        seconds,
+        {
+            "t": args.t,
+            "trigram": {
+                "t": args.t,
+                "min_count": args.min_count,
+                "data": args.data,
+                "split": args.split,
+                "corpus": table.stats,
+                "count_seconds": round(t_count, 2),
+                "table_bytes": table.nbytes(),
+                "peak_rss_mb": round(peak_rss_mb(), 1),
+            },
+        },
+        trigram=table,
+    )
+    logger.info(
+        "tri-gram table: %s contexts, %s entries, %.1f s",
+        f"{table.stats['contexts']:,}",
+        f"{table.stats['entries']:,}",
+        seconds,
+    )
     return None
 
 
 def save_shard(args, target, out: Path, counts, t_count: float) -> dict:
     """One shard's partial counts into its directory under ``out`` (``merge`` combines them)."""
-    d = counts.save(shard_dir(out, args.shard_id, args.num_shards), meta=dict(
-        target.artifact_metadata(), data=args.data, split=args.split,
-        limit=args.limit, num_shards=args.num_shards, shard_id=args.shard_id,
-        count_seconds=round(t_count, 2),
-        build_args={f: getattr(args, f) for f in BUILD_FLAGS["trigram"]}))
+    d = counts.save(
+        shard_dir(out, args.shard_id, args.num_shards),
+        meta=dict(
+            target.artifact_metadata(),
+            data=args.data,
+            split=args.split,
+            limit=args.limit,
+            num_shards=args.num_shards,
+            shard_id=args.shard_id,
+            count_seconds=round(t_count, 2),
+            build_args={f: getattr(args, f) for f in BUILD_FLAGS["trigram"]},
+        ),
+    )
     return {"shard_dir": str(d), "stats": counts.stats, "count_seconds": t_count}

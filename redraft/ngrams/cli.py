@@ -42,12 +42,16 @@ from redraft.utils import ArgumentParser, HelpFormatter
 logger = logging.getLogger("redraft.ngrams")
 PROG = "redraft-build-ngrams"
 
+
 def _kinds(text: str) -> list[str]:
     kinds = [k.strip() for k in text.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
-        raise ConfigError(f"unknown n-gram kind(s) {bad or text!r} in --kinds; use a comma-separated "
-                          f"subset of {','.join(KINDS)}.", param="kinds")
+        raise ConfigError(
+            f"unknown n-gram kind(s) {bad or text!r} in --kinds; use a comma-separated "
+            f"subset of {','.join(KINDS)}.",
+            param="kinds",
+        )
     return kinds
 
 
@@ -67,50 +71,105 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog=PROG,
         description="Build n-gram draft tables (model unigram/bigram/extended from the target's "
-                    "weights, ADED corpus tri-grams) into an artifact directory the decoder loads. "
-                    "Subcommand `merge` combines the partial counts of a sharded tri-gram build.",
-        formatter_class=HelpFormatter)
+        "weights, ADED corpus tri-grams) into an artifact directory the decoder loads. "
+        "Subcommand `merge` combines the partial counts of a sharded tri-gram build.",
+        formatter_class=HelpFormatter,
+    )
     ModelSettings.add_arguments(p, only=MODEL_FLAGS, shown=MODEL_DEFAULTS)
-    p.add_argument("--kinds", default="unigram,bigram,extended,trigram",
-                   help=f"comma-separated tables to build, from {','.join(KINDS)}")
-    p.add_argument("--data", default="default-chat",
-                   help="corpus for the tri-gram table, a redraft.data spec: default-chat, "
-                        "default-code, sharegpt:PATH, code-dir:DIR?glob=*.py, hub datasets, mixtures")
-    p.add_argument("--split", default="train", choices=["train", "heldout", "all"],
-                   help="which records of --data to count (heldout = the evaluation prompts)")
-    p.add_argument("--limit", type=int, default=None,
-                   help="use at most this many records of --data (at least 1; default: all)")
-    p.add_argument("--output-dir", required=True, help="artifact directory (created; other kinds "
-                   "already in it are kept)")
-    p.add_argument("-k", type=int, default=25,
-                   help="successors per token in the unigram/bigram tables (1..vocabulary size)")
+    p.add_argument(
+        "--kinds",
+        default="unigram,bigram,extended,trigram",
+        help=f"comma-separated tables to build, from {','.join(KINDS)}",
+    )
+    p.add_argument(
+        "--data",
+        default="default-chat",
+        help="corpus for the tri-gram table, a redraft.data spec: default-chat, "
+        "default-code, sharegpt:PATH, code-dir:DIR?glob=*.py, hub datasets, mixtures",
+    )
+    p.add_argument(
+        "--split",
+        default="train",
+        choices=["train", "heldout", "all"],
+        help="which records of --data to count (heldout = the evaluation prompts)",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="use at most this many records of --data (at least 1; default: all)",
+    )
+    p.add_argument(
+        "--output-dir",
+        required=True,
+        help="artifact directory (created; other kinds already in it are kept)",
+    )
+    p.add_argument(
+        "-k",
+        type=int,
+        default=25,
+        help="successors per token in the unigram/bigram tables (1..vocabulary size)",
+    )
     p.add_argument("-w", type=int, default=10, help="tokens per extended-bigram chain (at least 1)")
-    p.add_argument("-t", type=int, default=12,
-                   help="successors kept per tri-gram context (1..vocabulary size)")
-    p.add_argument("--min-count", type=int, default=2,
-                   help="drop tri-grams seen fewer times (1 keeps all; 2 halves the table)")
-    p.add_argument("--extend-with-model", action=argparse.BooleanOptionalAction, default=False,
-                   help="chain extended rows by greedy decoding with the target instead of the "
-                        "bigram table (vocab*k generations: for GPUs)")
+    p.add_argument(
+        "-t", type=int, default=12, help="successors kept per tri-gram context (1..vocabulary size)"
+    )
+    p.add_argument(
+        "--min-count",
+        type=int,
+        default=2,
+        help="drop tri-grams seen fewer times (1 keeps all; 2 halves the table)",
+    )
+    p.add_argument(
+        "--extend-with-model",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="chain extended rows by greedy decoding with the target instead of the "
+        "bigram table (vocab*k generations: for GPUs)",
+    )
     p.add_argument("--batch-size", type=int, default=1024, help="tokens per bigram forward")
-    p.add_argument("--num-shards", type=int, default=1,
-                   help="split the tri-gram corpus into this many shards (records i with "
-                        "i %% N == shard-id); each shard writes partial counts, `merge` finishes")
+    p.add_argument(
+        "--num-shards",
+        type=int,
+        default=1,
+        help="split the tri-gram corpus into this many shards (records i with "
+        "i %% N == shard-id); each shard writes partial counts, `merge` finishes",
+    )
     p.add_argument("--shard-id", type=int, default=0, help="this job's shard, 0..num-shards-1")
-    p.add_argument("--memory-mb", type=int, default=4096,
-                   help="memory budget for tri-gram counts; beyond it sorted runs spill to disk")
-    p.add_argument("--spill-dir", default=None,
-                   help="where tri-gram counts beyond --memory-mb go, in a private folder removed "
-                        "at the end (default: --output-dir; a killed build's leftovers are removed "
-                        "by the next build into the same place)")
-    p.add_argument("--chunk-tokens", type=int, default=1 << 25,
-                   help="tokens sorted at a time (about 24 bytes of memory each)")
-    p.add_argument("--num-proc", type=int, default=None,
-                   help="tokenizer processes (default: one per CPU, at most 8)")
-    p.add_argument("--overwrite", action=argparse.BooleanOptionalAction, default=False,
-                   help="rebuild kinds already present in --output-dir (default: skip them)")
-    p.add_argument("--quiet", action=argparse.BooleanOptionalAction, default=False,
-                   help="no progress bars")
+    p.add_argument(
+        "--memory-mb",
+        type=int,
+        default=4096,
+        help="memory budget for tri-gram counts; beyond it sorted runs spill to disk",
+    )
+    p.add_argument(
+        "--spill-dir",
+        default=None,
+        help="where tri-gram counts beyond --memory-mb go, in a private folder removed "
+        "at the end (default: --output-dir; a killed build's leftovers are removed "
+        "by the next build into the same place)",
+    )
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=1 << 25,
+        help="tokens sorted at a time (about 24 bytes of memory each)",
+    )
+    p.add_argument(
+        "--num-proc",
+        type=int,
+        default=None,
+        help="tokenizer processes (default: one per CPU, at most 8)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="rebuild kinds already present in --output-dir (default: skip them)",
+    )
+    p.add_argument(
+        "--quiet", action=argparse.BooleanOptionalAction, default=False, help="no progress bars"
+    )
     return p
 
 
@@ -118,23 +177,33 @@ def build_merge_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog=f"{PROG} merge",
         description="Combine the partial tri-gram counts of `--num-shards N` jobs into the "
-                    "tri-gram table of --output-dir (equal to a single unsharded build). The "
-                    "shards' checksums are checked first. Afterwards the shard directories "
-                    "inside --output-dir move to OUTPUT_DIR.shards/ (the artifact directory then "
-                    "holds one artifact; a later merge finds them there).",
-        formatter_class=HelpFormatter)
+        "tri-gram table of --output-dir (equal to a single unsharded build). The "
+        "shards' checksums are checked first. Afterwards the shard directories "
+        "inside --output-dir move to OUTPUT_DIR.shards/ (the artifact directory then "
+        "holds one artifact; a later merge finds them there).",
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--output-dir", required=True, help="artifact directory to write the table into")
-    p.add_argument("--shards", nargs="*", default=None,
-                   help="shard count directories (default: OUTPUT_DIR/trigram-counts-*-of-*, "
-                        "then OUTPUT_DIR.shards/ for a re-merge)")
+    p.add_argument(
+        "--shards",
+        nargs="*",
+        default=None,
+        help="shard count directories (default: OUTPUT_DIR/trigram-counts-*-of-*, "
+        "then OUTPUT_DIR.shards/ for a re-merge)",
+    )
     p.add_argument("-t", type=int, default=12, help="successors kept per context")
     p.add_argument("--min-count", type=int, default=2, help="drop tri-grams seen fewer times")
     p.add_argument("--memory-mb", type=int, default=4096, help="memory budget of the range merge")
-    p.add_argument("--keep-shards", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep the shard counts (moved to OUTPUT_DIR.shards/) for a later re-merge "
-                        "with other -t/--min-count; --no-keep-shards deletes them after the merge")
-    p.add_argument("--quiet", action=argparse.BooleanOptionalAction, default=False,
-                   help="no progress bars")
+    p.add_argument(
+        "--keep-shards",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the shard counts (moved to OUTPUT_DIR.shards/) for a later re-merge "
+        "with other -t/--min-count; --no-keep-shards deletes them after the merge",
+    )
+    p.add_argument(
+        "--quiet", action=argparse.BooleanOptionalAction, default=False, help="no progress bars"
+    )
     return p
 
 
@@ -148,8 +217,9 @@ def _at_least(args, name: str, low: int, *, optional: bool = False, what: str = 
         return
     if value < low:
         flag = "-" + name if len(name) == 1 else "--" + name.replace("_", "-")
-        raise ConfigError(f"{flag} {value} is out of range: it must be at least {low}{what}.",
-                          param=name)
+        raise ConfigError(
+            f"{flag} {value} is out of range: it must be at least {low}{what}.", param=name
+        )
 
 
 def check_output_dir(path, flag: str = "--output-dir", param: str = "output_dir") -> Path:
@@ -160,16 +230,22 @@ def check_output_dir(path, flag: str = "--output-dir", param: str = "output_dir"
     """
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"{flag} {path} is an existing file; pass a directory (it is created "
-                          f"when missing).", param=param)
+        raise ConfigError(
+            f"{flag} {path} is an existing file; pass a directory (it is created when missing).",
+            param=param,
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"{flag} {path} cannot be created ({exc.strerror or exc}); pass a "
-                          f"directory you can write to.", param=param) from exc
+        raise ConfigError(
+            f"{flag} {path} cannot be created ({exc.strerror or exc}); pass a "
+            f"directory you can write to.",
+            param=param,
+        ) from exc
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {path} is not writable; pass a directory you can write to.",
-                          param=param)
+        raise ConfigError(
+            f"{flag} {path} is not writable; pass a directory you can write to.", param=param
+        )
     return path
 
 
@@ -184,16 +260,23 @@ def check_build_args(args) -> list[str]:
     _at_least(args, "num_proc", 1, optional=True)
     ModelSettings.from_args(args, MODEL_DEFAULTS)  # the model flags: typed and checked, set on args
     if not 0 <= args.shard_id < args.num_shards:
-        raise ConfigError(f"--shard-id {args.shard_id} is not in 0..{args.num_shards - 1} "
-                          f"(--num-shards {args.num_shards}).", param="shard_id")
+        raise ConfigError(
+            f"--shard-id {args.shard_id} is not in 0..{args.num_shards - 1} "
+            f"(--num-shards {args.num_shards}).",
+            param="shard_id",
+        )
     if args.num_shards > 1 and kinds != ["trigram"]:
-        raise ConfigError("--num-shards shards the tri-gram corpus only: pass --kinds trigram, and "
-                          "build the model tables in one unsharded run into the same --output-dir.",
-                          param="num_shards")
+        raise ConfigError(
+            "--num-shards shards the tri-gram corpus only: pass --kinds trigram, and "
+            "build the model tables in one unsharded run into the same --output-dir.",
+            param="num_shards",
+        )
     out = Path(args.output_dir).expanduser()
     if "extended" in kinds and "bigram" not in kinds and not _done(out, "bigram"):
-        raise ConfigError(f"--kinds extended chains the bigram table: add bigram to --kinds "
-                          f"(none in {out} yet).", param="kinds")
+        raise ConfigError(
+            f"--kinds extended chains the bigram table: add bigram to --kinds (none in {out} yet).",
+            param="kinds",
+        )
     if "trigram" in kinds:
         from redraft.data.sources import parse_spec  # light: no torch
 
@@ -249,10 +332,17 @@ def run_build(args) -> dict:
     if "trigram" in todo:
         shard = build_trigram(args, target, out, save)
         if shard is not None:
-            logger.warning("shard %d/%d: %s tokens counted in %.1f s → %s; run `%s merge --output-dir %s` "
-                           "when all shards are done", args.shard_id, args.num_shards,
-                           f"{shard['stats']['tokens']:,}", shard.pop("count_seconds"), shard["shard_dir"],
-                           PROG, out)
+            logger.warning(
+                "shard %d/%d: %s tokens counted in %.1f s → %s; run `%s merge --output-dir %s` "
+                "when all shards are done",
+                args.shard_id,
+                args.num_shards,
+                f"{shard['stats']['tokens']:,}",
+                shard.pop("count_seconds"),
+                shard["shard_dir"],
+                PROG,
+                out,
+            )
             return shard
     return save.written
 
@@ -286,8 +376,13 @@ def _move_shards_out(shards: list[Path], out: Path, keep: bool) -> None:
             os.replace(s, home / s.name)
         else:
             shutil.rmtree(s)
-    logger.warning("%s %d shard directories out of the artifact %s%s", "moved" if keep else "deleted",
-                   len(inside), out, f" to {home}" if keep else "")
+    logger.warning(
+        "%s %d shard directories out of the artifact %s%s",
+        "moved" if keep else "deleted",
+        len(inside),
+        out,
+        f" to {home}" if keep else "",
+    )
 
 
 def run_merge(args) -> dict:
@@ -297,13 +392,19 @@ def run_merge(args) -> dict:
     _at_least(args, "memory_mb", 0)
     out = Path(args.output_dir).expanduser()
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--output-dir {out} is an existing file; pass the directory the shards "
-                          f"were written to.", param="output_dir")
+        raise ConfigError(
+            f"--output-dir {out} is an existing file; pass the directory the shards "
+            f"were written to.",
+            param="output_dir",
+        )
     shards = [Path(s).expanduser() for s in args.shards] if args.shards else find_shards(out)
     if not shards:
-        raise ConfigError(f"no shard counts found in {out} ({SHARD_GLOB}) or {shards_home(out)}; "
-                          f"run the shards with --num-shards N --shard-id i --output-dir {out} "
-                          f"first, or pass --shards.", param="shards")
+        raise ConfigError(
+            f"no shard counts found in {out} ({SHARD_GLOB}) or {shards_home(out)}; "
+            f"run the shards with --num-shards N --shard-id i --output-dir {out} "
+            f"first, or pass --shards.",
+            param="shards",
+        )
     check_output_dir(out)
     _clean_spills(out)
 
@@ -316,25 +417,54 @@ def run_merge(args) -> dict:
     first = open_run(shards[0])[2]
     table = build_trigram_table(counts, t=args.t, min_count=args.min_count, progress=not args.quiet)
     seconds = time.perf_counter() - t0
-    target_fields = {k: first[k] for k in ("target_model", "target_vocab_size", "target_hidden_size",
-                                           "tokenizer_fingerprint") if k in first}
-    shard_args = dict(first.get("build_args") or {k: first.get(k) for k in ("data", "split", "limit")})
-    shard_args.update(t=args.t, min_count=args.min_count, memory_mb=args.memory_mb,
-                      num_shards=first.get("num_shards", len(shards)))
-    meta = dict(target_fields, vocab_size=counts.vocab_size, t=args.t,
-                build_seconds={"trigram_merge": round(seconds, 2)},
-                build_args={"trigram": shard_args},
-                trigram={"t": args.t, "min_count": args.min_count, "data": first.get("data"),
-                         "split": first.get("split"), "corpus": table.stats,
-                         "shards": len(shards), "table_bytes": table.nbytes(),
-                         "count_seconds_per_shard": [open_run(s)[2].get("count_seconds")
-                                                     for s in shards]})
+    target_fields = {
+        k: first[k]
+        for k in (
+            "target_model",
+            "target_vocab_size",
+            "target_hidden_size",
+            "tokenizer_fingerprint",
+        )
+        if k in first
+    }
+    shard_args = dict(
+        first.get("build_args") or {k: first.get(k) for k in ("data", "split", "limit")}
+    )
+    shard_args.update(
+        t=args.t,
+        min_count=args.min_count,
+        memory_mb=args.memory_mb,
+        num_shards=first.get("num_shards", len(shards)),
+    )
+    meta = dict(
+        target_fields,
+        vocab_size=counts.vocab_size,
+        t=args.t,
+        build_seconds={"trigram_merge": round(seconds, 2)},
+        build_args={"trigram": shard_args},
+        trigram={
+            "t": args.t,
+            "min_count": args.min_count,
+            "data": first.get("data"),
+            "split": first.get("split"),
+            "corpus": table.stats,
+            "shards": len(shards),
+            "table_bytes": table.nbytes(),
+            "count_seconds_per_shard": [open_run(s)[2].get("count_seconds") for s in shards],
+        },
+    )
     save_tables(out, meta, trigram=table)
     # Only now, with the table and ngrams.json written: a kill before this leaves the shards
     # where a rerun of the merge finds them.
     _move_shards_out(shards, out, keep=args.keep_shards)
-    logger.warning("merged %d shards: %s contexts, %s entries in %.1f s → %s", len(shards),
-                   f"{table.stats['contexts']:,}", f"{table.stats['entries']:,}", seconds, out)
+    logger.warning(
+        "merged %d shards: %s contexts, %s entries in %.1f s → %s",
+        len(shards),
+        f"{table.stats['contexts']:,}",
+        f"{table.stats['entries']:,}",
+        seconds,
+        out,
+    )
     return meta
 
 
@@ -371,7 +501,9 @@ def main(argv: list[str] | None = None) -> int:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
-    return run_cli(PROG, work, interrupted="tables already written are kept, temporary files removed.")
+    return run_cli(
+        PROG, work, interrupted="tables already written are kept, temporary files removed."
+    )
 
 
 def _main_thread() -> bool:

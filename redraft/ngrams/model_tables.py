@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 # residual with the attributes used by the fast path (checked numerically anyway).
 FAST_PATH_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
+
 def cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of ``model`` whose floating parameters and buffers are in ``dtype``.
 
@@ -46,8 +47,11 @@ def cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     for t in list(model.parameters()) + list(model.buffers()):
         if t.is_floating_point() and id(t) not in memo:
             new = t.detach().to(dtype)
-            memo[id(t)] = torch.nn.Parameter(new, requires_grad=False) if isinstance(
-                t, torch.nn.Parameter) else new
+            memo[id(t)] = (
+                torch.nn.Parameter(new, requires_grad=False)
+                if isinstance(t, torch.nn.Parameter)
+                else new
+            )
     return copy.deepcopy(model, memo)
 
 
@@ -124,7 +128,8 @@ def _fast_path_ok(model) -> bool:
     layer = inner.layers[0]
     needed = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
     return all(hasattr(layer, a) for a in needed) and all(
-        hasattr(layer.self_attn, a) for a in ("v_proj", "o_proj"))
+        hasattr(layer.self_attn, a) for a in ("v_proj", "o_proj")
+    )
 
 
 def _heads(cfg) -> tuple[int, int, int]:
@@ -213,11 +218,13 @@ def _prefixed_hidden(model, ids: torch.Tensor, state) -> torch.Tensor:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         d = q.shape[-1]
-        scale = float(getattr(attn, "scaling", d ** -0.5))
+        scale = float(getattr(attn, "scaling", d**-0.5))
         qg = q.view(B, n_kv, rep, d).float()  # query heads grouped by their kv head (GQA)
         s0 = (qg * k0.float()[None, :, None, :]).sum(-1)  # [B, n_kv, rep] score vs the prefix
         s1 = (qg * k.float()[:, :, None, :]).sum(-1)  # [B, n_kv, rep] score vs itself
-        a = torch.softmax(torch.stack([s0, s1], -1) * scale, dim=-1).to(v.dtype)  # [B, n_kv, rep, 2]
+        a = torch.softmax(torch.stack([s0, s1], -1) * scale, dim=-1).to(
+            v.dtype
+        )  # [B, n_kv, rep, 2]
         out = a[..., :1] * v0[None, :, None, :] + a[..., 1:] * v[:, :, None, :]  # [B, n_kv, rep, d]
         h = h + attn.o_proj(out.reshape(B, n_heads * d))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -251,21 +258,37 @@ def _shortcut_agrees(target, tokens: torch.Tensor, bos_id: int | None) -> bool:
     """
     device = target.device
     probe = tokens[: min(8, len(tokens))].to(device)
-    seq = probe[:, None] if bos_id is None else torch.stack([torch.full_like(probe, bos_id), probe], 1)
+    seq = (
+        probe[:, None]
+        if bos_id is None
+        else torch.stack([torch.full_like(probe, bos_id), probe], 1)
+    )
     ref = _model_last_logits(target.model, seq).float()
-    got = target.model.get_output_embeddings()(_shortcut_hidden(target.model, bos_id, device)(probe)).float()
+    got = target.model.get_output_embeddings()(
+        _shortcut_hidden(target.model, bos_id, device)(probe)
+    ).float()
     tol = 1e-3 if target.dtype == torch.float32 else 0.25
     err = (ref - got).abs().max().item() / max(ref.abs().max().item(), 1e-6)
     if not err <= tol:
-        logger.warning("the single-token shortcut differs from the model forward (relative "
-                       "error %.3g); using the model forward", err)
+        logger.warning(
+            "the single-token shortcut differs from the model forward (relative "
+            "error %.3g); using the model forward",
+            err,
+        )
         return False
     return True
 
 
-def build_bigram(target, k: int = 25, batch_size: int = 1024, dtype="bfloat16",
-                 bos: int | None | str = "auto", fast_path: bool = True, progress: bool = True,
-                 tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def build_bigram(
+    target,
+    k: int = 25,
+    batch_size: int = 1024,
+    dtype="bfloat16",
+    bos: int | None | str = "auto",
+    fast_path: bool = True,
+    progress: bool = True,
+    tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of ``p_M(· | x)`` for every token x (or for ``tokens``), batched.
 
     Args:
@@ -305,10 +328,11 @@ def build_bigram(target, k: int = 25, batch_size: int = 1024, dtype="bfloat16",
     ids_out = torch.empty(len(tokens), k, dtype=torch.int32)
     probs_out = torch.empty(len(tokens), k, dtype=torch.float32)
     head = model.get_output_embeddings()
-    bar = tqdm(total=len(tokens), desc=f"bigram top-{k}", unit="tok", unit_scale=True,
-               disable=not progress)
+    bar = tqdm(
+        total=len(tokens), desc=f"bigram top-{k}", unit="tok", unit_scale=True, disable=not progress
+    )
     for start in range(0, len(tokens), batch_size):
-        x = tokens[start:start + batch_size].to(device)  # [B]
+        x = tokens[start : start + batch_size].to(device)  # [B]
         if use_fast:
             logits = head(hidden(x))  # [B, vocab]
         else:
@@ -318,11 +342,15 @@ def build_bigram(target, k: int = 25, batch_size: int = 1024, dtype="bfloat16",
         # the same); the normaliser in float32, 64 rows at a time so the float32 copy
         # ([64, vocab]) stays in cache instead of streaming a [B, vocab] one through memory.
         top, idx = torch.topk(logits, k, dim=-1)  # [B, k]
-        lse = torch.cat([torch.logsumexp(logits[r:r + 64].float(), dim=-1, keepdim=True)
-                         for r in range(0, len(logits), 64)])  # [B, 1]
+        lse = torch.cat(
+            [
+                torch.logsumexp(logits[r : r + 64].float(), dim=-1, keepdim=True)
+                for r in range(0, len(logits), 64)
+            ]
+        )  # [B, 1]
         probs = torch.exp(top.float() - lse)
-        ids_out[start:start + len(x)] = idx.to("cpu", torch.int32)
-        probs_out[start:start + len(x)] = probs.cpu()
+        ids_out[start : start + len(x)] = idx.to("cpu", torch.int32)
+        probs_out[start : start + len(x)] = probs.cpu()
         bar.update(len(x))
     bar.close()
     return ids_out, probs_out
@@ -358,9 +386,16 @@ def build_extended(bigram_ids: torch.Tensor, w: int = 10, k: int | None = None) 
 
 
 @torch.no_grad()
-def build_extended_with_model(target, bigram_ids: torch.Tensor, w: int = 10, k: int | None = None,
-                              batch_size: int = 512, dtype="bfloat16", bos: int | None | str = "auto",
-                              progress: bool = True) -> torch.Tensor:
+def build_extended_with_model(
+    target,
+    bigram_ids: torch.Tensor,
+    w: int = 10,
+    k: int | None = None,
+    batch_size: int = 512,
+    dtype="bfloat16",
+    bos: int | None | str = "auto",
+    progress: bool = True,
+) -> torch.Tensor:
     """Like :func:`build_extended`, but each chain is decoded greedily by the target itself.
 
     Row ``[x, j]`` is ``y = bigram[x, j]`` followed by the target's greedy continuation of
@@ -381,18 +416,28 @@ def build_extended_with_model(target, bigram_ids: torch.Tensor, w: int = 10, k: 
     seconds = bigram_ids[:, :k].reshape(-1).to(torch.long)  # [vocab*k]
     out = torch.empty(Vn * k, int(w), dtype=torch.int32)
     out[:, 0] = seconds.to(torch.int32)
-    bar = tqdm(total=Vn * k, desc=f"extended w={w} (model)", unit="seq", unit_scale=True,
-               disable=not progress)
+    bar = tqdm(
+        total=Vn * k,
+        desc=f"extended w={w} (model)",
+        unit="seq",
+        unit_scale=True,
+        disable=not progress,
+    )
     for s in range(0, Vn * k, batch_size):
-        x, y = firsts[s:s + batch_size].to(device), seconds[s:s + batch_size].to(device)
-        seq = torch.stack([x, y], 1) if bos_id is None else torch.stack(
-            [torch.full_like(x, bos_id), x, y], 1)
+        x, y = firsts[s : s + batch_size].to(device), seconds[s : s + batch_size].to(device)
+        seq = (
+            torch.stack([x, y], 1)
+            if bos_id is None
+            else torch.stack([torch.full_like(x, bos_id), x, y], 1)
+        )
         cache = DynamicCache()
         step = seq
         for i in range(1, int(w)):
-            logits = model(input_ids=step, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
+            logits = model(input_ids=step, **cache_kwargs(model, cache), use_cache=True).logits[
+                :, -1
+            ]
             step = logits.float().argmax(-1, keepdim=True)  # [B, 1]
-            out[s:s + len(x), i] = step[:, 0].to("cpu", torch.int32)
+            out[s : s + len(x), i] = step[:, 0].to("cpu", torch.int32)
         bar.update(len(x))
     bar.close()
     return out.view(Vn, k, int(w))

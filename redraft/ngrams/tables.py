@@ -46,8 +46,9 @@ def _np(x, dtype) -> np.ndarray:
     return np.asarray(x).astype(dtype, copy=False)
 
 
-def save_tables(directory, meta: dict, *, unigram=None, bigram=None, extended=None,
-                trigram=None) -> Path:
+def save_tables(
+    directory, meta: dict, *, unigram=None, bigram=None, extended=None, trigram=None
+) -> Path:
     """Write the given tables into ``directory`` and update ``ngrams.json``.
 
     Args:
@@ -80,35 +81,47 @@ def save_tables(directory, meta: dict, *, unigram=None, bigram=None, extended=No
             if old.get(key) is not None and meta.get(key) is not None and old[key] != meta[key]:
                 raise ArtifactError(
                     f"{meta_path} holds tables with {key}={old[key]!r}, but these were built "
-                    f"with {key}={meta[key]!r}. Write them to another --output-dir.")
+                    f"with {key}={meta[key]!r}. Write them to another --output-dir."
+                )
     files = dict(old.get("files", {}))
     if unigram is not None:
-        files["unigram"] = _atomic_save({"ids": _np(unigram[0], np.int32),
-                                         "probs": _np(unigram[1], np.float16)},
-                                        directory / FILES["unigram"])
+        files["unigram"] = _atomic_save(
+            {"ids": _np(unigram[0], np.int32), "probs": _np(unigram[1], np.float16)},
+            directory / FILES["unigram"],
+        )
     if bigram is not None:
-        files["bigram"] = _atomic_save({"ids": _np(bigram[0], np.int32),
-                                        "probs": _np(bigram[1], np.float16)},
-                                       directory / FILES["bigram"])
+        files["bigram"] = _atomic_save(
+            {"ids": _np(bigram[0], np.int32), "probs": _np(bigram[1], np.float16)},
+            directory / FILES["bigram"],
+        )
     if extended is not None:
-        files["extended"] = _atomic_save({"ids": _np(extended, np.int32)},
-                                         directory / FILES["extended"])
+        files["extended"] = _atomic_save(
+            {"ids": _np(extended, np.int32)}, directory / FILES["extended"]
+        )
     if trigram is not None:
         if not isinstance(trigram, TrigramTable):
-            raise ConfigError(f"save_tables(trigram=...) takes a redraft.ngrams.TrigramTable, got "
-                              f"{type(trigram).__name__}; build one with TrigramTable.from_csr(...).",
-                              param="trigram")
+            raise ConfigError(
+                f"save_tables(trigram=...) takes a redraft.ngrams.TrigramTable, got "
+                f"{type(trigram).__name__}; build one with TrigramTable.from_csr(...).",
+                param="trigram",
+            )
         files["trigram"] = _atomic_save(trigram.to_arrays(), directory / FILES["trigram"])
-        meta = dict(meta, trigram={"t": trigram.t, "min_count": trigram.min_count,
-                                   **(meta.get("trigram") or {})})
+        meta = dict(
+            meta,
+            trigram={"t": trigram.t, "min_count": trigram.min_count, **(meta.get("trigram") or {})},
+        )
     out = dict(old)
     for key, value in meta.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = {**out[key], **value}
         else:
             out[key] = value
-    out.update(format=FORMAT, format_version=FORMAT_VERSION, files=files,
-               kinds=[k for k in KINDS if k in files])
+    out.update(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        files=files,
+        kinds=[k for k in KINDS if k in files],
+    )
     atomic_write_text(meta_path, json.dumps(out, indent=2))
     return directory
 
@@ -125,8 +138,10 @@ def _resolve(path_or_dir) -> Path:
         resolve_artifact = None
     if resolve_artifact is not None and not path.exists():
         return resolve_artifact(os.fspath(path_or_dir), kind="ngrams")
-    raise ArtifactError(f"n-gram tables {path} not found: pass the directory that holds "
-                        f"{META_FILE} (written by redraft-build-ngrams) or a hub REPO_ID[@rev].")
+    raise ArtifactError(
+        f"n-gram tables {path} not found: pass the directory that holds "
+        f"{META_FILE} (written by redraft-build-ngrams) or a hub REPO_ID[@rev]."
+    )
 
 
 def _read_meta(directory: Path, verify: bool) -> dict:
@@ -137,22 +152,29 @@ def _read_meta(directory: Path, verify: bool) -> dict:
     """
     meta_path = directory / META_FILE
     if not meta_path.is_file():
-        raise ArtifactError(f"{directory} holds no {META_FILE}: not an n-gram table directory "
-                            f"(build one with redraft-build-ngrams).")
+        raise ArtifactError(
+            f"{directory} holds no {META_FILE}: not an n-gram table directory "
+            f"(build one with redraft-build-ngrams)."
+        )
     try:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{meta_path} is not valid JSON ({exc}); the build did not finish: "
-                            f"rebuild the tables.") from exc
+        raise ArtifactError(
+            f"{meta_path} is not valid JSON ({exc}); the build did not finish: rebuild the tables."
+        ) from exc
 
     def bad(what: str) -> ArtifactError:
-        return ArtifactError(f"{meta_path} {what}. It was not written by redraft-build-ngrams or "
-                             f"was edited: rebuild the tables (or restore the file).")
+        return ArtifactError(
+            f"{meta_path} {what}. It was not written by redraft-build-ngrams or "
+            f"was edited: rebuild the tables (or restore the file)."
+        )
 
     if not isinstance(meta, dict):
         raise bad(f"holds a JSON {type(meta).__name__}, not an object")
     if meta.get("format") != FORMAT:
-        raise bad(f"has format {meta.get('format')!r}, not {FORMAT!r}: not a redraft n-gram table file")
+        raise bad(
+            f"has format {meta.get('format')!r}, not {FORMAT!r}: not a redraft n-gram table file"
+        )
     for key in ("vocab_size", "files"):
         if key not in meta:
             raise bad(f"lacks the key {key!r}")
@@ -172,11 +194,15 @@ def _read_meta(directory: Path, verify: bool) -> dict:
             raise bad(f"has no file name for the {kind} table (files.{kind}.file)")
         name = info["file"]
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise bad(f"names the {kind} file {name!r}; want a plain file name inside the directory")
-        for key in (("bytes", "sha256") if verify else ()):
+            raise bad(
+                f"names the {kind} file {name!r}; want a plain file name inside the directory"
+            )
+        for key in ("bytes", "sha256") if verify else ():
             if key not in info:
-                raise bad(f"lacks files.{kind}.{key} (needed to verify the file; "
-                          f"load with verify=False to skip the check)")
+                raise bad(
+                    f"lacks files.{kind}.{key} (needed to verify the file; "
+                    f"load with verify=False to skip the check)"
+                )
     return meta
 
 
@@ -186,9 +212,17 @@ def _trigram_from_arrays(arrays: dict, meta: dict) -> TrigramTable:
     if missing:
         raise ArtifactError(f"the tri-gram file lacks the arrays {missing}; rebuild the table.")
     info = meta.get("trigram") if isinstance(meta.get("trigram"), dict) else {}
-    return TrigramTable(arrays["context_keys"], arrays["offsets"], arrays["ids"], arrays["probs"],
-                        int(meta["vocab_size"]), t=info.get("t"), min_count=info.get("min_count") or 1,
-                        context_counts=arrays.get("context_counts"), stats=info.get("corpus"))
+    return TrigramTable(
+        arrays["context_keys"],
+        arrays["offsets"],
+        arrays["ids"],
+        arrays["probs"],
+        int(meta["vocab_size"]),
+        t=info.get("t"),
+        min_count=info.get("min_count") or 1,
+        context_counts=arrays.get("context_counts"),
+        stats=info.get("corpus"),
+    )
 
 
 class NGramTables:
@@ -203,8 +237,13 @@ class NGramTables:
         meta: the ``ngrams.json`` dict.
     """
 
-    def __init__(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict, path=None,
-                 trigram: TrigramTable | None = None):
+    def __init__(
+        self,
+        tensors: dict[str, dict[str, torch.Tensor]],
+        meta: dict,
+        path=None,
+        trigram: TrigramTable | None = None,
+    ):
         """``tensors``: ``{kind: {name: tensor}}`` for unigram/bigram/extended (names as on disk);
         ``trigram``: the tri-gram table (or its stored arrays as ``tensors["trigram"]``)."""
         self.meta = meta
@@ -215,14 +254,19 @@ class NGramTables:
         if "trigram" in tensors:
             trigram = _trigram_from_arrays(tensors.pop("trigram"), meta)
         if trigram is not None and trigram.vocab_size != self.vocab_size:
-            raise ArtifactError(f"the tri-gram table packs vocab size {trigram.vocab_size}, the "
-                                f"tables say {self.vocab_size}.")
+            raise ArtifactError(
+                f"the tri-gram table packs vocab size {trigram.vocab_size}, the "
+                f"tables say {self.vocab_size}."
+            )
         self._t = tensors
         self._trigram = trigram
         self._device = torch.device("cpu")
         self.kinds = [k for k in KINDS if k in tensors or (k == "trigram" and trigram is not None)]
-        self.k = int(tensors["bigram"]["ids"].shape[1]) if "bigram" in tensors else (
-            int(tensors["unigram"]["ids"].shape[0]) if "unigram" in tensors else None)
+        self.k = (
+            int(tensors["bigram"]["ids"].shape[1])
+            if "bigram" in tensors
+            else (int(tensors["unigram"]["ids"].shape[0]) if "unigram" in tensors else None)
+        )
         self.w = int(tensors["extended"]["ids"].shape[2]) if "extended" in tensors else None
         self.t = trigram.t if trigram is not None else None
         self.bos_prefix = (meta.get("bigram") or {}).get("bos_prefix")
@@ -230,7 +274,9 @@ class NGramTables:
     # ---------------------------------------------------------------- loading
 
     @classmethod
-    def load(cls, path_or_dir, target=None, kinds=None, device=None, verify: bool = True) -> NGramTables:
+    def load(
+        cls, path_or_dir, target=None, kinds=None, device=None, verify: bool = True
+    ) -> NGramTables:
         """Load an artifact directory (or hub ``REPO_ID[@rev]``).
 
         Args:
@@ -257,39 +303,52 @@ class NGramTables:
 
             check_fingerprint(meta.get("tokenizer_fingerprint"), target, directory)
             if int(meta["vocab_size"]) != target.vocab_size:
-                raise ArtifactError(f"{directory} was built for vocab size {meta['vocab_size']}, "
-                                    f"the target {target.model_id!r} has {target.vocab_size}.")
+                raise ArtifactError(
+                    f"{directory} was built for vocab size {meta['vocab_size']}, "
+                    f"the target {target.model_id!r} has {target.vocab_size}."
+                )
         present = list(meta["files"])
         wanted = present if kinds is None else list(kinds)
         for kind in wanted:
             if kind not in KINDS:
-                raise ConfigError(f"unknown n-gram kind {kind!r}; use one of {', '.join(KINDS)}.",
-                                  param="kinds")
+                raise ConfigError(
+                    f"unknown n-gram kind {kind!r}; use one of {', '.join(KINDS)}.", param="kinds"
+                )
             if kind not in present:
-                raise ArtifactError(f"{directory} has no {kind} table (it has: "
-                                    f"{', '.join(present) or 'none'}); build it with "
-                                    f"redraft-build-ngrams --kinds {kind}.")
+                raise ArtifactError(
+                    f"{directory} has no {kind} table (it has: "
+                    f"{', '.join(present) or 'none'}); build it with "
+                    f"redraft-build-ngrams --kinds {kind}."
+                )
         tensors, trigram = {}, None
         for kind in wanted:
             info = meta["files"][kind]
             path = directory / info["file"]
             if not path.is_file():
-                raise ArtifactError(f"{path} is missing; {META_FILE} lists it. Rebuild the {kind} table.")
+                raise ArtifactError(
+                    f"{path} is missing; {META_FILE} lists it. Rebuild the {kind} table."
+                )
             size = path.stat().st_size
             if verify and size != info["bytes"]:
-                raise ArtifactError(f"{path} has {size} bytes, {META_FILE} records {info['bytes']}: "
-                                    f"truncated or replaced. Re-download or rebuild it.")
+                raise ArtifactError(
+                    f"{path} has {size} bytes, {META_FILE} records {info['bytes']}: "
+                    f"truncated or replaced. Re-download or rebuild it."
+                )
             if verify and sha256_file(path) != info["sha256"]:
-                raise ArtifactError(f"{path} does not match the sha256 in {META_FILE}: corrupted. "
-                                    f"Re-download or rebuild it.")
+                raise ArtifactError(
+                    f"{path} does not match the sha256 in {META_FILE}: corrupted. "
+                    f"Re-download or rebuild it."
+                )
             try:
                 if kind == "trigram":  # host numpy: ADED's search and the lookups run there
                     trigram = _trigram_from_arrays(load_numpy(str(path)), meta)
                 else:
                     tensors[kind] = load_file(str(path))
             except (SafetensorError, OSError, ValueError) as exc:
-                raise ArtifactError(f"{path} cannot be read as safetensors ({exc}): truncated or "
-                                    f"corrupted. Re-download or rebuild it.") from exc
+                raise ArtifactError(
+                    f"{path} cannot be read as safetensors ({exc}): truncated or "
+                    f"corrupted. Re-download or rebuild it."
+                ) from exc
         tables = cls(tensors, meta, path=directory, trigram=trigram)
         return tables.to(device) if device is not None else tables
 
@@ -311,8 +370,10 @@ class NGramTables:
 
     def _need(self, kind: str) -> dict:
         if kind not in self._t:
-            raise ArtifactError(f"{self.path or 'these tables'} hold no {kind} table "
-                                f"(kinds: {', '.join(self.kinds) or 'none'}).")
+            raise ArtifactError(
+                f"{self.path or 'these tables'} hold no {kind} table "
+                f"(kinds: {', '.join(self.kinds) or 'none'})."
+            )
         return self._t[kind]
 
     @staticmethod
@@ -320,8 +381,10 @@ class NGramTables:
         if k is None:
             return have
         if not 1 <= int(k) <= have:
-            raise ConfigError(f"{name}={k} but the table stores {have} columns; rebuild with a larger {name}.",
-                              param=name)
+            raise ConfigError(
+                f"{name}={k} but the table stores {have} columns; rebuild with a larger {name}.",
+                param=name,
+            )
         return int(k)
 
     @property
@@ -332,14 +395,17 @@ class NGramTables:
             raise ArtifactError(
                 f"{self.path or 'these tables'} hold no trigram table (kinds: "
                 f"{', '.join(self.kinds) or 'none'}). Build one with `redraft-build-ngrams "
-                f"--kinds trigram --data default-chat --output-dir DIR` and pass that directory.")
+                f"--kinds trigram --data default-chat --output-dir DIR` and pass that directory."
+            )
         return self._trigram
 
     def table(self, kind: str) -> dict[str, torch.Tensor]:
         """The stored tensors of one kind, as on disk (module doc), on the tables' device."""
         if kind == "trigram":
-            return {n: torch.from_numpy(np.array(a)).to(self.device)  # a copy: the table is shared
-                    for n, a in self.trigram.to_arrays().items()}
+            return {
+                n: torch.from_numpy(np.array(a)).to(self.device)  # a copy: the table is shared
+                for n, a in self.trigram.to_arrays().items()
+            }
         return dict(self._need(kind))
 
     # ---------------------------------------------------------------- lookups
@@ -350,22 +416,27 @@ class NGramTables:
         k = self._cols(k, u["ids"].shape[0], "k")
         return u["ids"][:k].long(), u["probs"][:k].float()
 
-    def bigram_topk(self, tokens: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def bigram_topk(
+        self, tokens: torch.Tensor, k: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k successors of each token: ``tokens [N]`` → ``(ids long [N, k], probs float32 [N, k])``."""
         b = self._need("bigram")
         k = self._cols(k, b["ids"].shape[1], "k")
         tokens = tokens.to(b["ids"].device, torch.long)
         return b["ids"][tokens, :k].long(), b["probs"][tokens, :k].float()
 
-    def extended(self, tokens: torch.Tensor, k: int | None = None, w: int | None = None) -> torch.Tensor:
+    def extended(
+        self, tokens: torch.Tensor, k: int | None = None, w: int | None = None
+    ) -> torch.Tensor:
         """Extended rows: ``tokens [N]`` → ``ids long [N, k, w]``; ``[:, j, 0]`` is the j-th bigram successor."""
         e = self._need("extended")["ids"]
         k = self._cols(k, e.shape[1], "k")
         w = self._cols(w, e.shape[2], "w")
         return e[tokens.to(e.device, torch.long), :k, :w].long()
 
-    def trigram_successors(self, w1: torch.Tensor, w2: torch.Tensor,
-                           t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def trigram_successors(
+        self, w1: torch.Tensor, w2: torch.Tensor, t: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-t successors of each context ``(w1[i], w2[i])`` on the tables' device
         (:meth:`TrigramTable.successors <redraft.ngrams.trigram_table.TrigramTable.successors>`).
 
@@ -379,8 +450,10 @@ class NGramTables:
         return tg.successors(w1.to(dev), w2.to(dev), t)
 
     def __repr__(self) -> str:
-        return (f"NGramTables(kinds={self.kinds}, vocab_size={self.vocab_size}, k={self.k}, "
-                f"w={self.w}, t={self.t}, fingerprint={self.fingerprint!r}, device={self.device})")
+        return (
+            f"NGramTables(kinds={self.kinds}, vocab_size={self.vocab_size}, k={self.k}, "
+            f"w={self.w}, t={self.t}, fingerprint={self.fingerprint!r}, device={self.device})"
+        )
 
 
 def as_trigram_table(tables) -> TrigramTable:
@@ -395,6 +468,8 @@ def as_trigram_table(tables) -> TrigramTable:
         return tables
     if isinstance(tables, NGramTables):
         return tables.trigram
-    raise ConfigError(f"expected a redraft.ngrams.TrigramTable or NGramTables, got "
-                      f"{type(tables).__name__}; load tables with NGramTables.load(DIR) or build "
-                      f"one with TrigramTable.from_csr(...) / trigram_table_from_token_arrays(...).")
+    raise ConfigError(
+        f"expected a redraft.ngrams.TrigramTable or NGramTables, got "
+        f"{type(tables).__name__}; load tables with NGramTables.load(DIR) or build "
+        f"one with TrigramTable.from_csr(...) / trigram_table_from_token_arrays(...)."
+    )

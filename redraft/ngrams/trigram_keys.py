@@ -30,8 +30,10 @@ def packable(vocab_size: int) -> bool:
 def key_dtype(vocab_size: int) -> np.dtype:
     """int64 packed keys, or the structured ``(context, w3)`` dtype when V is too large."""
     if int(vocab_size) * int(vocab_size) > 2**63 - 1:
-        raise ConfigError(f"vocab size {vocab_size} is too large even for (w1*V + w2) context keys; "
-                          f"the tri-gram table supports vocabularies below 3e9.")
+        raise ConfigError(
+            f"vocab size {vocab_size} is too large even for (w1*V + w2) context keys; "
+            f"the tri-gram table supports vocabularies below 3e9."
+        )
     return np.dtype(np.int64) if packable(vocab_size) else WIDE
 
 
@@ -101,7 +103,7 @@ def sorted_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return keys, np.empty(0, np.int64)
     keys.sort()
     if keys.dtype != WIDE:
-        keys = keys[np.searchsorted(keys, 0):]  # drop the -1 sentinels (they sort first)
+        keys = keys[np.searchsorted(keys, 0) :]  # drop the -1 sentinels (they sort first)
         if len(keys) == 0:
             return keys, np.empty(0, np.int64)
     change = np.empty(len(keys), dtype=bool)
@@ -125,4 +127,3 @@ def merge_runs(runs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, n
     keys, counts = keys[order], counts[order]
     starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
     return keys[starts], np.add.reduceat(counts, starts)
-

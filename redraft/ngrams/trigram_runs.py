@@ -40,8 +40,13 @@ def write_run(directory: Path, keys: np.ndarray, counts: np.ndarray, meta: dict)
     tmp.mkdir(parents=True)
     np.ascontiguousarray(keys).tofile(tmp / "keys.bin")
     np.ascontiguousarray(counts, dtype=np.int64).tofile(tmp / "counts.bin")
-    meta = dict(meta, format=COUNTS_FORMAT, format_version=COUNTS_FORMAT_VERSION,
-                entries=int(len(keys)), key_dtype="int64" if keys.dtype != WIDE else "wide")
+    meta = dict(
+        meta,
+        format=COUNTS_FORMAT,
+        format_version=COUNTS_FORMAT_VERSION,
+        entries=int(len(keys)),
+        key_dtype="int64" if keys.dtype != WIDE else "wide",
+    )
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
@@ -58,14 +63,20 @@ def open_run(directory: Path, verify: bool = False) -> tuple[np.ndarray, np.ndar
     try:
         meta = json.loads((directory / "meta.json").read_text())
     except FileNotFoundError as exc:
-        raise ArtifactError(f"{directory} holds no meta.json: not a tri-gram count directory "
-                            f"(written by redraft-build-ngrams --num-shards).") from exc
+        raise ArtifactError(
+            f"{directory} holds no meta.json: not a tri-gram count directory "
+            f"(written by redraft-build-ngrams --num-shards)."
+        ) from exc
     except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{directory / 'meta.json'} is not valid JSON ({exc}); the shard "
-                            f"was not written completely: rerun that shard.") from exc
+        raise ArtifactError(
+            f"{directory / 'meta.json'} is not valid JSON ({exc}); the shard "
+            f"was not written completely: rerun that shard."
+        ) from exc
     if meta.get("format") != COUNTS_FORMAT:
-        raise ArtifactError(f"{directory / 'meta.json'} is not a tri-gram count file "
-                            f"(format {meta.get('format')!r}).")
+        raise ArtifactError(
+            f"{directory / 'meta.json'} is not a tri-gram count file "
+            f"(format {meta.get('format')!r})."
+        )
     kd = np.dtype(np.int64) if meta.get("key_dtype") == "int64" else WIDE
     n = int(meta["entries"])
     arrays = []
@@ -73,13 +84,17 @@ def open_run(directory: Path, verify: bool = False) -> tuple[np.ndarray, np.ndar
         path = directory / name
         size = path.stat().st_size if path.exists() else -1
         if size != n * dt.itemsize:
-            raise ArtifactError(f"{path} has {size} bytes, expected {n * dt.itemsize} "
-                                f"({n} entries): truncated or missing. Rerun the shard that wrote it.")
+            raise ArtifactError(
+                f"{path} has {size} bytes, expected {n * dt.itemsize} "
+                f"({n} entries): truncated or missing. Rerun the shard that wrote it."
+            )
         want = (meta.get("sha256") or {}).get(name)
         if verify and want and sha256_file(path) != want:
-            raise ArtifactError(f"{path} does not match the sha256 its meta.json records: it changed "
-                                f"after the shard wrote it. Rerun that shard (shard_id "
-                                f"{meta.get('shard_id', '?')}) and merge again.")
+            raise ArtifactError(
+                f"{path} does not match the sha256 its meta.json records: it changed "
+                f"after the shard wrote it. Rerun that shard (shard_id "
+                f"{meta.get('shard_id', '?')}) and merge again."
+            )
         arrays.append(np.memmap(path, dtype=dt, mode="r", shape=(n,)) if n else np.empty(0, dt))
     return arrays[0], arrays[1], meta
 
@@ -161,4 +176,3 @@ def clean_stale_spills(root, min_age_s: float = 600.0) -> list[Path]:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed
-

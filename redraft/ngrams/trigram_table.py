@@ -70,8 +70,19 @@ class TrigramTable:
     # contexts take 98 MB).
     DENSE_MAX_BYTES = 1 << 30
 
-    def __init__(self, context_keys, offsets, ids, probs, vocab_size: int, *, t: int | None = None,
-                 min_count: int = 1, context_counts=None, stats: dict | None = None):
+    def __init__(
+        self,
+        context_keys,
+        offsets,
+        ids,
+        probs,
+        vocab_size: int,
+        *,
+        t: int | None = None,
+        min_count: int = 1,
+        context_counts=None,
+        stats: dict | None = None,
+    ):
         keys = host_array(context_keys, np.int64)
         offsets = np.ascontiguousarray(host_array(offsets, np.int64))
         ids, probs = host_array(ids), host_array(probs)
@@ -84,19 +95,31 @@ class TrigramTable:
         self._keys_pad = np.append(keys, np.int64(_KEY_SENTINEL))  # [C + 1]
         self._off_pad = np.append(offsets, np.int64(E))  # [C + 2]
         self._ids_pad = np.append(ids.astype(np.int64, copy=False), np.int64(-1))  # [E + 1]
-        self._probs_pad = np.append(probs.astype(np.float32, copy=False), np.float32(0.0))  # [E + 1]
-        self.context_keys, self.offsets = _readonly(self._keys_pad[:C]), _readonly(self._off_pad[:C + 1])
+        self._probs_pad = np.append(
+            probs.astype(np.float32, copy=False), np.float32(0.0)
+        )  # [E + 1]
+        self.context_keys, self.offsets = (
+            _readonly(self._keys_pad[:C]),
+            _readonly(self._off_pad[: C + 1]),
+        )
         self.ids, self.probs = _readonly(self._ids_pad[:E]), _readonly(self._probs_pad[:E])
-        self.context_counts = None if context_counts is None else _readonly(
-            np.array(host_array(context_counts, np.int64)))
+        self.context_counts = (
+            None
+            if context_counts is None
+            else _readonly(np.array(host_array(context_counts, np.int64)))
+        )
         if self.context_counts is not None and self.context_counts.shape != (C,):
-            raise ArtifactError(f"tri-gram context_counts has shape {self.context_counts.shape}, "
-                                f"the table has {C} contexts. Rebuild the table.")
+            raise ArtifactError(
+                f"tri-gram context_counts has shape {self.context_counts.shape}, "
+                f"the table has {C} contexts. Rebuild the table."
+            )
         self.max_successors = int(np.diff(offsets).max()) if C else 0
         self.t = int(t) if t is not None else max(self.max_successors, 1)
         if self.t < self.max_successors:
-            raise ArtifactError(f"tri-gram table says t={self.t} but a context has "
-                                f"{self.max_successors} successors. Rebuild the table.")
+            raise ArtifactError(
+                f"tri-gram table says t={self.t} but a context has "
+                f"{self.max_successors} successors. Rebuild the table."
+            )
         self.min_count = int(min_count)
         self.stats = dict(stats or {})
         self._dense = None  # (ids int32 [C + 1, width], probs float32 [C + 1, width]) or False
@@ -105,8 +128,9 @@ class TrigramTable:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_csr(cls, context_keys, offsets, ids, probs, vocab_size: int, *, sort: bool = True,
-                 **kwargs) -> TrigramTable:
+    def from_csr(
+        cls, context_keys, offsets, ids, probs, vocab_size: int, *, sort: bool = True, **kwargs
+    ) -> TrigramTable:
         """A table from its four CSR arrays (numpy, lists or torch tensors).
 
         Args:
@@ -135,8 +159,16 @@ class TrigramTable:
     def empty(cls, vocab_size: int, *, t: int = 12, min_count: int = 1) -> TrigramTable:
         """A table with no context: every lookup misses."""
         z = np.zeros(0, np.int64)
-        return cls(z, np.zeros(1, np.int64), z, np.zeros(0, np.float32), vocab_size, t=t,
-                   min_count=min_count, context_counts=z)
+        return cls(
+            z,
+            np.zeros(1, np.int64),
+            z,
+            np.zeros(0, np.float32),
+            vocab_size,
+            t=t,
+            min_count=min_count,
+            context_counts=z,
+        )
 
     # ------------------------------------------------------------------ lookups
 
@@ -260,8 +292,12 @@ class TrigramTable:
 
         device = torch.empty(0, device=device).device  # 'cuda' -> 'cuda:0', the key lookups use
         if device not in self._devices:
-            host = {"keys_pad": self._keys_pad, "off_pad": self._off_pad, "ids_pad": self._ids_pad,
-                    "probs_pad": self._probs_pad}
+            host = {
+                "keys_pad": self._keys_pad,
+                "off_pad": self._off_pad,
+                "ids_pad": self._ids_pad,
+                "probs_pad": self._probs_pad,
+            }
             dense = self._dense_rows()
             if dense is not None:
                 host.update(dense_ids=dense[0], dense_probs=dense[1])
@@ -278,8 +314,12 @@ class TrigramTable:
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The arrays as stored in ``trigram.safetensors``: ``context_keys`` int64, ``offsets``
         int64, ``ids`` int32, ``probs`` float16, and ``context_counts`` int64 when known."""
-        out = {"context_keys": self.context_keys, "offsets": self.offsets,
-               "ids": self.ids.astype(np.int32), "probs": self.probs.astype(np.float16)}
+        out = {
+            "context_keys": self.context_keys,
+            "offsets": self.offsets,
+            "ids": self.ids.astype(np.int32),
+            "probs": self.probs.astype(np.float16),
+        }
         if self.context_counts is not None:
             out["context_counts"] = self.context_counts
         return {n: np.ascontiguousarray(a) for n, a in out.items()}
@@ -298,8 +338,10 @@ class TrigramTable:
         return int(sum(a.nbytes for a in self.to_arrays().values()))
 
     def __repr__(self) -> str:
-        return (f"TrigramTable(vocab_size={self.vocab_size}, contexts={len(self)}, "
-                f"entries={self.num_entries}, t={self.t}, min_count={self.min_count})")
+        return (
+            f"TrigramTable(vocab_size={self.vocab_size}, contexts={len(self)}, "
+            f"entries={self.num_entries}, t={self.t}, min_count={self.min_count})"
+        )
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -311,9 +353,12 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 def _check_csr(keys, offsets, ids, probs, V: int) -> None:
     """Raise :class:`ArtifactError` naming what is wrong with CSR arrays; O(E), vectorised."""
+
     def bad(what: str):
-        return ArtifactError(f"tri-gram table arrays are inconsistent: {what}. Rebuild the table "
-                             f"(redraft-build-ngrams --kinds trigram --overwrite).")
+        return ArtifactError(
+            f"tri-gram table arrays are inconsistent: {what}. Rebuild the table "
+            f"(redraft-build-ngrams --kinds trigram --overwrite)."
+        )
 
     if V < 1:
         raise ConfigError(f"vocab_size={V}: must be at least 1.", param="vocab_size")

@@ -20,7 +20,6 @@ module builds the table type (:class:`~redraft.ngrams.trigram_table.TrigramTable
 imports nothing from here.
 """
 
-
 from __future__ import annotations
 
 import hashlib
@@ -100,7 +99,8 @@ class TrigramCounts:
     def num_entries_upper(self) -> int:
         """Distinct tri-grams, exactly when there is a single run, else an upper bound."""
         return sum(len(k) for k, _ in self.runs) + sum(
-            json.loads((Path(d) / "meta.json").read_text())["entries"] for d in self.spilled)
+            json.loads((Path(d) / "meta.json").read_text())["entries"] for d in self.spilled
+        )
 
     def iter_ranges(self, progress: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield sorted ``(keys, counts)`` blocks covering all tri-grams in ascending key order.
@@ -124,11 +124,18 @@ class TrigramCounts:
         picks = big[np.linspace(0, len(big) - 1, n_blocks + 1).astype(np.int64)[1:-1]]
         bounds = np.unique(context_floor(np.asarray(picks), self.vocab_size))
         cuts = [np.concatenate(([0], np.searchsorted(k, bounds), [len(k)])) for k, _ in sources]
-        bar = tqdm(total=total, desc="merge tri-gram counts", unit="entry", unit_scale=True,
-                   disable=not progress)
+        bar = tqdm(
+            total=total,
+            desc="merge tri-gram counts",
+            unit="entry",
+            unit_scale=True,
+            disable=not progress,
+        )
         for b in range(len(bounds) + 1):
-            parts = [(np.asarray(k[c[b]:c[b + 1]]), np.asarray(v[c[b]:c[b + 1]]))
-                     for (k, v), c in zip(sources, cuts)]
+            parts = [
+                (np.asarray(k[c[b] : c[b + 1]]), np.asarray(v[c[b] : c[b + 1]]))
+                for (k, v), c in zip(sources, cuts)
+            ]
             bar.update(sum(len(p[0]) for p in parts))
             yield merge_runs(parts)
         bar.close()
@@ -150,14 +157,22 @@ class TrigramCounts:
             with open(tmp / "keys.bin", "wb") as fk, open(tmp / "counts.bin", "wb") as fc:
                 for keys, counts in self.iter_ranges():  # streamed: bounded memory
                     for f, name, a in ((fk, "keys.bin", keys), (fc, "counts.bin", counts)):
-                        b = np.ascontiguousarray(a, dtype=None if name == "keys.bin" else np.int64).tobytes()
+                        b = np.ascontiguousarray(
+                            a, dtype=None if name == "keys.bin" else np.int64
+                        ).tobytes()
                         f.write(b)
                         sha[name].update(b)
                     n += len(keys)
-            info = dict(meta or {}, vocab_size=self.vocab_size, stats=self.stats,
-                        format=COUNTS_FORMAT, format_version=COUNTS_FORMAT_VERSION, entries=n,
-                        key_dtype="wide" if wide else "int64",
-                        sha256={name: h.hexdigest() for name, h in sha.items()})
+            info = dict(
+                meta or {},
+                vocab_size=self.vocab_size,
+                stats=self.stats,
+                format=COUNTS_FORMAT,
+                format_version=COUNTS_FORMAT_VERSION,
+                entries=n,
+                key_dtype="wide" if wide else "int64",
+                sha256={name: h.hexdigest() for name, h in sha.items()},
+            )
             (tmp / "meta.json").write_text(json.dumps(info, indent=2))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -178,8 +193,15 @@ class TrigramCounter:
             system temp dir); see :class:`SpillDir`.
     """
 
-    def __init__(self, vocab_size: int, chunk_tokens: int = 1 << 25, memory_mb: int = 4096,
-                 spill_dir=None, progress: bool = False, desc: str = "count tri-grams"):
+    def __init__(
+        self,
+        vocab_size: int,
+        chunk_tokens: int = 1 << 25,
+        memory_mb: int = 4096,
+        spill_dir=None,
+        progress: bool = False,
+        desc: str = "count tri-grams",
+    ):
         self.vocab_size = int(vocab_size)
         key_dtype(self.vocab_size)  # raises for impossible vocabularies
         self.chunk_tokens = int(chunk_tokens)
@@ -201,8 +223,10 @@ class TrigramCounter:
         if not a.flags.writeable:  # a view into a reader's memory map: own it until the flush
             a = a.copy()
         if a.ndim != 1:
-            raise DataError(f"record {self.records} is an array of shape {a.shape}; expected a "
-                            f"1-D array of token ids (one record = one chat or one document).")
+            raise DataError(
+                f"record {self.records} is an array of shape {a.shape}; expected a "
+                f"1-D array of token ids (one record = one chat or one document)."
+            )
         self._pending.append(a)
         self._pending_tokens += len(a)
         self.records += 1
@@ -228,7 +252,8 @@ class TrigramCounter:
                 rec = first_record + int(np.searchsorted(np.cumsum(lengths), bad, side="right"))
                 raise DataError(
                     f"record {rec} holds token id {int(tokens[bad])}, outside the vocabulary "
-                    f"[0, {self.vocab_size}). Tokenize the corpus with the target's tokenizer.")
+                    f"[0, {self.vocab_size}). Tokenize the corpus with the target's tokenizer."
+                )
         keys, counts = sorted_counts(trigram_keys(tokens, np.cumsum(lengths), self.vocab_size))
         self.tokens += len(tokens)
         self.trigrams += int(counts.sum())
@@ -242,12 +267,19 @@ class TrigramCounter:
 
     def _spill(self) -> None:
         if self._tmp is None:  # a private directory: concurrent counters never collide
-            self._tmp = SpillDir(self._spill_root if self._spill_root is not None
-                                 else tempfile.gettempdir())
+            self._tmp = SpillDir(
+                self._spill_root if self._spill_root is not None else tempfile.gettempdir()
+            )
         root = self._tmp.path
         keys, counts = self._runs.pop()
-        self._spilled.append(write_run(root / f"run-{len(self._spilled):05d}", keys, counts,
-                                        {"vocab_size": self.vocab_size}))
+        self._spilled.append(
+            write_run(
+                root / f"run-{len(self._spilled):05d}",
+                keys,
+                counts,
+                {"vocab_size": self.vocab_size},
+            )
+        )
 
     def cleanup(self) -> None:
         """Delete this counter's spilled runs (after an error or Ctrl-C); idempotent."""
@@ -261,14 +293,25 @@ class TrigramCounter:
         self._flush()
         self._bar.close()
         runs = [merge_runs(self._runs)] if self._runs else []
-        return TrigramCounts(self.vocab_size, runs=runs, spilled=list(self._spilled),
-                             stats={"records": self.records, "tokens": self.tokens,
-                                    "trigrams": self.trigrams},
-                             memory_mb=self.memory_mb, _tmpdir=self._tmp)
+        return TrigramCounts(
+            self.vocab_size,
+            runs=runs,
+            spilled=list(self._spilled),
+            stats={"records": self.records, "tokens": self.tokens, "trigrams": self.trigrams},
+            memory_mb=self.memory_mb,
+            _tmpdir=self._tmp,
+        )
 
 
-def count_trigrams(arrays: Iterable, vocab_size: int, *, chunk_tokens: int = 1 << 25,
-                   memory_mb: int = 4096, spill_dir=None, progress: bool = False) -> TrigramCounts:
+def count_trigrams(
+    arrays: Iterable,
+    vocab_size: int,
+    *,
+    chunk_tokens: int = 1 << 25,
+    memory_mb: int = 4096,
+    spill_dir=None,
+    progress: bool = False,
+) -> TrigramCounts:
     """Count the tri-grams of every record in ``arrays`` (1-D int arrays, one per record).
 
     Returns:
@@ -278,8 +321,13 @@ def count_trigrams(arrays: Iterable, vocab_size: int, *, chunk_tokens: int = 1 <
     Raises:
         DataError: a token id outside ``[0, vocab_size)`` (names the record).
     """
-    counter = TrigramCounter(vocab_size, chunk_tokens=chunk_tokens, memory_mb=memory_mb,
-                             spill_dir=spill_dir, progress=progress)
+    counter = TrigramCounter(
+        vocab_size,
+        chunk_tokens=chunk_tokens,
+        memory_mb=memory_mb,
+        spill_dir=spill_dir,
+        progress=progress,
+    )
     try:
         return counter.add_many(arrays).finish()
     except BaseException:  # an error, Ctrl-C: no spilled run is left behind
@@ -287,8 +335,9 @@ def count_trigrams(arrays: Iterable, vocab_size: int, *, chunk_tokens: int = 1 <
         raise
 
 
-def load_counts(directories: Iterable, memory_mb: int = 4096, check_complete: bool = True,
-                verify: bool = True) -> TrigramCounts:
+def load_counts(
+    directories: Iterable, memory_mb: int = 4096, check_complete: bool = True, verify: bool = True
+) -> TrigramCounts:
     """Open shard counts written by :meth:`TrigramCounts.save` as one :class:`TrigramCounts`.
 
     Checks that all shards share one vocabulary, tokenizer fingerprint, data spec, split and
@@ -306,27 +355,41 @@ def load_counts(directories: Iterable, memory_mb: int = 4096, check_complete: bo
         values = {json.dumps(m.get(key)) for m in metas}
         if len(values) > 1:
             listing = ", ".join(f"{d}: {m.get(key)}" for d, m in zip(dirs, metas))
-            raise ArtifactError(f"shards disagree on {key}: {listing}. Merge only the shards of one build.")
+            raise ArtifactError(
+                f"shards disagree on {key}: {listing}. Merge only the shards of one build."
+            )
     n = metas[0].get("num_shards")
     if check_complete and n:
         ids = sorted(int(m.get("shard_id", -1)) for m in metas)
         if ids != list(range(int(n))):
             missing = sorted(set(range(int(n))) - set(ids))
             dup = sorted({i for i in ids if ids.count(i) > 1})
-            raise ArtifactError(f"expected shards 0..{int(n) - 1} of {n} exactly once; missing {missing}"
-                                f"{f', duplicated {dup}' if dup else ''}. Run the missing shards, "
-                                f"or pass only the shards of one build.")
-    stats = {k: sum(int(m.get("stats", {}).get(k, 0)) for m in metas)
-             for k in ("records", "tokens", "trigrams")}
-    return TrigramCounts(int(metas[0]["vocab_size"]), spilled=dirs, stats=stats, memory_mb=memory_mb)
+            raise ArtifactError(
+                f"expected shards 0..{int(n) - 1} of {n} exactly once; missing {missing}"
+                f"{f', duplicated {dup}' if dup else ''}. Run the missing shards, "
+                f"or pass only the shards of one build."
+            )
+    stats = {
+        k: sum(int(m.get("stats", {}).get(k, 0)) for m in metas)
+        for k in ("records", "tokens", "trigrams")
+    }
+    return TrigramCounts(
+        int(metas[0]["vocab_size"]), spilled=dirs, stats=stats, memory_mb=memory_mb
+    )
 
 
 def merge_counts(directories: Iterable, out_dir=None, memory_mb: int = 4096) -> TrigramCounts:
     """Combine shard counts; with ``out_dir`` also write the combined counts there."""
     counts = load_counts(directories, memory_mb=memory_mb)
     if out_dir is not None:
-        counts.save(out_dir, meta={k: v for k, v in open_run(counts.spilled[0])[2].items()
-                                   if k in ("tokenizer_fingerprint", "data")})
+        counts.save(
+            out_dir,
+            meta={
+                k: v
+                for k, v in open_run(counts.spilled[0])[2].items()
+                if k in ("tokenizer_fingerprint", "data")
+            },
+        )
         counts = load_counts([out_dir], memory_mb=memory_mb, check_complete=False, verify=False)
     return counts
 
@@ -351,12 +414,18 @@ def _prune_block(keys: np.ndarray, counts: np.ndarray, V: int, t: int, min_count
     top = rank < t
     gid, w3, counts = gid[top], w3[top], counts[top]
     groups, per_group = np.unique(gid, return_counts=True)  # contexts that keep ≥ 1 successor
-    return (ctx[starts][groups], per_group, w3.astype(np.int32),
-            (counts / ctx_total[gid]).astype(np.float32), ctx_total[groups])
+    return (
+        ctx[starts][groups],
+        per_group,
+        w3.astype(np.int32),
+        (counts / ctx_total[gid]).astype(np.float32),
+        ctx_total[groups],
+    )
 
 
-def build_trigram_table(counts: TrigramCounts, t: int = 12, min_count: int = 1,
-                        progress: bool = False) -> TrigramTable:
+def build_trigram_table(
+    counts: TrigramCounts, t: int = 12, min_count: int = 1, progress: bool = False
+) -> TrigramTable:
     """Prune counts to the top-``t`` successors (count ≥ ``min_count``) of every context.
 
     Returns:
@@ -371,31 +440,47 @@ def build_trigram_table(counts: TrigramCounts, t: int = 12, min_count: int = 1,
     if t < 1 or min_count < 1:
         raise ConfigError(f"t and min_count must be at least 1 (got t={t}, min_count={min_count}).")
     V = counts.vocab_size
-    parts = [_prune_block(k, c, V, int(t), int(min_count))
-             for k, c in counts.iter_ranges(progress=progress) if len(k)]
+    parts = [
+        _prune_block(k, c, V, int(t), int(min_count))
+        for k, c in counts.iter_ranges(progress=progress)
+        if len(k)
+    ]
     stats = dict(counts.stats)
     if not parts:
-        raise DataError(f"the corpus holds no tri-gram ({stats.get('records', 0)} records, "
-                        f"{stats.get('tokens', 0)} tokens): every record needs at least 3 tokens. "
-                        f"Check the --data spec.")
+        raise DataError(
+            f"the corpus holds no tri-gram ({stats.get('records', 0)} records, "
+            f"{stats.get('tokens', 0)} tokens): every record needs at least 3 tokens. "
+            f"Check the --data spec."
+        )
     ctx = np.concatenate([p[0] for p in parts])
     if len(ctx) == 0:
-        raise DataError(f"no tri-gram occurs at least --min-count={min_count} times in the corpus "
-                        f"({stats.get('trigrams', 0)} tri-grams); lower --min-count.")
+        raise DataError(
+            f"no tri-gram occurs at least --min-count={min_count} times in the corpus "
+            f"({stats.get('trigrams', 0)} tri-grams); lower --min-count."
+        )
     offsets = np.zeros(len(ctx) + 1, np.int64)
     np.cumsum(np.concatenate([p[1] for p in parts]), out=offsets[1:])
     stats.update(contexts=int(len(ctx)), entries=int(offsets[-1]))
-    return TrigramTable(ctx, offsets, np.concatenate([p[2] for p in parts]),
-                        np.concatenate([p[3] for p in parts]), V, t=int(t), min_count=int(min_count),
-                        context_counts=np.concatenate([p[4] for p in parts]), stats=stats)
+    return TrigramTable(
+        ctx,
+        offsets,
+        np.concatenate([p[2] for p in parts]),
+        np.concatenate([p[3] for p in parts]),
+        V,
+        t=int(t),
+        min_count=int(min_count),
+        context_counts=np.concatenate([p[4] for p in parts]),
+        stats=stats,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # small tables in memory (tests, benchmarks, scripts)
 
 
-def trigram_table_from_trigrams(w1, w2, w3, counts, vocab_size: int, *, t: int = 12,
-                                min_count: int = 1) -> TrigramTable:
+def trigram_table_from_trigrams(
+    w1, w2, w3, counts, vocab_size: int, *, t: int = 12, min_count: int = 1
+) -> TrigramTable:
     """A table from counted tri-grams ``(w1[i], w2[i], w3[i])`` seen ``counts[i]`` times.
 
     Any order; repeated tri-grams are summed. ``P(w3 | w1, w2) = C(w1,w2,w3) / C(w1,w2)``,
@@ -407,11 +492,15 @@ def trigram_table_from_trigrams(w1, w2, w3, counts, vocab_size: int, *, t: int =
     counts = host_array(counts, np.int64).reshape(-1)
     V = int(vocab_size)
     if not w1.size == w2.size == w3.size == counts.size:
-        raise ConfigError(f"trigram_table_from_trigrams needs equal lengths, got w1 {w1.size}, w2 {w2.size}, "
-                          f"w3 {w3.size}, counts {counts.size}.")
+        raise ConfigError(
+            f"trigram_table_from_trigrams needs equal lengths, got w1 {w1.size}, w2 {w2.size}, "
+            f"w3 {w3.size}, counts {counts.size}."
+        )
     for name, a in (("w1", w1), ("w2", w2), ("w3", w3)):
         if a.size and (a.min() < 0 or a.max() >= V):
-            raise ConfigError(f"trigram_table_from_trigrams: {name} holds ids outside [0, {V}).", param=name)
+            raise ConfigError(
+                f"trigram_table_from_trigrams: {name} holds ids outside [0, {V}).", param=name
+            )
     if counts.size and counts.min() < 1:
         raise ConfigError("trigram_table_from_trigrams: counts must be at least 1.", param="counts")
     if w1.size == 0:
@@ -425,8 +514,9 @@ def trigram_table_from_trigrams(w1, w2, w3, counts, vocab_size: int, *, t: int =
     return build_trigram_table(TrigramCounts(V, runs=[run], stats=stats), t=t, min_count=min_count)
 
 
-def trigram_table_from_token_arrays(arrays, vocab_size: int, *, t: int = 12, min_count: int = 1,
-                                    **counter_kwargs) -> TrigramTable:
+def trigram_table_from_token_arrays(
+    arrays, vocab_size: int, *, t: int = 12, min_count: int = 1, **counter_kwargs
+) -> TrigramTable:
     """Count the tri-grams inside each token array (never across two) with the n-gram
     stage's counter (:func:`redraft.ngrams.count_trigrams`) and prune them
     (:func:`redraft.ngrams.build_trigram_table`). In memory: for tests, benchmarks, scripts.

@@ -74,9 +74,14 @@ async def _disconnected(request: Request) -> None:
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, or a 413 naming ``limit`` as soon as it is known to be larger (from
     ``Content-Length`` before reading, else while reading: a huge body is never held whole)."""
+
     def too_large(size: str) -> P.APIError:
-        return P.APIError(413, f"the request body is {size} bytes; this server takes at most {limit} bytes "
-                               f"(redraft-serve --max-request-bytes).", code="request_too_large")
+        return P.APIError(
+            413,
+            f"the request body is {size} bytes; this server takes at most {limit} bytes "
+            f"(redraft-serve --max-request-bytes).",
+            code="request_too_large",
+        )
 
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -90,10 +95,19 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def create_app(decoder, model_name: str = "default", *, api_key: str | None = None, max_batch: int = 16,
-               max_queue: int = 64, default_max_tokens: int = DEFAULT_MAX_TOKENS, warmup: bool = True,
-               sampling_params=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               cors_origins: tuple[str, ...] | list[str] = ()) -> FastAPI:
+def create_app(
+    decoder,
+    model_name: str = "default",
+    *,
+    api_key: str | None = None,
+    max_batch: int = 16,
+    max_queue: int = 64,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    warmup: bool = True,
+    sampling_params=None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    cors_origins: tuple[str, ...] | list[str] = (),
+) -> FastAPI:
     """The server app over ``decoder`` (a ``SpeculativeDecoder``; anything with ``engine()``,
     ``encode()`` and ``target.model.config.max_position_embeddings`` will do).
 
@@ -114,16 +128,26 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
         from redraft.infer import SamplingParams as sampling_params
     make_params = sampling_params.checked  # the decoding API's one place for these checks
     if default_max_tokens < 1:
-        raise ConfigError(f"default_max_tokens={default_max_tokens} must be >= 1.", param="default_max_tokens")
+        raise ConfigError(
+            f"default_max_tokens={default_max_tokens} must be >= 1.", param="default_max_tokens"
+        )
     if max_request_bytes < 1:
-        raise ConfigError(f"max_request_bytes={max_request_bytes} must be >= 1.", param="max_request_bytes")
+        raise ConfigError(
+            f"max_request_bytes={max_request_bytes} must be >= 1.", param="max_request_bytes"
+        )
     context = getattr(decoder.target.model.config, "max_position_embeddings", None)  # None: unknown
     tok = getattr(decoder.target, "tokenizer", None)
     token_text = (lambda t: tok.decode([t])) if tok is not None else str  # the tokens of logprobs
     metrics = Metrics()
-    sched = Scheduler(decoder, max_batch, max_queue, metrics, make_params=make_params, warmup=warmup)
-    metrics.bind(sched.counts)  # batch size and queue depth: the scheduler's counts, as /health reports them
-    build = JobBuilder(decoder, model_name, make_params, default_max_tokens, context, max_batch + max_queue)
+    sched = Scheduler(
+        decoder, max_batch, max_queue, metrics, make_params=make_params, warmup=warmup
+    )
+    metrics.bind(
+        sched.counts
+    )  # batch size and queue depth: the scheduler's counts, as /health reports them
+    build = JobBuilder(
+        decoder, model_name, make_params, default_max_tokens, context, max_batch + max_queue
+    )
     key = None if api_key is None else _digest(api_key)
 
     @asynccontextmanager
@@ -135,14 +159,23 @@ def create_app(decoder, model_name: str = "default", *, api_key: str | None = No
         yield
         await asyncio.to_thread(sched.stop)
 
-    app = FastAPI(title="redraft-serve", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="redraft-serve", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
+    )
     app.state.scheduler, app.state.metrics = sched, metrics
     if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "HEAD"],
-                           allow_headers=["*"], max_age=600)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST", "HEAD"],
+            allow_headers=["*"],
+            max_age=600,
+        )
 
     _add_error_handlers(app, metrics)
-    app.include_router(_v1_router(sched, build, model_name, context, key, max_request_bytes, token_text))
+    app.include_router(
+        _v1_router(sched, build, model_name, context, key, max_request_bytes, token_text)
+    )
     _add_operations(app, sched, metrics)
     return app
 
@@ -152,17 +185,27 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(P.APIError)
     async def _api_error(request: Request, exc: P.APIError):
-        outcome = {400: "invalid", 413: "invalid", 401: "unauthorized", 429: "rejected",
-                   503: "rejected"}.get(exc.status)
+        outcome = {
+            400: "invalid",
+            413: "invalid",
+            401: "unauthorized",
+            429: "rejected",
+            503: "rejected",
+        }.get(exc.status)
         if outcome:
             metrics.outcome(outcome)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        err = P.APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}.",
-                         code=str(exc.status_code))
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        err = P.APIError(
+            exc.status_code,
+            f"{request.method} {request.url.path}: {exc.detail}.",
+            code=str(exc.status_code),
+        )
+        return JSONResponse(
+            err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, exc: ClientDisconnect):  # closed while sending its body
@@ -176,8 +219,15 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return JSONResponse(P.APIError(500, f"internal error: {exc!r}").body(), status_code=500)
 
 
-def _v1_router(sched: Scheduler, build: JobBuilder, model_name: str, context, key, max_request_bytes: int,
-               token_text) -> APIRouter:
+def _v1_router(
+    sched: Scheduler,
+    build: JobBuilder,
+    model_name: str,
+    context,
+    key,
+    max_request_bytes: int,
+    token_text,
+) -> APIRouter:
     """``/v1``: the API key check, chat and text completions, the model list."""
 
     async def check_key(request: Request) -> None:
@@ -188,8 +238,12 @@ def _v1_router(sched: Scheduler, build: JobBuilder, model_name: str, context, ke
         # whatever the scheme, so a reply's timing says nothing about the key
         match = hmac.compare_digest(_digest(given.strip()), key)
         if scheme.lower() != "bearer" or not match:
-            raise P.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'.",
-                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise P.APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
@@ -209,8 +263,9 @@ def _v1_router(sched: Scheduler, build: JobBuilder, model_name: str, context, ke
             if body.stream:
                 writer = P.ChunkWriter(kind, rid, model_name, body.include_usage, token_text)
                 streaming = True
-                return EventStream(_sse(fan, early, writer, sum(lengths)),
-                                   on_close=lambda: _close(sched, fan))
+                return EventStream(
+                    _sse(fan, early, writer, sum(lengths)), on_close=lambda: _close(sched, fan)
+                )
             gens = await _collect(fan, early, disconnect)
             if gens is None:
                 return Response(status_code=499)
@@ -235,9 +290,14 @@ def _v1_router(sched: Scheduler, build: JobBuilder, model_name: str, context, ke
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         if model_id != model_name:
-            raise P.APIError(404, f"model {model_id!r} is not served here; this server serves {model_name!r}.",
-                             param="model", code="model_not_found")
+            raise P.APIError(
+                404,
+                f"model {model_id!r} is not served here; this server serves {model_name!r}.",
+                param="model",
+                code="model_not_found",
+            )
         return P.model_card(model_name, context)
+
     return v1
 
 
@@ -247,9 +307,15 @@ def _add_operations(app: FastAPI, sched: Scheduler, metrics: Metrics) -> None:
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         running, waiting = sched.counts()
-        status = "ok" if sched.alive and not sched.draining else ("draining" if sched.alive else "failed")
-        return JSONResponse({"status": status, "running": running, "waiting": waiting},
-                            status_code=200 if status == "ok" else 503)
+        status = (
+            "ok"
+            if sched.alive and not sched.draining
+            else ("draining" if sched.alive else "failed")
+        )
+        return JSONResponse(
+            {"status": status, "running": running, "waiting": waiting},
+            status_code=200 if status == "ok" else 503,
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:

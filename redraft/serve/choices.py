@@ -43,10 +43,21 @@ class JobBuilder:
             admitted together: a 400 naming ``n``.
     """
 
-    def __init__(self, decoder, model_name: str, make_params, default_max_tokens: int, context: int | None,
-                 max_choices: int):
+    def __init__(
+        self,
+        decoder,
+        model_name: str,
+        make_params,
+        default_max_tokens: int,
+        context: int | None,
+        max_choices: int,
+    ):
         self.decoder, self.model_name, self.make_params = decoder, model_name, make_params
-        self.default_max_tokens, self.context, self.max_choices = default_max_tokens, context, max_choices
+        self.default_max_tokens, self.context, self.max_choices = (
+            default_max_tokens,
+            context,
+            max_choices,
+        )
         self.vocab = getattr(decoder.target, "vocab_size", None)
 
     def __call__(self, raw: bytes, kind: str, loop) -> tuple[P._Request, list[int], list[Job]]:
@@ -55,15 +66,25 @@ class JobBuilder:
         if kind == "chat":
             prompts = [self.encode(body.chat(), "messages")]
         else:  # token ids are checked (non-empty, in the vocabulary, within the context) by engine.add
-            prompts = [list(x) if isinstance(x, list) else self.encode(x, "prompt") for x in body.prompts]
+            prompts = [
+                list(x) if isinstance(x, list) else self.encode(x, "prompt") for x in body.prompts
+            ]
         if len(prompts) * body.choices > self.max_choices:
-            raise P.APIError(400, f"{len(prompts)} prompt(s) x n={body.choices} choices exceed what this server "
-                                  f"holds at once ({self.max_choices}: --max-batch + --max-queue); send fewer.",
-                             param="n" if body.choices > 1 else "prompt")
-        jobs = [Job(ids, self.params(body, len(ids), choice_seed(body.seed, j)), loop)
-                for ids in prompts for j in range(body.choices)]
+            raise P.APIError(
+                400,
+                f"{len(prompts)} prompt(s) x n={body.choices} choices exceed what this server "
+                f"holds at once ({self.max_choices}: --max-batch + --max-queue); send fewer.",
+                param="n" if body.choices > 1 else "prompt",
+            )
+        jobs = [
+            Job(ids, self.params(body, len(ids), choice_seed(body.seed, j)), loop)
+            for ids in prompts
+            for j in range(body.choices)
+        ]
         for job in jobs:
-            job.max_tokens_name = body.max_tokens_name  # engine.add's errors name the client's field
+            job.max_tokens_name = (
+                body.max_tokens_name
+            )  # engine.add's errors name the client's field
         return body, [len(ids) for ids in prompts], jobs
 
     def params(self, body: P._Request, n_prompt: int, seed: int | None):
@@ -73,16 +94,26 @@ class JobBuilder:
             cap = self.default_max_tokens if self.context is None else self.context - n_prompt
             max_new = max(1, min(self.default_max_tokens, cap))
         extra = {}
-        if body.stop_token_ids:  # only when asked: a params class without the field still serves the rest
+        if (
+            body.stop_token_ids
+        ):  # only when asked: a params class without the field still serves the rest
             if self.vocab and (bad := [t for t in body.stop_token_ids if not 0 <= t < self.vocab]):
-                raise P.APIError(400, f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab}).",
-                                 param="stop_token_ids")
+                raise P.APIError(
+                    400,
+                    f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab}).",
+                    param="stop_token_ids",
+                )
             extra["stop_token_ids"] = tuple(body.stop_token_ids)
         extra.update(body.sampling_fields())  # only those the client set
         try:
-            return self.make_params(max_new_tokens=max_new, seed=seed, stop=body.stops,
-                                    temperature=0.0 if body.temperature is None else body.temperature,
-                                    top_p=1.0 if body.top_p is None else body.top_p, **extra)
+            return self.make_params(
+                max_new_tokens=max_new,
+                seed=seed,
+                stop=body.stops,
+                temperature=0.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                **extra,
+            )
         except ConfigError as exc:
             raise P.config_error(exc, body.max_tokens_name) from None
 
@@ -94,8 +125,11 @@ class JobBuilder:
         except ConfigError as exc:
             raise P.APIError(400, f"{param}: {exc}", param=param) from None
         except TemplateError as exc:  # e.g. a template that insists on alternating roles
-            raise P.APIError(400, f"{param}: the model's chat template rejected these messages ({exc}).",
-                             param=param) from None
+            raise P.APIError(
+                400,
+                f"{param}: the model's chat template rejected these messages ({exc}).",
+                param=param,
+            ) from None
 
 
 def _final(msg) -> bool:

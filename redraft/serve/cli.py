@@ -33,27 +33,52 @@ class ServeSettings(Settings):
     KIND = "server setting"
 
     # ---- model
-    preset: str | None = setting(None, "Decoding preset YAML (load_decoder arguments), e.g. "
-                                       "infer/decode-default.yaml.")
-    speculation: bool = setting(True, "Speculative decoding; --no-speculation serves plain autoregressive decoding "
-                                      "with the same loop (the baseline of the load benchmark).")
-    served_model_name: str | None = setting(None, "Model id in /v1/models and in requests; none = the target spec.",
-                                            literal=True)
+    preset: str | None = setting(
+        None, "Decoding preset YAML (load_decoder arguments), e.g. infer/decode-default.yaml."
+    )
+    speculation: bool = setting(
+        True,
+        "Speculative decoding; --no-speculation serves plain autoregressive decoding "
+        "with the same loop (the baseline of the load benchmark).",
+    )
+    served_model_name: str | None = setting(
+        None, "Model id in /v1/models and in requests; none = the target spec.", literal=True
+    )
     # ---- server
     host: str = setting("127.0.0.1", "Address to listen on.")
-    port: int = setting(8000, "TCP port (0: any free port, printed at start).", range=Range(0, 65535))
-    api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY' on /v1; none: $REDRAFT_API_KEY if set "
-                                        "(keeps the key out of the process list), else no key.", literal=True)
+    port: int = setting(
+        8000, "TCP port (0: any free port, printed at start).", range=Range(0, 65535)
+    )
+    api_key: str | None = setting(
+        None,
+        "Require 'Authorization: Bearer KEY' on /v1; none: $REDRAFT_API_KEY if set "
+        "(keeps the key out of the process list), else no key.",
+        literal=True,
+    )
     max_batch: int = setting(16, "Requests decoding at once (rows of one batch).", range=Range(1))
-    max_queue: int = setting(64, "Requests that may wait for a row; more get 429 with Retry-After.", range=Range(0))
-    default_max_tokens: int = setting(256, "New tokens for a request that sets no max_tokens (capped by the "
-                                           "context).", range=Range(1))
-    max_request_bytes: int = setting(4 * 1024 * 1024, "Largest request body accepted; larger ones get 413 before "
-                                                      "they are read.", range=Range(1))
-    cors_origin: list[str] | None = setting(None, "Let browsers on ORIGIN call the API (CORS, preflight included; "
-                                                  "repeat for several, '*' for any); none: no CORS headers.",
-                                            metavar="ORIGIN", repeat=True)
-    grace: float = setting(30.0, "Seconds in-flight requests get to finish after SIGTERM.", range=Range(0))
+    max_queue: int = setting(
+        64, "Requests that may wait for a row; more get 429 with Retry-After.", range=Range(0)
+    )
+    default_max_tokens: int = setting(
+        256,
+        "New tokens for a request that sets no max_tokens (capped by the context).",
+        range=Range(1),
+    )
+    max_request_bytes: int = setting(
+        4 * 1024 * 1024,
+        "Largest request body accepted; larger ones get 413 before they are read.",
+        range=Range(1),
+    )
+    cors_origin: list[str] | None = setting(
+        None,
+        "Let browsers on ORIGIN call the API (CORS, preflight included; "
+        "repeat for several, '*' for any); none: no CORS headers.",
+        metavar="ORIGIN",
+        repeat=True,
+    )
+    grace: float = setting(
+        30.0, "Seconds in-flight requests get to finish after SIGTERM.", range=Range(0)
+    )
     warmup: bool = setting(True, "Run a short generation before accepting requests.")
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
 
@@ -64,21 +89,33 @@ class ServeSettings(Settings):
 
 MODEL_FLAGS = ("target", "drafters", "ngrams", "dtype", "device")
 # what a model flag left out means here: the preset decides
-MODEL_SHOWN = {"target": "the preset's, else 'default'", "dtype": "the preset's, else by device",
-               "drafters": "the preset's", "ngrams": "the preset's"}
+MODEL_SHOWN = {
+    "target": "the preset's, else 'default'",
+    "dtype": "the preset's, else by device",
+    "drafters": "the preset's",
+    "ngrams": "the preset's",
+}
 MODEL_KEYS = ("preset", "speculation", "served_model_name")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="redraft-serve", description="The speculative decoder behind an OpenAI-compatible HTTP "
-                       "API (docs/serve.md).", formatter_class=HelpFormatter)
+    p = ArgumentParser(
+        prog="redraft-serve",
+        description="The speculative decoder behind an OpenAI-compatible HTTP API (docs/serve.md).",
+        formatter_class=HelpFormatter,
+    )
     m = p.add_argument_group("model (flags override the preset's keys)")
     ServeSettings.add_arguments(m, only=("preset",))
     ModelSettings.add_arguments(m, only=MODEL_FLAGS, shown=MODEL_SHOWN)
-    DecoderConfig.add_arguments(m, only=("acceptance", "prefill_chunk"), shown={
-        "prefill_chunk": "the preset's, else 'auto'",
-        "acceptance": "the preset's, except that 'greedy' or none becomes 'rejection': lossless sampling for "
-                      "requests with temperature > 0, and temperature-0 requests are still exactly greedy"})
+    DecoderConfig.add_arguments(
+        m,
+        only=("acceptance", "prefill_chunk"),
+        shown={
+            "prefill_chunk": "the preset's, else 'auto'",
+            "acceptance": "the preset's, except that 'greedy' or none becomes 'rejection': lossless sampling for "
+            "requests with temperature > 0, and temperature-0 requests are still exactly greedy",
+        },
+    )
     ServeSettings.add_arguments(m, only=("speculation", "served_model_name"))
     ServeSettings.add_arguments(p, "server", exclude=MODEL_KEYS)
     return p
@@ -126,7 +163,9 @@ def main(argv=None) -> int:
     if args.api_key is None:
         args.api_key = os.environ.get("REDRAFT_API_KEY") or None
     check_args(args, parser)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return run_cli("redraft-serve", lambda: serve(args))
 
 
@@ -137,25 +176,43 @@ def serve(args) -> int:
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
-        print(f"redraft-serve: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
-              f"choose another --port or stop what holds it.", file=sys.stderr)
+        print(
+            f"redraft-serve: cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
+            f"choose another --port or stop what holds it.",
+            file=sys.stderr,
+        )
         return 2
     from redraft.serve.app import create_app
 
     decoder = load(args)
     name = args.served_model_name or str(getattr(decoder.target, "spec", "") or "default")
-    app = create_app(decoder, name, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
-                     default_max_tokens=args.default_max_tokens, warmup=args.warmup,
-                     max_request_bytes=args.max_request_bytes, cors_origins=args.cors_origin or ())
+    app = create_app(
+        decoder,
+        name,
+        api_key=args.api_key,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        default_max_tokens=args.default_max_tokens,
+        warmup=args.warmup,
+        max_request_bytes=args.max_request_bytes,
+        cors_origins=args.cors_origin or (),
+    )
     host, port = sock.getsockname()[:2]
-    print(f"redraft-serve: serving {name!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
-          f"(max batch {args.max_batch}, queue {args.max_queue})", flush=True)
+    print(
+        f"redraft-serve: serving {name!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
+        f"(max batch {args.max_batch}, queue {args.max_queue})",
+        flush=True,
+    )
     try:
         run(app, sock, grace_s=args.grace, log_level=args.log_level)
     except SystemExit as exc:  # uvicorn exits when the app's start-up (the decode loop) fails
         failure = app.state.scheduler.failure
-        print(f"redraft-serve: the decoder failed to start: {failure!r}" if failure else
-              f"redraft-serve: the server stopped (exit {exc.code}).", file=sys.stderr)
+        print(
+            f"redraft-serve: the decoder failed to start: {failure!r}"
+            if failure
+            else f"redraft-serve: the server stopped (exit {exc.code}).",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

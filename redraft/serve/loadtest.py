@@ -52,26 +52,52 @@ LEVELS = (1, 2, 4, 8, 16)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m redraft.serve.loadtest", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m redraft.serve.loadtest",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("urls", nargs="*", help="base URLs of running servers (http://HOST:PORT)")
-    p.add_argument("--labels", default=None, help="comma-separated names of the URLs (default: the URLs)")
-    p.add_argument("--spawn", default=None, metavar="ARGS",
-                   help="start 'redraft-serve ARGS --no-speculation' (off) and 'redraft-serve ARGS' (on) on free "
-                        "ports instead of URLs, and stop them at the end")
-    p.add_argument("--concurrency", default=",".join(map(str, LEVELS)), help="comma-separated stream counts")
+    p.add_argument(
+        "--labels", default=None, help="comma-separated names of the URLs (default: the URLs)"
+    )
+    p.add_argument(
+        "--spawn",
+        default=None,
+        metavar="ARGS",
+        help="start 'redraft-serve ARGS --no-speculation' (off) and 'redraft-serve ARGS' (on) on free "
+        "ports instead of URLs, and stop them at the end",
+    )
+    p.add_argument(
+        "--concurrency", default=",".join(map(str, LEVELS)), help="comma-separated stream counts"
+    )
     p.add_argument("--rounds", type=int, default=2, help="requests each stream sends per level")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
-    p.add_argument("--dataset", default="chat", help="'chat' (held-out ShareGPT), 'code' (HumanEval) or a JSONL file")
+    p.add_argument(
+        "--dataset",
+        default="chat",
+        help="'chat' (held-out ShareGPT), 'code' (HumanEval) or a JSONL file",
+    )
     p.add_argument("--prompts", type=int, default=32, help="distinct prompts (cycled)")
     p.add_argument("--api-key", default=None, help="Bearer key (default: $REDRAFT_API_KEY)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--out", default=None, help="write all figures as JSON here")
     p.add_argument("--markdown", default=None, help="write the table as Markdown here")
-    p.add_argument("--scenario", default="levels", choices=["levels", "long-join"],
-                   help="'levels': every concurrency level; 'long-join': a long prompt joins running streams")
-    p.add_argument("--long-tokens", type=int, default=4000, help="long-join: about this many prompt tokens")
-    p.add_argument("--join-after", type=float, default=5.0, help="long-join: seconds of decoding before it joins")
+    p.add_argument(
+        "--scenario",
+        default="levels",
+        choices=["levels", "long-join"],
+        help="'levels': every concurrency level; 'long-join': a long prompt joins running streams",
+    )
+    p.add_argument(
+        "--long-tokens", type=int, default=4000, help="long-join: about this many prompt tokens"
+    )
+    p.add_argument(
+        "--join-after",
+        type=float,
+        default=5.0,
+        help="long-join: seconds of decoding before it joins",
+    )
     return p
 
 
@@ -81,14 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
 async def one_request(client, url: str, prompt, max_tokens: int, timeout: float) -> dict:
     """Send one streamed request; returns its timings, text and the ``redraft`` stats."""
     chat = isinstance(prompt, list)
-    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            **({"messages": prompt} if chat else {"prompt": prompt})}
+    body = {
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({"messages": prompt} if chat else {"prompt": prompt}),
+    }
     path = "/v1/chat/completions" if chat else "/v1/completions"
     t0 = time.perf_counter()
     chunks, text, usage, stats = [], [], None, {}
     async with client.stream("POST", url + path, json=body, timeout=timeout) as resp:
         if resp.status_code != 200:
-            raise RuntimeError(f"{url}{path}: HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
+            raise RuntimeError(
+                f"{url}{path}: HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
+            )
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -105,14 +138,29 @@ async def one_request(client, url: str, prompt, max_tokens: int, timeout: float)
             stats = obj.get("redraft") or stats
     t_end = time.perf_counter()
     n = usage["completion_tokens"] if usage else 0
-    return {"t0": t0, "chunks": chunks, "prompt_tokens": usage["prompt_tokens"] if usage else None,
-            "ttft": chunks[0] - t0 if chunks else None, "gaps": [b - a for a, b in zip(chunks, chunks[1:])],
-            "tpot": (chunks[-1] - chunks[0]) / (n - 1) if chunks and n > 1 else None, "tokens": n,
-            "text": "".join(text), "end": t_end, "stats": stats}
+    return {
+        "t0": t0,
+        "chunks": chunks,
+        "prompt_tokens": usage["prompt_tokens"] if usage else None,
+        "ttft": chunks[0] - t0 if chunks else None,
+        "gaps": [b - a for a, b in zip(chunks, chunks[1:])],
+        "tpot": (chunks[-1] - chunks[0]) / (n - 1) if chunks and n > 1 else None,
+        "tokens": n,
+        "text": "".join(text),
+        "end": t_end,
+        "stats": stats,
+    }
 
 
-async def run_level(url: str, prompts: list, concurrency: int, rounds: int, max_tokens: int, timeout: float,
-                    headers: dict) -> tuple[float, list]:
+async def run_level(
+    url: str,
+    prompts: list,
+    concurrency: int,
+    rounds: int,
+    max_tokens: int,
+    timeout: float,
+    headers: dict,
+) -> tuple[float, list]:
     """``concurrency`` workers, ``rounds`` requests each; returns (wall seconds, results in prompt order)."""
     import httpx
 
@@ -121,9 +169,12 @@ async def run_level(url: str, prompts: list, concurrency: int, rounds: int, max_
     next_i = iter(range(n))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, headers=headers) as client:
+
         async def worker():
             for i in next_i:
-                results[i] = await one_request(client, url, prompts[i % len(prompts)], max_tokens, timeout)
+                results[i] = await one_request(
+                    client, url, prompts[i % len(prompts)], max_tokens, timeout
+                )
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -131,20 +182,33 @@ async def run_level(url: str, prompts: list, concurrency: int, rounds: int, max_
     return wall, results
 
 
-async def run_long_join(url: str, prompts: list, long_prompt: str, concurrency: int, max_tokens: int,
-                        join_after: float, timeout: float, headers: dict) -> dict:
+async def run_long_join(
+    url: str,
+    prompts: list,
+    long_prompt: str,
+    concurrency: int,
+    max_tokens: int,
+    join_after: float,
+    timeout: float,
+    headers: dict,
+) -> dict:
     """``concurrency`` streams decode back to back until the long request (sent after
     ``join_after`` s) has finished; returns the figures (see the module doc)."""
     import httpx
     import numpy as np
 
     done, results = asyncio.Event(), []
-    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
+    limits = httpx.Limits(
+        max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1
+    )
     async with httpx.AsyncClient(limits=limits, headers=headers) as client:
+
         async def worker(k):
             i = k
             while not done.is_set():
-                results.append(await one_request(client, url, prompts[i % len(prompts)], max_tokens, timeout))
+                results.append(
+                    await one_request(client, url, prompts[i % len(prompts)], max_tokens, timeout)
+                )
                 i += concurrency
 
         async def joiner():
@@ -157,26 +221,41 @@ async def run_long_join(url: str, prompts: list, long_prompt: str, concurrency: 
         *_, long = await asyncio.gather(*(worker(k) for k in range(concurrency)), joiner())
     t_join, t_done = long["t0"], long["end"]
     before = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:]) if b < t_join]
-    during = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:]) if t_join <= b <= t_done]
+    during = [
+        b - a
+        for r in results
+        for a, b in zip(r["chunks"], r["chunks"][1:])
+        if t_join <= b <= t_done
+    ]
+
     def p(xs, q):
         return 1e3 * float(np.percentile(xs, q)) if xs else float("nan")
 
-    row = {"prompt_tokens": long["prompt_tokens"], "long_ttft_ms": 1e3 * (long["ttft"] or float("nan")),
-           "itl_p50_before_ms": p(before, 50), "itl_p50_during_ms": p(during, 50), "itl_p99_during_ms": p(during, 99),
-           "gaps_during": len(during)}
+    row = {
+        "prompt_tokens": long["prompt_tokens"],
+        "long_ttft_ms": 1e3 * (long["ttft"] or float("nan")),
+        "itl_p50_before_ms": p(before, 50),
+        "itl_p50_during_ms": p(during, 50),
+        "itl_p99_during_ms": p(during, 99),
+        "gaps_during": len(during),
+    }
     row["p99_over_median"] = row["itl_p99_during_ms"] / row["itl_p50_before_ms"]
     return row
 
 
 def long_join_markdown(table: list[dict]) -> str:
-    head = ("| server | prompt tokens | long TTFT (s) | ITL p50 before (ms) | ITL p50 / p99 during (ms) "
-            "| p99 during / p50 before | gaps during |")
+    head = (
+        "| server | prompt tokens | long TTFT (s) | ITL p50 before (ms) | ITL p50 / p99 during (ms) "
+        "| p99 during / p50 before | gaps during |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in table:
-        lines.append(f"| {r['label']} | {r['prompt_tokens']} | {r['long_ttft_ms'] / 1e3:.1f} "
-                     f"| {r['itl_p50_before_ms']:.0f} "
-                     f"| {r['itl_p50_during_ms']:.0f} / {r['itl_p99_during_ms']:.0f} | {r['p99_over_median']:.2f} "
-                     f"| {r['gaps_during']} |")
+        lines.append(
+            f"| {r['label']} | {r['prompt_tokens']} | {r['long_ttft_ms'] / 1e3:.1f} "
+            f"| {r['itl_p50_before_ms']:.0f} "
+            f"| {r['itl_p50_during_ms']:.0f} / {r['itl_p99_during_ms']:.0f} | {r['p99_over_median']:.2f} "
+            f"| {r['gaps_during']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -187,7 +266,7 @@ def long_prompt_text(prompts: list, tokens: int) -> str:
     while sum(map(len, out)) < 4 * tokens:
         out.append(texts[i % len(texts)])
         i += 1
-    return "\n\n".join(out)[:4 * tokens]
+    return "\n\n".join(out)[: 4 * tokens]
 
 
 # ---------------------------------------------------------------------------------- figures
@@ -209,28 +288,41 @@ def summarize(wall: float, results: list) -> dict:
         xs = [s[key] for s in stats if key in s]
         return float(np.mean(xs)) if xs else None
 
-    return {"requests": len(results), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
-            "itl_p50_ms": 1e3 * pct(gaps, 50), "itl_p99_ms": 1e3 * pct(gaps, 99),
-            "tpot_mean_ms": 1e3 * float(np.mean(tpot)) if tpot else float("nan"),
-            "tokens_per_call": mean_stat("tokens_per_call"), "mean_accepted_length": mean_stat("mean_accepted_length"),
-            "tree_nodes_per_step": mean_stat("tree_nodes_per_step")}
+    return {
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": 1e3 * pct(ttft, 50),
+        "ttft_p99_ms": 1e3 * pct(ttft, 99),
+        "itl_p50_ms": 1e3 * pct(gaps, 50),
+        "itl_p99_ms": 1e3 * pct(gaps, 99),
+        "tpot_mean_ms": 1e3 * float(np.mean(tpot)) if tpot else float("nan"),
+        "tokens_per_call": mean_stat("tokens_per_call"),
+        "mean_accepted_length": mean_stat("mean_accepted_length"),
+        "tree_nodes_per_step": mean_stat("tree_nodes_per_step"),
+    }
 
 
 def markdown(table: list[dict]) -> str:
-    head = ("| streams | server | output tok/s | x ref | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT (ms) "
-            "| tokens/call | accepted len | nodes/row/step | identical |")
+    head = (
+        "| streams | server | output tok/s | x ref | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT (ms) "
+        "| tokens/call | accepted len | nodes/row/step | identical |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def f(x, fmt="{:.1f}"):
         return "-" if x is None else fmt.format(x)
 
     for row in table:
-        lines.append(f"| {row['concurrency']} | {row['label']} | {row['tokens_per_s']:.1f} | {row['ratio']:.2f} "
-                     f"| {row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['itl_p50_ms']:.0f} / {row['itl_p99_ms']:.0f} "
-                     f"| {row['tpot_mean_ms']:.1f} | {f(row['tokens_per_call'], '{:.2f}')} "
-                     f"| {f(row['mean_accepted_length'], '{:.2f}')} | {f(row['tree_nodes_per_step'])} "
-                     f"| {'yes' if row['identical'] else 'NO'} |")
+        lines.append(
+            f"| {row['concurrency']} | {row['label']} | {row['tokens_per_s']:.1f} | {row['ratio']:.2f} "
+            f"| {row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} "
+            f"| {row['itl_p50_ms']:.0f} / {row['itl_p99_ms']:.0f} "
+            f"| {row['tpot_mean_ms']:.1f} | {f(row['tokens_per_call'], '{:.2f}')} "
+            f"| {f(row['mean_accepted_length'], '{:.2f}')} | {f(row['tree_nodes_per_step'])} "
+            f"| {'yes' if row['identical'] else 'NO'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -239,7 +331,16 @@ def markdown(table: list[dict]) -> str:
 
 def spawn(args_line: str, api_key: str | None) -> tuple[subprocess.Popen, str]:
     """Start ``redraft-serve ARGS --port 0``; returns (process, base URL)."""
-    cmd = [sys.executable, "-m", "redraft.serve.cli", *shlex.split(args_line), "--port", "0", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "redraft.serve.cli",
+        *shlex.split(args_line),
+        "--port",
+        "0",
+        "--log-level",
+        "warning",
+    ]
     if api_key:
         cmd += ["--api-key", api_key]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -272,7 +373,10 @@ def main(argv=None) -> int:
         print("loadtest: give server URLs or --spawn ARGS (one of them).", file=sys.stderr)
         return 2
     if min(levels) < 1 or args.rounds < 1 or args.max_tokens < 1:
-        print("loadtest: --concurrency levels, --rounds and --max-tokens must be >= 1.", file=sys.stderr)
+        print(
+            "loadtest: --concurrency levels, --rounds and --max-tokens must be >= 1.",
+            file=sys.stderr,
+        )
         return 2
     key = args.api_key or os.environ.get("REDRAFT_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -281,7 +385,10 @@ def main(argv=None) -> int:
         if args.spawn:
             servers = []
             if args.scenario == "long-join":
-                runs = (("chunk-off", args.spawn + " --prefill-chunk 0"), ("chunk-auto", args.spawn))
+                runs = (
+                    ("chunk-off", args.spawn + " --prefill-chunk 0"),
+                    ("chunk-auto", args.spawn),
+                )
             else:
                 runs = (("off", args.spawn + " --no-speculation"), ("on", args.spawn))
             for label, line in runs:
@@ -305,23 +412,29 @@ def main(argv=None) -> int:
         for c in levels:
             ref = None
             for label, url in servers:
-                wall, results = asyncio.run(run_level(url, prompts, c, args.rounds, args.max_tokens, args.timeout,
-                                                      headers))
+                wall, results = asyncio.run(
+                    run_level(url, prompts, c, args.rounds, args.max_tokens, args.timeout, headers)
+                )
                 row = {"concurrency": c, "label": label, **summarize(wall, results)}
                 texts = [r["text"] for r in results]
                 ref = ref or (row, texts)
                 row["ratio"] = row["tokens_per_s"] / ref[0]["tokens_per_s"]
                 row["identical"] = texts == ref[1]
                 table.append(row)
-                print(f"streams {c:>2} {label:>4}: {row['tokens_per_s']:7.1f} tok/s ({row['ratio']:.2f}x), TTFT p50 "
-                      f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.0f} ms, identical {row['identical']}",
-                      file=sys.stderr, flush=True)  # progress: stdout holds the table alone
+                print(
+                    f"streams {c:>2} {label:>4}: {row['tokens_per_s']:7.1f} tok/s ({row['ratio']:.2f}x), TTFT p50 "
+                    f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.0f} ms, identical {row['identical']}",
+                    file=sys.stderr,
+                    flush=True,
+                )  # progress: stdout holds the table alone
         md = markdown(table)
         print(md, end="")
         if args.markdown:
             Path(args.markdown).write_text(md)
         if args.out:
-            Path(args.out).write_text(json.dumps({"args": vars(args), "servers": servers, "rows": table}, indent=1))
+            Path(args.out).write_text(
+                json.dumps({"args": vars(args), "servers": servers, "rows": table}, indent=1)
+            )
     except KeyboardInterrupt:
         return 130
     except (RuntimeError, OSError) as exc:
@@ -343,18 +456,37 @@ def long_join(args, servers: list, prompts: list, concurrency: int, headers: dic
     text = long_prompt_text(prompts, args.long_tokens)
     table = []
     for label, url in servers:
-        row = {"label": label, **asyncio.run(run_long_join(url, prompts, text, concurrency, args.max_tokens,
-                                                           args.join_after, args.timeout, headers))}
+        row = {
+            "label": label,
+            **asyncio.run(
+                run_long_join(
+                    url,
+                    prompts,
+                    text,
+                    concurrency,
+                    args.max_tokens,
+                    args.join_after,
+                    args.timeout,
+                    headers,
+                )
+            ),
+        }
         table.append(row)
-        print(f"{label}: long TTFT {row['long_ttft_ms'] / 1e3:.1f} s, ITL p50 before "
-              f"{row['itl_p50_before_ms']:.0f} ms, p99 during {row['itl_p99_during_ms']:.0f} ms "
-              f"({row['p99_over_median']:.2f}x)", file=sys.stderr, flush=True)
+        print(
+            f"{label}: long TTFT {row['long_ttft_ms'] / 1e3:.1f} s, ITL p50 before "
+            f"{row['itl_p50_before_ms']:.0f} ms, p99 during {row['itl_p99_during_ms']:.0f} ms "
+            f"({row['p99_over_median']:.2f}x)",
+            file=sys.stderr,
+            flush=True,
+        )
     md = long_join_markdown(table)
     print(md, end="")
     if args.markdown:
         Path(args.markdown).write_text(md)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "servers": servers, "rows": table}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"args": vars(args), "servers": servers, "rows": table}, indent=1)
+        )
     return 0
 
 

@@ -41,28 +41,54 @@ class Metrics:
 
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("redraft_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.requests = Counter(
+            "redraft_requests", "Finished requests by outcome", ["outcome"], registry=r
+        )
         self.tokens = Counter("redraft_generated_tokens", "Output tokens generated", registry=r)
-        self.target_calls = Counter("redraft_target_calls", "Target forwards of finished requests (prefill included)",
-                                    registry=r)
-        self.prompt_tokens = Counter("redraft_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.queue_depth = Gauge("redraft_queue_depth", "Requests waiting for a batch row", registry=r)
+        self.target_calls = Counter(
+            "redraft_target_calls",
+            "Target forwards of finished requests (prefill included)",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "redraft_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.queue_depth = Gauge(
+            "redraft_queue_depth", "Requests waiting for a batch row", registry=r
+        )
         self.batch_size = Gauge("redraft_batch_size", "Rows in the running batch", registry=r)
         self._kv = (0, 0)  # (tokens held, slots allocated) after the last step
-        Gauge("redraft_kv_cache_tokens", "Tokens held in the KV cache by running rows",
-              registry=r).set_function(lambda: self._kv[0])
-        Gauge("redraft_kv_cache_capacity_tokens", "Token slots allocated in the KV cache",
-              registry=r).set_function(lambda: self._kv[1])
-        Gauge("redraft_kv_cache_usage", "KV cache tokens held / slots allocated",
-              registry=r).set_function(lambda: self._kv[0] / max(self._kv[1], 1))
-        self.ttft = Histogram("redraft_time_to_first_token_seconds", "Arrival to first output token", registry=r,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.duration = Histogram("redraft_request_duration_seconds", "Arrival to last output token", registry=r,
-                                  buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-        Gauge("redraft_tokens_per_second", f"Output tokens per second over the last {RATE_WINDOW_S:g} s",
-              registry=r).set_function(self.tokens_per_second)
-        Gauge("redraft_mean_accepted_length", "Accepted draft tokens + 1 per verify step, finished requests",
-              registry=r).set_function(self.mean_accepted_length)
+        Gauge(
+            "redraft_kv_cache_tokens", "Tokens held in the KV cache by running rows", registry=r
+        ).set_function(lambda: self._kv[0])
+        Gauge(
+            "redraft_kv_cache_capacity_tokens", "Token slots allocated in the KV cache", registry=r
+        ).set_function(lambda: self._kv[1])
+        Gauge(
+            "redraft_kv_cache_usage", "KV cache tokens held / slots allocated", registry=r
+        ).set_function(lambda: self._kv[0] / max(self._kv[1], 1))
+        self.ttft = Histogram(
+            "redraft_time_to_first_token_seconds",
+            "Arrival to first output token",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self.duration = Histogram(
+            "redraft_request_duration_seconds",
+            "Arrival to last output token",
+            registry=r,
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+        Gauge(
+            "redraft_tokens_per_second",
+            f"Output tokens per second over the last {RATE_WINDOW_S:g} s",
+            registry=r,
+        ).set_function(self.tokens_per_second)
+        Gauge(
+            "redraft_mean_accepted_length",
+            "Accepted draft tokens + 1 per verify step, finished requests",
+            registry=r,
+        ).set_function(self.mean_accepted_length)
         self._lock = threading.Lock()
         self._steps: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         self._accepted = 0.0  # sum over finished requests of mean accepted length x verify steps

@@ -23,25 +23,49 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; a long list costs a scan per step)
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's limit; OpenAI's chat allows 20, completions 5)
-MAX_DEPTH = 32  # JSON nesting of a request body (an OpenAI request needs ~6; a deep body costs recursion)
+MAX_DEPTH = (
+    32  # JSON nesting of a request body (an OpenAI request needs ~6; a deep body costs recursion)
+)
 # OpenAI and vLLM fields that redraft-serve does not implement (yet), with the values that ask for
 # nothing (null is always neutral). Any other value answers 400 naming the field, never a 200 that
 # ignores it. Numbers compare by value (0 == 0.0), booleans only with booleans.
 NEUTRAL: dict[str, tuple] = {
     # sampling (penalties, logit_bias, min_p, top_k, min_tokens are fields of _Request)
-    "typical_p": (1,), "allowed_token_ids": (),
-    "bad_words": ([],), "ignore_eos": (False,), "length_penalty": (1,), "use_beam_search": (False,),
+    "typical_p": (1,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "ignore_eos": (False,),
+    "length_penalty": (1,),
+    "use_beam_search": (False,),
     # what comes back (logprobs / top_logprobs are fields)
-    "prompt_logprobs": (), "echo": (False,), "suffix": ("",),
-    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "prompt_logprobs": (),
+    "echo": (False,),
+    "suffix": ("",),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
     # prompt building
-    "add_special_tokens": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
-    "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "truncate_prompt_tokens": (),
+    "add_special_tokens": (False,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "documents": (),
+    "truncate_prompt_tokens": (),
     # structured output, tools, other modalities
-    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "structured_outputs": (), "tools": ([],), "functions": ([],),
-    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "audio": (), "modalities": (["text"],),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "audio": (),
+    "modalities": (["text"],),
     "prediction": (),
 }
 
@@ -58,15 +82,29 @@ def _same(value, neutral) -> bool:
 class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with HTTP ``status`` (and extra ``headers``)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def config_error(exc, max_tokens: str = "max_tokens") -> APIError:
@@ -131,34 +169,60 @@ class _Request(BaseModel):
     @classmethod
     def _stop_ids(cls, v):
         if v is not None and len(v) > MAX_STOP * 4:
-            raise ValueError(f"stop_token_ids holds {len(v)} ids; at most {MAX_STOP * 4} are allowed")
+            raise ValueError(
+                f"stop_token_ids holds {len(v)} ids; at most {MAX_STOP * 4} are allowed"
+            )
         return v
 
     def check(self, served: str) -> None:
         """Checks that need no model: the model name, ``n``, ``stream_options``, unsupported fields."""
         if self.model is not None and self.model != served:
-            raise APIError(400, f"model {self.model!r} is not served here; this server serves {served!r} "
-                                f"(GET /v1/models).", param="model", code="model_not_found")
+            raise APIError(
+                400,
+                f"model {self.model!r} is not served here; this server serves {served!r} "
+                f"(GET /v1/models).",
+                param="model",
+                code="model_not_found",
+            )
         if self.n is not None and self.n < 1:
-            raise APIError(400, f"n={self.n}: use an integer >= 1 (the number of choices).", param="n")
+            raise APIError(
+                400, f"n={self.n}: use an integer >= 1 (the number of choices).", param="n"
+            )
         if self.best_of is not None and self.best_of != self.choices:
-            raise APIError(400, f"best_of={self.best_of} is not supported by redraft-serve (it returns every "
-                                f"choice it samples); leave it unset or equal to n ({self.choices}).", param="best_of")
+            raise APIError(
+                400,
+                f"best_of={self.best_of} is not supported by redraft-serve (it returns every "
+                f"choice it samples); leave it unset or equal to n ({self.choices}).",
+                param="best_of",
+            )
         if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options is only allowed with stream=true.", param="stream_options")
+            raise APIError(
+                400, "stream_options is only allowed with stream=true.", param="stream_options"
+            )
         extra = self.model_extra or {}
         for name, neutral in self.neutral.items():
             value = extra.get(name)
             if value is not None and not any(_same(value, v) for v in neutral):
                 allowed = " or ".join(["null", *(json.dumps(v) for v in neutral)])
-                raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported by redraft-serve; leave it "
-                                    f"unset (send {allowed}).", param=name)
+                raise APIError(
+                    400,
+                    f"{name}={json.dumps(value)[:80]} is not supported by redraft-serve; leave it "
+                    f"unset (send {allowed}).",
+                    param=name,
+                )
 
     def sampling_fields(self) -> dict:
         """The logits-processing fields the client set (``SamplingParams.checked`` keywords),
         ``logprobs`` (the decoder's count of alternatives, or None) included."""
-        names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "top_k",
-                 "min_tokens")
+        names = (
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+            "min_p",
+            "top_k",
+            "min_tokens",
+        )
         out = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.top_alternatives is not None:
             out["logprobs"] = self.top_alternatives
@@ -199,7 +263,9 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
 
 
 class ChatRequest(_Request):
@@ -213,8 +279,11 @@ class ChatRequest(_Request):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"top_logprobs={self.top_logprobs}: use an integer in [0, {MAX_LOGPROBS}].",
-                           param="top_logprobs")
+            raise APIError(
+                400,
+                f"top_logprobs={self.top_logprobs}: use an integer in [0, {MAX_LOGPROBS}].",
+                param="top_logprobs",
+            )
 
     @property
     def top_alternatives(self) -> int | None:
@@ -232,7 +301,11 @@ class ChatRequest(_Request):
     @property
     def max_new_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise APIError(400, "give max_tokens or max_completion_tokens, not both.", param="max_completion_tokens")
+            raise APIError(
+                400,
+                "give max_tokens or max_completion_tokens, not both.",
+                param="max_completion_tokens",
+            )
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
 
@@ -243,7 +316,11 @@ class CompletionRequest(_Request):
     def check(self, served: str) -> None:
         super().check(served)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"logprobs={self.logprobs}: use an integer in [0, {MAX_LOGPROBS}].", param="logprobs")
+            raise APIError(
+                400,
+                f"logprobs={self.logprobs}: use an integer in [0, {MAX_LOGPROBS}].",
+                param="logprobs",
+            )
 
     @property
     def top_alternatives(self) -> int | None:
@@ -255,10 +332,16 @@ class CompletionRequest(_Request):
         # OpenAI: one prompt (text or token ids) or a batch of them (one choice each, n per prompt)
         if isinstance(v, str) or _ids(v):
             return v
-        if isinstance(v, list) and v and (all(isinstance(x, str) for x in v) or all(_ids(x) for x in v)):
+        if (
+            isinstance(v, list)
+            and v
+            and (all(isinstance(x, str) for x in v) or all(_ids(x) for x in v))
+        ):
             return v
-        raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either "
-                         "(several prompts)")
+        raise ValueError(
+            "prompt must be a string, a list of token ids, or a non-empty list of either "
+            "(several prompts)"
+        )
 
     @property
     def prompts(self) -> list:
@@ -286,8 +369,12 @@ def _param(loc: tuple) -> str | None:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier() and part.islower() and part not in (
-                "str", "int", "float", "bool", "list", "dict", "none"):
+        elif (
+            isinstance(part, str)
+            and part.isidentifier()
+            and part.islower()
+            and part not in ("str", "int", "float", "bool", "list", "dict", "none")
+        ):
             out += f".{part}" if out else part
     return out or None
 
@@ -310,20 +397,32 @@ def check_body(data) -> None:
         x, loc = stack.pop()
         if len(loc) > MAX_DEPTH:
             param = _param(loc[:1])
-            raise APIError(400, f"{param or 'the request body'}: JSON nested more than {MAX_DEPTH} levels deep.",
-                           param=param)
+            raise APIError(
+                400,
+                f"{param or 'the request body'}: JSON nested more than {MAX_DEPTH} levels deep.",
+                param=param,
+            )
         if isinstance(x, str):
             if not _is_utf8(x):
                 param = _param(loc)
-                raise APIError(400, f"{param or 'the request body'}: holds a lone UTF-16 surrogate (e.g. a "
-                                    f"'\\ud83d' escape without its pair), which is not valid Unicode; send UTF-8 text.",
-                               param=param, code="invalid_unicode")
+                raise APIError(
+                    400,
+                    f"{param or 'the request body'}: holds a lone UTF-16 surrogate (e.g. a "
+                    f"'\\ud83d' escape without its pair), which is not valid Unicode; send UTF-8 text.",
+                    param=param,
+                    code="invalid_unicode",
+                )
         elif isinstance(x, dict):
             for k, v in x.items():
                 if not _is_utf8(k):
                     param = _param(loc)
-                    raise APIError(400, f"{param or 'the request body'}: a key holds a lone UTF-16 surrogate; "
-                                        f"send valid UTF-8.", param=param, code="invalid_unicode")
+                    raise APIError(
+                        400,
+                        f"{param or 'the request body'}: a key holds a lone UTF-16 surrogate; "
+                        f"send valid UTF-8.",
+                        param=param,
+                        code="invalid_unicode",
+                    )
                 stack.append((v, (*loc, k)))
         elif isinstance(x, list):
             stack.extend((v, (*loc, i)) for i, v in enumerate(x))
@@ -339,10 +438,15 @@ def parse_request(raw: bytes, model: type[_Request]) -> _Request:
     try:
         data = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
-        raise APIError(400, f"the request body is nested too deeply; at most {MAX_DEPTH} levels are allowed.",
-                       code="invalid_json") from None
+        raise APIError(
+            400,
+            f"the request body is nested too deeply; at most {MAX_DEPTH} levels are allowed.",
+            code="invalid_json",
+        ) from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a number with too many digits
-        raise APIError(400, f"the request body is not valid JSON ({str(exc)[:200]}).", code="invalid_json") from None
+        raise APIError(
+            400, f"the request body is not valid JSON ({str(exc)[:200]}).", code="invalid_json"
+        ) from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}.")
     check_body(data)
@@ -364,5 +468,13 @@ def parse_request(raw: bytes, model: type[_Request]) -> _Request:
 
 # the response side, re-exported here (callers use protocol.response, protocol.ChunkWriter, ...)
 from redraft.serve.responses import (  # noqa: E402, F401
-    FINISH_REASON, LOGPROB_FLOOR, ChunkWriter, logprobs_json, model_card, new_id, redraft_stats, response, usage,
+    FINISH_REASON,
+    LOGPROB_FLOOR,
+    ChunkWriter,
+    logprobs_json,
+    model_card,
+    new_id,
+    redraft_stats,
+    response,
+    usage,
 )

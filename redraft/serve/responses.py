@@ -19,18 +19,27 @@ def new_id(kind: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def redraft_stats(generation) -> dict:
     """The ``redraft`` extension field: how the speculative decoder did on this request."""
     s = generation.stats
-    out = {"finish_reason": generation.finish_reason, "new_tokens": s.new_tokens, "target_calls": s.target_calls,
-           "tokens_per_call": round(s.tokens_per_call, 4),
-           "mean_accepted_length": round(float(s.mean_accepted_length), 4),
-           "drafter_share": {k: round(v, 4) for k, v in s.drafter_share().items()}}
-    if getattr(s, "tree_nodes", None) is not None:  # draft nodes verified per step: the per-row budget used
+    out = {
+        "finish_reason": generation.finish_reason,
+        "new_tokens": s.new_tokens,
+        "target_calls": s.target_calls,
+        "tokens_per_call": round(s.tokens_per_call, 4),
+        "mean_accepted_length": round(float(s.mean_accepted_length), 4),
+        "drafter_share": {k: round(v, 4) for k, v in s.drafter_share().items()},
+    }
+    if (
+        getattr(s, "tree_nodes", None) is not None
+    ):  # draft nodes verified per step: the per-row budget used
         out["tree_nodes_per_step"] = round(s.tree_nodes / max(s.verify_steps, 1), 2)
     return out
 
@@ -50,17 +59,27 @@ def logprobs_json(kind: str, items, token_text, offset: int = 0) -> dict | None:
     if items is None:
         return None
     if kind == "chat":
+
         def entry(t, lp):
             s = token_text(t)
             return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8", "replace"))}
-        return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
-                            for x in items]}
+
+        return {
+            "content": [
+                {**entry(x.token, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                for x in items
+            ]
+        }
     toks, offsets = [token_text(x.token) for x in items], []
     for s in toks:
         offsets.append(offset)
         offset += len(s)
-    return {"tokens": toks, "token_logprobs": [_lp(x.logprob) for x in items],
-            "top_logprobs": [_by_text(x.top, token_text) for x in items], "text_offset": offsets}
+    return {
+        "tokens": toks,
+        "token_logprobs": [_lp(x.logprob) for x in items],
+        "top_logprobs": [_by_text(x.top, token_text) for x in items],
+        "text_offset": offsets,
+    }
 
 
 def _by_text(top, token_text) -> dict:
@@ -72,7 +91,9 @@ def _by_text(top, token_text) -> dict:
     return out
 
 
-def response(kind: str, rid: str, model: str, generations: list, prompt_tokens: int, token_text=str) -> dict:
+def response(
+    kind: str, rid: str, model: str, generations: list, prompt_tokens: int, token_text=str
+) -> dict:
     """A complete (non-streamed) ``chat.completion`` or ``text_completion`` object, one choice
     per generation. ``redraft`` holds the decoder's stats of the one choice, or
     ``{"choices": [stats per choice]}`` when there are several. ``token_text(id)`` spells the
@@ -82,15 +103,26 @@ def response(kind: str, rid: str, model: str, generations: list, prompt_tokens: 
         reason = FINISH_REASON[g.finish_reason]
         lp = logprobs_json(kind, getattr(g, "logprobs", None), token_text)
         if kind == "chat":
-            choices.append({"index": i, "message": {"role": "assistant", "content": g.text}, "logprobs": lp,
-                            "finish_reason": reason})
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": g.text},
+                    "logprobs": lp,
+                    "finish_reason": reason,
+                }
+            )
         else:
             choices.append({"index": i, "text": g.text, "logprobs": lp, "finish_reason": reason})
     stats = [redraft_stats(g) for g in generations]
-    return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": model, "choices": choices,
-            "usage": usage(prompt_tokens, sum(len(g.tokens) for g in generations)),
-            "redraft": stats[0] if len(stats) == 1 else {"choices": stats}}
+    return {
+        "id": rid,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, sum(len(g.tokens) for g in generations)),
+        "redraft": stats[0] if len(stats) == 1 else {"choices": stats},
+    }
 
 
 class ChunkWriter:
@@ -111,13 +143,21 @@ class ChunkWriter:
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
     def _chunk(self, choices: list, **extra) -> str:
-        obj = {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
+        obj = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.include_usage:
             obj["usage"] = None
         obj.update(extra)
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def _choice(self, index: int, text: str | None, reason: str | None, role: bool = False, logprobs=None) -> dict:
+    def _choice(
+        self, index: int, text: str | None, reason: str | None, role: bool = False, logprobs=None
+    ) -> dict:
         if self.kind == "chat":
             delta = {} if text is None else {"content": text}
             if role:
@@ -138,12 +178,16 @@ class ChunkWriter:
         lp = None
         if logprobs:
             lp = logprobs_json(self.kind, logprobs, self.token_text, self._offsets.get(index, 0))
-            self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in lp.get("tokens", ()))
+            self._offsets[index] = self._offsets.get(index, 0) + sum(
+                len(t) for t in lp.get("tokens", ())
+            )
         return self._chunk([self._choice(index, text, None, logprobs=lp)])
 
     def finish(self, generation, index: int = 0) -> str:
-        return self._chunk([self._choice(index, None, FINISH_REASON[generation.finish_reason])],
-                           redraft=redraft_stats(generation))
+        return self._chunk(
+            [self._choice(index, None, FINISH_REASON[generation.finish_reason])],
+            redraft=redraft_stats(generation),
+        )
 
     def usage(self, generations: list, prompt_tokens: int) -> str:
         return self._chunk([], usage=usage(prompt_tokens, sum(len(g.tokens) for g in generations)))
@@ -158,5 +202,10 @@ class ChunkWriter:
 
 
 def model_card(name: str, context: int) -> dict:
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "redraft",
-            "max_model_len": context}
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "redraft",
+        "max_model_len": context,
+    }

@@ -33,7 +33,9 @@ from redraft.serve.protocol import APIError, config_error
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_MAX_S = 60
-WARMUP_TOKENS = 8  # a short generation at start-up: the first real request then pays no one-off costs
+WARMUP_TOKENS = (
+    8  # a short generation at start-up: the first real request then pays no one-off costs
+)
 
 
 class Job:
@@ -63,8 +65,15 @@ class Scheduler:
             builds what the first step builds, so the first client does not wait for it).
     """
 
-    def __init__(self, decoder, max_batch: int = 16, max_queue: int = 64, metrics=None, make_params=None,
-                 warmup: bool = True):
+    def __init__(
+        self,
+        decoder,
+        max_batch: int = 16,
+        max_queue: int = 64,
+        metrics=None,
+        make_params=None,
+        warmup: bool = True,
+    ):
         if max_batch < 1 or max_queue < 0:
             raise ConfigError(f"max_batch={max_batch} must be >= 1 and max_queue={max_queue} >= 0.")
         self.decoder, self.max_batch, self.max_queue = decoder, max_batch, max_queue
@@ -103,16 +112,30 @@ class Scheduler:
         (draining or loop down) or 429 (the queue cannot take them all)."""
         with self._cv:
             if self._draining or self._stopping:
-                raise APIError(503, "the server is shutting down; send the request to another instance.",
-                               code="shutting_down")
+                raise APIError(
+                    503,
+                    "the server is shutting down; send the request to another instance.",
+                    code="shutting_down",
+                )
             if not self.alive:
-                raise APIError(503, f"the decode loop is not running ({self.failure!r}); restart the server.",
-                               code="loop_down")
-            if len(self._running) + len(self._waiting) + len(jobs) > self.max_batch + self.max_queue:
+                raise APIError(
+                    503,
+                    f"the decode loop is not running ({self.failure!r}); restart the server.",
+                    code="loop_down",
+                )
+            if (
+                len(self._running) + len(self._waiting) + len(jobs)
+                > self.max_batch + self.max_queue
+            ):
                 wait = self.retry_after()
-                raise APIError(429, f"the server is busy: {len(self._running)} requests decoding and "
-                                    f"{len(self._waiting)} waiting (--max-queue {self.max_queue}); retry in {wait} s.",
-                               code="queue_full", type="rate_limit_error", headers={"Retry-After": str(wait)})
+                raise APIError(
+                    429,
+                    f"the server is busy: {len(self._running)} requests decoding and "
+                    f"{len(self._waiting)} waiting (--max-queue {self.max_queue}); retry in {wait} s.",
+                    code="queue_full",
+                    type="rate_limit_error",
+                    headers={"Retry-After": str(wait)},
+                )
             for job in jobs:
                 job.state = "waiting"
                 self._waiting.append(job)
@@ -120,7 +143,12 @@ class Scheduler:
 
     def retry_after(self) -> int:
         """Seconds until a queue slot is likely free: waiting requests / rows x mean request time."""
-        return int(min(RETRY_AFTER_MAX_S, max(1, math.ceil(self._avg_secs * (1 + len(self._waiting)) / self.max_batch))))
+        return int(
+            min(
+                RETRY_AFTER_MAX_S,
+                max(1, math.ceil(self._avg_secs * (1 + len(self._waiting)) / self.max_batch)),
+            )
+        )
 
     def cancel(self, job: Job) -> None:
         """Drop ``job`` (its client went away): waiting jobs leave at once, running rows at the
@@ -179,13 +207,22 @@ class Scheduler:
                 left = list(self._waiting) + list(self._running.values())
                 self._waiting.clear()
                 self._running.clear()
-            self._fail(left, APIError(503, "the server stopped before this request finished.", code="shutting_down"))
+            self._fail(
+                left,
+                APIError(
+                    503, "the server stopped before this request finished.", code="shutting_down"
+                ),
+            )
 
     def _take_inbox(self, engine):
         """Wait for work; returns (jobs to admit, jobs to cancel), or (None, None) to stop."""
         with self._cv:
-            while not (self._stopping or self._cancel or engine.has_work
-                       or (self._waiting and len(self._running) < self.max_batch)):
+            while not (
+                self._stopping
+                or self._cancel
+                or engine.has_work
+                or (self._waiting and len(self._running) < self.max_batch)
+            ):
                 self._cv.wait()
             if self._stopping:
                 return None, None
@@ -208,7 +245,17 @@ class Scheduler:
             logger.exception("engine.add failed")
             job.state = "done"
             self._outcome("error")
-            self._post([(job, ("error", APIError(500, f"the decoder could not take this request: {exc!r}")))])
+            self._post(
+                [
+                    (
+                        job,
+                        (
+                            "error",
+                            APIError(500, f"the decoder could not take this request: {exc!r}"),
+                        ),
+                    )
+                ]
+            )
             return
         with self._cv:
             job.rid = rid
@@ -231,7 +278,9 @@ class Scheduler:
         try:
             events = engine.step()
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving others
-            logger.exception("a decoding step failed; its %d request(s) get an error", len(self._running))
+            logger.exception(
+                "a decoding step failed; its %d request(s) get an error", len(self._running)
+            )
             with self._cv:
                 failed = list(self._running.values())
                 self._running.clear()

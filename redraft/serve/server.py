@@ -43,8 +43,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def make_server(app, grace_s: float = 30.0, log_level: str = "info") -> DrainingServer:
-    config = uvicorn.Config(app, timeout_graceful_shutdown=grace_s, log_level=log_level, access_log=False,
-                            lifespan="on", timeout_keep_alive=5)
+    config = uvicorn.Config(
+        app,
+        timeout_graceful_shutdown=grace_s,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=5,
+    )
     return DrainingServer(config)
 
 

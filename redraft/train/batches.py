@@ -50,16 +50,28 @@ def load_datasets(cfg, tokenizer, env, train: bool = True):
     With ``train=False`` only the held-out set is built (train is None)."""
     from redraft.data import build_token_dataset
 
-    common = dict(max_length=cfg.max_length, pack=cfg.pack, heldout_fraction=cfg.heldout_fraction,
-                  num_proc=cfg.num_proc, cache_dir=cfg.data_cache_dir)
+    common = dict(
+        max_length=cfg.max_length,
+        pack=cfg.pack,
+        heldout_fraction=cfg.heldout_fraction,
+        num_proc=cfg.num_proc,
+        cache_dir=cfg.data_cache_dir,
+    )
 
     def build():
-        tr = build_token_dataset(cfg.data, tokenizer, split="train", limit=cfg.train_limit, **common) \
-            if train else None
+        tr = (
+            build_token_dataset(cfg.data, tokenizer, split="train", limit=cfg.train_limit, **common)
+            if train
+            else None
+        )
         if cfg.eval_data:
-            held = build_token_dataset(cfg.eval_data, tokenizer, split="all", limit=cfg.eval_limit, **common)
+            held = build_token_dataset(
+                cfg.eval_data, tokenizer, split="all", limit=cfg.eval_limit, **common
+            )
         else:
-            held = build_token_dataset(cfg.data, tokenizer, split="heldout", limit=cfg.eval_limit, **common)
+            held = build_token_dataset(
+                cfg.data, tokenizer, split="heldout", limit=cfg.eval_limit, **common
+            )
         return tr, held
 
     if not env.is_main:
@@ -74,10 +86,14 @@ def check_dataset(ds, what: str):
     """``ds`` itself, after checking it has ``input_ids``/``loss_mask`` and at least one row."""
     missing = {"input_ids", "loss_mask"} - set(ds.column_names)
     if missing:
-        raise DataError(f"The {what} dataset lacks the column(s) {sorted(missing)}; it needs input_ids and "
-                        f"loss_mask (redraft.data.build_token_dataset).")
+        raise DataError(
+            f"The {what} dataset lacks the column(s) {sorted(missing)}; it needs input_ids and "
+            f"loss_mask (redraft.data.build_token_dataset)."
+        )
     if len(ds) == 0:
-        raise DataError(f"The {what} dataset is empty; check the data spec and --train-limit/--eval-limit.")
+        raise DataError(
+            f"The {what} dataset is empty; check the data spec and --train-limit/--eval-limit."
+        )
     return ds
 
 
@@ -88,7 +104,9 @@ def sequence_lengths(ds) -> np.ndarray:
     return pc.list_value_length(ds.with_format("arrow")["input_ids"]).to_numpy().astype(np.int64)
 
 
-def draft_vocab_from_tokens(ids: np.ndarray, mask: np.ndarray, vocab_size: int, size: int) -> torch.Tensor:
+def draft_vocab_from_tokens(
+    ids: np.ndarray, mask: np.ndarray, vocab_size: int, size: int
+) -> torch.Tensor:
     """The ``size`` most frequent ids among the tokens where ``mask`` is set. [size] long.
 
     ``ids``, ``mask``: flat ``[N]`` arrays of every record's tokens.
@@ -104,8 +122,10 @@ def token_arrays(ds) -> tuple[np.ndarray, np.ndarray]:
     import pyarrow.compute as pc
 
     tbl = ds.with_format("arrow")
-    return (pc.list_flatten(tbl["input_ids"]).to_numpy(),
-            pc.list_flatten(tbl["loss_mask"]).to_numpy())
+    return (
+        pc.list_flatten(tbl["input_ids"]).to_numpy(),
+        pc.list_flatten(tbl["loss_mask"]).to_numpy(),
+    )
 
 
 def draft_vocab_from_data(ds, vocab_size: int, size: int) -> torch.Tensor:
@@ -113,8 +133,9 @@ def draft_vocab_from_data(ds, vocab_size: int, size: int) -> torch.Tensor:
     return draft_vocab_from_tokens(*token_arrays(ds), vocab_size, size)
 
 
-def epoch_batches(lengths: np.ndarray, global_batch: int, seed: int, epoch: int,
-                  group_by_length: bool) -> np.ndarray:
+def epoch_batches(
+    lengths: np.ndarray, global_batch: int, seed: int, epoch: int, group_by_length: bool
+) -> np.ndarray:
     """The global batches of one epoch: ``[num_batches, global_batch]`` record indices.
 
     A deterministic function of (seed, epoch), so a resumed run sees the same order. With
@@ -126,27 +147,34 @@ def epoch_batches(lengths: np.ndarray, global_batch: int, seed: int, epoch: int,
     order = rng.permutation(n)
     nb = n // global_batch
     if nb == 0:
-        raise ConfigError(f"The training set has {n} records, fewer than one global batch "
-                          f"(micro_batch_size x grad_accum x processes = {global_batch}); lower them.",
-                          param="micro_batch_size")
+        raise ConfigError(
+            f"The training set has {n} records, fewer than one global batch "
+            f"(micro_batch_size x grad_accum x processes = {global_batch}); lower them.",
+            param="micro_batch_size",
+        )
     order = order[: nb * global_batch]
     if group_by_length and global_batch > 1:
         chunk = global_batch * 32
-        parts = [c[np.argsort(-lengths[c], kind="stable")] for c in np.array_split(order, max(1, len(order) // chunk))]
+        parts = [
+            c[np.argsort(-lengths[c], kind="stable")]
+            for c in np.array_split(order, max(1, len(order) // chunk))
+        ]
         order = np.concatenate(parts)
         batches = order.reshape(nb, global_batch)
         return batches[rng.permutation(nb)]
     return order.reshape(nb, global_batch)
 
 
-def micro_batch(global_batch: np.ndarray, k: int, rank: int, world_size: int, size: int) -> np.ndarray:
+def micro_batch(
+    global_batch: np.ndarray, k: int, rank: int, world_size: int, size: int
+) -> np.ndarray:
     """Record indices of this rank's ``k``-th micro batch of a global batch.
 
     Micro batch ``j`` of the global batch goes to rank ``j % world``: 2 processes with
     accumulation ``a`` see exactly the micro batches of 1 process with accumulation ``2a``.
     """
     j = rank + world_size * k
-    return global_batch[j * size:(j + 1) * size]
+    return global_batch[j * size : (j + 1) * size]
 
 
 def pad_rows(rows, dtype=torch.long) -> torch.Tensor:
@@ -177,8 +205,12 @@ class TokenRecords:
     def batch(self, idx, device) -> Batch:
         rows = self.ds[[int(i) for i in idx]]
         ids, mask = pad_rows(rows["input_ids"]), pad_rows(rows["loss_mask"])
-        return Batch(ids.to(device), mask.to(device), tokens=int(self.lengths[idx].sum()),
-                     loss_tokens=int(mask[:, 2:].sum()))
+        return Batch(
+            ids.to(device),
+            mask.to(device),
+            tokens=int(self.lengths[idx].sum()),
+            loss_tokens=int(mask[:, 2:].sum()),
+        )
 
     def token_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return token_arrays(self.ds)

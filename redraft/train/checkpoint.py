@@ -41,7 +41,16 @@ STAGE_DONE = ".complete"  # written into STAGE_DIR once every file of the new ar
 RUN_CONFIG = "run_config.yaml"
 METRICS = "metrics.json"
 CARD = "README.md"
-RUN_FILES = (RUN_CONFIG, STATE_DIR, "model.safetensors", "config.json", CARD, METRICS, "tensorboard", STAGE_DIR)
+RUN_FILES = (
+    RUN_CONFIG,
+    STATE_DIR,
+    "model.safetensors",
+    "config.json",
+    CARD,
+    METRICS,
+    "tensorboard",
+    STAGE_DIR,
+)
 
 
 def check_output_dir(out: Path) -> None:
@@ -51,11 +60,15 @@ def check_output_dir(out: Path) -> None:
         if p.exists():
             if not p.is_dir():
                 what = "is a file" if p == out else f"is under {p}, which is a file"
-                raise ConfigError(f"--output-dir {out} {what}; pass a directory (it is created if missing).",
-                                  param="output_dir")
+                raise ConfigError(
+                    f"--output-dir {out} {what}; pass a directory (it is created if missing).",
+                    param="output_dir",
+                )
             if not os.access(p, os.W_OK):
-                raise ConfigError(f"--output-dir {out}: {p} is not writable; choose another --output-dir.",
-                                  param="output_dir")
+                raise ConfigError(
+                    f"--output-dir {out}: {p} is not writable; choose another --output-dir.",
+                    param="output_dir",
+                )
             return
 
 
@@ -70,7 +83,8 @@ def prepare_output_dir(out: Path, resume: bool, overwrite: bool, rank: int) -> b
     if found and not (resume or overwrite):
         raise ConfigError(
             f"Output directory {out} already holds a run ({', '.join(found)}). Pass --resume to "
-            f"continue it, --overwrite to replace it, or choose another --output-dir.", param="output_dir"
+            f"continue it, --overwrite to replace it, or choose another --output-dir.",
+            param="output_dir",
         )
     if found and overwrite and not resume and rank == 0:
         for name in found:
@@ -93,13 +107,20 @@ def checkpoint_tags(out: Path) -> list[str]:
     d = out / STATE_DIR
     if not d.is_dir():
         return []
-    tags = [p.name for p in d.iterdir() if p.is_dir() and re.fullmatch(r"step-\d+", p.name)
-            and (p / "redraft_state.json").is_file()]
+    tags = [
+        p.name
+        for p in d.iterdir()
+        if p.is_dir() and re.fullmatch(r"step-\d+", p.name) and (p / "redraft_state.json").is_file()
+    ]
     return sorted(tags, key=lambda t: int(t.split("-")[1]))
 
 
 def rng_state() -> dict:
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    st = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state_all()
     return st
@@ -126,7 +147,7 @@ def save_checkpoint(engine, out: Path, state: dict, rank: int, keep: int, barrie
     barrier()
     if rank == 0:
         atomic_write_text(root / tag / "redraft_state.json", json.dumps(state, indent=2))
-        for old in checkpoint_tags(out)[:-max(1, keep)]:
+        for old in checkpoint_tags(out)[: -max(1, keep)]:
             shutil.rmtree(root / old, ignore_errors=True)
     barrier()
     return root / tag
@@ -139,8 +160,10 @@ def load_checkpoint(engine, out: Path, rank: int) -> dict | None:
         return None
     path, client = engine.load_checkpoint(str(out / STATE_DIR), tag=tag)
     if path is None:
-        raise ConfigError(f"DeepSpeed could not load the checkpoint {out / STATE_DIR / tag}; "
-                          f"delete that directory to resume from an older one, or pass --overwrite.")
+        raise ConfigError(
+            f"DeepSpeed could not load the checkpoint {out / STATE_DIR / tag}; "
+            f"delete that directory to resume from an older one, or pass --overwrite."
+        )
     rng_file = out / STATE_DIR / tag / f"rng_rank{rank}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
@@ -223,8 +246,13 @@ def write_card(out: Path) -> None:
     try:
         write_model_card(out)
     except Exception as exc:  # noqa: BLE001 - the weights are safe; say how to make the card later
-        logger.warning("model card not written (%s: %s); write it later with "
-                       "redraft.hub_card.write_model_card(%r)", type(exc).__name__, exc, str(out))
+        logger.warning(
+            "model card not written (%s: %s); write it later with "
+            "redraft.hub_card.write_model_card(%r)",
+            type(exc).__name__,
+            exc,
+            str(out),
+        )
 
 
 def recover_artifact(out: Path) -> str | None:

@@ -35,106 +35,219 @@ class TrainConfig(Settings):
     KIND = "training setting"
 
     # ---- target and data
-    target: str = _f("default", "Target model: 'default', a .gguf file, a local HF/PEFT directory or a hub id.")
-    data: str = _f("default-chat", "Training data source spec (redraft.data grammar, e.g. 'default-chat', "
-                   "'sharegpt:FILE.jsonl', a mixture).")
+    target: str = _f(
+        "default", "Target model: 'default', a .gguf file, a local HF/PEFT directory or a hub id."
+    )
+    data: str = _f(
+        "default-chat",
+        "Training data source spec (redraft.data grammar, e.g. 'default-chat', "
+        "'sharegpt:FILE.jsonl', a mixture).",
+    )
     eval_data: str | None = _f(None, "Held-out data spec; none = the held-out split of --data.")
-    max_length: int = _f(2048, "Truncate each tokenized record to this many tokens.",
-                         range=Range(3), hint=" (a window needs a context token, an input token and a target)")
-    self_distill: bool = _f(False, "Train and evaluate on the target's own greedy replies to the prompts of --data "
-                            "(made once with redraft-distill-data's code, cached in --distill-dir, resumable) "
-                            "instead of the replies in the data.")
-    distill_dir: str | None = _f(None, "Where the self-distilled JSONL files go; none = <redraft cache>/distilled/"
-                                 "<target>-<hash of the target and the distill settings>.")
-    distill_limit: int | None = _f(2000, "Conversations of --data's train split to self-distill (held-out: "
-                                   "--eval-limit); none = all.", range=Range(1))
+    max_length: int = _f(
+        2048,
+        "Truncate each tokenized record to this many tokens.",
+        range=Range(3),
+        hint=" (a window needs a context token, an input token and a target)",
+    )
+    self_distill: bool = _f(
+        False,
+        "Train and evaluate on the target's own greedy replies to the prompts of --data "
+        "(made once with redraft-distill-data's code, cached in --distill-dir, resumable) "
+        "instead of the replies in the data.",
+    )
+    distill_dir: str | None = _f(
+        None,
+        "Where the self-distilled JSONL files go; none = <redraft cache>/distilled/"
+        "<target>-<hash of the target and the distill settings>.",
+    )
+    distill_limit: int | None = _f(
+        2000,
+        "Conversations of --data's train split to self-distill (held-out: "
+        "--eval-limit); none = all.",
+        range=Range(1),
+    )
     distill_max_new_tokens: int = _f(256, "Longest self-distilled reply in tokens.", range=Range(1))
-    distill_max_turns: int | None = _f(None, "Self-distill at most this many user turns per conversation; none = all.",
-                                       range=Range(1))
-    distill_max_prompt_tokens: int = _f(1024, "Self-distill no turn whose prompt is longer (the prompt's prefill "
-                                        "dominates generation time on a CPU); at most --max-length is used.",
-                                        range=Range(1))
-    distill_batch_size: int = _f(8, "Conversations generated together when self-distilling.", range=Range(1))
+    distill_max_turns: int | None = _f(
+        None,
+        "Self-distill at most this many user turns per conversation; none = all.",
+        range=Range(1),
+    )
+    distill_max_prompt_tokens: int = _f(
+        1024,
+        "Self-distill no turn whose prompt is longer (the prompt's prefill "
+        "dominates generation time on a CPU); at most --max-length is used.",
+        range=Range(1),
+    )
+    distill_batch_size: int = _f(
+        8, "Conversations generated together when self-distilling.", range=Range(1)
+    )
     pack: bool = _f(False, "Pack records into max_length sequences (redraft.data).")
-    heldout_fraction: float = _f(0.02, "Fraction of records (by id hash) held out for evaluation.",
-                                 range=Range(0, 1, hi_open=True))
+    heldout_fraction: float = _f(
+        0.02,
+        "Fraction of records (by id hash) held out for evaluation.",
+        range=Range(0, 1, hi_open=True),
+    )
     train_limit: int | None = _f(None, "Use at most this many training records.", range=Range(1))
-    eval_limit: int | None = _f(200, "Evaluate on at most this many held-out records.", range=Range(1))
-    data_cache_dir: str | None = _f(None, "Token dataset cache directory; none = under the redraft cache.")
-    num_proc: int | None = _f(None, "Processes for tokenization (datasets.map num_proc); none = the CPUs, at most 8.",
-                              range=Range(1))
+    eval_limit: int | None = _f(
+        200, "Evaluate on at most this many held-out records.", range=Range(1)
+    )
+    data_cache_dir: str | None = _f(
+        None, "Token dataset cache directory; none = under the redraft cache."
+    )
+    num_proc: int | None = _f(
+        None,
+        "Processes for tokenization (datasets.map num_proc); none = the CPUs, at most 8.",
+        range=Range(1),
+    )
 
     # ---- the head
-    num_steps: int = _f(5, "Training horizon n: draft tokens predicted from each hidden state.", range=Range(1))
+    num_steps: int = _f(
+        5, "Training horizon n: draft tokens predicted from each hidden state.", range=Range(1)
+    )
     num_layers: int = _f(2, "ResNet blocks in the head.", range=Range(0))
-    rnn: bool = _f(True, "Use the recurrence s_i = f(U s_{i-1} + W e_i + b); false = paper's ablation.")
+    rnn: bool = _f(
+        True, "Use the recurrence s_i = f(U s_{i-1} + W e_i + b); false = paper's ablation."
+    )
     activation: str = _f("silu", "Activation f of the recurrence and the ResNet blocks.")
-    draft_vocab_size: int | None = _f(None, "Reduced draft vocabulary: the N most frequent target tokens "
-                                      "(assistant tokens of the training data); none = full vocabulary.",
-                                      range=Range(1))
-    init_from: str | None = _f(None, "Start from the weights of this drafter artifact (fine-tuning).")
-    features: str | None = _f(None, "Train from the target features cached in this directory by "
-                              "redraft-cache-features (no target forward per step); they must match --target, "
-                              "--data, --max-length and the other data settings.")
-    init_head: str = _f("random", "'random' (paper) or 'target': the output layer starts as the target's LM head "
-                        "on x (zeros on s) and the ResNet blocks as identity (Medusa-style warm start).",
-                        choices=("random", "target"))
+    draft_vocab_size: int | None = _f(
+        None,
+        "Reduced draft vocabulary: the N most frequent target tokens "
+        "(assistant tokens of the training data); none = full vocabulary.",
+        range=Range(1),
+    )
+    init_from: str | None = _f(
+        None, "Start from the weights of this drafter artifact (fine-tuning)."
+    )
+    features: str | None = _f(
+        None,
+        "Train from the target features cached in this directory by "
+        "redraft-cache-features (no target forward per step); they must match --target, "
+        "--data, --max-length and the other data settings.",
+    )
+    init_head: str = _f(
+        "random",
+        "'random' (paper) or 'target': the output layer starts as the target's LM head "
+        "on x (zeros on s) and the ResNet blocks as identity (Medusa-style warm start).",
+        choices=("random", "target"),
+    )
 
     # ---- objective
-    loss: str = _f("ce", "'ce' (cross-entropy on the data), 'kd' (KL to the target's distribution) or 'ce+kd'.",
-                   choices=("ce", "kd", "ce+kd"))
+    loss: str = _f(
+        "ce",
+        "'ce' (cross-entropy on the data), 'kd' (KL to the target's distribution) or 'ce+kd'.",
+        choices=("ce", "kd", "ce+kd"),
+    )
     kd_weight: float = _f(1.0, "Weight of the KL term in 'ce+kd'.", range=Range(0))
-    kd_top_k: int = _f(8, "KD teacher: the target's top-k next tokens, renormalised over those in the draft "
-                       "vocabulary (cached features hold their own top-k).", range=Range(1))
-    loss_impl: str = _f("auto", "'fused' (chunked linear loss: never holds the [positions, steps, vocab] logits), "
-                        "'liger' (liger-kernel's fused linear cross-entropy; CUDA, loss ce), 'dense' (the "
-                        "reference) or 'auto' (liger where it applies and is installed, else fused; dense "
-                        "under ZeRO-3).", choices=("auto", "fused", "liger", "dense"))
+    kd_top_k: int = _f(
+        8,
+        "KD teacher: the target's top-k next tokens, renormalised over those in the draft "
+        "vocabulary (cached features hold their own top-k).",
+        range=Range(1),
+    )
+    loss_impl: str = _f(
+        "auto",
+        "'fused' (chunked linear loss: never holds the [positions, steps, vocab] logits), "
+        "'liger' (liger-kernel's fused linear cross-entropy; CUDA, loss ce), 'dense' (the "
+        "reference) or 'auto' (liger where it applies and is installed, else fused; dense "
+        "under ZeRO-3).",
+        choices=("auto", "fused", "liger", "dense"),
+    )
 
     # ---- optimisation (paper / Apple recipe defaults)
-    epochs: float = _f(2, "Passes over the training data (fractions allowed).",
-                       range=Range(0, lo_open=True), hint=" (or set --max-steps)")
-    max_steps: int | None = _f(None, "Stop after this many optimizer steps, >= 1 (overrides epochs for the "
-                               "schedule); none = train for --epochs.",
-                               range=Range(1), hint=" (leave it out to train for --epochs)", flags=("--steps",),
-                               metavar="N")
-    max_time_minutes: float | None = _f(None, "Stop (checkpoint, evaluate, save) after this much training time.",
-                                        range=Range(0, lo_open=True), hint=" (leave it out for no time budget)")
+    epochs: float = _f(
+        2,
+        "Passes over the training data (fractions allowed).",
+        range=Range(0, lo_open=True),
+        hint=" (or set --max-steps)",
+    )
+    max_steps: int | None = _f(
+        None,
+        "Stop after this many optimizer steps, >= 1 (overrides epochs for the "
+        "schedule); none = train for --epochs.",
+        range=Range(1),
+        hint=" (leave it out to train for --epochs)",
+        flags=("--steps",),
+        metavar="N",
+    )
+    max_time_minutes: float | None = _f(
+        None,
+        "Stop (checkpoint, evaluate, save) after this much training time.",
+        range=Range(0, lo_open=True),
+        hint=" (leave it out for no time budget)",
+    )
     micro_batch_size: int = _f(1, "Sequences per micro batch per process.", range=Range(1))
-    grad_accum: int = _f(8, "Micro batches accumulated per optimizer step (per process).", range=Range(1))
-    lr: float = _f(1e-3, "Peak learning rate (AdamW).",
-                   range=Range(0, lo_open=True), hint=" (the peak AdamW learning rate, e.g. 1e-3)")
+    grad_accum: int = _f(
+        8, "Micro batches accumulated per optimizer step (per process).", range=Range(1)
+    )
+    lr: float = _f(
+        1e-3,
+        "Peak learning rate (AdamW).",
+        range=Range(0, lo_open=True),
+        hint=" (the peak AdamW learning rate, e.g. 1e-3)",
+    )
     weight_decay: float = _f(0.0, "AdamW weight decay.", range=Range(0))
     adam_betas: tuple[float, float] = _f((0.9, 0.999), "AdamW betas.", metavar=("B1", "B2"))
-    warmup_ratio: float = _f(0.1, "Linear warm-up as a fraction of the schedule.", range=Range(0, 1, hi_open=True))
-    min_lr_ratio: float = _f(0.0, "Final learning rate of the cosine decay, as a fraction of lr.", range=Range(0, 1))
-    schedule_by_time: bool = _f(False, "With max_time_minutes: run warm-up and cosine over the time budget "
-                                "instead of the step count (bounded CPU demos; resume is then not bit-exact).")
-    grad_clip: float = _f(1.0, "Gradient-norm clipping (0 = off).", range=Range(0), hint=" (0 turns clipping off)")
+    warmup_ratio: float = _f(
+        0.1, "Linear warm-up as a fraction of the schedule.", range=Range(0, 1, hi_open=True)
+    )
+    min_lr_ratio: float = _f(
+        0.0, "Final learning rate of the cosine decay, as a fraction of lr.", range=Range(0, 1)
+    )
+    schedule_by_time: bool = _f(
+        False,
+        "With max_time_minutes: run warm-up and cosine over the time budget "
+        "instead of the step count (bounded CPU demos; resume is then not bit-exact).",
+    )
+    grad_clip: float = _f(
+        1.0, "Gradient-norm clipping (0 = off).", range=Range(0), hint=" (0 turns clipping off)"
+    )
     group_by_length: bool = _f(True, "Batch records of similar length together (less padding).")
 
     # ---- precision and DeepSpeed
-    precision: str = _f("auto", "'bf16', 'fp16', 'fp32' (DeepSpeed weights/optimizer precision) or "
-                        "'amp-bf16' (fp32 weights, bf16 autocast compute). auto: bf16 on GPU with ZeRO>=1, "
-                        "else amp-bf16.",
-                        choices=("auto", "bf16", "fp16", "fp32", "amp-bf16"))
+    precision: str = _f(
+        "auto",
+        "'bf16', 'fp16', 'fp32' (DeepSpeed weights/optimizer precision) or "
+        "'amp-bf16' (fp32 weights, bf16 autocast compute). auto: bf16 on GPU with ZeRO>=1, "
+        "else amp-bf16.",
+        choices=("auto", "bf16", "fp16", "fp32", "amp-bf16"),
+    )
     zero_stage: int = _f(0, "ZeRO stage 0-3 (picks train/ds_zero<stage>.json).", range=Range(0, 3))
-    deepspeed_config: str | None = _f(None, "A DeepSpeed JSON config; 'auto' values are filled from this config.")
+    deepspeed_config: str | None = _f(
+        None, "A DeepSpeed JSON config; 'auto' values are filled from this config."
+    )
     device: str = _f("auto", "'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'.")
-    threads: int | None = _f(None, "CPU threads per process; none = the cores split between local ranks. "
-                             "On a CPU shared with other jobs 1 thread can be several times faster.", range=Range(1))
+    threads: int | None = _f(
+        None,
+        "CPU threads per process; none = the cores split between local ranks. "
+        "On a CPU shared with other jobs 1 thread can be several times faster.",
+        range=Range(1),
+    )
 
     # ---- evaluation, logging, checkpoints
-    eval_every: int = _f(500, "Evaluate on the held-out set every N optimizer steps (0 = only at the end).",
-                         range=Range(0))
+    eval_every: int = _f(
+        500,
+        "Evaluate on the held-out set every N optimizer steps (0 = only at the end).",
+        range=Range(0),
+    )
     eval_batch_size: int = _f(4, "Sequences per evaluation batch.", range=Range(1))
-    save_every: int = _f(500, "Checkpoint every N optimizer steps (0 = only at the end / on a signal).",
-                         range=Range(0))
-    keep_checkpoints: int = _f(2, "Keep the newest N checkpoints in training_state/.", range=Range(1))
-    log_every: int = _f(10, "TensorBoard / progress-bar logging interval (optimizer steps).", range=Range(1))
+    save_every: int = _f(
+        500,
+        "Checkpoint every N optimizer steps (0 = only at the end / on a signal).",
+        range=Range(0),
+    )
+    keep_checkpoints: int = _f(
+        2, "Keep the newest N checkpoints in training_state/.", range=Range(1)
+    )
+    log_every: int = _f(
+        10, "TensorBoard / progress-bar logging interval (optimizer steps).", range=Range(1)
+    )
     # str | None: "none" reads as None, as runs saved it (parse_report_to takes either)
-    report_to: str | None = _f("tensorboard", "Experiment trackers (accelerate.tracking), a comma list of "
-                               "tensorboard (events in <output_dir>/tensorboard), wandb, mlflow; or none.")
+    report_to: str | None = _f(
+        "tensorboard",
+        "Experiment trackers (accelerate.tracking), a comma list of "
+        "tensorboard (events in <output_dir>/tensorboard), wandb, mlflow; or none.",
+    )
     output_dir: str | None = _f(None, "Run directory; none = checkpoints/<run_name>.")
     run_name: str | None = _f(None, "Run name; none = redrafter-<target name>.")
     seed: int = _f(0, "Seed of the head's init and of the data order.", range=Range(0, 2**32 - 1))
@@ -168,21 +281,34 @@ class TrainConfig(Settings):
         """What the schema's types, ranges and choices cannot say (run by ``validate()``, which
         checks every setting's type and range; a ConfigError names the flag, the value and what
         is valid, ``param`` = the setting)."""
-        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(self.device))):
-            raise ConfigError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N.", param="device")
+        if not (
+            self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", str(self.device))
+        ):
+            raise ConfigError(
+                f"--device {self.device!r}: use auto, cpu, cuda or cuda:N.", param="device"
+            )
         betas = self.adam_betas
-        if (not isinstance(betas, (list, tuple)) or len(betas) != 2
-                or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
-            raise ConfigError(f"--adam-betas {betas!r}: needs two numbers in [0, 1), e.g. 0.9 0.999.",
-                              param="adam_betas")
+        if (
+            not isinstance(betas, (list, tuple))
+            or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)
+        ):
+            raise ConfigError(
+                f"--adam-betas {betas!r}: needs two numbers in [0, 1), e.g. 0.9 0.999.",
+                param="adam_betas",
+            )
         if self.schedule_by_time and not self.max_time_minutes:
-            raise ConfigError("--schedule-by-time needs --max-time-minutes (the budget the schedule spans).",
-                              param="schedule_by_time")
+            raise ConfigError(
+                "--schedule-by-time needs --max-time-minutes (the budget the schedule spans).",
+                param="schedule_by_time",
+            )
         from transformers.activations import ACT2FN
 
         if self.activation not in ACT2FN:
-            raise ConfigError(f"--activation {self.activation!r}: use one of {', '.join(sorted(ACT2FN))}.",
-                              param="activation")
+            raise ConfigError(
+                f"--activation {self.activation!r}: use one of {', '.join(sorted(ACT2FN))}.",
+                param="activation",
+            )
         parse_report_to(self.report_to)
 
 
@@ -207,12 +333,17 @@ def parse_report_to(report_to: str | None) -> list[str]:
         return []
     for name in names:
         if name not in TRACKER_PACKAGES:
-            raise ConfigError(f"--report-to {report_to!r}: {name!r} is not a tracker; use a comma list of "
-                              f"{', '.join(TRACKER_PACKAGES)}, or none.", param="report_to")
+            raise ConfigError(
+                f"--report-to {report_to!r}: {name!r} is not a tracker; use a comma list of "
+                f"{', '.join(TRACKER_PACKAGES)}, or none.",
+                param="report_to",
+            )
         if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
-            raise ConfigError(f"--report-to {name} needs the {TRACKER_PACKAGES[name]} package: "
-                              f"pip install {TRACKER_PACKAGES[name]} (or drop it from --report-to).",
-                              param="report_to")
+            raise ConfigError(
+                f"--report-to {name} needs the {TRACKER_PACKAGES[name]} package: "
+                f"pip install {TRACKER_PACKAGES[name]} (or drop it from --report-to).",
+                param="report_to",
+            )
     return list(dict.fromkeys(names))
 
 
@@ -225,10 +356,28 @@ RANGES = {k: f.metadata["range"] for k, f in FIELDS.items() if f.metadata["range
 # run's target_record (tokenizer and weights fingerprints) is what must match.
 # "features" may move likewise: features are checked against the run's data and target.
 RESUMABLE_CHANGES = {
-    "max_time_minutes", "eval_every", "save_every", "keep_checkpoints", "log_every", "report_to",
-    "output_dir", "run_name", "push_to_hub", "hub_private", "hub_revision", "eval_limit",
-    "eval_batch_size", "num_proc", "data_cache_dir", "device", "target", "threads", "features",
-    "loss_impl", "distill_dir", "distill_batch_size",
+    "max_time_minutes",
+    "eval_every",
+    "save_every",
+    "keep_checkpoints",
+    "log_every",
+    "report_to",
+    "output_dir",
+    "run_name",
+    "push_to_hub",
+    "hub_private",
+    "hub_revision",
+    "eval_limit",
+    "eval_batch_size",
+    "num_proc",
+    "data_cache_dir",
+    "device",
+    "target",
+    "threads",
+    "features",
+    "loss_impl",
+    "distill_dir",
+    "distill_batch_size",
 }
 
 # Keys a run_config.yaml holds that are records, not settings: a recipe may contain them (so a
@@ -267,8 +416,11 @@ def find_recipe(name_or_path: str) -> Path:
     for cand in (RECIPES_DIR / f"{name_or_path}.yaml", RECIPES_DIR / name_or_path):
         if cand.is_file():
             return cand
-    raise ConfigError(f"Recipe {name_or_path!r} not found (no such file, and not one of {recipe_names()} in "
-                      f"{RECIPES_DIR}).", param="recipe")
+    raise ConfigError(
+        f"Recipe {name_or_path!r} not found (no such file, and not one of {recipe_names()} in "
+        f"{RECIPES_DIR}).",
+        param="recipe",
+    )
 
 
 def load_recipe(name_or_path: str) -> dict:
@@ -310,4 +462,6 @@ def parse_set(items: list[str]) -> dict:
 def config_diff(saved: dict, current: TrainConfig) -> list[str]:
     """Keys whose value differs from a saved run's and that may not change on resume."""
     cur = current.to_dict()
-    return sorted(k for k in cur if k not in RESUMABLE_CHANGES and k in saved and saved[k] != cur[k])
+    return sorted(
+        k for k in cur if k not in RESUMABLE_CHANGES and k in saved and saved[k] != cur[k]
+    )

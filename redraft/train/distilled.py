@@ -29,11 +29,16 @@ DONE_SUFFIX = ".done.json"
 
 def distill_settings(cfg: TrainConfig, record: dict) -> dict:
     """Everything that decides the distilled replies (the cache key)."""
-    return {"data": cfg.data, "heldout_fraction": cfg.heldout_fraction,
-            "max_new_tokens": cfg.distill_max_new_tokens, "max_turns": cfg.distill_max_turns,
-            "max_prompt_tokens": min(cfg.max_length, cfg.distill_max_prompt_tokens), "temperature": 0.0,
-            "tokenizer_fingerprint": record.get("tokenizer_fingerprint"),
-            "weights_fingerprint": record.get("weights_fingerprint")}
+    return {
+        "data": cfg.data,
+        "heldout_fraction": cfg.heldout_fraction,
+        "max_new_tokens": cfg.distill_max_new_tokens,
+        "max_turns": cfg.distill_max_turns,
+        "max_prompt_tokens": min(cfg.max_length, cfg.distill_max_prompt_tokens),
+        "temperature": 0.0,
+        "tokenizer_fingerprint": record.get("tokenizer_fingerprint"),
+        "weights_fingerprint": record.get("weights_fingerprint"),
+    }
 
 
 def distill_dir(cfg: TrainConfig, record: dict) -> Path:
@@ -42,7 +47,9 @@ def distill_dir(cfg: TrainConfig, record: dict) -> Path:
         return Path(cfg.distill_dir).expanduser()
     from redraft.models.target import CACHE_ROOT
 
-    key = hashlib.sha256(json.dumps(distill_settings(cfg, record), sort_keys=True).encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        json.dumps(distill_settings(cfg, record), sort_keys=True).encode()
+    ).hexdigest()[:12]
     name = cfg.resolved_run_name().removeprefix("redrafter-")
     return CACHE_ROOT / "distilled" / f"{name}-{key}"
 
@@ -57,28 +64,53 @@ def _complete(path: Path, settings: dict, limit: int | None) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     asked = meta.get("limit")
-    return meta.get("settings") == settings and (asked is None or (limit is not None and asked >= limit))
+    return meta.get("settings") == settings and (
+        asked is None or (limit is not None and asked >= limit)
+    )
 
 
-def ensure_split(target, cfg: TrainConfig, path: Path, split: str, limit: int | None, settings: dict, say) -> None:
+def ensure_split(
+    target, cfg: TrainConfig, path: Path, split: str, limit: int | None, settings: dict, say
+) -> None:
     """Make (or finish) ``path``: the target's replies to ``split`` of ``cfg.data``."""
     from redraft.data.distill import distill
 
     if _complete(path, settings, limit):
         say(f"redraft-train: self-distilled {split} data found in {path}")
         return
-    say(f"redraft-train: self-distilling the {split} split of {cfg.data} ({limit or 'all'} conversations, "
-        f"{cfg.distill_max_new_tokens} new tokens per reply) into {path}; resumable")
+    say(
+        f"redraft-train: self-distilling the {split} split of {cfg.data} ({limit or 'all'} conversations, "
+        f"{cfg.distill_max_new_tokens} new tokens per reply) into {path}; resumable"
+    )
     t0 = time.perf_counter()
-    res = distill(target, cfg.data, path, max_new_tokens=cfg.distill_max_new_tokens,
-                  batch_size=cfg.distill_batch_size, limit=limit, split=split,
-                  heldout_fraction=cfg.heldout_fraction, max_prompt_tokens=settings["max_prompt_tokens"], seed=cfg.seed,
-                  max_turns=cfg.distill_max_turns)
+    res = distill(
+        target,
+        cfg.data,
+        path,
+        max_new_tokens=cfg.distill_max_new_tokens,
+        batch_size=cfg.distill_batch_size,
+        limit=limit,
+        split=split,
+        heldout_fraction=cfg.heldout_fraction,
+        max_prompt_tokens=settings["max_prompt_tokens"],
+        seed=cfg.seed,
+        max_turns=cfg.distill_max_turns,
+    )
     dt = time.perf_counter() - t0
-    say(f"redraft-train: {res.get('written', 0)} conversations, {res.get('new_tokens', 0)} new tokens in "
-        f"{dt:.0f} s ({res.get('new_tokens', 0) / max(dt, 1e-9):.0f} tokens/s)")
-    path.with_name(path.name + DONE_SUFFIX).write_text(json.dumps(
-        {"settings": settings, "limit": limit, "result": {k: v for k, v in res.items() if k != "source"}}, indent=1))
+    say(
+        f"redraft-train: {res.get('written', 0)} conversations, {res.get('new_tokens', 0)} new tokens in "
+        f"{dt:.0f} s ({res.get('new_tokens', 0) / max(dt, 1e-9):.0f} tokens/s)"
+    )
+    path.with_name(path.name + DONE_SUFFIX).write_text(
+        json.dumps(
+            {
+                "settings": settings,
+                "limit": limit,
+                "result": {k: v for k, v in res.items() if k != "source"},
+            },
+            indent=1,
+        )
+    )
 
 
 def distilled_data(cfg: TrainConfig, target, record: dict, env, train: bool = True) -> TrainConfig:
@@ -97,4 +129,6 @@ def distilled_data(cfg: TrainConfig, target, record: dict, env, train: bool = Tr
         if not cfg.eval_data:
             ensure_split(target, cfg, held_file, "heldout", cfg.eval_limit, settings, env.say)
     env.barrier()
-    return dataclasses.replace(cfg, data=f"sharegpt:{train_file}", eval_data=cfg.eval_data or f"sharegpt:{held_file}")
+    return dataclasses.replace(
+        cfg, data=f"sharegpt:{train_file}", eval_data=cfg.eval_data or f"sharegpt:{held_file}"
+    )

@@ -78,8 +78,9 @@ def setup_distributed(cfg) -> DistEnv:
     import deepspeed
 
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False,
-                                   verbose=False)
+        deepspeed.init_distributed(
+            dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False, verbose=False
+        )
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:

@@ -48,10 +48,27 @@ logger = logging.getLogger(__name__)
 FORMAT = "redraft-features/1"
 META_FILE = "features.json"
 # the data settings that decide which records (and tokens) a run trains on
-DATA_KEYS = ("data", "max_length", "pack", "heldout_fraction", "train_limit", "self_distill", "distill_limit",
-             "distill_max_new_tokens", "distill_max_turns", "distill_max_prompt_tokens")
+DATA_KEYS = (
+    "data",
+    "max_length",
+    "pack",
+    "heldout_fraction",
+    "train_limit",
+    "self_distill",
+    "distill_limit",
+    "distill_max_new_tokens",
+    "distill_max_turns",
+    "distill_max_prompt_tokens",
+)
 # safetensors dtype -> numpy dtype of the memory map (bfloat16 is read as uint16, viewed by torch)
-_NP = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "I32": np.int32, "U8": np.uint8, "I64": np.int64}
+_NP = {
+    "BF16": np.uint16,
+    "F16": np.float16,
+    "F32": np.float32,
+    "I32": np.int32,
+    "U8": np.uint8,
+    "I64": np.int64,
+}
 
 
 def shard_name(i: int) -> str:
@@ -60,7 +77,12 @@ def shard_name(i: int) -> str:
 
 def bytes_per_token(hidden_size: int, top_k: int, hidden_dtype: str) -> int:
     """Disk bytes one token takes (hidden + top-k ids and logits + id + mask)."""
-    return hidden_size * torch.empty((), dtype=getattr(torch, hidden_dtype)).element_size() + top_k * 8 + 4 + 1
+    return (
+        hidden_size * torch.empty((), dtype=getattr(torch, hidden_dtype)).element_size()
+        + top_k * 8
+        + 4
+        + 1
+    )
 
 
 def shard_plan(lengths: np.ndarray, tokens_per_shard: int) -> list[tuple[int, int]]:
@@ -86,20 +108,30 @@ def read_features_meta(path, require_complete: bool = True) -> dict:
     meta_file = root / META_FILE
     if not meta_file.is_file():
         what = "does not exist" if not root.exists() else f"holds no {META_FILE}"
-        raise ConfigError(f"--features {root} {what}; cache features first: redraft-cache-features --target T "
-                          f"--data SPEC --output-dir {root}", param="features")
+        raise ConfigError(
+            f"--features {root} {what}; cache features first: redraft-cache-features --target T "
+            f"--data SPEC --output-dir {root}",
+            param="features",
+        )
     try:
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{meta_file} is not valid JSON ({exc}); cache the features again "
-                            f"(redraft-cache-features ... --overwrite).") from exc
+        raise ArtifactError(
+            f"{meta_file} is not valid JSON ({exc}); cache the features again "
+            f"(redraft-cache-features ... --overwrite)."
+        ) from exc
     if meta.get("format") != FORMAT:
-        raise ArtifactError(f"{meta_file} has format {meta.get('format')!r}, not {FORMAT!r}; cache the features "
-                            f"again with this version of redraft.")
+        raise ArtifactError(
+            f"{meta_file} has format {meta.get('format')!r}, not {FORMAT!r}; cache the features "
+            f"again with this version of redraft."
+        )
     if require_complete and not meta.get("complete"):
         done = sum((root / s["file"]).is_file() for s in meta.get("shards", []))
-        raise ConfigError(f"--features {root} is unfinished ({done} of {len(meta.get('shards', []))} shards); run "
-                          f"redraft-cache-features again with the same arguments to finish it.", param="features")
+        raise ConfigError(
+            f"--features {root} is unfinished ({done} of {len(meta.get('shards', []))} shards); run "
+            f"redraft-cache-features again with the same arguments to finish it.",
+            param="features",
+        )
     return meta
 
 
@@ -107,8 +139,10 @@ def _shard_header(path: Path) -> tuple[dict, int]:
     """(tensor entries of the safetensors header, byte offset of the data). Raises ArtifactError
     naming the file when it is missing, truncated or not safetensors."""
     if not path.is_file():
-        raise ArtifactError(f"Feature shard {path} is missing; run redraft-cache-features again with the same "
-                            f"arguments to write it (finished shards are kept).")
+        raise ArtifactError(
+            f"Feature shard {path} is missing; run redraft-cache-features again with the same "
+            f"arguments to write it (finished shards are kept)."
+        )
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -117,14 +151,18 @@ def _shard_header(path: Path) -> tuple[dict, int]:
                 raise ValueError(f"header of {n} bytes in a file of {size}")
             header = json.loads(f.read(n))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"Feature shard {path} is truncated or not a safetensors file ({exc}); run "
-                            f"redraft-cache-features again with the same arguments to rewrite it.") from exc
+        raise ArtifactError(
+            f"Feature shard {path} is truncated or not a safetensors file ({exc}); run "
+            f"redraft-cache-features again with the same arguments to rewrite it."
+        ) from exc
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     expect = 8 + n + max((v["data_offsets"][1] for v in tensors.values()), default=0)
     if size != expect:
-        raise ArtifactError(f"Feature shard {path} is truncated: {size} bytes, its header says {expect}; run "
-                            f"redraft-cache-features again with the same arguments to rewrite it (finished shards "
-                            f"are kept).")
+        raise ArtifactError(
+            f"Feature shard {path} is truncated: {size} bytes, its header says {expect}; run "
+            f"redraft-cache-features again with the same arguments to rewrite it (finished shards "
+            f"are kept)."
+        )
     return tensors, 8 + n
 
 
@@ -150,18 +188,23 @@ def check_features_match(meta: dict, path, cfg: TrainConfig, record: dict) -> No
         raise FingerprintMismatchError(
             f"--features {path} were cached from target {describe(saved)}, but this run's target "
             f"{cfg.target!r} is {describe(record)}. Train with the features' target, or cache features for "
-            f"this one (redraft-cache-features --target {cfg.target} ...).")
+            f"this one (redraft-cache-features --target {cfg.target} ...)."
+        )
     from redraft.train.config import FIELDS
 
     # a key a cache predates holds its default (self-distillation came later)
     saved_data = {k: meta["data"].get(k, FIELDS[k].default) for k in DATA_KEYS}
     diff = [k for k in DATA_KEYS if saved_data[k] != getattr(cfg, k)]
     if diff:
-        both = ", ".join(f"{k} (features {saved_data[k]!r}, this run {getattr(cfg, k)!r})" for k in diff)
+        both = ", ".join(
+            f"{k} (features {saved_data[k]!r}, this run {getattr(cfg, k)!r})" for k in diff
+        )
         raise ConfigError(
             f"--features {path} were cached for other training records: {both}. Pass the features' settings, "
             f"or cache features for these (redraft-cache-features with the same --recipe/--data/--max-length "
-            f"...).", param="features")
+            f"...).",
+            param="features",
+        )
 
 
 class FeatureRecords:
@@ -175,8 +218,13 @@ class FeatureRecords:
             ``cfg.loss != "ce"``).
     """
 
-    def __init__(self, path, cfg: TrainConfig | None = None, record: dict | None = None,
-                 load_topk: bool | None = None):
+    def __init__(
+        self,
+        path,
+        cfg: TrainConfig | None = None,
+        record: dict | None = None,
+        load_topk: bool | None = None,
+    ):
         self.path = Path(path)
         self.meta = read_features_meta(self.path)
         if cfg is not None and record is not None:
@@ -186,12 +234,18 @@ class FeatureRecords:
         for s, sh in zip(self.meta["shards"], self.shards):
             n = s["records"][1] - s["records"][0]
             if len(sh["offsets"]) != n + 1 or int(sh["offsets"][-1]) != len(sh["input_ids"]):
-                raise ArtifactError(f"Feature shard {self.path / s['file']} holds {len(sh['offsets']) - 1} records, "
-                                    f"{META_FILE} says {n}; cache the features again (--overwrite).")
+                raise ArtifactError(
+                    f"Feature shard {self.path / s['file']} holds {len(sh['offsets']) - 1} records, "
+                    f"{META_FILE} says {n}; cache the features again (--overwrite)."
+                )
         # per record: its shard, its first token inside the shard, its length (all [R])
-        self.rec_shard = np.concatenate([np.full(len(sh["offsets"]) - 1, i) for i, sh in enumerate(self.shards)])
+        self.rec_shard = np.concatenate(
+            [np.full(len(sh["offsets"]) - 1, i) for i, sh in enumerate(self.shards)]
+        )
         self.rec_start = np.concatenate([np.asarray(sh["offsets"][:-1]) for sh in self.shards])
-        self.lengths = np.concatenate([np.diff(np.asarray(sh["offsets"])) for sh in self.shards]).astype(np.int64)
+        self.lengths = np.concatenate(
+            [np.diff(np.asarray(sh["offsets"])) for sh in self.shards]
+        ).astype(np.int64)
         self.hidden_dtype = getattr(torch, self.meta["hidden_dtype"])
         self.hidden_size = int(self.meta["hidden_size"])
         self.top_k = int(self.meta["top_k"])
@@ -211,19 +265,21 @@ class FeatureRecords:
         tk_val = np.zeros((B, T, k), np.float32) if self.load_topk else None
         for b, r in enumerate(idx):  # B records, each one contiguous slice per array
             sh, s, n = self.shards[self.rec_shard[r]], int(self.rec_start[r]), int(self.lengths[r])
-            ids[b, :n] = sh["input_ids"][s:s + n]
-            mask[b, :n] = sh["loss_mask"][s:s + n]
-            hid[b, :n] = sh["hidden"][s:s + n]
+            ids[b, :n] = sh["input_ids"][s : s + n]
+            mask[b, :n] = sh["loss_mask"][s : s + n]
+            hid[b, :n] = sh["hidden"][s : s + n]
             if self.load_topk:
-                tk_ids[b, :n] = sh["topk_ids"][s:s + n]
-                tk_val[b, :n] = sh["topk_logits"][s:s + n]
+                tk_ids[b, :n] = sh["topk_ids"][s : s + n]
+                tk_val[b, :n] = sh["topk_logits"][s : s + n]
         hidden = torch.from_numpy(hid)
         if self.hidden_dtype == torch.bfloat16:
             hidden = hidden.view(torch.bfloat16)
         to = dict(device=device, non_blocking=True)
         return Batch(
-            ids=torch.from_numpy(ids).to(**to), mask=torch.from_numpy(mask).to(**to),
-            tokens=int(self.lengths[idx].sum()), loss_tokens=int(mask[:, 2:].sum()),
+            ids=torch.from_numpy(ids).to(**to),
+            mask=torch.from_numpy(mask).to(**to),
+            tokens=int(self.lengths[idx].sum()),
+            loss_tokens=int(mask[:, 2:].sum()),
             hidden=hidden.to(**to),
             topk_ids=torch.from_numpy(tk_ids).to(**to) if self.load_topk else None,
             topk_logits=torch.from_numpy(tk_val).to(**to) if self.load_topk else None,
@@ -231,16 +287,28 @@ class FeatureRecords:
 
     def token_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Flat ``(input_ids, loss_mask)`` of every record (for the draft vocabulary)."""
-        return (np.concatenate([np.asarray(sh["input_ids"]) for sh in self.shards]),
-                np.concatenate([np.asarray(sh["loss_mask"]) for sh in self.shards]))
+        return (
+            np.concatenate([np.asarray(sh["input_ids"]) for sh in self.shards]),
+            np.concatenate([np.asarray(sh["loss_mask"]) for sh in self.shards]),
+        )
 
 
 # ------------------------------------------------------------------------------ writing
 
 
-def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hidden_dtype: str = "bfloat16",
-                   batch_tokens: int = 8192, shard_mb: float = 512, overwrite: bool = False, target=None,
-                   dataset=None, progress: bool = True) -> dict:
+def cache_features(
+    cfg: TrainConfig,
+    out_dir,
+    *,
+    top_k: int = DEFAULT_TOP_K,
+    hidden_dtype: str = "bfloat16",
+    batch_tokens: int = 8192,
+    shard_mb: float = 512,
+    overwrite: bool = False,
+    target=None,
+    dataset=None,
+    progress: bool = True,
+) -> dict:
     """Run the frozen target over the training records of ``cfg`` and cache its features.
 
     Args:
@@ -272,8 +340,10 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
 
         target = load_target(cfg.target, dtype=target_dtype(precision, device), device=device)
     if top_k > target.vocab_size:
-        raise ConfigError(f"--top-k {top_k} is out of range: the target has {target.vocab_size} tokens.",
-                          param="top_k")
+        raise ConfigError(
+            f"--top-k {top_k} is out of range: the target has {target.vocab_size} tokens.",
+            param="top_k",
+        )
     if dataset is None:
         dataset = _training_dataset(cfg, target, progress)
     from redraft.train.batches import TokenRecords, token_arrays
@@ -291,28 +361,49 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
         "hidden_size": target.hidden_size,
         "records": len(records),
         "tokens": int(records.lengths.sum()),
-        "tokens_sha256": "sha256:" + hashlib.sha256(flat_ids.astype(np.int32).tobytes()).hexdigest()[:16],
+        "tokens_sha256": "sha256:"
+        + hashlib.sha256(flat_ids.astype(np.int32).tobytes()).hexdigest()[:16],
         "bytes_per_token": per_token,
     }
-    meta = _start_or_resume(out, settings, records.lengths, int(shard_mb * 2**20) // per_token, overwrite)
-    todo = [i for i, s in enumerate(meta["shards"]) if not _shard_ok(out / s["file"])]  # missing or damaged
+    meta = _start_or_resume(
+        out, settings, records.lengths, int(shard_mb * 2**20) // per_token, overwrite
+    )
+    todo = [
+        i for i, s in enumerate(meta["shards"]) if not _shard_ok(out / s["file"])
+    ]  # missing or damaged
     if meta.get("complete") and not todo:
         logger.info("features in %s are complete", out)
         return meta
 
     bar = _bar(sum(meta["shards"][i]["tokens"] for i in todo), progress)
-    first_token = np.concatenate([[0], np.cumsum(records.lengths)])  # [R+1] of the flat token arrays
+    first_token = np.concatenate(
+        [[0], np.cumsum(records.lengths)]
+    )  # [R+1] of the flat token arrays
     for i in todo:
         start, end = meta["shards"][i]["records"]
         a, b = int(first_token[start]), int(first_token[end])
         tensors = {
-            **_shard_features(target, records, start, end, precision, top_k, getattr(torch, hidden_dtype),
-                              batch_tokens, device, bar),
+            **_shard_features(
+                target,
+                records,
+                start,
+                end,
+                precision,
+                top_k,
+                getattr(torch, hidden_dtype),
+                batch_tokens,
+                device,
+                bar,
+            ),
             "input_ids": torch.from_numpy(flat_ids[a:b].astype(np.int32)),
             "loss_mask": torch.from_numpy(flat_mask[a:b].astype(np.uint8)),
-            "offsets": torch.from_numpy(first_token[start:end + 1] - a),
+            "offsets": torch.from_numpy(first_token[start : end + 1] - a),
         }
-        _write_shard(out / meta["shards"][i]["file"], tensors, {"format": FORMAT, "records": f"{start}:{end}"})
+        _write_shard(
+            out / meta["shards"][i]["file"],
+            tensors,
+            {"format": FORMAT, "records": f"{start}:{end}"},
+        )
     bar.close()
     meta["complete"] = True
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
@@ -322,7 +413,9 @@ def cache_features(cfg: TrainConfig, out_dir, *, top_k: int = DEFAULT_TOP_K, hid
 def _bar(total: int, progress: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="tok", desc="cache features", disable=not progress, dynamic_ncols=True)
+    return tqdm(
+        total=total, unit="tok", desc="cache features", disable=not progress, dynamic_ncols=True
+    )
 
 
 def _check_args(out: Path, top_k, hidden_dtype: str, batch_tokens, shard_mb) -> None:
@@ -330,14 +423,20 @@ def _check_args(out: Path, top_k, hidden_dtype: str, batch_tokens, shard_mb) -> 
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output-dir {out} is a file; pass a directory.", param="output_dir")
     if hidden_dtype not in HIDDEN_DTYPES:
-        raise ConfigError(f"--hidden-dtype {hidden_dtype!r}: use one of {', '.join(HIDDEN_DTYPES)}.",
-                          param="hidden_dtype")
+        raise ConfigError(
+            f"--hidden-dtype {hidden_dtype!r}: use one of {', '.join(HIDDEN_DTYPES)}.",
+            param="hidden_dtype",
+        )
     for name, v, lo in (("top_k", top_k, 1), ("batch_tokens", batch_tokens, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ConfigError(f"--{name.replace('_', '-')} {v!r} is out of range: must be an integer >= {lo}.",
-                              param=name)
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {v!r} is out of range: must be an integer >= {lo}.",
+                param=name,
+            )
     if not shard_mb > 0:
-        raise ConfigError(f"--shard-mb {shard_mb!r} is out of range: must be > 0.", param="shard_mb")
+        raise ConfigError(
+            f"--shard-mb {shard_mb!r} is out of range: must be > 0.", param="shard_mb"
+        )
 
 
 def _training_dataset(cfg: TrainConfig, target, progress: bool):
@@ -348,15 +447,36 @@ def _training_dataset(cfg: TrainConfig, target, progress: bool):
     from redraft.data import build_token_dataset
     from redraft.train.distilled import distilled_data
 
-    solo = types.SimpleNamespace(is_main=True, say=lambda m: print(m, flush=True), barrier=lambda: None)
+    solo = types.SimpleNamespace(
+        is_main=True, say=lambda m: print(m, flush=True), barrier=lambda: None
+    )
     data = distilled_data(cfg, target, target_record(target), solo).data
-    return build_token_dataset(data, target.tokenizer, split="train", limit=cfg.train_limit,
-                               max_length=cfg.max_length, pack=cfg.pack, heldout_fraction=cfg.heldout_fraction,
-                               num_proc=cfg.num_proc, cache_dir=cfg.data_cache_dir, progress=progress)
+    return build_token_dataset(
+        data,
+        target.tokenizer,
+        split="train",
+        limit=cfg.train_limit,
+        max_length=cfg.max_length,
+        pack=cfg.pack,
+        heldout_fraction=cfg.heldout_fraction,
+        num_proc=cfg.num_proc,
+        cache_dir=cfg.data_cache_dir,
+        progress=progress,
+    )
 
 
-def _shard_features(target, records, start: int, end: int, precision: str, top_k: int, hidden_dtype: torch.dtype,
-                    batch_tokens: int, device, bar) -> dict[str, torch.Tensor]:
+def _shard_features(
+    target,
+    records,
+    start: int,
+    end: int,
+    precision: str,
+    top_k: int,
+    hidden_dtype: torch.dtype,
+    batch_tokens: int,
+    device,
+    bar,
+) -> dict[str, torch.Tensor]:
     """The target's features of records ``start:end``, tokens concatenated in record order:
     ``hidden`` [N, H], ``topk_ids`` [N, k] int32, ``topk_logits`` [N, k] float32 (CPU)."""
     from redraft.train.step import target_hidden, target_topk
@@ -375,9 +495,9 @@ def _shard_features(target, records, start: int, end: int, precision: str, top_k
         h, t_ids, t_val = h.to(hidden_dtype).cpu(), t_ids.cpu(), t_val.cpu()
         for row, r in enumerate(group):  # B records: one slice copy each
             a, ln = int(offsets[r - start]), int(records.lengths[r])
-            hidden[a:a + ln] = h[row, :ln]
-            topk_ids[a:a + ln] = t_ids[row, :ln]
-            topk_logits[a:a + ln] = t_val[row, :ln]
+            hidden[a : a + ln] = h[row, :ln]
+            topk_ids[a : a + ln] = t_ids[row, :ln]
+            topk_logits[a : a + ln] = t_val[row, :ln]
         bar.update(int(records.lengths[group].sum()))
     return {"hidden": hidden, "topk_ids": topk_ids, "topk_logits": topk_logits}
 
@@ -389,7 +509,7 @@ def _length_groups(order: np.ndarray, lengths: np.ndarray, batch_tokens: int) ->
     while i < len(order):
         longest = int(lengths[order[i]])
         b = max(1, batch_tokens // max(1, longest))
-        groups.append(order[i:i + b])
+        groups.append(order[i : i + b])
         i += b
     return groups
 
@@ -413,8 +533,9 @@ def _shard_ok(path: Path) -> bool:
         return False
 
 
-def _start_or_resume(out: Path, settings: dict, lengths: np.ndarray, tokens_per_shard: int,
-                     overwrite: bool) -> dict:
+def _start_or_resume(
+    out: Path, settings: dict, lengths: np.ndarray, tokens_per_shard: int, overwrite: bool
+) -> dict:
     """The features.json to fill: a new plan, or the existing one when its settings are these."""
     meta_file = out / META_FILE
     if meta_file.is_file() and not overwrite:
@@ -422,21 +543,31 @@ def _start_or_resume(out: Path, settings: dict, lengths: np.ndarray, tokens_per_
         diff = [k for k in settings if old.get(k) != settings[k]]
         if diff:
             both = "; ".join(f"{k}: cached {old.get(k)!r}, now {settings[k]!r}" for k in diff)
-            raise ConfigError(f"{out} already holds features cached with other settings ({both}). Pass the same "
-                              f"arguments to finish them, --overwrite to replace them, or another --output-dir.",
-                              param="output_dir")
+            raise ConfigError(
+                f"{out} already holds features cached with other settings ({both}). Pass the same "
+                f"arguments to finish them, --overwrite to replace them, or another --output-dir.",
+                param="output_dir",
+            )
         return old
     if overwrite and out.is_dir():
         for p in [meta_file, *out.glob("shard-*.safetensors"), *out.glob(".shard-*.tmp")]:
             p.unlink(missing_ok=True)
     elif out.is_dir() and any(out.glob("shard-*.safetensors")):
-        raise ConfigError(f"{out} holds feature shards without {META_FILE}; pass --overwrite to replace them or "
-                          f"choose another --output-dir.", param="output_dir")
+        raise ConfigError(
+            f"{out} holds feature shards without {META_FILE}; pass --overwrite to replace them or "
+            f"choose another --output-dir.",
+            param="output_dir",
+        )
     out.mkdir(parents=True, exist_ok=True)
     plan = shard_plan(lengths, tokens_per_shard)
-    meta = {**settings, "complete": False,
-            "shards": [{"file": shard_name(i), "records": [a, b], "tokens": int(lengths[a:b].sum())}
-                       for i, (a, b) in enumerate(plan)]}
+    meta = {
+        **settings,
+        "complete": False,
+        "shards": [
+            {"file": shard_name(i), "records": [a, b], "tokens": int(lengths[a:b].sum())}
+            for i, (a, b) in enumerate(plan)
+        ],
+    }
     atomic_write_text(meta_file, json.dumps(meta, indent=2))
     return meta
 
@@ -446,5 +577,15 @@ def disk_bytes(path) -> int:
     return sum(p.stat().st_size for p in Path(path).glob("shard-*.safetensors"))
 
 
-__all__ = ["cache_features", "FeatureRecords", "read_features_meta", "open_shard", "check_features_match",
-           "shard_plan", "bytes_per_token", "disk_bytes", "DEFAULT_TOP_K", "HIDDEN_DTYPES"]
+__all__ = [
+    "cache_features",
+    "FeatureRecords",
+    "read_features_meta",
+    "open_shard",
+    "check_features_match",
+    "shard_plan",
+    "bytes_per_token",
+    "disk_bytes",
+    "DEFAULT_TOP_K",
+    "HIDDEN_DTYPES",
+]

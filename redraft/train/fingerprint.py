@@ -33,7 +33,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
         flat = p.detach().reshape(-1)
         n = flat.numel()
         mid = max(0, n // 2 - SLICE // 2)
-        picks += [flat[:SLICE], flat[mid: mid + SLICE], flat[max(0, n - SLICE):]]
+        picks += [flat[:SLICE], flat[mid : mid + SLICE], flat[max(0, n - SLICE) :]]
         h.update(f"{name}:{tuple(p.shape)}\n".encode())
     if picks:  # one device-to-host copy
         values = torch.cat([x.to(torch.bfloat16) for x in picks]).view(torch.int16).cpu().numpy()
@@ -49,11 +49,18 @@ def target_record(target) -> dict:
 
 def record_mismatch(saved: dict, current: dict) -> list[str]:
     """Keys of a target record that differ (only keys both records hold are compared)."""
-    keys = ("tokenizer_fingerprint", "weights_fingerprint", "target_vocab_size", "target_hidden_size")
+    keys = (
+        "tokenizer_fingerprint",
+        "weights_fingerprint",
+        "target_vocab_size",
+        "target_hidden_size",
+    )
     return [k for k in keys if k in saved and k in current and saved[k] != current[k]]
 
 
 def describe(record: dict) -> str:
     """``'org/model' (weights sha256:..., tokenizer sha256:...)`` for error messages."""
-    return (f"{record.get('target_model')!r} (weights {record.get('weights_fingerprint')}, "
-            f"tokenizer {record.get('tokenizer_fingerprint')})")
+    return (
+        f"{record.get('target_model')!r} (weights {record.get('weights_fingerprint')}, "
+        f"tokenizer {record.get('tokenizer_fingerprint')})"
+    )

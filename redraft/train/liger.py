@@ -35,12 +35,17 @@ def applies(cfg, device: torch.device) -> bool:
 def check(cfg, device: torch.device) -> None:
     """``--loss-impl liger`` can run here, else a ConfigError saying what to do."""
     if not applies(cfg, device):
-        raise ConfigError(f"--loss-impl liger needs a CUDA device and --loss ce (here: device {device}, loss "
-                          f"{cfg.loss}); use --loss-impl fused (the chunked torch loss, any device, KD too).",
-                          param="loss_impl")
+        raise ConfigError(
+            f"--loss-impl liger needs a CUDA device and --loss ce (here: device {device}, loss "
+            f"{cfg.loss}); use --loss-impl fused (the chunked torch loss, any device, KD too).",
+            param="loss_impl",
+        )
     if not available():
-        raise ConfigError("--loss-impl liger needs the liger-kernel package: pip install liger-kernel "
-                          "(or use --loss-impl fused).", param="loss_impl")
+        raise ConfigError(
+            "--loss-impl liger needs the liger-kernel package: pip install liger-kernel "
+            "(or use --loss-impl fused).",
+            param="loss_impl",
+        )
 
 
 def _loss_fn():
@@ -49,8 +54,9 @@ def _loss_fn():
     return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="mean")
 
 
-def liger_drafter_loss(features: torch.Tensor, weight: torch.Tensor, targets_draft: torch.Tensor,
-                       valid: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def liger_drafter_loss(
+    features: torch.Tensor, weight: torch.Tensor, targets_draft: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, dict]:
     """The drafter's CE loss of ``features @ weight.T`` through Liger's kernel.
 
     Args:

@@ -29,7 +29,9 @@ class Trackers:
     ``k/pos1``, ... (per draft position).
     """
 
-    def __init__(self, names: list[str], out: Path, run_name: str, config: dict, enabled: bool = True):
+    def __init__(
+        self, names: list[str], out: Path, run_name: str, config: dict, enabled: bool = True
+    ):
         self.trackers = []
         if not enabled or not names:
             return
@@ -52,8 +54,12 @@ class Trackers:
             if hasattr(t, "start"):  # accelerate >= 1.x starts trackers lazily
                 t.start()
             if name != "tensorboard":  # TensorBoard keeps the config as run_config.yaml beside it
-                t.store_init_configuration({k: v if isinstance(v, (int, float, str, bool)) or v is None
-                                            else str(v) for k, v in config.items()})
+                t.store_init_configuration(
+                    {
+                        k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+                        for k, v in config.items()
+                    }
+                )
             self.trackers.append(t)
 
     def log(self, values: dict, step: int) -> None:
@@ -116,10 +122,14 @@ class Meter:
         self.tokens += tokens
 
     @torch.no_grad()
-    def add_accuracy(self, logits: torch.Tensor, targets_draft: torch.Tensor, valid: torch.Tensor) -> None:
+    def add_accuracy(
+        self, logits: torch.Tensor, targets_draft: torch.Tensor, valid: torch.Tensor
+    ) -> None:
         """Top-1 / top-5 hits of ``logits`` [P, n, Vd] against ``targets_draft`` [P, n]."""
         if len(logits):
-            self.acc.add(logits.detach(), targets_draft, targets_draft, torch.ones_like(valid), valid)
+            self.acc.add(
+                logits.detach(), targets_draft, targets_draft, torch.ones_like(valid), valid
+            )
 
     @torch.no_grad()
     def add_top1(self, top1: torch.Tensor, valid: torch.Tensor) -> None:
@@ -131,7 +141,9 @@ class Meter:
     def read(self, env) -> dict:
         """The figures as host numbers (the one host sync per log line); tokens/s summed over ranks."""
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        tok_s = env.all_reduce(torch.tensor([self.tokens / dt], dtype=torch.float64, device=self.device))
+        tok_s = env.all_reduce(
+            torch.tensor([self.tokens / dt], dtype=torch.float64, device=self.device)
+        )
         step_loss = (self.step_loss / self.step_count.clamp(min=1)).tolist()
         acc = self.acc.sums.cpu()  # rows: valid, top1, top5, ...
         seen = acc[0].clamp(min=1)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 # The loss lives with the head (ReDrafter.forward(labels=...) uses it too); re-exported here.
-from redraft.models.losses import IGNORE_INDEX as IGNORE, drafter_loss  # noqa: F401
+from redraft.models.losses import IGNORE_INDEX as IGNORE  # noqa: F401
 
 
 @dataclass
@@ -55,18 +55,27 @@ def make_windows(input_ids: torch.Tensor, loss_mask: torch.Tensor, n: int) -> Wi
         n: the horizon (drafter steps).
     """
     ids_w = _windows_of(input_ids, n)  # [B, T, n+1]: ids[t+1 .. t+n+1]
-    m_w = _windows_of(loss_mask.to(torch.bool), n, fill=False)[..., 1:]  # [B, T, n]: mask of the targets
+    m_w = _windows_of(loss_mask.to(torch.bool), n, fill=False)[
+        ..., 1:
+    ]  # [B, T, n]: mask of the targets
     b, t = m_w.any(-1).nonzero(as_tuple=True)  # [P] positions with something to learn
     w = ids_w[b, t]  # [P, n+1]
-    return Windows(batch_idx=b, pos_idx=t, tokens=w[:, :n].contiguous(), targets=w[:, 1:].contiguous(),
-                   valid=m_w[b, t])
+    return Windows(
+        batch_idx=b,
+        pos_idx=t,
+        tokens=w[:, :n].contiguous(),
+        targets=w[:, 1:].contiguous(),
+        valid=m_w[b, t],
+    )
 
 
 def target_next_positions(win: Windows, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices ``(b [P, n], j [P, n])`` of the hidden states whose LM-head output predicts each target
     (``j = t+1+i``, clamped inside the sequence; clamped entries are never valid)."""
     n = win.tokens.shape[1]
-    j = (win.pos_idx[:, None] + 1 + torch.arange(n, device=win.pos_idx.device)).clamp(max=seq_len - 1)
+    j = (win.pos_idx[:, None] + 1 + torch.arange(n, device=win.pos_idx.device)).clamp(
+        max=seq_len - 1
+    )
     return win.batch_idx[:, None].expand_as(j), j
 
 
@@ -92,8 +101,14 @@ class EvalAccumulator:
         self.starts = torch.zeros(1, dtype=torch.float64, device=device)
 
     @torch.no_grad()
-    def add(self, logits: torch.Tensor, targets_draft: torch.Tensor, greedy_draft: torch.Tensor,
-            data_is_greedy: torch.Tensor, valid: torch.Tensor) -> None:
+    def add(
+        self,
+        logits: torch.Tensor,
+        targets_draft: torch.Tensor,
+        greedy_draft: torch.Tensor,
+        data_is_greedy: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> None:
         """``logits`` [P, n, Vd]; ``targets_draft``, ``greedy_draft`` [P, n] draft ids (-1 = none);
         ``data_is_greedy`` [P, n] bool (data token == target greedy token); ``valid`` [P, n]."""
         top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # [P, n, 5]
@@ -103,7 +118,12 @@ class EvalAccumulator:
         hit1_t = (top1 == greedy_draft) & (greedy_draft >= 0) & valid
         hit5_t = (top5 == greedy_draft[..., None]).any(-1) & (greedy_draft >= 0) & valid
         ce_valid = valid & (targets_draft >= 0)
-        nll = -logits.float().log_softmax(-1).gather(-1, targets_draft.clamp(min=0)[..., None]).squeeze(-1)
+        nll = (
+            -logits.float()
+            .log_softmax(-1)
+            .gather(-1, targets_draft.clamp(min=0)[..., None])
+            .squeeze(-1)
+        )
         chain_d = hit1.long().cumprod(1)  # [P, n]: 1 while every step so far was right
         chain_t = (hit1_t & data_is_greedy).long().cumprod(1)
         start = valid[:, 0]

@@ -30,8 +30,10 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
     bf16 without ZeRO keeps no fp32 master weights and small updates would be rounded away."""
     if cfg.precision != "auto":
         if cfg.precision == "bf16" and cfg.zero_stage == 0 and not cfg.deepspeed_config:
-            logger.warning("precision bf16 with ZeRO stage 0 trains pure bf16 weights (no fp32 master "
-                           "copy); prefer amp-bf16 or zero_stage >= 1")
+            logger.warning(
+                "precision bf16 with ZeRO stage 0 trains pure bf16 weights (no fp32 master "
+                "copy); prefer amp-bf16 or zero_stage >= 1"
+            )
         return cfg.precision
     return "bf16" if device.type == "cuda" and cfg.zero_stage >= 1 else "amp-bf16"
 
@@ -55,20 +57,33 @@ def head_autocast(device: torch.device, precision: str):
 def target_dtype(precision: str, device: torch.device) -> torch.dtype:
     """dtype of the frozen target's weights (and so of its hidden states) for ``precision``."""
     if device.type == "cuda":
-        return torch.float16 if precision == "fp16" else (torch.float32 if precision == "fp32" else torch.bfloat16)
+        return (
+            torch.float16
+            if precision == "fp16"
+            else (torch.float32 if precision == "fp32" else torch.bfloat16)
+        )
     return torch.float32  # CPU: fp32 weights, bf16 compute under autocast
 
 
 def deepspeed_config(cfg: TrainConfig, precision: str) -> dict:
     """The JSON config (train/ds_zero<stage>.json or --deepspeed-config) with 'auto' values filled."""
-    path = Path(cfg.deepspeed_config) if cfg.deepspeed_config else TRAIN_DIR / f"ds_zero{cfg.zero_stage}.json"
+    path = (
+        Path(cfg.deepspeed_config)
+        if cfg.deepspeed_config
+        else TRAIN_DIR / f"ds_zero{cfg.zero_stage}.json"
+    )
     if not path.is_file():
-        raise ConfigError(f"DeepSpeed config {path} does not exist; pass --deepspeed-config FILE or a "
-                          f"--zero-stage whose train/ds_zero<stage>.json exists.", param="deepspeed_config")
+        raise ConfigError(
+            f"DeepSpeed config {path} does not exist; pass --deepspeed-config FILE or a "
+            f"--zero-stage whose train/ds_zero<stage>.json exists.",
+            param="deepspeed_config",
+        )
     try:
         ds = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {exc}", param="deepspeed_config") from exc
+        raise ConfigError(
+            f"DeepSpeed config {path} is not valid JSON: {exc}", param="deepspeed_config"
+        ) from exc
     fill = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
@@ -78,8 +93,11 @@ def deepspeed_config(cfg: TrainConfig, precision: str) -> dict:
         if ds.get(key, "auto") == "auto":
             ds[key] = val
         elif ds[key] != val:
-            raise ConfigError(f"{path} sets {key}={ds[key]} but the training config says {val}; set it to "
-                              f"\"auto\" in the JSON or change the training setting.", param="deepspeed_config")
+            raise ConfigError(
+                f"{path} sets {key}={ds[key]} but the training config says {val}; set it to "
+                f'"auto" in the JSON or change the training setting.',
+                param="deepspeed_config",
+            )
     ds.pop("train_batch_size", None)  # derived by DeepSpeed from the two above and the world size
     for key in ("bf16", "fp16"):
         ds.setdefault(key, {})

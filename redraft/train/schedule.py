@@ -21,8 +21,14 @@ class WarmupCosine:
     DeepSpeed calls :meth:`step` after each optimizer step and checkpoints :meth:`state_dict`.
     """
 
-    def __init__(self, optimizer, total_steps: int, warmup_ratio: float, min_lr_ratio: float = 0.0,
-                 time_budget_s: float | None = None):
+    def __init__(
+        self,
+        optimizer,
+        total_steps: int,
+        warmup_ratio: float,
+        min_lr_ratio: float = 0.0,
+        time_budget_s: float | None = None,
+    ):
         self.optimizer = optimizer
         self.total_steps = max(1, int(total_steps))
         self.warmup_ratio = warmup_ratio
@@ -44,7 +50,9 @@ class WarmupCosine:
         if w > 0 and p < w:
             return p / w
         q = (p - w) / (1 - w) if w < 1 else 1.0
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, q)))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (
+            1 + math.cos(math.pi * min(1.0, q))
+        )
 
     def _apply(self) -> None:
         f = self.factor()
@@ -59,7 +67,11 @@ class WarmupCosine:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
-        return {"step_count": self.step_count, "elapsed_s": self.elapsed_s, "base_lrs": self.base_lrs}
+        return {
+            "step_count": self.step_count,
+            "elapsed_s": self.elapsed_s,
+            "base_lrs": self.base_lrs,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.step_count = state["step_count"]

@@ -1,12 +1,12 @@
 """The math of one micro batch: the target's features, the head's loss, held-out metrics.
 
-    hidden   = target_hidden(target, ids)              [B, T, H]  (or cached: batch.hidden)
-    windows  = make_windows(ids, mask, n)              P positions x n steps (losses.py)
-    feats    = head features(hidden[windows], tokens)  [P, n, S+H] every position, every step, one pass
-    teacher  = the target's top-k at each target       [P, n, k]  (only for the KD loss)
-    loss     = fused_drafter_loss(feats, O, targets, valid, teacher)
-               (the output layer O [Vd, S+H] applied chunk by chunk: the [P, n, Vd] logits are
-               never held; ``loss_impl: dense`` computes them and calls drafter_loss instead)
+hidden   = target_hidden(target, ids)              [B, T, H]  (or cached: batch.hidden)
+windows  = make_windows(ids, mask, n)              P positions x n steps (losses.py)
+feats    = head features(hidden[windows], tokens)  [P, n, S+H] every position, every step, one pass
+teacher  = the target's top-k at each target       [P, n, k]  (only for the KD loss)
+loss     = fused_drafter_loss(feats, O, targets, valid, teacher)
+           (the output layer O [Vd, S+H] applied chunk by chunk: the [P, n, Vd] logits are
+           never held; ``loss_impl: dense`` computes them and calls drafter_loss instead)
 """
 
 from __future__ import annotations
@@ -41,12 +41,13 @@ def target_greedy(target, hidden: torch.Tensor, precision: str, chunk: int = 512
     out = []
     with torch.inference_mode(), autocast(hidden.device, precision):
         for i in range(0, flat.shape[0], chunk):  # chunks bound the [chunk, V] logits in memory
-            out.append(head(flat[i: i + chunk]).argmax(-1))
+            out.append(head(flat[i : i + chunk]).argmax(-1))
     return torch.cat(out).view(hidden.shape[:-1])
 
 
-def target_topk(target, hidden: torch.Tensor, precision: str, k: int,
-                chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+def target_topk(
+    target, hidden: torch.Tensor, precision: str, k: int, chunk: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's top-``k`` next-token ``(ids int32, logits float32)``, each ``[..., k]``,
     for hidden states ``[..., H]`` (the cached teacher of the KD loss)."""
     head = target.output_head
@@ -54,14 +55,16 @@ def target_topk(target, hidden: torch.Tensor, precision: str, k: int,
     ids, vals = [], []
     with torch.inference_mode(), autocast(hidden.device, precision):
         for i in range(0, flat.shape[0], chunk):  # chunks bound the [chunk, V] logits in memory
-            top = head(flat[i: i + chunk]).float().topk(k, dim=-1)
+            top = head(flat[i : i + chunk]).float().topk(k, dim=-1)
             vals.append(top.values)
             ids.append(top.indices.to(torch.int32))
     shape = (*hidden.shape[:-1], k)
     return torch.cat(ids).view(shape), torch.cat(vals).view(shape)
 
 
-def topk_teacher_logprobs(model: ReDrafter, topk_ids: torch.Tensor, topk_logits: torch.Tensor) -> torch.Tensor:
+def topk_teacher_logprobs(
+    model: ReDrafter, topk_ids: torch.Tensor, topk_logits: torch.Tensor
+) -> torch.Tensor:
     """Dense teacher log-probabilities ``[P, n, Vd]`` from the target's top-k logits ``[P, n, k]``:
     the softmax over the top-k ids that lie in the draft vocabulary (:func:`dense_teacher`)."""
     ids, probs = sparse_teacher(model.to_draft_ids(topk_ids.long()), topk_logits)
@@ -105,15 +108,26 @@ def resolve_loss_impl(cfg: TrainConfig, device: torch.device) -> str:
             return "dense"
         return "liger" if liger.applies(cfg, device) and liger.available() else "fused"
     if impl in ("fused", "liger") and cfg.zero_stage == 3:
-        raise ConfigError(f"--loss-impl {impl} reads the output layer's weight directly, which ZeRO-3 partitions; "
-                          f"use --loss-impl dense (or auto) with --zero-stage 3.", param="loss_impl")
+        raise ConfigError(
+            f"--loss-impl {impl} reads the output layer's weight directly, which ZeRO-3 partitions; "
+            f"use --loss-impl dense (or auto) with --zero-stage 3.",
+            param="loss_impl",
+        )
     if impl == "liger":
         liger.check(cfg, device)
     return impl
 
 
-def batch_teacher(model: ReDrafter, target, batch: Batch, hidden: torch.Tensor, b, j, cfg: TrainConfig,
-                  precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_teacher(
+    model: ReDrafter,
+    target,
+    batch: Batch,
+    hidden: torch.Tensor,
+    b,
+    j,
+    cfg: TrainConfig,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The KD teacher at the targets ``[b, j]`` (``[P, n]``): ``(draft ids [P, n, k], logits [P, n, k])``
     of the target's top-k next tokens (from the feature cache, or the target's LM head on
     ``hidden`` at every position once, ``[B, T]`` rows, not ``[P, n]``)."""
@@ -124,8 +138,16 @@ def batch_teacher(model: ReDrafter, target, batch: Batch, hidden: torch.Tensor, 
     return model.to_draft_ids(ids[b, j].long()), vals[b, j].float()
 
 
-def batch_loss(model: ReDrafter, forward, target, batch: Batch, cfg: TrainConfig, precision: str,
-               hidden_dtype: torch.dtype | None = None, impl: str = "fused"):
+def batch_loss(
+    model: ReDrafter,
+    forward,
+    target,
+    batch: Batch,
+    cfg: TrainConfig,
+    precision: str,
+    hidden_dtype: torch.dtype | None = None,
+    impl: str = "fused",
+):
     """Loss of one micro batch. ``forward`` is the DeepSpeed engine (or the module in eval).
 
     The hidden states (and the KD teacher) come from ``batch`` when it carries cached features,
@@ -142,18 +164,24 @@ def batch_loss(model: ReDrafter, forward, target, batch: Batch, cfg: TrainConfig
     else:
         hidden = target_hidden(target, ids, precision)  # [B, T, H]
     win = make_windows(ids, mask, cfg.num_steps)
-    ctx = hidden[win.batch_idx, win.pos_idx]  # [P, H], a normal tensor (indexing leaves inference mode)
+    ctx = hidden[
+        win.batch_idx, win.pos_idx
+    ]  # [P, H], a normal tensor (indexing leaves inference mode)
     targets_d = model.to_draft_ids(win.targets)
     ce_w, kd_w = loss_weights(cfg)
     t_ids = t_probs = None
     if kd_w:
         b, j = target_next_positions(win, ids.shape[1])
-        t_ids, t_probs = sparse_teacher(*batch_teacher(model, target, batch, hidden, b, j, cfg, precision))
+        t_ids, t_probs = sparse_teacher(
+            *batch_teacher(model, target, batch, hidden, b, j, cfg, precision)
+        )
     if impl == "dense":
         with head_autocast(ids.device, precision):
             logits = forward(ctx, win.tokens)  # [P, n, Vd]: every position, every step, one pass
         teacher = None if t_ids is None else dense_teacher(t_ids, t_probs, logits.shape[-1])
-        loss, stats = drafter_loss(logits, targets_d, win.valid, teacher, ce_weight=ce_w, kd_weight=kd_w)
+        loss, stats = drafter_loss(
+            logits, targets_d, win.valid, teacher, ce_weight=ce_w, kd_weight=kd_w
+        )
         return loss, stats, logits, win, targets_d
     with head_autocast(ids.device, precision):
         feats = forward(ctx, win.tokens, return_features=True)  # [P, n, S+H]
@@ -162,8 +190,16 @@ def batch_loss(model: ReDrafter, forward, target, batch: Batch, cfg: TrainConfig
 
             loss, stats = liger_drafter_loss(feats, model.lm_head.weight, targets_d, win.valid)
         else:
-            loss, stats = fused_drafter_loss(feats, model.lm_head.weight, targets_d, win.valid, t_ids, t_probs,
-                                             ce_weight=ce_w, kd_weight=kd_w)
+            loss, stats = fused_drafter_loss(
+                feats,
+                model.lm_head.weight,
+                targets_d,
+                win.valid,
+                t_ids,
+                t_probs,
+                ce_weight=ce_w,
+                kd_weight=kd_w,
+            )
     return loss, stats, None, win, targets_d
 
 
@@ -172,7 +208,9 @@ def dense_teacher(t_ids: torch.Tensor, t_probs: torch.Tensor, vocab: int) -> tor
     ``[P, n, Vd]``: the most negative float where it has no mass (its probability is exactly 0, so
     ``p * (log p - log q)`` is 0 there; with -inf it would be NaN)."""
     low = torch.finfo(torch.float32).min
-    dense = torch.zeros(*t_ids.shape[:-1], vocab, device=t_ids.device).scatter_add_(-1, t_ids, t_probs)
+    dense = torch.zeros(*t_ids.shape[:-1], vocab, device=t_ids.device).scatter_add_(
+        -1, t_ids, t_probs
+    )
     return torch.where(dense > 0, dense.clamp(min=1e-38).log(), low)
 
 
@@ -190,12 +228,12 @@ def evaluate(model: ReDrafter, forward, target, ds, cfg: TrainConfig, env, preci
     model.eval()
     lengths = sequence_lengths(ds)
     order = np.argsort(-lengths, kind="stable")  # similar lengths together: little padding
-    mine = order[env.rank:: env.world_size]
+    mine = order[env.rank :: env.world_size]
     bs = cfg.eval_batch_size
     n_batches = math.ceil(math.ceil(len(order) / env.world_size) / bs)
     acc = EvalAccumulator(cfg.num_steps, device=env.device)
     for k in range(n_batches):
-        idx = mine[k * bs: (k + 1) * bs]
+        idx = mine[k * bs : (k + 1) * bs]
         count = len(idx) > 0
         if not count:
             idx = order[:1]
@@ -211,10 +249,15 @@ def evaluate(model: ReDrafter, forward, target, ds, cfg: TrainConfig, env, preci
         rows = max(1, EVAL_LOGITS // (cfg.num_steps * model.config.out_vocab_size))
         for s in range(0, len(win), rows):
             with head_autocast(ids.device, precision):
-                logits = forward(ctx[s:s + rows], win.tokens[s:s + rows])
+                logits = forward(ctx[s : s + rows], win.tokens[s : s + rows])
             if count:
-                acc.add(logits, targets_d[s:s + rows], greedy_d[s:s + rows],
-                        (win.targets == greedy_t)[s:s + rows], win.valid[s:s + rows])
+                acc.add(
+                    logits,
+                    targets_d[s : s + rows],
+                    greedy_d[s : s + rows],
+                    (win.targets == greedy_t)[s : s + rows],
+                    win.valid[s : s + rows],
+                )
     env.all_reduce(t := acc.as_tensor())
     acc.load_tensor(t)
     model.train(was_training)

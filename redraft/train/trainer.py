@@ -31,8 +31,15 @@ from redraft.errors import ConfigError
 from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 from redraft.train import checkpoint as ckpt
 from redraft.train.batches import (
-    TokenRecords, check_dataset, collate, draft_vocab_from_data, draft_vocab_from_tokens, epoch_batches,
-    load_datasets, micro_batch, sequence_lengths,
+    TokenRecords,
+    check_dataset,
+    collate,
+    draft_vocab_from_data,
+    draft_vocab_from_tokens,
+    epoch_batches,
+    load_datasets,
+    micro_batch,
+    sequence_lengths,
 )
 from redraft.train.config import TrainConfig, config_diff, parse_report_to
 from redraft.train.distilled import distilled_data
@@ -42,20 +49,49 @@ from redraft.train.logger import Meter, Trackers, memory_mb
 from redraft.train.precision import autocast, deepspeed_config, resolve_precision, target_dtype
 from redraft.train.schedule import WarmupCosine
 from redraft.train.step import (
-    batch_loss, evaluate, resolve_loss_impl, target_greedy, target_hidden, warm_start_from_target,
+    batch_loss,
+    evaluate,
+    resolve_loss_impl,
+    target_greedy,
+    target_hidden,
+    warm_start_from_target,
 )
 
 # Names importable from here before the trainer was split into modules (kept for callers).
 __all__ = [
-    "train", "evaluate_artifact", "DistEnv", "setup_distributed", "resolve_precision", "autocast",
-    "target_dtype", "deepspeed_config", "WarmupCosine", "load_datasets", "sequence_lengths",
-    "draft_vocab_from_data", "epoch_batches", "collate", "target_hidden", "target_greedy",
-    "warm_start_from_target", "batch_loss", "evaluate", "memory_mb",
+    "train",
+    "evaluate_artifact",
+    "DistEnv",
+    "setup_distributed",
+    "resolve_precision",
+    "autocast",
+    "target_dtype",
+    "deepspeed_config",
+    "WarmupCosine",
+    "load_datasets",
+    "sequence_lengths",
+    "draft_vocab_from_data",
+    "epoch_batches",
+    "collate",
+    "target_hidden",
+    "target_greedy",
+    "warm_start_from_target",
+    "batch_loss",
+    "evaluate",
+    "memory_mb",
 ]
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, target=None,
-          train_dataset=None, eval_dataset=None, on_step=None) -> dict:
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    target=None,
+    train_dataset=None,
+    eval_dataset=None,
+    on_step=None,
+) -> dict:
     """Train a ReDrafter head; returns the metrics dict (also written to metrics.json).
 
     Args:
@@ -135,11 +171,16 @@ def _load_target(run: _Run, target) -> None:
     if target is None:
         from redraft.models import load_target
 
-        target = load_target(cfg.target, dtype=target_dtype(run.precision, env.device), device=env.device)
+        target = load_target(
+            cfg.target, dtype=target_dtype(run.precision, env.device), device=env.device
+        )
     if cfg.draft_vocab_size and cfg.draft_vocab_size > target.vocab_size:
-        raise ConfigError(f"--draft-vocab-size {cfg.draft_vocab_size} is out of range: the target "
-                          f"{target.model_id!r} has {target.vocab_size} tokens; use at most that, or leave it out "
-                          f"for the full vocabulary.", param="draft_vocab_size")
+        raise ConfigError(
+            f"--draft-vocab-size {cfg.draft_vocab_size} is out of range: the target "
+            f"{target.model_id!r} has {target.vocab_size} tokens; use at most that, or leave it out "
+            f"for the full vocabulary.",
+            param="draft_vocab_size",
+        )
     record = target_record(target)
     if run.resuming:
         check_same_target(run.saved, record, cfg, out)
@@ -147,9 +188,14 @@ def _load_target(run: _Run, target) -> None:
         ckpt.save_run_config(out, cfg.to_dict(), record)
         import yaml
 
-        env.say("redraft-train: resolved config\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip())
-        env.say(f"redraft-train: {env.world_size} process(es), device {env.device}, precision {run.precision}, "
-                f"ZeRO {cfg.zero_stage}, loss {cfg.loss} ({run.loss_impl}), output {out}")
+        env.say(
+            "redraft-train: resolved config\n"
+            + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip()
+        )
+        env.say(
+            f"redraft-train: {env.world_size} process(es), device {env.device}, precision {run.precision}, "
+            f"ZeRO {cfg.zero_stage}, loss {cfg.loss} ({run.loss_impl}), output {out}"
+        )
     run.target, run.record = target, record
 
 
@@ -160,7 +206,9 @@ def _load_records(run: _Run, train_dataset, eval_dataset) -> None:
         from redraft.train.features import FeatureRecords
 
         records = FeatureRecords(cfg.features, cfg=cfg, record=run.record)
-        env.say(f"redraft-train: training from the features cached in {cfg.features} (no target forward)")
+        env.say(
+            f"redraft-train: training from the features cached in {cfg.features} (no target forward)"
+        )
         if eval_dataset is None:
             data_cfg = distilled_data(cfg, target, record, env, train=False)
             _, eval_dataset = load_datasets(data_cfg, target.tokenizer, env, train=False)
@@ -188,46 +236,89 @@ def _build_training(run: _Run) -> None:
     run.engine, run.sched = build_engine(cfg, model, run.total_steps, run.precision)
     run.model = model = run.engine.module
 
-    state = {"global_step": 0, "epoch": 0, "batch_in_epoch": 0, "tokens": 0, "loss_tokens": 0, "elapsed_s": 0.0}
+    state = {
+        "global_step": 0,
+        "epoch": 0,
+        "batch_in_epoch": 0,
+        "tokens": 0,
+        "loss_tokens": 0,
+        "elapsed_s": 0.0,
+    }
     if run.resuming:
         loaded = ckpt.load_checkpoint(run.engine, out, env.rank)
         if loaded is None:
-            env.say(f"redraft-train: --resume but no checkpoint in {out / ckpt.STATE_DIR}; starting fresh")
+            env.say(
+                f"redraft-train: --resume but no checkpoint in {out / ckpt.STATE_DIR}; starting fresh"
+            )
         else:
             state.update(loaded)
-            env.say(f"redraft-train: resumed from step {state['global_step']} (epoch {state['epoch']}, "
-                    f"batch {state['batch_in_epoch']})")
-    env.say(f"redraft-train: {len(records)} training records ({int(records.lengths.sum())} tokens), "
-            f"{len(run.eval_dataset)} held-out; {model.num_trainable_parameters() / 1e6:.2f}M trainable "
-            f"parameters; {run.steps_per_epoch} steps/epoch, {run.total_steps} steps")
+            env.say(
+                f"redraft-train: resumed from step {state['global_step']} (epoch {state['epoch']}, "
+                f"batch {state['batch_in_epoch']})"
+            )
+    env.say(
+        f"redraft-train: {len(records)} training records ({int(records.lengths.sum())} tokens), "
+        f"{len(run.eval_dataset)} held-out; {model.num_trainable_parameters() / 1e6:.2f}M trainable "
+        f"parameters; {run.steps_per_epoch} steps/epoch, {run.total_steps} steps"
+    )
     run.state = state
 
 
 def _run_loop(run: _Run, on_step) -> None:
     """Optimizer steps until the step count, a stop signal or the time budget; evaluation and
     checkpoints on their schedules. Sets ``run.status``."""
-    cfg, env, out, state, engine, model = run.cfg, run.env, run.out, run.state, run.engine, run.model
+    cfg, env, out, state, engine, model = (
+        run.cfg,
+        run.env,
+        run.out,
+        run.state,
+        run.engine,
+        run.model,
+    )
     total_steps = run.total_steps
     meter = Meter(cfg.num_steps, env.device)
-    run.trackers = trackers = Trackers(parse_report_to(cfg.report_to), out, cfg.resolved_run_name(), cfg.to_dict(),
-                                       enabled=env.is_main)
+    run.trackers = trackers = Trackers(
+        parse_report_to(cfg.report_to),
+        out,
+        cfg.resolved_run_name(),
+        cfg.to_dict(),
+        enabled=env.is_main,
+    )
     status = "running"
     t_start = time.perf_counter() - state["elapsed_s"]
     run.run_tokens0, run.run_t0 = state["tokens"], time.perf_counter()
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total_steps, initial=state["global_step"], disable=not env.is_main, unit="step",
-               dynamic_ncols=True, desc="train")
+    bar = tqdm(
+        total=total_steps,
+        initial=state["global_step"],
+        disable=not env.is_main,
+        unit="step",
+        dynamic_ncols=True,
+        desc="train",
+    )
     with StopSignal() as stop:
         while status == "running" and state["global_step"] < total_steps:
-            batches = epoch_batches(run.records.lengths, run.global_batch, cfg.seed, state["epoch"],
-                                    cfg.group_by_length)
+            batches = epoch_batches(
+                run.records.lengths, run.global_batch, cfg.seed, state["epoch"], cfg.group_by_length
+            )
             while state["batch_in_epoch"] < len(batches):
                 log_now = (state["global_step"] + 1) % cfg.log_every == 0
-                tokens, loss_tokens = optimizer_step(engine, model, run.target, run.records,
-                                                     batches[state["batch_in_epoch"]], cfg, env,
-                                                     (run.precision, run.loss_impl), run.hidden_dtype, meter,
-                                                     run.sched, t_start, log_now)
+                tokens, loss_tokens = optimizer_step(
+                    engine,
+                    model,
+                    run.target,
+                    run.records,
+                    batches[state["batch_in_epoch"]],
+                    cfg,
+                    env,
+                    (run.precision, run.loss_impl),
+                    run.hidden_dtype,
+                    meter,
+                    run.sched,
+                    t_start,
+                    log_now,
+                )
                 state["tokens"] += tokens
                 state["loss_tokens"] += loss_tokens
                 state["global_step"] += 1
@@ -242,11 +333,17 @@ def _run_loop(run: _Run, on_step) -> None:
                 if status != "running" or state["global_step"] >= total_steps:
                     break
                 if cfg.eval_every and state["global_step"] % cfg.eval_every == 0:
-                    run.metrics = evaluate(model, engine, run.target, run.eval_dataset, cfg, env, run.precision)
-                    trackers.log({f"eval/{k[5:]}": v for k, v in run.metrics.items()}, state["global_step"])
+                    run.metrics = evaluate(
+                        model, engine, run.target, run.eval_dataset, cfg, env, run.precision
+                    )
+                    trackers.log(
+                        {f"eval/{k[5:]}": v for k, v in run.metrics.items()}, state["global_step"]
+                    )
                     env.say(eval_line(state["global_step"], run.metrics))
                 if cfg.save_every and state["global_step"] % cfg.save_every == 0:
-                    ckpt.save_checkpoint(engine, out, state, env.rank, cfg.keep_checkpoints, env.barrier)
+                    ckpt.save_checkpoint(
+                        engine, out, state, env.rank, cfg.keep_checkpoints, env.barrier
+                    )
             else:  # epoch finished
                 state["epoch"] += 1
                 state["batch_in_epoch"] = 0
@@ -256,13 +353,23 @@ def _run_loop(run: _Run, on_step) -> None:
 
 def _finish(run: _Run) -> dict:
     """Final checkpoint, evaluation, tokens/s over all ranks, metrics.json and the artifact."""
-    cfg, env, out, state, engine, model = run.cfg, run.env, run.out, run.state, run.engine, run.model
+    cfg, env, out, state, engine, model = (
+        run.cfg,
+        run.env,
+        run.out,
+        run.state,
+        run.engine,
+        run.model,
+    )
     status, metrics = run.status, run.metrics
     train_time = time.perf_counter() - run.run_t0
     ckpt.save_checkpoint(engine, out, state, env.rank, cfg.keep_checkpoints, env.barrier)
     # on the process's device: NCCL, the multi-GPU backend, reduces no CPU tensors
-    tok = torch.tensor([(state["tokens"] - run.run_tokens0) / max(train_time, 1e-9), state["tokens"]],
-                       dtype=torch.float64, device=env.device)
+    tok = torch.tensor(
+        [(state["tokens"] - run.run_tokens0) / max(train_time, 1e-9), state["tokens"]],
+        dtype=torch.float64,
+        device=env.device,
+    )
     env.all_reduce(tok)  # summed over ranks: the run's tokens/s and tokens
     if status != "interrupted":
         metrics = evaluate(model, engine, run.target, run.eval_dataset, cfg, env, run.precision)
@@ -288,8 +395,10 @@ def _finish(run: _Run) -> dict:
     if "eval_top1" in metrics:
         env.say(eval_line(state["global_step"], metrics))
     env.say(f"redraft-train: {status} at step {state['global_step']}; artifact in {out}")
-    env.say(f"redraft-train: use it with  load_drafter({str(out)!r}, load_target({cfg.target!r}))  "
-            f"(redraft.models.redrafter), or benchmark it: redraft-bench --methods greedy,redrafter --drafter {out}")
+    env.say(
+        f"redraft-train: use it with  load_drafter({str(out)!r}, load_target({cfg.target!r}))  "
+        f"(redraft.models.redrafter), or benchmark it: redraft-bench --methods greedy,redrafter --drafter {out}"
+    )
     return metrics
 
 
@@ -299,7 +408,9 @@ def _publish(run: _Run) -> None:
     if cfg.push_to_hub and env.is_main and run.status != "interrupted":
         from redraft.hub import push_artifact
 
-        url = push_artifact(run.out, cfg.push_to_hub, private=cfg.hub_private, revision=cfg.hub_revision)
+        url = push_artifact(
+            run.out, cfg.push_to_hub, private=cfg.hub_private, revision=cfg.hub_revision
+        )
         env.say(f"redraft-train: pushed to {url}")
     env.barrier()
 
@@ -327,28 +438,42 @@ def check_same_target(saved: dict | None, record: dict, cfg: TrainConfig, out: P
         raise ConfigError(
             f"--resume: the run in {out} was trained on target {describe(before)}, but --target "
             f"{cfg.target!r} is {describe(record)}. Resume with the run's own target, or start a new run "
-            f"(--overwrite / another --output-dir).", param="target")
+            f"(--overwrite / another --output-dir).",
+            param="target",
+        )
 
 
 def build_head(cfg: TrainConfig, target, records, record: dict) -> ReDrafter:
     """The head for ``target``: seeded init (or ``init_from``), the draft vocabulary, the warm start."""
     torch.manual_seed(cfg.seed)
-    dcfg = ReDrafterConfig.for_target(target, num_layers=cfg.num_layers, rnn=cfg.rnn, activation=cfg.activation,
-                                      num_steps=cfg.num_steps, draft_vocab_size=cfg.draft_vocab_size,
-                                      target_weights_fingerprint=record["weights_fingerprint"])
+    dcfg = ReDrafterConfig.for_target(
+        target,
+        num_layers=cfg.num_layers,
+        rnn=cfg.rnn,
+        activation=cfg.activation,
+        num_steps=cfg.num_steps,
+        draft_vocab_size=cfg.draft_vocab_size,
+        target_weights_fingerprint=record["weights_fingerprint"],
+    )
     model = ReDrafter(dcfg)
     if cfg.init_from:
         from redraft.models.drafter_io import load_drafter
 
         src = load_drafter(cfg.init_from, target, dtype=torch.float32)
         if src.config.draft_vocab_size != dcfg.draft_vocab_size:
-            raise ConfigError(f"init_from {cfg.init_from} has draft_vocab_size {src.config.draft_vocab_size}, "
-                              f"this run {dcfg.draft_vocab_size}; make them equal.", param="init_from")
+            raise ConfigError(
+                f"init_from {cfg.init_from} has draft_vocab_size {src.config.draft_vocab_size}, "
+                f"this run {dcfg.draft_vocab_size}; make them equal.",
+                param="init_from",
+            )
         model.load_state_dict(src.state_dict())
     else:
         if cfg.draft_vocab_size:
-            model.set_draft_vocab(draft_vocab_from_tokens(*records.token_arrays(), dcfg.vocab_size,
-                                                          cfg.draft_vocab_size))
+            model.set_draft_vocab(
+                draft_vocab_from_tokens(
+                    *records.token_arrays(), dcfg.vocab_size, cfg.draft_vocab_size
+                )
+            )
         if cfg.init_head == "target":
             warm_start_from_target(model, target)
     return model.attach_target(target)
@@ -358,18 +483,36 @@ def build_engine(cfg: TrainConfig, model: ReDrafter, total_steps: int, precision
     """``(engine, schedule)``: AdamW over the head alone and the warm-up/cosine schedule, in DeepSpeed."""
     import deepspeed
 
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
-                            weight_decay=cfg.weight_decay)
-    budget_s = cfg.max_time_minutes * 60 if (cfg.max_time_minutes and cfg.schedule_by_time) else None
-    sched = WarmupCosine(opt, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio, time_budget_s=budget_s)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
-                                           config=deepspeed_config(cfg, precision))
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay
+    )
+    budget_s = (
+        cfg.max_time_minutes * 60 if (cfg.max_time_minutes and cfg.schedule_by_time) else None
+    )
+    sched = WarmupCosine(
+        opt, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio, time_budget_s=budget_s
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(cfg, precision)
+    )
     return engine, sched
 
 
-def optimizer_step(engine, model: ReDrafter, target, records, global_batch, cfg: TrainConfig, env: DistEnv,
-                   modes: tuple[str, str], hidden_dtype: torch.dtype, meter: Meter, sched: WarmupCosine,
-                   t_start: float, log_now: bool) -> tuple[int, int]:
+def optimizer_step(
+    engine,
+    model: ReDrafter,
+    target,
+    records,
+    global_batch,
+    cfg: TrainConfig,
+    env: DistEnv,
+    modes: tuple[str, str],
+    hidden_dtype: torch.dtype,
+    meter: Meter,
+    sched: WarmupCosine,
+    t_start: float,
+    log_now: bool,
+) -> tuple[int, int]:
     """One optimizer step over this rank's ``grad_accum`` micro batches of ``global_batch``.
     ``modes``: the resolved ``(precision, loss_impl)``.
 
@@ -378,16 +521,23 @@ def optimizer_step(engine, model: ReDrafter, target, records, global_batch, cfg:
     tokens = loss_tokens = 0
     precision, impl = modes
     for k in range(cfg.grad_accum):
-        batch = records.batch(micro_batch(global_batch, k, env.rank, env.world_size, cfg.micro_batch_size),
-                              env.device)
-        loss, stats, logits, win, targets = batch_loss(model, engine, target, batch, cfg, precision, hidden_dtype,
-                                                       impl)
+        batch = records.batch(
+            micro_batch(global_batch, k, env.rank, env.world_size, cfg.micro_batch_size), env.device
+        )
+        loss, stats, logits, win, targets = batch_loss(
+            model, engine, target, batch, cfg, precision, hidden_dtype, impl
+        )
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
-            sched.elapsed_s = time.perf_counter() - t_start  # the schedule may follow the time budget
+            sched.elapsed_s = (
+                time.perf_counter() - t_start
+            )  # the schedule may follow the time budget
             if log_now and engine.zero_optimization_stage() == 0:  # before step() clears the grads
-                meter.grad_norm = torch.linalg.vector_norm(torch.stack(
-                    [p.grad.float().norm() for p in model.parameters() if p.grad is not None]))
+                meter.grad_norm = torch.linalg.vector_norm(
+                    torch.stack(
+                        [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
+                    )
+                )
         engine.step()
         meter.add(loss, stats, batch.tokens)
         if log_now and logits is not None:
@@ -399,8 +549,9 @@ def optimizer_step(engine, model: ReDrafter, target, records, global_batch, cfg:
     return tokens, loss_tokens
 
 
-def log_progress(meter: Meter, engine, sched: WarmupCosine, env: DistEnv, trackers: Trackers, bar,
-                 step: int) -> None:
+def log_progress(
+    meter: Meter, engine, sched: WarmupCosine, env: DistEnv, trackers: Trackers, bar, step: int
+) -> None:
     """Read the meter (one host sync), send it to the trackers and the progress bar, reset it."""
     vals = meter.read(env)
     if engine.zero_optimization_stage() != 0:
@@ -408,17 +559,24 @@ def log_progress(meter: Meter, engine, sched: WarmupCosine, env: DistEnv, tracke
     vals["train/lr"] = sched.get_last_lr()[0]
     vals["train/memory_mb"] = memory_mb(env.device)
     trackers.log(vals, step)
-    bar.set_postfix(loss=f"{vals['train/loss']:.3f}", tok_s=f"{vals['train/tokens_per_s']:.0f}",
-                    lr=f"{vals['train/lr']:.2e}")
+    bar.set_postfix(
+        loss=f"{vals['train/loss']:.3f}",
+        tok_s=f"{vals['train/tokens_per_s']:.0f}",
+        lr=f"{vals['train/lr']:.2e}",
+    )
     meter.reset()
 
 
-def stop_reason(stop: "StopSignal", cfg: TrainConfig, state: dict, env: DistEnv) -> str:
+def stop_reason(stop: StopSignal, cfg: TrainConfig, state: dict, env: DistEnv) -> str:
     """``"interrupted"`` (a signal on any rank), ``"time_budget"``, or ``"running"``; the same on
     every rank (one all_reduce)."""
-    flags = torch.tensor([float(stop.signum != 0),
-                          float(bool(cfg.max_time_minutes) and state["elapsed_s"] >= cfg.max_time_minutes * 60)],
-                         device=env.device)  # NCCL reduces no CPU tensors
+    flags = torch.tensor(
+        [
+            float(stop.signum != 0),
+            float(bool(cfg.max_time_minutes) and state["elapsed_s"] >= cfg.max_time_minutes * 60),
+        ],
+        device=env.device,
+    )  # NCCL reduces no CPU tensors
     env.all_reduce(flags, torch.distributed.ReduceOp.MAX)
     return "interrupted" if flags[0] else ("time_budget" if flags[1] else "running")
 
@@ -442,8 +600,12 @@ class StopSignal:
         if self.signum:  # a second signal: stop now
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"\nredraft-train: got signal {signum}; checkpointing after this step "
-              f"(send it again to abort without a checkpoint)", file=sys.stderr, flush=True)
+        print(
+            f"\nredraft-train: got signal {signum}; checkpointing after this step "
+            f"(send it again to abort without a checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
@@ -453,8 +615,10 @@ class StopSignal:
 def eval_line(step: int, m: dict) -> str:
     top1 = " ".join(f"{a:.3f}" for a in m["eval_top1"])
     top1t = " ".join(f"{a:.3f}" for a in m["eval_top1_target"])
-    return (f"[eval @ step {step}] loss {m['eval_loss']:.3f} | top-1 by position (data) {top1} | "
-            f"(target greedy) {top1t} | tau_est {m['eval_tau_est']:.3f} (vs data {m['eval_tau_est_data']:.3f})")
+    return (
+        f"[eval @ step {step}] loss {m['eval_loss']:.3f} | top-1 by position (data) {top1} | "
+        f"(target greedy) {top1t} | tau_est {m['eval_tau_est']:.3f} (vs data {m['eval_tau_est_data']:.3f})"
+    )
 
 
 # ------------------------------------------------------------------------------ evaluation only
@@ -467,20 +631,30 @@ def evaluate_artifact(cfg: TrainConfig, path=None, target=None, eval_dataset=Non
 
     path = path or cfg.init_from
     if not path:
-        raise ConfigError("Evaluation needs a drafter artifact: pass --init-from DIR (or REPO_ID).", param="init_from")
+        raise ConfigError(
+            "Evaluation needs a drafter artifact: pass --init-from DIR (or REPO_ID).",
+            param="init_from",
+        )
     env = setup_distributed(cfg)
     precision = resolve_precision(cfg, env.device)
     if target is None:
         from redraft.models import load_target
 
-        target = load_target(cfg.target, dtype=target_dtype(precision, env.device), device=env.device)
+        target = load_target(
+            cfg.target, dtype=target_dtype(precision, env.device), device=env.device
+        )
     if eval_dataset is None:
         data_cfg = distilled_data(cfg, target, target_record(target), env, train=False)
         _, eval_dataset = load_datasets(data_cfg, target.tokenizer, env, train=False)
     check_dataset(eval_dataset, "held-out")
     drafter = load_drafter(path, target, dtype=torch.float32)
-    cfg = TrainConfig(**{**cfg.to_dict(), "num_steps": drafter.config.num_steps,
-                         "adam_betas": tuple(cfg.adam_betas)})
+    cfg = TrainConfig(
+        **{
+            **cfg.to_dict(),
+            "num_steps": drafter.config.num_steps,
+            "adam_betas": tuple(cfg.adam_betas),
+        }
+    )
     m = evaluate(drafter, drafter, target, eval_dataset, cfg, env, precision)
     env.say(eval_line(0, m).replace("[eval @ step 0]", f"[eval {path}]"))
     return m

@@ -4,7 +4,6 @@ random ReDrafter artifact. Every test here is marked `cuda` and skipped where to
 device (tests/conftest.py); scripts/gpu-run.sh runs them on the GPU machine (stage a)."""
 
 import pytest
-
 from cuda_helpers import DEVICE, write_chats
 
 
@@ -33,9 +32,28 @@ def cuda_tables_dir(cuda_target_dir, chats_file, tmp_path_factory):
     from redraft.ngrams.cli import main as build_ngrams
 
     out = tmp_path_factory.mktemp("cuda-ngrams")
-    rc = build_ngrams(["--target", str(cuda_target_dir), "--device", DEVICE, "--output-dir", str(out),
-                       "--data", f"sharegpt:{chats_file}", "-k", "8", "-w", "4", "--min-count", "1",
-                       "--num-proc", "1", "--overwrite", "--quiet"])
+    rc = build_ngrams(
+        [
+            "--target",
+            str(cuda_target_dir),
+            "--device",
+            DEVICE,
+            "--output-dir",
+            str(out),
+            "--data",
+            f"sharegpt:{chats_file}",
+            "-k",
+            "8",
+            "-w",
+            "4",
+            "--min-count",
+            "1",
+            "--num-proc",
+            "1",
+            "--overwrite",
+            "--quiet",
+        ]
+    )
     assert rc == 0
     return out
 
@@ -50,5 +68,7 @@ def cuda_head_dir(cuda_target, tmp_path_factory):
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("cuda-head")
-    ReDrafter(ReDrafterConfig.for_target(cuda_target, num_layers=1, num_steps=3)).save_pretrained(str(out))
+    ReDrafter(ReDrafterConfig.for_target(cuda_target, num_layers=1, num_steps=3)).save_pretrained(
+        str(out)
+    )
     return out

@@ -32,10 +32,19 @@ def write_chats(path, n: int = 240) -> str:
     with open(path, "w") as f:
         for i in range(n):
             a, b = SENTENCES[i % len(SENTENCES)], SENTENCES[(i * 7 + 3) % len(SENTENCES)]
-            f.write(json.dumps({"id": f"c{i}", "conversations": [{"from": "human", "value": a},
-                                                                 {"from": "gpt", "value": b}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"c{i}",
+                        "conversations": [
+                            {"from": "human", "value": a},
+                            {"from": "gpt", "value": b},
+                        ],
+                    }
+                )
+                + "\n"
+            )
     return str(path)
-
 
 
 class OracleDrafter(Drafter):
@@ -54,7 +63,7 @@ class OracleDrafter(Drafter):
         for r in range(B):
             fut = self.futures[int(state.request_ids[r])]
             done = int(state.lengths[r] - state.prompt_lengths[r])  # tokens emitted so far
-            good = fut[done:done + 1 + (int(state.step) + r) % self.L]
+            good = fut[done : done + 1 + (int(state.step) + r) % self.L]
             out[r, 0, : len(good)] = torch.tensor(good, dtype=torch.long)
             out[r, 1, 0] = (fut[done] + 1) % 300 if done < len(fut) else 1
         return Draft(tokens=out)

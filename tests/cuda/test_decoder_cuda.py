@@ -4,13 +4,13 @@ dummy target of real size loads on the GPU. Same checks as tests/infer on the CP
 
 import pytest
 import torch
+from cuda_helpers import DEVICE, PROMPTS, OracleDrafter
 
 from redraft.infer import SpeculativeDecoder, load_decoder, plain_greedy
 from redraft.infer.drafters.aded import ADEDDrafter
-from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
 from redraft.infer.drafters.hsddw import default_hierarchy
+from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
 from redraft.infer.loader import load_ngram_tables, load_redrafter
-from cuda_helpers import DEVICE, PROMPTS, OracleDrafter
 
 pytestmark = pytest.mark.cuda
 
@@ -27,33 +27,52 @@ def every_drafter(target, tables, head_dir, futures) -> dict:
         "ngrammys": [NGrammysDrafter(tables, V)],
         "redrafter": [load_redrafter(head_dir, target, width=4)],
         "aded": [ADEDDrafter(tables, iterations=60)],
-        "hsddw": [default_hierarchy(target, tau_init=1.0)],  # early exit 1 layer -> 2 layers -> target
+        "hsddw": [
+            default_hierarchy(target, tau_init=1.0)
+        ],  # early exit 1 layer -> 2 layers -> target
     }
 
 
 @pytest.mark.parametrize("budget", ["auto", 12])
-def test_fp32_greedy_equals_plain_greedy_for_every_drafter_and_the_mix(cuda_target, cuda_tables_dir, cuda_head_dir,
-                                                                       budget):
+def test_fp32_greedy_equals_plain_greedy_for_every_drafter_and_the_mix(
+    cuda_target, cuda_tables_dir, cuda_head_dir, budget
+):
     target = cuda_target
     assert target.device.type == DEVICE
     ref = plain_greedy(target, PROMPTS, max_new_tokens=32)
-    ids = SpeculativeDecoder(target).encode(PROMPTS[0])[0]  # our plain greedy is transformers' greedy
-    hf = target.model.generate(torch.tensor([ids], device=target.device), max_new_tokens=32, do_sample=False,
-                               eos_token_id=target.eos_token_ids, pad_token_id=0)[0, len(ids):].tolist()
+    ids = SpeculativeDecoder(target).encode(PROMPTS[0])[
+        0
+    ]  # our plain greedy is transformers' greedy
+    hf = target.model.generate(
+        torch.tensor([ids], device=target.device),
+        max_new_tokens=32,
+        do_sample=False,
+        eos_token_id=target.eos_token_ids,
+        pad_token_id=0,
+    )[0, len(ids) :].tolist()
     assert ref[0].tokens == hf[: len(ref[0].tokens)]
     tables = load_ngram_tables(cuda_tables_dir, target)
     assert {"unigram", "bigram", "extended", "trigram"} <= set(tables.kinds)
     used = {}
     futures = {i: r.tokens for i, r in enumerate(ref)}
     for name, drafters in every_drafter(target, tables, cuda_head_dir, futures).items():
-        out = SpeculativeDecoder(target, drafters, budget=budget).generate(PROMPTS, max_new_tokens=32)
+        out = SpeculativeDecoder(target, drafters, budget=budget).generate(
+            PROMPTS, max_new_tokens=32
+        )
         for o, r in zip(out, ref):
             assert o.tokens == r.tokens, name
             assert o.stats.target_calls <= r.stats.target_calls, name
         used[name] = sum(len(o.tokens) for o in out) / sum(o.stats.target_calls for o in out)
-    mix = load_decoder(target, drafters=[cuda_head_dir], ngrams=[cuda_tables_dir], aded=True, budget=budget)
-    for name, dec in (("mix", mix), ("mix+oracle", SpeculativeDecoder(target, [*mix.drafters, OracleDrafter(futures)],
-                                                                      budget=budget))):
+    mix = load_decoder(
+        target, drafters=[cuda_head_dir], ngrams=[cuda_tables_dir], aded=True, budget=budget
+    )
+    for name, dec in (
+        ("mix", mix),
+        (
+            "mix+oracle",
+            SpeculativeDecoder(target, [*mix.drafters, OracleDrafter(futures)], budget=budget),
+        ),
+    ):
         out = dec.generate(PROMPTS, max_new_tokens=32)
         for o, r in zip(out, ref):
             assert o.tokens == r.tokens, name
@@ -78,7 +97,9 @@ def test_bf16_divergences_happen_only_at_near_ties(cuda_target_dir, cuda_target,
     ref = plain_greedy(target, PROMPTS, max_new_tokens=48)
     drafters = [NGrammysDrafter(tables, V), ContextNGramDrafter(V, q=2, k=4, w=6, name="context2")]
     out = SpeculativeDecoder(target, drafters, budget=16).generate(PROMPTS, max_new_tokens=48)
-    assert sum(len(o.tokens) for o in out) > sum(o.stats.target_calls for o in out)  # drafts were accepted
+    assert sum(len(o.tokens) for o in out) > sum(
+        o.stats.target_calls for o in out
+    )  # drafts were accepted
     gaps, matched = [], 0
     for k, (o, r) in enumerate(zip(out, ref)):
         if o.tokens == r.tokens:
@@ -87,15 +108,19 @@ def test_bf16_divergences_happen_only_at_near_ties(cuda_target_dir, cuda_target,
         i = next(j for j, (a, b) in enumerate(zip(o.tokens, r.tokens)) if a != b)
         prompt = SpeculativeDecoder(cuda_target).encode(PROMPTS[k])[0]
         with torch.no_grad():
-            logits = cuda_target.model(torch.tensor([prompt + r.tokens[:i]], device=cuda_target.device)).logits[0, -1]
+            logits = cuda_target.model(
+                torch.tensor([prompt + r.tokens[:i]], device=cuda_target.device)
+            ).logits[0, -1]
         a, b = o.tokens[i], r.tokens[i]
         # bf16 keeps 8 bits of mantissa: logits of this size carry errors of ~|logit| / 128 per rounding
         tol = 4 * float(logits.abs().max()) / 128
         gaps.append((round(float((logits[a] - logits[b]).abs()), 4), round(tol, 4)))
         assert {a, b} <= set(logits.float().topk(3).indices.tolist()), (k, i, a, b)
         assert gaps[-1][0] < tol, (k, i, gaps[-1])
-    print(f"bf16 on {DEVICE}: {matched}/{len(PROMPTS)} prompts identical to plain bf16 greedy; "
-          f"(|fp32 logit gap|, tolerance) at each divergence: {gaps}")
+    print(
+        f"bf16 on {DEVICE}: {matched}/{len(PROMPTS)} prompts identical to plain bf16 greedy; "
+        f"(|fp32 logit gap|, tolerance) at each divergence: {gaps}"
+    )
 
 
 def test_rejection_sampling_keeps_the_target_distribution(cuda_target, cuda_tables_dir):
@@ -106,11 +131,15 @@ def test_rejection_sampling_keeps_the_target_distribution(cuda_target, cuda_tabl
     tables = load_ngram_tables(cuda_tables_dir, target)
     ids = target.chat_ids([{"role": "user", "content": "Hello"}])
     n, V = 2000, target.vocab_size
-    dec = SpeculativeDecoder(target, [TableDrafter(tables, "bigram", k=4)], acceptance="rejection", budget=4)
+    dec = SpeculativeDecoder(
+        target, [TableDrafter(tables, "bigram", k=4)], acceptance="rejection", budget=4
+    )
     out = dec.generate([ids] * n, max_new_tokens=2, temperature=1.0, seed=0)
     second = torch.tensor([o.tokens[1] for o in out if len(o.tokens) > 1])
     with torch.no_grad():
-        p1 = target.model(torch.tensor([ids], device=DEVICE)).logits[0, -1].double().softmax(-1)  # [V]
+        p1 = (
+            target.model(torch.tensor([ids], device=DEVICE)).logits[0, -1].double().softmax(-1)
+        )  # [V]
         batch = torch.tensor([ids + [t] for t in range(V)], device=DEVICE)
         p2 = target.model(batch).logits[:, -1].double().softmax(-1)  # [V, V]
     marg = (p1[:, None] * p2).sum(0).cpu()
@@ -134,7 +163,8 @@ def test_dummy_llama_8b_is_made_on_the_gpu_and_decodes():
         w = t.model.model.layers[31].mlp.down_proj.weight
         assert 0.015 < float(w.float().std()) < 0.025  # filled on the device, not left empty
         out = SpeculativeDecoder(t, [ContextNGramDrafter(t.vocab_size)], budget=8).generate(
-            "The quick brown fox jumps over the lazy dog. The quick brown", max_new_tokens=16)[0]
+            "The quick brown fox jumps over the lazy dog. The quick brown", max_new_tokens=16
+        )[0]
         assert len(out.tokens) == 16 and out.stats.target_calls >= 1
     finally:
         del t

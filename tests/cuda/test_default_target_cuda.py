@@ -4,10 +4,10 @@ they need the GGUF, which travels in parts 2 and 3 of the bundle)."""
 
 import pytest
 import torch
+from cuda_helpers import DEVICE
 
 from redraft.infer import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter
-from cuda_helpers import DEVICE
 
 pytestmark = [pytest.mark.slow, pytest.mark.cuda]
 
@@ -31,7 +31,10 @@ def chats():
 
 def drafters(target):
     V = target.vocab_size
-    return [ContextNGramDrafter(V, q=1, k=8, w=4), ContextNGramDrafter(V, q=3, k=2, w=8, name="context-q3")]
+    return [
+        ContextNGramDrafter(V, q=1, k=8, w=4),
+        ContextNGramDrafter(V, q=3, k=2, w=8, name="context-q3"),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,9 @@ def fp32_target():
 
 def test_fp32_greedy_speculative_equals_plain_greedy_on_cuda(fp32_target):
     ref = plain_greedy(fp32_target, chats(), max_new_tokens=64)
-    out = SpeculativeDecoder(fp32_target, drafters(fp32_target), budget=8).generate(chats(), max_new_tokens=64)
+    out = SpeculativeDecoder(fp32_target, drafters(fp32_target), budget=8).generate(
+        chats(), max_new_tokens=64
+    )
     for o, r, p in zip(out, ref, PROMPTS):
         assert o.tokens == r.tokens, p
     assert sum(len(o.tokens) for o in out) / sum(o.stats.target_calls for o in out) > 1.0
@@ -54,7 +59,9 @@ def test_bf16_divergences_happen_only_at_near_ties_on_cuda(fp32_target):
 
     target = load_target("default", dtype="bfloat16", device=DEVICE)
     ref = plain_greedy(target, chats(), max_new_tokens=32)
-    out = SpeculativeDecoder(target, drafters(target), budget=8).generate(chats(), max_new_tokens=32)
+    out = SpeculativeDecoder(target, drafters(target), budget=8).generate(
+        chats(), max_new_tokens=32
+    )
     matched, gaps = 0, []
     for k, (o, r) in enumerate(zip(out, ref)):
         if o.tokens == r.tokens:
@@ -63,10 +70,16 @@ def test_bf16_divergences_happen_only_at_near_ties_on_cuda(fp32_target):
         i = next(j for j, (a, b) in enumerate(zip(o.tokens, r.tokens)) if a != b)
         prompt = fp32_target.chat_ids(chats()[k])
         with torch.no_grad():
-            logits = fp32_target.model(torch.tensor([prompt + r.tokens[:i]], device=DEVICE)).logits[0, -1].float()
+            logits = (
+                fp32_target.model(torch.tensor([prompt + r.tokens[:i]], device=DEVICE))
+                .logits[0, -1]
+                .float()
+            )
         a, b = o.tokens[i], r.tokens[i]
         gaps.append(round(float((logits[a] - logits[b]).abs()), 3))
         assert {a, b} <= set(logits.topk(3).indices.tolist()), (k, i, a, b)
-    print(f"bf16 on {DEVICE}: {matched}/{len(PROMPTS)} prompts identical to plain bf16 greedy; "
-          f"|fp32 logit gap| at each divergence: {gaps}")
+    print(
+        f"bf16 on {DEVICE}: {matched}/{len(PROMPTS)} prompts identical to plain bf16 greedy; "
+        f"|fp32 logit gap| at each divergence: {gaps}"
+    )
     assert all(g < 1.0 for g in gaps), gaps

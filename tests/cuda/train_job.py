@@ -29,19 +29,33 @@ def main() -> int:
     from redraft.train.trainer import train
 
     def cfg(name):
-        return make_config("tiny", {
-            "target": args.target, "data": f"sharegpt:{args.data}", "output_dir": f"{args.out}/{name}",
-            "device": args.device, "zero_stage": str(args.zero_stage), "precision": args.precision,
-            "max_steps": "6", "lr": "0.01", "grad_accum": "2", "tensorboard": "false", "num_proc": "1",
-            "data_cache_dir": f"{args.out}/cache"})
+        return make_config(
+            "tiny",
+            {
+                "target": args.target,
+                "data": f"sharegpt:{args.data}",
+                "output_dir": f"{args.out}/{name}",
+                "device": args.device,
+                "zero_stage": str(args.zero_stage),
+                "precision": args.precision,
+                "max_steps": "6",
+                "lr": "0.01",
+                "grad_accum": "2",
+                "tensorboard": "false",
+                "num_proc": "1",
+                "data_cache_dir": f"{args.out}/cache",
+            },
+        )
 
     def kill_at_3(state):
         if state["global_step"] == 3:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    runs = {"straight": train(cfg("straight")),
-            "first": train(cfg("killed"), on_step=kill_at_3),
-            "resumed": train(cfg("killed"), resume=True)}
+    runs = {
+        "straight": train(cfg("straight")),
+        "first": train(cfg("killed"), on_step=kill_at_3),
+        "resumed": train(cfg("killed"), resume=True),
+    }
     print(json.dumps(runs))
     return 0
 

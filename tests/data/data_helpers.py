@@ -35,9 +35,30 @@ def sharegpt(i, turns):
 # Conversations with an assistant reply in every shape the mask must handle.
 CHATS = [
     sharegpt(0, [("human", "Hello there"), ("gpt", "Hi! How can I help you today?")]),
-    sharegpt(1, [("system", "You are terse."), ("human", "What is 2+2?"), ("gpt", "4."),
-                 ("human", "And 3+3?"), ("gpt", "6, as before.")]),
-    sharegpt(2, [("user", "def add(a, b):"), ("chatgpt", "    return a + b\n"), ("human", "thanks"),
-                 ("bard", "You're welcome!")]),
-    sharegpt(3, [("human", "Tell me about Paris."), ("assistant", "Paris is the capital of France.\n\nIt is big.")]),
+    sharegpt(
+        1,
+        [
+            ("system", "You are terse."),
+            ("human", "What is 2+2?"),
+            ("gpt", "4."),
+            ("human", "And 3+3?"),
+            ("gpt", "6, as before."),
+        ],
+    ),
+    sharegpt(
+        2,
+        [
+            ("user", "def add(a, b):"),
+            ("chatgpt", "    return a + b\n"),
+            ("human", "thanks"),
+            ("bard", "You're welcome!"),
+        ],
+    ),
+    sharegpt(
+        3,
+        [
+            ("human", "Tell me about Paris."),
+            ("assistant", "Paris is the capital of France.\n\nIt is big."),
+        ],
+    ),
 ]

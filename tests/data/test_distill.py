@@ -14,8 +14,22 @@ def lines(path):
 
 
 def run(tiny_target_dir, data, out, *extra):
-    return main(["--target", str(tiny_target_dir), "--data", data, "--output", str(out), "--max-new-tokens", "5",
-                 "--batch-size", "3", "--no-progress", *extra])
+    return main(
+        [
+            "--target",
+            str(tiny_target_dir),
+            "--data",
+            data,
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            "5",
+            "--batch-size",
+            "3",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def one_line(err: str) -> str:
@@ -27,8 +41,14 @@ def one_line(err: str) -> str:
 
 def test_batched_left_padded_generation_equals_one_by_one(tiny_target):
     tok = tiny_target.tokenizer
-    prompts = [_prompt_ids(tok, [{"role": "user", "content": text}])
-               for text in ("Hi", "Speculative decoding drafts tokens and the target verifies them", "print(x)")]
+    prompts = [
+        _prompt_ids(tok, [{"role": "user", "content": text}])
+        for text in (
+            "Hi",
+            "Speculative decoding drafts tokens and the target verifies them",
+            "print(x)",
+        )
+    ]
     assert len({len(p) for p in prompts}) == 3  # really padded
     batched = generate_replies(tiny_target, prompts, max_new_tokens=6, temperature=0.0, top_p=1.0)
     for p, got in zip(prompts, batched):
@@ -60,7 +80,9 @@ def test_distill_writes_sharegpt_and_resumes_without_duplicates(tiny_target_dir,
         assert ours == theirs[: len(ours)] and ours[-1]["role"] == "user"
         assert rec.messages[-1]["role"] == "assistant"
         replies = {m["content"] for m in rec.messages if m["role"] == "assistant"}
-        assert not replies & {m["content"] for m in src[rec.id].messages if m["role"] == "assistant"}
+        assert not replies & {
+            m["content"] for m in src[rec.id].messages if m["role"] == "assistant"
+        }
     assert rows[0]["distilled_with"]["max_new_tokens"] == 5
 
 
@@ -78,26 +100,45 @@ def test_greedy_distillation_is_deterministic(tiny_target_dir, tmp_path):
     data = f"sharegpt:{write_jsonl(tmp_path / 'src.jsonl', CHATS)}"
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     assert run(tiny_target_dir, data, a, "--limit", "3") == 0
-    assert run(tiny_target_dir, data, b, "--limit", "3", "--batch-size", "1", "--sort-window", "1") == 0
+    assert (
+        run(tiny_target_dir, data, b, "--limit", "3", "--batch-size", "1", "--sort-window", "1")
+        == 0
+    )
     by_id = lambda path: {r["id"]: r for r in lines(path)}  # noqa: E731
-    assert by_id(a) == by_id(b) and len(by_id(a)) == 3  # batching and sorting do not change greedy replies
-    assert [r["id"] for r in lines(b)] == ["sg-0", "sg-1", "sg-2"]  # --sort-window 1 keeps the source order
+    assert (
+        by_id(a) == by_id(b) and len(by_id(a)) == 3
+    )  # batching and sorting do not change greedy replies
+    assert [r["id"] for r in lines(b)] == [
+        "sg-0",
+        "sg-1",
+        "sg-2",
+    ]  # --sort-window 1 keeps the source order
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--data", "nonsense:spec"], "Unknown data source 'nonsense:spec'"),
-    (["--data", "default-code"], "holds documents (code files), not conversations"),
-    (["--data", "code-dir:/tmp?glob=*.py"], "not conversations"),
-    (["--temperature", "-1"], "--temperature -1.0 is out of range: it must be a finite number >= 0"),
-    (["--temperature", "nan"], "--temperature nan is out of range"),
-    (["--top-p", "0"], "--top-p 0.0 is out of range: it must be in (0, 1]"),
-    (["--limit", "-5"], "--limit -5 is out of range: it must be at least 1"),
-    (["--max-new-tokens", "0"], "--max-new-tokens 0 is out of range"),
-    (["--heldout-fraction", "1.5"], "--heldout-fraction 1.5 is out of range: it must be in (0, 1)"),
-    (["--dtype", "int8"], "unknown dtype 'int8'"),
-])
-def test_bad_arguments_exit_2_with_one_line_before_the_model_loads(tiny_target_dir, tmp_path, capsys,
-                                                                    monkeypatch, extra, message):
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--data", "nonsense:spec"], "Unknown data source 'nonsense:spec'"),
+        (["--data", "default-code"], "holds documents (code files), not conversations"),
+        (["--data", "code-dir:/tmp?glob=*.py"], "not conversations"),
+        (
+            ["--temperature", "-1"],
+            "--temperature -1.0 is out of range: it must be a finite number >= 0",
+        ),
+        (["--temperature", "nan"], "--temperature nan is out of range"),
+        (["--top-p", "0"], "--top-p 0.0 is out of range: it must be in (0, 1]"),
+        (["--limit", "-5"], "--limit -5 is out of range: it must be at least 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0 is out of range"),
+        (
+            ["--heldout-fraction", "1.5"],
+            "--heldout-fraction 1.5 is out of range: it must be in (0, 1)",
+        ),
+        (["--dtype", "int8"], "unknown dtype 'int8'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_before_the_model_loads(
+    tiny_target_dir, tmp_path, capsys, monkeypatch, extra, message
+):
     monkeypatch.setattr("redraft.models.load_target", lambda *a, **kw: pytest.fail("model loaded"))
     out = tmp_path / "o.jsonl"
     assert run(tiny_target_dir, "default-chat", out, *extra) == 2
@@ -106,7 +147,9 @@ def test_bad_arguments_exit_2_with_one_line_before_the_model_loads(tiny_target_d
     assert not out.exists()
 
 
-def test_output_that_is_a_directory_fails_before_any_work(tiny_target_dir, tmp_path, capsys, monkeypatch):
+def test_output_that_is_a_directory_fails_before_any_work(
+    tiny_target_dir, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setattr("redraft.models.load_target", lambda *a, **kw: pytest.fail("model loaded"))
     assert run(tiny_target_dir, "default-chat", tmp_path) == 2
     assert f"--output {tmp_path} is a directory" in one_line(capsys.readouterr().err)
@@ -157,8 +200,14 @@ def test_sampled_distillation_is_seeded(tiny_target_dir, tmp_path):
     data = f"sharegpt:{write_jsonl(tmp_path / 'src.jsonl', CHATS)}"
     a, b, c = (tmp_path / f"{x}.jsonl" for x in "abc")
     for path in (a, b):
-        assert run(tiny_target_dir, data, path, "--limit", "2", "--temperature", "1.0", "--seed", "3") == 0
+        assert (
+            run(tiny_target_dir, data, path, "--limit", "2", "--temperature", "1.0", "--seed", "3")
+            == 0
+        )
     assert run(tiny_target_dir, data, c, "--limit", "2") == 0
     assert a.read_text() == b.read_text()
-    replies = lambda path: [m["value"] for r in lines(path) for m in r["conversations"] if m["from"] == "gpt"]  # noqa: E731
+
+    def replies(path):
+        return [m["value"] for r in lines(path) for m in r["conversations"] if m["from"] == "gpt"]
+
     assert replies(a) != replies(c)  # sampling at temperature 1 is not greedy

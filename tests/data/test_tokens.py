@@ -12,7 +12,9 @@ from redraft.data.tokens import ChatRenderer, cache_meta
 
 
 def chat_ids(tok, messages, add_generation_prompt=False):
-    out = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    out = tok.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
@@ -32,7 +34,7 @@ def reference_mask(tok, messages):
         start = next((i for i, (a, b) in enumerate(zip(before, through)) if a != b), len(before))
         span = list(range(start, len(through)))
         eos = [i for i in span if full[i] == tok.eos_token_id]
-        mask[span[0]: (eos[-1] if eos else span[-1]) + 1] = 1
+        mask[span[0] : (eos[-1] if eos else span[-1]) + 1] = 1
     return full, mask
 
 
@@ -47,11 +49,13 @@ def records(path):
 
 
 @pytest.mark.parametrize("template", ["chatml", "llama2"])
-def test_mask_covers_exactly_each_reply_and_its_end_of_turn_token(template, chats_file, chatml_tokenizer,
-                                                                  llama2_tokenizer, tmp_path):
+def test_mask_covers_exactly_each_reply_and_its_end_of_turn_token(
+    template, chats_file, chatml_tokenizer, llama2_tokenizer, tmp_path
+):
     tok = chatml_tokenizer if template == "chatml" else llama2_tokenizer
-    ds = build_token_dataset(f"sharegpt:{chats_file}", tok, split="all", cache_dir=tmp_path, num_proc=1,
-                             progress=False)
+    ds = build_token_dataset(
+        f"sharegpt:{chats_file}", tok, split="all", cache_dir=tmp_path, num_proc=1, progress=False
+    )
     recs = {r.id: r for r in records(chats_file)}
     assert ds["id"] == list(recs)
     for row in ds:
@@ -64,7 +68,9 @@ def test_mask_covers_exactly_each_reply_and_its_end_of_turn_token(template, chat
         decoded = [tok.decode(r) for r in runs(row["input_ids"], np.array(row["loss_mask"]))]
         head, tail = ("", "<|im_end|>") if template == "chatml" else (" ", " </s>")
         for d, r in zip(decoded, replies, strict=True):
-            straddles = r[0].isspace() and d == "\n" + head + r + tail  # the header's "\n" merged into the reply
+            straddles = (
+                r[0].isspace() and d == "\n" + head + r + tail
+            )  # the header's "\n" merged into the reply
             assert d == head + r + tail or straddles
 
 
@@ -74,14 +80,24 @@ def test_renderer_matches_apply_chat_template(chats_file, chatml_tokenizer, llam
         for r in records(chats_file):
             for gen in (False, True):
                 assert renderer.render(r.messages, gen) == tok.apply_chat_template(
-                    r.messages, tokenize=False, add_generation_prompt=gen)
+                    r.messages, tokenize=False, add_generation_prompt=gen
+                )
 
 
 def test_truncation_drops_rows_without_assistant_tokens(chats_file, chatml_tokenizer, tmp_path):
     refs = [(r.id, *reference_mask(chatml_tokenizer, r.messages)) for r in records(chats_file)]
-    L = min(int(np.argmax(ref)) for _, _, ref in refs) + 2  # the earliest reply is cut after 2 tokens
-    ds = build_token_dataset(f"sharegpt:{chats_file}", chatml_tokenizer, split="all", max_length=L,
-                             cache_dir=tmp_path, num_proc=1, progress=False)
+    L = (
+        min(int(np.argmax(ref)) for _, _, ref in refs) + 2
+    )  # the earliest reply is cut after 2 tokens
+    ds = build_token_dataset(
+        f"sharegpt:{chats_file}",
+        chatml_tokenizer,
+        split="all",
+        max_length=L,
+        cache_dir=tmp_path,
+        num_proc=1,
+        progress=False,
+    )
     expected = [(rid, full[:L], ref[:L].tolist()) for rid, full, ref in refs if ref[:L].any()]
     assert 1 <= len(expected) < 4  # the fixture has records whose first reply starts later
     assert [(x["id"], x["input_ids"], x["loss_mask"]) for x in ds] == expected
@@ -91,11 +107,21 @@ def test_truncation_drops_rows_without_assistant_tokens(chats_file, chatml_token
 
 def test_documents_count_every_token_and_split_into_windows(tmp_path, chatml_tokenizer):
     (tmp_path / "src").mkdir()
-    texts = {"a.py": "def add(a, b):\n    return a + b\n" * 5, "b.py": "import torch\nx = torch.zeros(3)\n"}
+    texts = {
+        "a.py": "def add(a, b):\n    return a + b\n" * 5,
+        "b.py": "import torch\nx = torch.zeros(3)\n",
+    }
     for name, text in texts.items():
         (tmp_path / "src" / name).write_text(text)
-    ds = build_token_dataset(f"code-dir:{tmp_path / 'src'}", chatml_tokenizer, split="all", max_length=16,
-                             cache_dir=tmp_path / "cache", num_proc=1, progress=False)
+    ds = build_token_dataset(
+        f"code-dir:{tmp_path / 'src'}",
+        chatml_tokenizer,
+        split="all",
+        max_length=16,
+        cache_dir=tmp_path / "cache",
+        num_proc=1,
+        progress=False,
+    )
     for name, text in texts.items():
         rows = [x for x in ds if x["id"] == name or x["id"].startswith(name + "#")]
         ids = chatml_tokenizer(text)["input_ids"]
@@ -106,10 +132,25 @@ def test_documents_count_every_token_and_split_into_windows(tmp_path, chatml_tok
 
 def test_packing_concatenates_rows_into_fixed_lengths(chats_file, chatml_tokenizer, tmp_path):
     spec = f"sharegpt:{chats_file}"
-    flat = build_token_dataset(spec, chatml_tokenizer, split="all", max_length=100_000, cache_dir=tmp_path,
-                               num_proc=1, progress=False)
-    packed = build_token_dataset(spec, chatml_tokenizer, split="all", max_length=16, pack=True,
-                                 cache_dir=tmp_path, num_proc=1, progress=False)
+    flat = build_token_dataset(
+        spec,
+        chatml_tokenizer,
+        split="all",
+        max_length=100_000,
+        cache_dir=tmp_path,
+        num_proc=1,
+        progress=False,
+    )
+    packed = build_token_dataset(
+        spec,
+        chatml_tokenizer,
+        split="all",
+        max_length=16,
+        pack=True,
+        cache_dir=tmp_path,
+        num_proc=1,
+        progress=False,
+    )
     lengths = [len(x) for x in packed["input_ids"]]
     assert all(n == 16 for n in lengths[:-1]) and 2 <= lengths[-1] <= 16
     assert sum(packed["input_ids"], []) == sum(flat["input_ids"], [])
@@ -128,20 +169,37 @@ def test_split_is_disjoint_and_covers_everything(tmp_path, chatml_tokenizer):
 
 
 def test_parallel_workers_give_identical_rows(tmp_path, chatml_tokenizer):
-    chats = [sharegpt(i, [("human", f"q {i} " * (i % 7 + 1)), ("gpt", f"a {i} " * (i % 5 + 1)),
-                          ("human", "more"), ("gpt", "done")]) for i in range(700)]
+    chats = [
+        sharegpt(
+            i,
+            [
+                ("human", f"q {i} " * (i % 7 + 1)),
+                ("gpt", f"a {i} " * (i % 5 + 1)),
+                ("human", "more"),
+                ("gpt", "done"),
+            ],
+        )
+        for i in range(700)
+    ]
     spec = f"sharegpt:{write_jsonl(tmp_path / 'many.jsonl', chats)}"
-    one = build_token_dataset(spec, chatml_tokenizer, split="all", cache_dir=tmp_path / "c1", num_proc=1,
-                              progress=False)
-    two = build_token_dataset(spec, chatml_tokenizer, split="all", cache_dir=tmp_path / "c2", num_proc=2,
-                              progress=False)
+    one = build_token_dataset(
+        spec, chatml_tokenizer, split="all", cache_dir=tmp_path / "c1", num_proc=1, progress=False
+    )
+    two = build_token_dataset(
+        spec, chatml_tokenizer, split="all", cache_dir=tmp_path / "c2", num_proc=2, progress=False
+    )
     assert one["id"] == two["id"] and len(one) == 700  # 3 chunks of 256 records, in order
     assert one["input_ids"] == two["input_ids"] and one["loss_mask"] == two["loss_mask"]
 
 
-def test_cache_is_reused_and_keyed_by_settings_source_and_tokenizer(tmp_path, chatml_tokenizer, monkeypatch):
+def test_cache_is_reused_and_keyed_by_settings_source_and_tokenizer(
+    tmp_path, chatml_tokenizer, monkeypatch
+):
     path = write_json(tmp_path / "c.json", CHATS)
-    spec, kw = f"sharegpt:{path}", dict(split="all", cache_dir=tmp_path / "cache", num_proc=1, progress=False)
+    spec, kw = (
+        f"sharegpt:{path}",
+        dict(split="all", cache_dir=tmp_path / "cache", num_proc=1, progress=False),
+    )
     first = build_token_dataset(spec, chatml_tokenizer, **kw)
 
     def boom(self, records):
@@ -166,17 +224,29 @@ def test_cache_is_reused_and_keyed_by_settings_source_and_tokenizer(tmp_path, ch
 def test_template_failures_are_counted_not_raised(tmp_path, chatml_tokenizer):
     path = write_json(tmp_path / "c.json", CHATS)
     no_system = copy.deepcopy(chatml_tokenizer)
-    no_system.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
-                               "{% endif %}" + chatml_tokenizer.chat_template)
-    ds = build_token_dataset(f"sharegpt:{path}", no_system, split="all", cache_dir=tmp_path, num_proc=1,
-                             progress=False)
+    no_system.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
+        "{% endif %}" + chatml_tokenizer.chat_template
+    )
+    ds = build_token_dataset(
+        f"sharegpt:{path}", no_system, split="all", cache_dir=tmp_path, num_proc=1, progress=False
+    )
     assert ds["id"] == ["sg-0", "sg-2", "sg-3"]  # sg-1 has a system turn
     assert cache_meta(next(tmp_path.glob("tokens-*")))["tokenize_skipped"] == {"template_error": 1}
     # a template that renders the last turn differently: earlier replies have no stable span
     last_differs = copy.deepcopy(chatml_tokenizer)
-    last_differs.chat_template = "{% for m in messages %}{% if loop.last %}<|im_start|>{% endif %}{{ m['content'] }}{% endfor %}"
-    ds = build_token_dataset(f"sharegpt:{path}", last_differs, split="all", cache_dir=tmp_path / "b",
-                             num_proc=1, progress=False)
+    last_differs.chat_template = (
+        "{% for m in messages %}{% if loop.last %}<|im_start|>{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    ds = build_token_dataset(
+        f"sharegpt:{path}",
+        last_differs,
+        split="all",
+        cache_dir=tmp_path / "b",
+        num_proc=1,
+        progress=False,
+    )
     meta = cache_meta(next((tmp_path / "b").glob("tokens-*")))
     assert meta["tokenize_skipped"] == {"template_not_prefix": 2}  # sg-1 and sg-2 have two replies
 
@@ -185,15 +255,20 @@ def test_token_arrays_are_full_renderings(tmp_path, chats_file, chatml_tokenizer
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "m.py").write_text("for i in range(10):\n    print(i * i)\n" * 50)
     spec = f"sharegpt:{chats_file},code-dir:{tmp_path / 'src'}"
-    arrays = list(iter_token_arrays(spec, chatml_tokenizer, cache_dir=tmp_path / "cache", num_proc=1,
-                                    progress=False))
+    arrays = list(
+        iter_token_arrays(
+            spec, chatml_tokenizer, cache_dir=tmp_path / "cache", num_proc=1, progress=False
+        )
+    )
     recs = list(iter_records(spec))
     # unweighted: one record of each in turn, then the rest of the chats when code-dir (1 file) runs out
     assert [r.kind for r in recs] == ["chat", "doc", "chat", "chat", "chat"] and len(arrays) == 5
     assert all(a.dtype == np.int32 for a in arrays)
     for i in (0, 2, 3, 4):
         assert arrays[i].tolist() == chat_ids(chatml_tokenizer, recs[i].messages)
-    assert arrays[1].tolist() == chatml_tokenizer(recs[1].text)["input_ids"]  # not cut at any max_length
+    assert (
+        arrays[1].tolist() == chatml_tokenizer(recs[1].text)["input_ids"]
+    )  # not cut at any max_length
     assert len(arrays[1]) > 300
 
 
@@ -204,8 +279,16 @@ def test_token_arrays_are_full_renderings(tmp_path, chats_file, chatml_tokenizer
 @pytest.mark.slow
 def test_default_target_masks_on_default_sharegpt(default_target, tmp_path):
     tok = default_target.tokenizer
-    ds = build_token_dataset("default-chat", tok, split="all", max_length=4096, limit=60, cache_dir=tmp_path,
-                             num_proc=1, progress=False)
+    ds = build_token_dataset(
+        "default-chat",
+        tok,
+        split="all",
+        max_length=4096,
+        limit=60,
+        cache_dir=tmp_path,
+        num_proc=1,
+        progress=False,
+    )
     recs = {r.id: r for r in iter_records("default-chat", limit=80)}
     checked = 0
     for row in ds.select(range(25)):
@@ -220,14 +303,28 @@ def test_default_target_masks_on_default_sharegpt(default_target, tmp_path):
 
 
 def test_an_empty_split_is_an_empty_dataset_not_an_error(tmp_path, chats_file, chatml_tokenizer):
-    ds = build_token_dataset(f"sharegpt:{chats_file}", chatml_tokenizer, split="heldout", heldout_fraction=0.0,
-                             cache_dir=tmp_path, num_proc=1, progress=False)
+    ds = build_token_dataset(
+        f"sharegpt:{chats_file}",
+        chatml_tokenizer,
+        split="heldout",
+        heldout_fraction=0.0,
+        cache_dir=tmp_path,
+        num_proc=1,
+        progress=False,
+    )
     assert len(ds) == 0 and ds.column_names == ["id", "input_ids", "loss_mask"]
 
 
 def test_a_crashed_build_leaves_nothing_that_is_reused(tmp_path, chats_file, chatml_tokenizer):
     spec = f"sharegpt:{chats_file}"
-    ds = build_token_dataset(spec, chatml_tokenizer, split="all", cache_dir=tmp_path / "cache", num_proc=1, progress=False)
+    ds = build_token_dataset(
+        spec,
+        chatml_tokenizer,
+        split="all",
+        cache_dir=tmp_path / "cache",
+        num_proc=1,
+        progress=False,
+    )
     (entry,) = (tmp_path / "cache").glob("tokens-*")
     stale = entry.with_name(entry.name + ".tmp999999999")  # a pid that cannot exist
     stale.mkdir()
@@ -235,8 +332,14 @@ def test_a_crashed_build_leaves_nothing_that_is_reused(tmp_path, chats_file, cha
     import shutil
 
     shutil.rmtree(entry)
-    again = build_token_dataset(spec, chatml_tokenizer, split="all", cache_dir=tmp_path / "cache", num_proc=1,
-                                progress=False)
+    again = build_token_dataset(
+        spec,
+        chatml_tokenizer,
+        split="all",
+        cache_dir=tmp_path / "cache",
+        num_proc=1,
+        progress=False,
+    )
     assert again["input_ids"] == ds["input_ids"]
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [entry.name]
 
@@ -256,6 +359,7 @@ def test_worker_pools_end_under_a_cli_sigterm_handler():
         "        return len(records)\n"
         "for _ in range(30):\n"
         "    assert list(encode.map_chunks(Enc(), iter([[1], [2, 3], [4]]), 2)) == [1, 2, 1]\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

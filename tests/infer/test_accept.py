@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from redraft.infer.accept import (RowSampling, accept_greedy, accept_rejection, accept_typical, accepted_tokens,
-                                  emitted_tokens, warp_probs)
+from redraft.infer.accept import (
+    RowSampling,
+    accept_greedy,
+    accept_rejection,
+    accept_typical,
+    accepted_tokens,
+    emitted_tokens,
+    warp_probs,
+)
 from redraft.infer.tree import build_tree
 
 
@@ -42,7 +49,9 @@ def test_typical_accepts_likely_non_argmax_tokens_only():
     # p(1) = .45 > min(.3, .09 exp(-H)) twice; p(3) = .01 is below the threshold
     assert accepted_tokens(tree, acc)[0].tolist() == [1, 1]
     assert int(acc.bonus[0]) == 0
-    strict = accept_typical(tree, logits_for(tree, logits), greedy, eps=0.3, delta=10.0)  # threshold .3
+    strict = accept_typical(
+        tree, logits_for(tree, logits), greedy, eps=0.3, delta=10.0
+    )  # threshold .3
     assert int(strict.num_accepted[0]) == 2  # .45 > .3 still
 
 
@@ -59,7 +68,9 @@ def test_typical_accepts_exactly_the_tokens_above_the_threshold():
     for t1 in range(V):
         for t2 in range(V):
             tree = build_tree(torch.tensor([[[t1, t2]]]))
-            acc = accept_typical(tree, logits_for(tree, table), RowSampling.uniform(1), eps=eps, delta=delta)
+            acc = accept_typical(
+                tree, logits_for(tree, table), RowSampling.uniform(1), eps=eps, delta=delta
+            )
             ok1 = bool(p[0, t1] > thresh[0]) or t1 == int(p[0].argmax())
             ok2 = ok1 and (bool(p[t1, t2] > thresh[t1]) or t2 == int(p[t1].argmax()))
             assert int(acc.num_accepted[0]) == ok1 + ok2, (t1, t2)
@@ -74,7 +85,9 @@ def test_rejection_sampling_keeps_the_target_distribution():
     g = torch.Generator().manual_seed(0)
     table = torch.randn(V, V, generator=g) * 1.5  # logits of the next token after token t
     paths = torch.tensor([[2, 3], [4, 0], [1, 5]]).expand(n, -1, -1).clone()
-    paths[:, 1, 1] = torch.randint(0, V, (n,), generator=g)  # node "4 -> s": a different child per row
+    paths[:, 1, 1] = torch.randint(
+        0, V, (n,), generator=g
+    )  # node "4 -> s": a different child per row
     tree = build_tree(paths)
     assert tree.tokens[0, :4].tolist() == [-1, 2, 3, 4]
     for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
@@ -141,11 +154,20 @@ def test_the_host_walk_over_device_choices_equals_the_device_rules(rule):
         host = build_tree_np(paths, root=root, size=size)
         logits = torch.randn(B, tree.size, V, generator=torch.Generator().manual_seed(case)) * 2
         temps = [0.0, 0.8, 1.3] if rule != "greedy" else [0.0] * 3
-        rows = RowSampling(temps, [1.0, 0.9, 1.0], None, "cpu",
-                           uniforms=[seed_uniforms(case * 3 + r, 64) for r in range(B)])
+        rows = RowSampling(
+            temps,
+            [1.0, 0.9, 1.0],
+            None,
+            "cpu",
+            uniforms=[seed_uniforms(case * 3 + r, 64) for r in range(B)],
+        )
         rows.offset = torch.tensor([2, 0, 5])
         ref = ACCEPT[rule](tree, logits, rows)
-        got = walk(rule, host, step_choices(rule, tree.tokens, tree.parent, tree.depth, logits, rows).numpy())
+        got = walk(
+            rule,
+            host,
+            step_choices(rule, tree.tokens, tree.parent, tree.depth, logits, rows).numpy(),
+        )
         assert got.num_accepted.tolist() == ref.num_accepted.tolist()
         assert got.last_node.tolist() == ref.last_node.tolist()
         assert got.bonus.tolist() == ref.bonus.tolist()

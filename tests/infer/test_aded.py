@@ -1,6 +1,5 @@
 """ADED: MCTS over a tri-gram table, adaptive per-request overlay, the drafter."""
 
-
 import numpy as np
 import pytest
 import torch
@@ -8,8 +7,15 @@ import torch
 from redraft.infer.drafters.aded import ADEDDrafter, TrigramOverlay
 from redraft.infer.drafters.base import Feedback
 from redraft.infer.drafters.mcts import MCTSConfig, mcts_search, puct_exploration
-from redraft.ngrams import (NGramTables, TrigramTable, as_trigram_table, build_trigram_table, count_trigrams, save_tables,
-                            trigram_table_from_trigrams)
+from redraft.ngrams import (
+    NGramTables,
+    TrigramTable,
+    as_trigram_table,
+    build_trigram_table,
+    count_trigrams,
+    save_tables,
+    trigram_table_from_trigrams,
+)
 from redraft.testing import decode_state as _state
 
 V = 50
@@ -23,7 +29,9 @@ def random_table(fanout: int, seed: int = 0, vocab: int = V, alpha: float = 1.0)
     p = rng.dirichlet(np.full(fanout, alpha), size=ctx.size) * 0.9  # mass < 1 like a pruned table
     keys = ctx
     offsets = np.arange(ctx.size + 1) * fanout
-    return TrigramTable.from_csr(keys, offsets, succ.reshape(-1), p.reshape(-1).astype(np.float32), vocab)
+    return TrigramTable.from_csr(
+        keys, offsets, succ.reshape(-1), p.reshape(-1).astype(np.float32), vocab
+    )
 
 
 def brute_force_scores(table: TrigramTable, w1: int, w2: int, depth: int):
@@ -49,12 +57,17 @@ def lookup_of(table):
 
 
 def test_table_lookup_and_prob():
-    t = trigram_table_from_trigrams([1, 1, 1, 2], [2, 2, 2, 3], [5, 6, 7, 9], [1, 3, 2, 4], vocab_size=10)
+    t = trigram_table_from_trigrams(
+        [1, 1, 1, 2], [2, 2, 2, 3], [5, 6, 7, 9], [1, 3, 2, 4], vocab_size=10
+    )
     ids, probs = t.successors(np.array([1, 2, 4]), np.array([2, 3, 4]), 2)
     assert ids.tolist() == [[6, 7], [9, -1], [-1, -1]]
     np.testing.assert_allclose(probs, [[0.5, 2 / 6], [1.0, 0], [0, 0]], rtol=1e-6)
-    np.testing.assert_allclose(t.prob(np.array([1, 1, 3]), np.array([2, 2, 3]), np.array([5, 8, 1])),
-                               [1 / 6, 0, 0], rtol=1e-6)
+    np.testing.assert_allclose(
+        t.prob(np.array([1, 1, 3]), np.array([2, 2, 3]), np.array([5, 8, 1])),
+        [1 / 6, 0, 0],
+        rtol=1e-6,
+    )
 
 
 def test_exploration_weight_formula():
@@ -73,7 +86,9 @@ def test_mcts_returns_the_top_paths_of_a_small_table():
     np.testing.assert_allclose(res.scores[0], np.log([ref[p] for p in best[:5]]), rtol=1e-5)
     # log-probs are the table's, token by token
     ids, probs = table.successors(np.array([3]), np.array([4]), 3)
-    assert res.logp[0, 0, 0] == pytest.approx(np.log(probs[0][list(ids[0]).index(got[0][0])]), rel=1e-5)
+    assert res.logp[0, 0, 0] == pytest.approx(
+        np.log(probs[0][list(ids[0]).index(got[0][0])]), rel=1e-5
+    )
 
 
 @pytest.mark.parametrize("wave", [1, 50])
@@ -81,8 +96,13 @@ def test_mcts_defaults_rank_the_best_path_first(wave):
     table = random_table(fanout=12, seed=2, alpha=0.3)  # peaked, like a real corpus table
     ref = brute_force_scores(table, 7, 8, depth=4)  # 20736 paths
     best = max(ref, key=ref.get)
-    res = mcts_search(np.array([7]), np.array([8]), lookup_of(table), MCTSConfig(wave=wave),
-                      np.random.default_rng(0))
+    res = mcts_search(
+        np.array([7]),
+        np.array([8]),
+        lookup_of(table),
+        MCTSConfig(wave=wave),
+        np.random.default_rng(0),
+    )
     assert res.tokens.shape == (1, 24, 4)
     got = [tuple(p) for p in res.tokens[0].tolist()]
     assert best in got  # the most probable path is among the candidates
@@ -97,8 +117,12 @@ def test_mcts_defaults_rank_the_best_path_first(wave):
 def test_mcts_batch_rows_are_independent_and_unknown_contexts_give_nothing():
     table = random_table(fanout=4, seed=3)
     cfg = MCTSConfig(iterations=60, depth=3, candidates=6, top_k=4)
-    solo = mcts_search(np.array([1]), np.array([2]), lookup_of(table), cfg, np.random.default_rng(0))
-    both = mcts_search(np.array([-1, 1]), np.array([-1, 2]), lookup_of(table), cfg, np.random.default_rng(0))
+    solo = mcts_search(
+        np.array([1]), np.array([2]), lookup_of(table), cfg, np.random.default_rng(0)
+    )
+    both = mcts_search(
+        np.array([-1, 1]), np.array([-1, 2]), lookup_of(table), cfg, np.random.default_rng(0)
+    )
     assert (both.tokens[0] == -1).all() and np.isneginf(both.scores[0]).all()
     assert both.tokens[1, 0].tolist() == solo.tokens[0, 0].tolist()
 
@@ -128,7 +152,15 @@ def test_adaptive_updates_change_later_drafts_and_not_the_artifact(tmp_path):
 
     table = random_table(fanout=3, seed=4, vocab=20)
     path = tmp_path / "trigrams.safetensors"
-    save_file({"keys": table.context_keys, "offsets": table.offsets, "ids": table.ids, "probs": table.probs}, str(path))
+    save_file(
+        {
+            "keys": table.context_keys,
+            "offsets": table.offsets,
+            "ids": table.ids,
+            "probs": table.probs,
+        },
+        str(path),
+    )
     before = path.read_bytes()
     arrs = load_file(str(path))
     table = TrigramTable.from_csr(arrs["keys"], arrs["offsets"], arrs["ids"], arrs["probs"], 20)
@@ -142,9 +174,13 @@ def test_adaptive_updates_change_later_drafts_and_not_the_artifact(tmp_path):
     d0 = drafter.propose(s0)
     assert novel not in d0.tokens[0, :, 1].tolist()
     # row 0 accepted [5] and the target's bonus was ``novel``: tri-gram (4, 5, novel) observed
-    fb = Feedback(accepted_prefix=torch.zeros(2, 4, dtype=torch.long), accepted=torch.tensor([[5, -1], [-1, -1]]),
-                  num_accepted=torch.tensor([1, 0]), bonus=torch.tensor([novel, 9]),
-                  verified=torch.ones(2, 4, dtype=torch.long))
+    fb = Feedback(
+        accepted_prefix=torch.zeros(2, 4, dtype=torch.long),
+        accepted=torch.tensor([[5, -1], [-1, -1]]),
+        num_accepted=torch.tensor([1, 0]),
+        bonus=torch.tensor([novel, 9]),
+        verified=torch.ones(2, 4, dtype=torch.long),
+    )
     drafter.observe(s0, d0, fb)
     s1b = _state([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]])  # both rows at context (4, 5)
     d1 = drafter.propose(s1b)
@@ -171,8 +207,12 @@ def _tiny_corpus_table(tiny_target):
     """A tri-gram table of the tiny target's own greedy continuations (so drafts often hit)."""
     from redraft.infer.decoder import plain_greedy
 
-    docs = [np.asarray(g.tokens) for g in plain_greedy(tiny_target, ["Hello", "def add(a, b):", "The quick"],
-                                                       max_new_tokens=48)]
+    docs = [
+        np.asarray(g.tokens)
+        for g in plain_greedy(
+            tiny_target, ["Hello", "def add(a, b):", "The quick"], max_new_tokens=48
+        )
+    ]
     return table_from_docs(docs, tiny_target.vocab_size)
 
 
@@ -190,12 +230,16 @@ def test_aded_greedy_equals_plain_greedy_alone_and_in_a_mix(tiny_target, tiny_pr
     ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=32)
     aded = ADEDDrafter(table, iterations=60)
     for drafters in ([aded], [ContextNGramDrafter(tiny_target.vocab_size), ADEDDrafter(table)]):
-        out = SpeculativeDecoder(tiny_target, drafters, budget=24).generate(tiny_prompts, max_new_tokens=32)
+        out = SpeculativeDecoder(tiny_target, drafters, budget=24).generate(
+            tiny_prompts, max_new_tokens=32
+        )
         for r, o in zip(ref, out):
             assert o.tokens == r.tokens
     assert aded.stats.calls > 0 and len(aded.overlay) > 0  # it searched and adapted
     # the drafts are good on text the table was counted from: more than one token per call
-    out = SpeculativeDecoder(tiny_target, [ADEDDrafter(table)], budget=24).generate("Hello", max_new_tokens=32)
+    out = SpeculativeDecoder(tiny_target, [ADEDDrafter(table)], budget=24).generate(
+        "Hello", max_new_tokens=32
+    )
     assert out[0].stats.tokens_per_call > 1.5
 
 
@@ -235,8 +279,12 @@ def test_default_target_aded_is_exact_and_drafts_hit(default_target):
     from redraft.data import iter_token_arrays
     from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 
-    docs = [np.array(a) for a in iter_token_arrays("default-chat", default_target.tokenizer, split="train",
-                                                   limit=300, progress=False)]
+    docs = [
+        np.array(a)
+        for a in iter_token_arrays(
+            "default-chat", default_target.tokenizer, split="train", limit=300, progress=False
+        )
+    ]
     table = table_from_docs(docs, default_target.vocab_size)
     prompts = [[{"role": "user", "content": "Write a short email asking for a meeting on Monday."}]]
     aded = ADEDDrafter(table)

@@ -27,14 +27,21 @@ def test_numpy_arrays_are_read_like_tensors(dec):
         dec.generate(np.array([1.0, 2.0]))
 
 
-@pytest.mark.parametrize("prompt,where", [
-    ("abc\ud83d def", "prompt 0"),
-    ([{"role": "user", "content": "hi \udc00"}], "prompt 0, message 0"),
-])
+@pytest.mark.parametrize(
+    "prompt,where",
+    [
+        ("abc\ud83d def", "prompt 0"),
+        ([{"role": "user", "content": "hi \udc00"}], "prompt 0, message 0"),
+    ],
+)
 def test_a_lone_surrogate_is_a_clear_error(dec, prompt, where):
     with pytest.raises(ConfigError) as info:
         dec.generate(prompt, max_new_tokens=2)
-    assert where in str(info.value) and "surrogate" in str(info.value) and "character" in str(info.value)
+    assert (
+        where in str(info.value)
+        and "surrogate" in str(info.value)
+        and "character" in str(info.value)
+    )
 
 
 def test_engine_add_takes_a_dict_of_sampling_parameters(dec):
@@ -61,8 +68,10 @@ def test_stop_token_ids_end_a_request(dec):
     first = full.tokens.index(stop)
     engine = dec.engine()
     engine.add(ids, SamplingParams.checked(max_new_tokens=12, stop_token_ids=[stop]))
-    done = [ev.generation for _ in range(50) if engine.has_work for ev in engine.step() if ev.done][0]
-    assert done.finish_reason == "stop" and done.tokens == full.tokens[:first + 1]
+    done = [ev.generation for _ in range(50) if engine.has_work for ev in engine.step() if ev.done][
+        0
+    ]
+    assert done.finish_reason == "stop" and done.tokens == full.tokens[: first + 1]
     assert done.text == dec.target.tokenizer.decode(full.tokens[:first], skip_special_tokens=True)
     with pytest.raises(ConfigError) as info:
         SamplingParams.checked(stop_token_ids=[-1])

@@ -17,22 +17,36 @@ def test_list_methods_names_every_method_and_its_needs(capsys):
     code, out, _ = run(capsys, "--list-methods")
     assert code == 0
     names = [line.split()[0] for line in out.splitlines()]
-    assert {"greedy", "context", "ngrammys", "redrafter", "aded", "hsddw", "mix", "mix+aded"} <= set(names)
-    assert "needs ngrams:trigram" in next(line for line in out.splitlines() if line.startswith("aded "))
+    assert {
+        "greedy",
+        "context",
+        "ngrammys",
+        "redrafter",
+        "aded",
+        "hsddw",
+        "mix",
+        "mix+aded",
+    } <= set(names)
+    assert "needs ngrams:trigram" in next(
+        line for line in out.splitlines() if line.startswith("aded ")
+    )
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--methods", "greedy,bogus"], "unknown method 'bogus'"),
-    (["--methods", "redrafter"], "needs drafter"),
-    (["--methods", "ngrammys"], "needs ngrams:extended"),
-    (["--prompts", "0"], "--prompts 0"),
-    (["--max-new-tokens", "-1"], "--max-new-tokens -1"),
-    (["--budget", "lots"], "budget"),
-    (["--max-nodes", "-3"], "max_nodes"),
-    (["--acceptance", "maybe"], "acceptance"),
-    (["--datasets", ","], "--datasets is empty"),
-    (["--cost-curve", "1:2,x"], "cost curve"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--methods", "greedy,bogus"], "unknown method 'bogus'"),
+        (["--methods", "redrafter"], "needs drafter"),
+        (["--methods", "ngrammys"], "needs ngrams:extended"),
+        (["--prompts", "0"], "--prompts 0"),
+        (["--max-new-tokens", "-1"], "--max-new-tokens -1"),
+        (["--budget", "lots"], "budget"),
+        (["--max-nodes", "-3"], "max_nodes"),
+        (["--acceptance", "maybe"], "acceptance"),
+        (["--datasets", ","], "--datasets is empty"),
+        (["--cost-curve", "1:2,x"], "cost curve"),
+    ],
+)
 def test_requests_that_cannot_run_fail_before_any_work(capsys, tmp_path, argv, words):
     code, out, err = run(capsys, "--target", tmp_path / "no-such-target", *argv)
     assert code == 2, err
@@ -53,8 +67,13 @@ def test_bad_artifacts_and_outputs_fail_before_loading_the_target(capsys, tmp_pa
 
 def test_mt_bench_reads_first_turns_and_names_a_missing_file(tmp_path):
     q = tmp_path / "question.jsonl"
-    q.write_text("\n".join(json.dumps({"question_id": i, "category": "writing", "turns": [f"first {i}", "second"]})
-                           for i in range(5)) + "\n")
+    q.write_text(
+        "\n".join(
+            json.dumps({"question_id": i, "category": "writing", "turns": [f"first {i}", "second"]})
+            for i in range(5)
+        )
+        + "\n"
+    )
     prompts = load_prompts(f"mt-bench:{q}", 3)
     assert prompts == [[{"role": "user", "content": f"first {i}"}] for i in range(3)]
     from redraft.errors import DataError
@@ -65,12 +84,38 @@ def test_mt_bench_reads_first_turns_and_names_a_missing_file(tmp_path):
 
 def test_a_run_writes_json_markdown_and_a_report(capsys, tiny_target_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": t}) for t in
-                                 ["The quick brown fox jumps over the lazy dog. The quick brown", "def add(a, b):"]))
+    prompts.write_text(
+        "\n".join(
+            json.dumps({"prompt": t})
+            for t in [
+                "The quick brown fox jumps over the lazy dog. The quick brown",
+                "def add(a, b):",
+            ]
+        )
+    )
     out, md, rep = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "report"
-    code, stdout, err = run(capsys, "--target", tiny_target_dir, "--datasets", prompts, "--prompts", 2,
-                            "--max-new-tokens", 12, "--methods", "greedy,context,mix", "--no-warmup",
-                            "--cost-curve", "1:1,8:1.2,64:2", "--out", out, "--markdown", md, "--report", rep)
+    code, stdout, err = run(
+        capsys,
+        "--target",
+        tiny_target_dir,
+        "--datasets",
+        prompts,
+        "--prompts",
+        2,
+        "--max-new-tokens",
+        12,
+        "--methods",
+        "greedy,context,mix",
+        "--no-warmup",
+        "--cost-curve",
+        "1:1,8:1.2,64:2",
+        "--out",
+        out,
+        "--markdown",
+        md,
+        "--report",
+        rep,
+    )
     assert code == 0, err
     res = json.loads(out.read_text())
     r = res["results"]["p"]
@@ -79,14 +124,21 @@ def test_a_run_writes_json_markdown_and_a_report(capsys, tiny_target_dir, tmp_pa
         assert r[name]["identical_to_ar"] is True  # float32 greedy: token for token
         hist = {int(k): v for k, v in r[name]["accepted_hist"].items()}
         steps = sum(hist.values())
-        assert r[name]["mean_accepted_length"] == pytest.approx((sum(k * v for k, v in hist.items()) + steps) / steps,
-                                                               abs=1e-3)
+        assert r[name]["mean_accepted_length"] == pytest.approx(
+            (sum(k * v for k, v in hist.items()) + steps) / steps, abs=1e-3
+        )
         assert len(r[name]["acceptance_per_position"]) == max(hist)
     assert r["greedy"]["mean_accepted_length"] == 1.0 and r["greedy"]["speedup_vs_ar"] == 1.0
     assert res["cost_curve_ms"]["given"] is True and res["config"]["decoder"]["budget"] == "auto"
     assert "| mix |" in md.read_text()
     index = (rep / "index.md").read_text()
-    for png in ("speedup.png", "acceptance.png", "accepted_hist.png", "cost_curve.png", "drafter_share.png"):
+    for png in (
+        "speedup.png",
+        "acceptance.png",
+        "accepted_hist.png",
+        "cost_curve.png",
+        "drafter_share.png",
+    ):
         assert (rep / png).stat().st_size > 1000 and png in index
     # the report can be redrawn from the JSON alone
     rep2 = tmp_path / "again"
@@ -97,8 +149,18 @@ def test_a_run_writes_json_markdown_and_a_report(capsys, tiny_target_dir, tmp_pa
 
 def test_overhead_benchmark_reports_every_method_and_batch(capsys, tmp_path):
     out = tmp_path / "o.json"
-    code, stdout, err = run(capsys, "--overhead", "--overhead-batches", "1,2", "--overhead-tokens", 6, "--out", out,
-                            "--threads", 1)
+    code, stdout, err = run(
+        capsys,
+        "--overhead",
+        "--overhead-batches",
+        "1,2",
+        "--overhead-tokens",
+        6,
+        "--out",
+        out,
+        "--threads",
+        1,
+    )
     assert code == 0, err
     res = json.loads(out.read_text())["overhead"]
     assert set(res) == {"greedy", "context-16", "context-64", "ngrammys", "mix-aded"}
@@ -106,7 +168,9 @@ def test_overhead_benchmark_reports_every_method_and_batch(capsys, tmp_path):
         assert set(rows) == {"batch_1", "batch_2"}
         for r in rows.values():
             assert r["host_ms_per_step"] > 0 and r["forward_ms"] > 0
-            assert 1 <= r["steps"] <= 6  # at most one step per new token, fewer when drafts are accepted
+            assert (
+                1 <= r["steps"] <= 6
+            )  # at most one step per new token, fewer when drafts are accepted
     assert res["greedy"]["batch_1"]["steps"] == 5  # plain decoding: one token per step
     assert "host ms/step" in stdout
 
@@ -128,11 +192,16 @@ def _prompts_file(tmp_path, texts):
     return p
 
 
-PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "def add(a, b):", "one two three one two"]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "def add(a, b):",
+    "one two three one two",
+]
 
 
-def test_a_failing_method_keeps_the_others_and_the_file_holds_what_was_measured(capsys, tiny_target_dir, tmp_path,
-                                                                                  monkeypatch):
+def test_a_failing_method_keeps_the_others_and_the_file_holds_what_was_measured(
+    capsys, tiny_target_dir, tmp_path, monkeypatch
+):
     """A method that raises (the first GPU run: a CUDA-graph capture assert at the first speculative
     step) costs its own rows only; the JSON and Markdown hold every method's figures."""
     from redraft.infer import bench_run
@@ -148,15 +217,37 @@ def test_a_failing_method_keeps_the_others_and_the_file_holds_what_was_measured(
 
     monkeypatch.setattr(bench_run.Runner, "run", flaky)
     out, md = tmp_path / "r.json", tmp_path / "r.md"
-    code, _, err = run(capsys, "--target", tiny_target_dir, "--datasets", _prompts_file(tmp_path, PROMPTS),
-                        "--prompts", 3, "--max-new-tokens", 8, "--methods", "greedy,context,mix",
-                        "--no-warmup", "--cost-curve", "1:1,64:2", "--out", out, "--markdown", md,
-                        "--report", tmp_path / "rep")
+    code, _, err = run(
+        capsys,
+        "--target",
+        tiny_target_dir,
+        "--datasets",
+        _prompts_file(tmp_path, PROMPTS),
+        "--prompts",
+        3,
+        "--max-new-tokens",
+        8,
+        "--methods",
+        "greedy,context,mix",
+        "--no-warmup",
+        "--cost-curve",
+        "1:1,64:2",
+        "--out",
+        out,
+        "--markdown",
+        md,
+        "--report",
+        tmp_path / "rep",
+    )
     assert code == 1 and "method 'context' failed on" in err and "INTERNAL ASSERT" in err, err
     res = json.loads(out.read_text())
     assert res["complete"] is True
     r = res["results"]["p"]
-    assert r["greedy"]["prompts"] == 3 and r["mix"]["prompts"] == 3 and r["mix"]["identical_to_ar"] is True
+    assert (
+        r["greedy"]["prompts"] == 3
+        and r["mix"]["prompts"] == 3
+        and r["mix"]["identical_to_ar"] is True
+    )
     assert r["context"]["prompts"] == 1 and "INTERNAL ASSERT" in r["context"]["error"]
     assert r["context"]["identical_prompts"] == "1/3" and r["context"]["identical_to_ar"] is False
     assert r["context"]["new_tokens"] > 0  # its first prompt was measured and kept
@@ -164,7 +255,9 @@ def test_a_failing_method_keeps_the_others_and_the_file_holds_what_was_measured(
     assert "failed after 1 prompt(s)" in (tmp_path / "rep" / "index.md").read_text()
 
 
-def test_a_run_stopped_midway_keeps_every_finished_prompt(capsys, tiny_target_dir, tmp_path, monkeypatch):
+def test_a_run_stopped_midway_keeps_every_finished_prompt(
+    capsys, tiny_target_dir, tmp_path, monkeypatch
+):
     """The runner stops a step at its time limit: the files hold the prompts finished before."""
     from redraft.infer import bench_run
 
@@ -179,18 +272,41 @@ def test_a_run_stopped_midway_keeps_every_finished_prompt(capsys, tiny_target_di
 
     monkeypatch.setattr(bench_run.Runner, "run", flaky)
     out, md = tmp_path / "r.json", tmp_path / "r.md"
-    code, _, err = run(capsys, "--target", tiny_target_dir, "--datasets", _prompts_file(tmp_path, PROMPTS),
-                        "--prompts", 3, "--max-new-tokens", 8, "--methods", "greedy,context",
-                        "--no-warmup", "--cost-curve", "1:1,64:2", "--out", out, "--markdown", md)
+    code, _, err = run(
+        capsys,
+        "--target",
+        tiny_target_dir,
+        "--datasets",
+        _prompts_file(tmp_path, PROMPTS),
+        "--prompts",
+        3,
+        "--max-new-tokens",
+        8,
+        "--methods",
+        "greedy,context",
+        "--no-warmup",
+        "--cost-curve",
+        "1:1,64:2",
+        "--out",
+        out,
+        "--markdown",
+        md,
+    )
     assert code == 130, err
     res = json.loads(out.read_text())
     assert res["complete"] is False
     r = res["results"]["p"]
-    assert r["greedy"]["prompts"] == 1 and r["context"]["prompts"] == 1 and r["context"]["identical_to_ar"] is True
+    assert (
+        r["greedy"]["prompts"] == 1
+        and r["context"]["prompts"] == 1
+        and r["context"]["identical_to_ar"] is True
+    )
     assert r["greedy"]["new_tokens"] == 8 and r["greedy"]["speedup_vs_ar"] == 1.0
     assert "| greedy |" in md.read_text() and "| context |" in md.read_text()
     assert not list(tmp_path.glob("*.tmp*"))  # atomic writes leave nothing behind
-    code, _, err = run(capsys, "--from-json", out, "--report", tmp_path / "rep")  # its plots say it is partial
+    code, _, err = run(
+        capsys, "--from-json", out, "--report", tmp_path / "rep"
+    )  # its plots say it is partial
     assert code == 0, err
     assert "**Partial run**" in (tmp_path / "rep" / "index.md").read_text()
 
@@ -198,18 +314,53 @@ def test_a_run_stopped_midway_keeps_every_finished_prompt(capsys, tiny_target_di
 def test_a_prompt_longer_than_the_context_is_skipped_with_a_note(capsys, tiny_target_dir, tmp_path):
     long = " ".join(f"w{i}" for i in range(1500))  # the tiny target's context is 1024 tokens
     out, md = tmp_path / "r.json", tmp_path / "r.md"
-    code, _, err = run(capsys, "--target", tiny_target_dir, "--datasets",
-                       _prompts_file(tmp_path, [PROMPTS[0], long, PROMPTS[1]]), "--prompts", 3,
-                       "--max-new-tokens", 8, "--methods", "greedy,context", "--no-warmup",
-                       "--cost-curve", "1:1,64:2", "--out", out, "--markdown", md)
+    code, _, err = run(
+        capsys,
+        "--target",
+        tiny_target_dir,
+        "--datasets",
+        _prompts_file(tmp_path, [PROMPTS[0], long, PROMPTS[1]]),
+        "--prompts",
+        3,
+        "--max-new-tokens",
+        8,
+        "--methods",
+        "greedy,context",
+        "--no-warmup",
+        "--cost-curve",
+        "1:1,64:2",
+        "--out",
+        out,
+        "--markdown",
+        md,
+    )
     assert code == 0, err
     res = json.loads(out.read_text())
     (skip,) = res["skipped_prompts"]["p"]
     assert skip["prompt"] == 1 and skip["tokens"] + 8 > 1024 and skip["context"] == 1024
-    assert res["results"]["p"]["greedy"]["prompts"] == 2 and res["results"]["p"]["context"]["identical_to_ar"]
+    assert (
+        res["results"]["p"]["greedy"]["prompts"] == 2
+        and res["results"]["p"]["context"]["identical_to_ar"]
+    )
     assert "1 prompt(s) skipped" in md.read_text() and "1 of 3 prompts skipped" in err
     # every prompt too long: one line naming the dataset and what to do
-    code, _, err = run(capsys, "--target", tiny_target_dir, "--datasets", _prompts_file(tmp_path, [long]),
-                       "--prompts", 1, "--max-new-tokens", 8, "--methods", "greedy", "--no-warmup")
+    code, _, err = run(
+        capsys,
+        "--target",
+        tiny_target_dir,
+        "--datasets",
+        _prompts_file(tmp_path, [long]),
+        "--prompts",
+        1,
+        "--max-new-tokens",
+        8,
+        "--methods",
+        "greedy",
+        "--no-warmup",
+    )
     last = err.strip().splitlines()[-1]  # (the lines before it are the weights' loading bar)
-    assert code == 2 and last.startswith("redraft-bench: error: dataset") and "every prompt (1) is longer" in last
+    assert (
+        code == 2
+        and last.startswith("redraft-bench: error: dataset")
+        and "every prompt (1) is longer" in last
+    )

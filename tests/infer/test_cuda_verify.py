@@ -24,8 +24,13 @@ def test_graph_verify_equals_eager_and_plain_greedy(cuda_target, tiny_prompts, b
     ref = plain_greedy(cuda_target, tiny_prompts, max_new_tokens=40)
     outs = {}
     for mode in (False, True):
-        dec = SpeculativeDecoder(cuda_target, [ContextNGramDrafter(V), ContextNGramDrafter(V, q=2, name="ctx2")],
-                                 budget=budget, cost_curve=curve, static_verify=mode)
+        dec = SpeculativeDecoder(
+            cuda_target,
+            [ContextNGramDrafter(V), ContextNGramDrafter(V, q=2, name="ctx2")],
+            budget=budget,
+            cost_curve=curve,
+            static_verify=mode,
+        )
         assert dec.verifier.graphs == mode
         outs[mode] = dec.generate(tiny_prompts, max_new_tokens=40)
     for a, b, r in zip(outs[False], outs[True], ref):
@@ -33,7 +38,9 @@ def test_graph_verify_equals_eager_and_plain_greedy(cuda_target, tiny_prompts, b
 
 
 def test_graphs_are_captured_and_replayed(cuda_target, tiny_prompts):
-    dec = SpeculativeDecoder(cuda_target, [ContextNGramDrafter(cuda_target.vocab_size)], budget=8, static_verify=True)
+    dec = SpeculativeDecoder(
+        cuda_target, [ContextNGramDrafter(cuda_target.vocab_size)], budget=8, static_verify=True
+    )
     eng = dec.engine()
     eng.add(dec.encode(tiny_prompts[2])[0])
     for _ in range(6):

@@ -13,9 +13,14 @@ from redraft.infer.drafters.redrafter import ReDrafterDrafter
 
 
 def hf_greedy(target, ids, n):
-    out = target.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                eos_token_id=target.eos_token_ids, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    out = target.model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=target.eos_token_ids,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 class OracleDrafter(Drafter):
@@ -33,7 +38,7 @@ class OracleDrafter(Drafter):
         for r in range(B):
             fut = self.futures[int(state.request_ids[r])]
             done = int(state.lengths[r] - state.prompt_lengths[r])  # tokens emitted so far
-            good = fut[done:done + 1 + (int(state.step) + r) % self.L]
+            good = fut[done : done + 1 + (int(state.step) + r) % self.L]
             out[r, 0, : len(good)] = torch.tensor(good)
             out[r, 1, 0] = (fut[done] + 1) % 300 if done < len(fut) else 1
         return Draft(tokens=out)
@@ -49,13 +54,18 @@ def all_drafter_sets(target, tables, head):
         "unigram": [TableDrafter(tables, "unigram")],
         "ngrammys": [NGrammysDrafter(tables, V)],
         "redrafter": [ReDrafterDrafter(head, width=4, length=3)],
-        "mix": [NGrammysDrafter(tables, V), ReDrafterDrafter(head, width=4, length=3),
-                ContextNGramDrafter(V, q=2, k=4, w=6, name="context2")],
+        "mix": [
+            NGrammysDrafter(tables, V),
+            ReDrafterDrafter(head, width=4, length=3),
+            ContextNGramDrafter(V, q=2, k=4, w=6, name="context2"),
+        ],
     }
 
 
 @pytest.mark.parametrize("budget", ["auto", 12])
-def test_greedy_equals_plain_greedy_for_every_drafter(tiny_target, tiny_tables, tiny_head, tiny_prompts, budget):
+def test_greedy_equals_plain_greedy_for_every_drafter(
+    tiny_target, tiny_tables, tiny_head, tiny_prompts, budget
+):
     ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=32)
     dec = SpeculativeDecoder(tiny_target, [])
     for r, p in zip(ref, tiny_prompts):  # our plain greedy is transformers' greedy
@@ -80,7 +90,9 @@ def test_batch_rows_with_different_accepted_lengths(tiny_target, tiny_prompts):
     hists = [o.stats.accepted_hist for o in out]
     for o, r in zip(out, ref):
         assert o.tokens == r.tokens
-        assert o.stats.drafter_accepted["oracle"] == sum(k * v for k, v in o.stats.accepted_hist.items())
+        assert o.stats.drafter_accepted["oracle"] == sum(
+            k * v for k, v in o.stats.accepted_hist.items()
+        )
     assert any(len(h) > 1 for h in hists)  # rows accepted 0, 1, 2 and 3 tokens in different steps
     assert all(o.stats.tokens_per_call > 1.5 for o in out)
 
@@ -121,7 +133,7 @@ def test_streaming_concatenates_to_the_final_text(tiny_target, tiny_tables, tiny
 def test_stop_strings_cut_the_text(tiny_target, tiny_prompts):
     ref = plain_greedy(tiny_target, tiny_prompts[:1], max_new_tokens=30)[0]
     text = ref.text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop and stop in text
     dec = SpeculativeDecoder(tiny_target, [ContextNGramDrafter(tiny_target.vocab_size)])
     g = dec.generate(tiny_prompts[:1], max_new_tokens=30, stop=[stop])[0]
@@ -151,8 +163,9 @@ def test_eos_ends_a_row_even_inside_an_accepted_draft(tiny_target, tiny_prompts)
 def test_sampling_is_reproducible_and_uses_the_drafts(tiny_target, tiny_tables, tiny_prompts):
     def fresh():  # the tree adapts across requests and to measured timings ("auto" budget), so a
         # seed reproduces a sample for a fresh decoder with a fixed budget
-        return SpeculativeDecoder(tiny_target, [TableDrafter(tiny_tables, "extended")], acceptance="rejection",
-                                  budget=8)
+        return SpeculativeDecoder(
+            tiny_target, [TableDrafter(tiny_tables, "extended")], acceptance="rejection", budget=8
+        )
 
     a = fresh().generate(tiny_prompts, max_new_tokens=20, temperature=0.8, seed=1)
     b = fresh().generate(tiny_prompts, max_new_tokens=20, temperature=0.8, seed=1)
@@ -160,13 +173,17 @@ def test_sampling_is_reproducible_and_uses_the_drafts(tiny_target, tiny_tables, 
     assert sum(x.stats.drafter_accepted["extended"] for x in a) > 0
 
 
-def test_rejection_sampling_end_to_end_keeps_the_first_speculative_token_distribution(tiny_target, tiny_tables):
+def test_rejection_sampling_end_to_end_keeps_the_first_speculative_token_distribution(
+    tiny_target, tiny_tables
+):
     """Batch of identical prompts = many seeds. The second new token is the first one produced
     by speculative verification; its marginal must match sum_t1 p(t1) p(t2 | prompt, t1)."""
     scipy_stats = pytest.importorskip("scipy.stats")
     ids = tiny_target.chat_ids([{"role": "user", "content": "Hello"}])
     n, V = 1500, tiny_target.vocab_size
-    dec = SpeculativeDecoder(tiny_target, [TableDrafter(tiny_tables, "bigram", k=4)], acceptance="rejection", budget=4)
+    dec = SpeculativeDecoder(
+        tiny_target, [TableDrafter(tiny_tables, "bigram", k=4)], acceptance="rejection", budget=4
+    )
     out = dec.generate([ids] * n, max_new_tokens=2, temperature=1.0, seed=0)
     second = torch.tensor([o.tokens[1] for o in out if len(o.tokens) > 1])
     with torch.no_grad():
@@ -192,8 +209,14 @@ def test_drafters_observe_what_was_accepted(tiny_target, tiny_prompts):
             self.seen = []
 
         def observe(self, state, draft, feedback):
-            self.seen.append((draft.tokens.clone(), feedback.accepted_prefix.clone(),
-                              feedback.num_accepted.clone(), feedback.bonus.clone()))
+            self.seen.append(
+                (
+                    draft.tokens.clone(),
+                    feedback.accepted_prefix.clone(),
+                    feedback.num_accepted.clone(),
+                    feedback.bonus.clone(),
+                )
+            )
 
     rec = Recorder({0: ref.tokens})
     SpeculativeDecoder(tiny_target, [rec], budget=8).generate(tiny_prompts[:1], max_new_tokens=12)
@@ -222,7 +245,9 @@ class SlowWrongDrafter(Drafter):
         return Draft(tokens=torch.zeros((state.batch_size, 1, 2), dtype=torch.long))
 
 
-def test_gating_stops_calling_a_costly_useless_drafter_and_keeps_the_output(tiny_target, tiny_prompts):
+def test_gating_stops_calling_a_costly_useless_drafter_and_keeps_the_output(
+    tiny_target, tiny_prompts
+):
     prompt = tiny_prompts[1]
     ref = plain_greedy(tiny_target, prompt, max_new_tokens=48)[0].tokens
     # the oracle proposes the target's own continuation: accepted, and cheap
@@ -230,8 +255,13 @@ def test_gating_stops_calling_a_costly_useless_drafter_and_keeps_the_output(tiny
     curve = CostCurve(sizes=[1, 8, 64], seconds=[0.001, 0.0012, 0.002])
     for gate, explore in ((True, 8), (False, 8)):
         slow = SlowWrongDrafter()
-        dec = SpeculativeDecoder(tiny_target, [OracleDrafter(futures), slow], cost_curve=curve,
-                                 gate=gate, gate_explore=explore)
+        dec = SpeculativeDecoder(
+            tiny_target,
+            [OracleDrafter(futures), slow],
+            cost_curve=curve,
+            gate=gate,
+            gate_explore=explore,
+        )
         out = dec.generate(prompt, max_new_tokens=48)[0]
         assert out.tokens == ref
         steps = out.stats.target_calls - 1
@@ -247,7 +277,9 @@ def test_gating_backs_off_from_a_drafter_that_stays_useless():
     gate = DrafterGate(2, explore=8)
     gate.record_time(0, 0.0)
     gate.record_time(1, 0.005)
-    gate.update(step_secs=0.01, tokens_per_row=1.0, exclusive={0: 1.0, 1: 0.0})  # 0 pays, 1 never does
+    gate.update(
+        step_secs=0.01, tokens_per_row=1.0, exclusive={0: 1.0, 1: 0.0}
+    )  # 0 pays, 1 never does
     assert gate.net(0) > 0 > gate.net(1)
     runs = [t for t in range(300) if 1 in gate.active()]
     # re-runs after waits of 8, 16, 32, 64, then every 128 steps (MAX_WAIT_FACTOR x explore)
@@ -283,10 +315,14 @@ def test_guard_measures_both_modes_then_runs_the_faster():
     g = SpeculationGuard(explore=4)
     modes = _drive(g, 8, {True: 100.0, False: 300.0}, 2 * R + 4)
     # a speculative run, a plain run to compare, then plain (speculation lost)
-    assert modes[:R] == [True] * R and modes[R:2 * R] == [False] * R and modes[2 * R:] == [False] * 4
+    assert (
+        modes[:R] == [True] * R
+        and modes[R : 2 * R] == [False] * R
+        and modes[2 * R :] == [False] * 4
+    )
     g = SpeculationGuard(explore=4)
     modes = _drive(g, 8, {True: 300.0, False: 100.0}, 2 * R + SpeculationGuard.REPROBE + 1)
-    assert modes[2 * R:2 * R + SpeculationGuard.REPROBE] == [True] * SpeculationGuard.REPROBE
+    assert modes[2 * R : 2 * R + SpeculationGuard.REPROBE] == [True] * SpeculationGuard.REPROBE
     assert modes[-1] is False  # after a long stretch, a short plain probe re-checks
 
 
@@ -324,13 +360,20 @@ def test_a_new_guard_bucket_starts_from_its_neighbours_verdicts():
     assert modes[explore:] == [True] * R  # then one speculative run re-checks it
     g = SpeculationGuard(explore=explore)
     _drive(g, 16, {True: 300.0, False: 100.0}, 2 * R + 1)  # speculation won at batch 16-31
-    assert _drive(g, 8, {True: 300.0, False: 100.0}, SpeculationGuard.REPROBE) == [True] * SpeculationGuard.REPROBE
+    assert (
+        _drive(g, 8, {True: 300.0, False: 100.0}, SpeculationGuard.REPROBE)
+        == [True] * SpeculationGuard.REPROBE
+    )
     g = SpeculationGuard(explore=explore)
-    _drive(g, 16, {True: 100.0, False: 300.0}, 2 * R + 1)  # a loss at a larger batch says nothing of 8
+    _drive(
+        g, 16, {True: 100.0, False: 300.0}, 2 * R + 1
+    )  # a loss at a larger batch says nothing of 8
     assert _drive(g, 8, {True: 300.0, False: 100.0}, R) == [True] * R
 
 
-def test_guard_plain_steps_keep_the_output_and_call_no_drafter(tiny_target, tiny_tables, tiny_prompts):
+def test_guard_plain_steps_keep_the_output_and_call_no_drafter(
+    tiny_target, tiny_tables, tiny_prompts
+):
     V = tiny_target.vocab_size
     calls = []
 
@@ -344,21 +387,43 @@ def test_guard_plain_steps_keep_the_output_and_call_no_drafter(tiny_target, tiny
     out = dec.generate(tiny_prompts[:3], max_new_tokens=12)
     ref = plain_greedy(tiny_target, tiny_prompts[:3], max_new_tokens=12)
     assert [g.tokens for g in out] == [g.tokens for g in ref]
-    assert calls == [] and [g.stats.target_calls for g in out] == [g.stats.target_calls for g in ref]
+    assert calls == [] and [g.stats.target_calls for g in out] == [
+        g.stats.target_calls for g in ref
+    ]
 
 
-def test_the_same_seed_gives_the_same_text_on_one_decoder_and_with_any_drafts(tiny_target, tiny_tables, tiny_prompts):
+def test_the_same_seed_gives_the_same_text_on_one_decoder_and_with_any_drafts(
+    tiny_target, tiny_tables, tiny_prompts
+):
     """Issue 24: a seed is the request's own (per-token uniforms), so a decoder that adapts its
     tree between calls (auto budget, rates, gate, guard) repeats itself, and equals plain sampling
     with no drafter at all."""
     V = tiny_target.vocab_size
-    dec = SpeculativeDecoder(tiny_target, [NGrammysDrafter(tiny_tables, V), TableDrafter(tiny_tables, "bigram")],
-                             acceptance="rejection", cost_curve=CostCurve.flat())
-    runs = [[g.tokens for g in dec.generate(tiny_prompts, max_new_tokens=24, temperature=0.8, top_p=0.95, seed=0)]
-            for _ in range(4)]
+    dec = SpeculativeDecoder(
+        tiny_target,
+        [NGrammysDrafter(tiny_tables, V), TableDrafter(tiny_tables, "bigram")],
+        acceptance="rejection",
+        cost_curve=CostCurve.flat(),
+    )
+    runs = [
+        [
+            g.tokens
+            for g in dec.generate(
+                tiny_prompts, max_new_tokens=24, temperature=0.8, top_p=0.95, seed=0
+            )
+        ]
+        for _ in range(4)
+    ]
     assert all(r == runs[0] for r in runs)
     plain = SpeculativeDecoder(tiny_target, [], acceptance="rejection", budget=0)
-    assert [g.tokens for g in plain.generate(tiny_prompts, max_new_tokens=24, temperature=0.8, top_p=0.95,
-                                             seed=0)] == runs[0]
-    other = [g.tokens for g in dec.generate(tiny_prompts, max_new_tokens=24, temperature=0.8, top_p=0.95, seed=1)]
+    assert [
+        g.tokens
+        for g in plain.generate(
+            tiny_prompts, max_new_tokens=24, temperature=0.8, top_p=0.95, seed=0
+        )
+    ] == runs[0]
+    other = [
+        g.tokens
+        for g in dec.generate(tiny_prompts, max_new_tokens=24, temperature=0.8, top_p=0.95, seed=1)
+    ]
     assert other != runs[0]

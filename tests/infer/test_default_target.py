@@ -30,7 +30,10 @@ def mix_for(target):
     """Cheap drafters (the ReDrafter head's exactness is covered on tiny models): context lookup
     with q=1 and q=3 give real, partly accepted trees on chat text."""
     V = target.vocab_size
-    return [ContextNGramDrafter(V, q=1, k=8, w=4), ContextNGramDrafter(V, q=3, k=2, w=8, name="context-q3")]
+    return [
+        ContextNGramDrafter(V, q=1, k=8, w=4),
+        ContextNGramDrafter(V, q=3, k=2, w=8, name="context-q3"),
+    ]
 
 
 def test_fp32_greedy_speculative_equals_plain_greedy(default_target):
@@ -60,10 +63,14 @@ def test_bf16_divergences_happen_only_at_near_ties(default_target):
         i = next(j for j, (a, b) in enumerate(zip(o.tokens, r.tokens)) if a != b)
         prompt = default_target.chat_ids(chats()[k])
         with torch.no_grad():
-            logits = default_target.model(torch.tensor([prompt + r.tokens[:i]])).logits[0, -1].float()
+            logits = (
+                default_target.model(torch.tensor([prompt + r.tokens[:i]])).logits[0, -1].float()
+            )
         a, b = o.tokens[i], r.tokens[i]
         gaps.append(round(float((logits[a] - logits[b]).abs()), 3))
         assert {a, b} <= set(logits.topk(3).indices.tolist()), (k, i, a, b)
-    print(f"bf16: {matched}/{len(PROMPTS)} prompts identical to plain bf16 greedy; "
-          f"|logit gap| of the two tokens at each divergence (fp32 referee): {gaps}")
+    print(
+        f"bf16: {matched}/{len(PROMPTS)} prompts identical to plain bf16 greedy; "
+        f"|logit gap| of the two tokens at each divergence (fp32 referee): {gaps}"
+    )
     assert all(g < 1.0 for g in gaps), gaps

@@ -15,14 +15,14 @@ def brute_context(seq, q, k, w):
     suffix = seq[-q:]
     by_first = {}
     for j in range(len(seq) - q):
-        if seq[j:j + q] == suffix:
+        if seq[j : j + q] == suffix:
             f = seq[j + q]
             c, _ = by_first.get(f, (0, -1))
             by_first[f] = (c + 1, j)
     ranked = sorted(by_first.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:k]
     out = []
     for _first, (_, j) in ranked:
-        cont = seq[j + q: j + q + w]
+        cont = seq[j + q : j + q + w]
         out.append(cont + [-1] * (w - len(cont)))
     return out + [[-1] * w] * (k - len(out))
 
@@ -51,17 +51,28 @@ def test_context_matches_multi_equal_brute_force():
         lengths = torch.randint(2, T + 1, (B,), generator=g)
         toks = torch.where(torch.arange(T)[None] < lengths[:, None], toks, -1)
         for q_min, q_max, k in ((1, 3, 5), (1, 3, 2), (2, 4, 3), (1, 1, 3), (2, 2, 4), (3, 3, 4)):
-            paths, group = context_matches_multi(toks, lengths, q_min=q_min, q_max=q_max, k=k, w=3, vocab_size=V)
+            paths, group = context_matches_multi(
+                toks, lengths, q_min=q_min, q_max=q_max, k=k, w=3, vocab_size=V
+            )
             for b in range(B):
-                rows, groups = brute_context_multi(toks[b, : lengths[b]].tolist(), q_min, q_max, k, 3)
+                rows, groups = brute_context_multi(
+                    toks[b, : lengths[b]].tolist(), q_min, q_max, k, 3
+                )
                 assert paths[b].tolist() == rows, (q_min, q_max, k)
                 assert group[b, : len(groups)].tolist() == groups
 
 
 def test_ngrammys_fills_rows_with_context_first(tiny_tables):
     toks = torch.tensor([[5, 9, 7, 5, 9, 8, 5, -1]])
-    state = DecodeState(tokens=toks, lengths=torch.tensor([7]), last=torch.tensor([5]), hidden=None,
-                        prompt_lengths=torch.tensor([3]), step=0, request_ids=torch.tensor([0]))
+    state = DecodeState(
+        tokens=toks,
+        lengths=torch.tensor([7]),
+        last=torch.tensor([5]),
+        hidden=None,
+        prompt_lengths=torch.tensor([3]),
+        step=0,
+        request_ids=torch.tensor([0]),
+    )
     d = NGrammysDrafter(tiny_tables, vocab_size=384, k=4, w=3).propose(state)
     assert d.tokens.shape == (1, 4, 3)
     # "5" was followed by 9 twice: one context row (distinct first tokens), continued from the
@@ -77,19 +88,21 @@ def test_beam_search_matches_reference(tiny_head):
     W = 3
     toks, logp, score = beam_search(tiny_head, ctx, last, width=W, length=2)
     for b in range(2):
-        s0, lg0 = tiny_head.step(None, ctx[b:b + 1], last[b:b + 1])
+        s0, lg0 = tiny_head.step(None, ctx[b : b + 1], last[b : b + 1])
         lp0 = lg0.float().log_softmax(-1)[0]
         first = lp0.topk(W).indices
         cands = []
         for t in first.tolist():
-            _, lg1 = tiny_head.step(s0, ctx[b:b + 1], torch.tensor([t]))
+            _, lg1 = tiny_head.step(s0, ctx[b : b + 1], torch.tensor([t]))
             lp1 = lg1.float().log_softmax(-1)[0]
             for v in range(lp1.shape[0]):
                 cands.append((float(lp0[t] + lp1[v]), t, v, float(lp1[v])))
         best = sorted(cands, key=lambda c: -c[0])[:W]
         assert toks[b].tolist() == [[t, v] for _, t, v, _ in best]
         torch.testing.assert_close(score[b], torch.tensor([c[0] for c in best]), atol=1e-5, rtol=0)
-        torch.testing.assert_close(logp[b, :, 1], torch.tensor([c[3] for c in best]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            logp[b, :, 1], torch.tensor([c[3] for c in best]), atol=1e-5, rtol=0
+        )
 
 
 def test_best_budget_maximises_tokens_per_second():
@@ -111,7 +124,9 @@ def test_best_budget_maximises_tokens_per_second():
 def test_cost_curve_interpolates_and_extrapolates_linearly():
     cost = CostCurve([1, 4, 8], [1.0, 1.3, 2.1])
     assert float(cost(torch.tensor(2))) == pytest.approx(1.1)
-    assert float(cost(torch.tensor(16))) == pytest.approx(2.1 + 8 * 0.2)  # slope of the last segment
+    assert float(cost(torch.tensor(16))) == pytest.approx(
+        2.1 + 8 * 0.2
+    )  # slope of the last segment
     assert float(cost(torch.tensor(0))) == pytest.approx(1.0)
 
 

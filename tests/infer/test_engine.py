@@ -32,16 +32,36 @@ def run_staggered(engine, prompts, params, join_at):
     return out
 
 
-def test_requests_joining_a_running_batch_get_their_single_request_output(tiny_target, tiny_tables, tiny_head):
+def test_requests_joining_a_running_batch_get_their_single_request_output(
+    tiny_target, tiny_tables, tiny_head
+):
     V = tiny_target.vocab_size
-    dec = SpeculativeDecoder(tiny_target, [NGrammysDrafter(tiny_tables, V), ReDrafterDrafter(tiny_head, width=3, length=3),
-                                           ContextNGramDrafter(V, name="ctx")], cost_curve=CURVE)
+    dec = SpeculativeDecoder(
+        tiny_target,
+        [
+            NGrammysDrafter(tiny_tables, V),
+            ReDrafterDrafter(tiny_head, width=3, length=3),
+            ContextNGramDrafter(V, name="ctx"),
+        ],
+        cost_curve=CURVE,
+    )
     rng = random.Random(0)
-    texts = ["Hello there", "def add(a, b):", "The quick brown fox", "import torch\nx =", "Paris is the",
-             "for i in range(10):", "Speculative decoding", "How can I help"]
+    texts = [
+        "Hello there",
+        "def add(a, b):",
+        "The quick brown fox",
+        "import torch\nx =",
+        "Paris is the",
+        "for i in range(10):",
+        "Speculative decoding",
+        "How can I help",
+    ]
     prompts = [dec.encode(t)[0] for t in texts]
     params = [SamplingParams.checked(max_new_tokens=rng.randint(3, 30)) for _ in texts]
-    singles = [plain_greedy(tiny_target, [p], max_new_tokens=s.max_new_tokens)[0] for p, s in zip(prompts, params)]
+    singles = [
+        plain_greedy(tiny_target, [p], max_new_tokens=s.max_new_tokens)[0]
+        for p, s in zip(prompts, params)
+    ]
     out = run_staggered(dec.engine(), prompts, params, join_at=[0, 0, 1, 2, 2, 5, 9, 14])
     for i, single in enumerate(singles):
         assert out[i].tokens == single.tokens, texts[i]
@@ -50,7 +70,9 @@ def test_requests_joining_a_running_batch_get_their_single_request_output(tiny_t
 
 
 def test_a_cancelled_request_leaves_and_the_others_are_unchanged(tiny_target, tiny_prompts):
-    dec = SpeculativeDecoder(tiny_target, [ContextNGramDrafter(tiny_target.vocab_size)], cost_curve=CURVE)
+    dec = SpeculativeDecoder(
+        tiny_target, [ContextNGramDrafter(tiny_target.vocab_size)], cost_curve=CURVE
+    )
     prompts = [dec.encode(p)[0] for p in tiny_prompts]
     ref = plain_greedy(tiny_target, prompts, max_new_tokens=20)
     engine = dec.engine()
@@ -73,8 +95,12 @@ def test_a_cancelled_request_leaves_and_the_others_are_unchanged(tiny_target, ti
 
 
 def test_a_seeded_request_samples_the_same_whoever_shares_the_batch(tiny_target, tiny_tables):
-    dec = SpeculativeDecoder(tiny_target, [NGrammysDrafter(tiny_tables, tiny_target.vocab_size)],
-                             acceptance="rejection", budget=8)
+    dec = SpeculativeDecoder(
+        tiny_target,
+        [NGrammysDrafter(tiny_tables, tiny_target.vocab_size)],
+        acceptance="rejection",
+        budget=8,
+    )
     p = dec.encode("Hello there")[0]
     seeded = SamplingParams.checked(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=123)
 
@@ -105,10 +131,17 @@ def test_a_seeded_request_samples_the_same_whoever_shares_the_batch(tiny_target,
 def test_bad_arguments_are_config_errors_naming_the_argument(tiny_target):
     dec = SpeculativeDecoder(tiny_target, [])
     cases = [
-        (dict(max_new_tokens=-5), "max_new_tokens"), (dict(max_new_tokens=2.5), "max_new_tokens"),
-        (dict(max_new_tokens=True), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
-        (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=-0.5), "top_p"),
-        (dict(top_p=1.5), "top_p"), (dict(stop=[""]), "stop"), (dict(stop=[3]), "stop"), (dict(seed=-1), "seed"),
+        (dict(max_new_tokens=-5), "max_new_tokens"),
+        (dict(max_new_tokens=2.5), "max_new_tokens"),
+        (dict(max_new_tokens=True), "max_new_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=-0.5), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop=[3]), "stop"),
+        (dict(seed=-1), "seed"),
     ]
     for kw, param in cases:
         with pytest.raises(ConfigError) as e:
@@ -116,8 +149,15 @@ def test_bad_arguments_are_config_errors_naming_the_argument(tiny_target):
         assert e.value.param == param, kw
         assert param in str(e.value)
     V = tiny_target.vocab_size
-    for prompt, param in (([], "prompt"), (None, "prompt"), ([[]], "prompt"), ([5, V], "prompt"), ([-1, 3], "prompt"),
-                          ([{"role": "user"}], "messages"), ([{"content": "x"}], "messages")):
+    for prompt, param in (
+        ([], "prompt"),
+        (None, "prompt"),
+        ([[]], "prompt"),
+        ([5, V], "prompt"),
+        ([-1, 3], "prompt"),
+        ([{"role": "user"}], "messages"),
+        ([{"content": "x"}], "messages"),
+    ):
         with pytest.raises(ConfigError) as e:
             dec.generate(prompt)
         assert e.value.param == param, prompt
@@ -134,7 +174,7 @@ def test_bad_arguments_are_config_errors_naming_the_argument(tiny_target):
 def test_a_bare_stop_string_is_one_stop_string(tiny_target, tiny_prompts):
     ref = plain_greedy(tiny_target, tiny_prompts[:1], max_new_tokens=30)[0]
     text = ref.text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(set(stop)) > 1 and stop in text
     g = plain_greedy(tiny_target, tiny_prompts[:1], max_new_tokens=30, stop=stop)[0]
     assert g.finish_reason == "stop" and g.text == text[: text.index(stop)]
@@ -153,7 +193,7 @@ def test_incremental_text_equals_a_full_decode(tiny_target, llama2_target_dir):
             stream, pieces, i = TextStream(tok), [], 0
             while i < len(ids):
                 n = rng.randint(1, 4)
-                pieces.append(stream.add(ids[i:i + n]))
+                pieces.append(stream.add(ids[i : i + n]))
                 i += n
             pieces.append(stream.finish())
             full = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -168,20 +208,29 @@ def test_stop_strings_split_over_steps_never_reach_the_stream(tiny_target):
     for chunk in (1, 2, 3):
         stream, out = TextStream(tok, (stop, "zzz")), ""
         for i in range(0, len(ids), chunk):
-            out += stream.add(ids[i:i + chunk])
+            out += stream.add(ids[i : i + chunk])
             assert stop not in out and not (out.endswith("fox") and not stream.stopped)
         out += stream.finish()
         assert stream.stopped and out == full[: full.index(stop)]
 
 
 @pytest.mark.parametrize("budget", ["auto", 12])
-def test_static_verify_gives_the_eager_output(tiny_target, tiny_tables, tiny_head, tiny_prompts, budget):
+def test_static_verify_gives_the_eager_output(
+    tiny_target, tiny_tables, tiny_head, tiny_prompts, budget
+):
     """Trees padded to fixed sizes and the cache in its static mode (what CUDA graphs capture)
     decode exactly like the dynamic path, in a batch with rows of different lengths."""
     V = tiny_target.vocab_size
-    drafters = lambda: [NGrammysDrafter(tiny_tables, V), ReDrafterDrafter(tiny_head, width=3, length=3)]  # noqa: E731
-    eager = SpeculativeDecoder(tiny_target, drafters(), budget=budget, cost_curve=CURVE, static_verify=False)
-    static = SpeculativeDecoder(tiny_target, drafters(), budget=budget, cost_curve=CURVE, static_verify=True)
+
+    def drafters():
+        return [NGrammysDrafter(tiny_tables, V), ReDrafterDrafter(tiny_head, width=3, length=3)]
+
+    eager = SpeculativeDecoder(
+        tiny_target, drafters(), budget=budget, cost_curve=CURVE, static_verify=False
+    )
+    static = SpeculativeDecoder(
+        tiny_target, drafters(), budget=budget, cost_curve=CURVE, static_verify=True
+    )
     assert static.verifier.static and not static.verifier.graphs  # no graphs on a CPU
     a = eager.generate(tiny_prompts, max_new_tokens=24)
     b = static.generate(tiny_prompts, max_new_tokens=24)
@@ -198,7 +247,9 @@ def test_a_decode_step_reads_the_device_once(tiny_target, tmp_path, monkeypatch)
     from redraft.infer.overhead import tiny_setup
 
     target, tables = tiny_setup(tmp_path)
-    dec = SpeculativeDecoder(target, make_drafters(target, (), [tables]), cost_curve=CURVE, static_verify=True)
+    dec = SpeculativeDecoder(
+        target, make_drafters(target, (), [tables]), cost_curve=CURVE, static_verify=True
+    )
     engine = dec.engine()
     for text in ("The quick brown fox jumps over the lazy dog. The quick", "def add(a, b):"):
         engine.add(dec.encode(text)[0], SamplingParams.checked(max_new_tokens=40))
@@ -211,6 +262,7 @@ def test_a_decode_step_reads_the_device_once(tiny_target, tmp_path, monkeypatch)
             if self.device.type != "meta":
                 reads.append(_name)
             return _orig(self, *a, **k)
+
         monkeypatch.setattr(torch.Tensor, name, counted)
     steps = 0
     while engine.has_work and steps < 10:
@@ -231,7 +283,9 @@ def test_seeded_rows_keep_the_target_distribution(tiny_target, tiny_tables):
 
     ids = tiny_target.chat_ids([{"role": "user", "content": "Hello"}])
     n, V = 1500, tiny_target.vocab_size
-    dec = SpeculativeDecoder(tiny_target, [TableDrafter(tiny_tables, "bigram", k=4)], acceptance="rejection", budget=4)
+    dec = SpeculativeDecoder(
+        tiny_target, [TableDrafter(tiny_tables, "bigram", k=4)], acceptance="rejection", budget=4
+    )
     engine = dec.engine()
     for seed in range(n):
         engine.add(ids, SamplingParams.checked(max_new_tokens=2, temperature=1.0, seed=seed))
@@ -241,7 +295,9 @@ def test_seeded_rows_keep_the_target_distribution(tiny_target, tiny_tables):
     second = torch.tensor([g.tokens[1] for g in out if len(g.tokens) > 1])
     with torch.no_grad():
         p1 = tiny_target.model(torch.tensor([ids])).logits[0, -1].softmax(-1)
-        p2 = tiny_target.model(torch.tensor([ids + [t] for t in range(V)])).logits[:, -1].softmax(-1)
+        p2 = (
+            tiny_target.model(torch.tensor([ids + [t] for t in range(V)])).logits[:, -1].softmax(-1)
+        )
     marg = (p1[:, None] * p2).sum(0).double()
     obs = torch.bincount(second, minlength=V).double()
     exp = marg / marg.sum() * obs.sum()

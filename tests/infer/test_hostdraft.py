@@ -1,6 +1,5 @@
 """The host (numpy) drafting path equals the torch one it mirrors, field by field, bit for bit."""
 
-
 import numpy as np
 import pytest
 import torch
@@ -43,7 +42,7 @@ def padded(rows):
     T = max([len(r) for r in rows] + [0])
     tokens = torch.full((len(rows), T), -1, dtype=torch.long)
     for b, r in enumerate(rows):
-        tokens[b, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+        tokens[b, : len(r)] = torch.as_tensor(r, dtype=torch.long)
     return tokens, torch.tensor([len(r) for r in rows], dtype=torch.long)
 
 
@@ -59,24 +58,43 @@ rows_st = st.lists(st.lists(st.integers(0, 5), max_size=40), min_size=1, max_siz
 
 
 @settings(max_examples=150, deadline=None)
-@given(rows=rows_st, q_min=st.integers(1, 3), extra=st.integers(0, 2), k=st.integers(1, 9), w=st.integers(1, 6),
-       vocab=st.integers(6, 8), window=st.integers(2, 50))
+@given(
+    rows=rows_st,
+    q_min=st.integers(1, 3),
+    extra=st.integers(0, 2),
+    k=st.integers(1, 9),
+    w=st.integers(1, 6),
+    vocab=st.integers(6, 8),
+    window=st.integers(2, 50),
+)
 def test_context_matches_equal_the_torch_ones(rows, q_min, extra, k, w, vocab, window):
     tokens, lengths = padded(rows)
     if tokens.shape[1] == 0:
         tokens = torch.full((len(rows), 1), -1, dtype=torch.long)
     want = context_matches_multi(tokens, lengths, q_min, q_min + extra, k, w, vocab, window)
-    got = context_matches_np([np.array(r, dtype=np.int64) for r in rows], q_min, q_min + extra, k, w, vocab, window)
+    got = context_matches_np(
+        [np.array(r, dtype=np.int64) for r in rows], q_min, q_min + extra, k, w, vocab, window
+    )
     assert_same(want[0], got[0])
     assert_same(want[1], got[1])
 
 
 def test_context_matches_of_long_repetitive_rows_and_edge_rows():
     rng = np.random.default_rng(0)
-    rows = [rng.integers(0, 4, 1000), np.zeros(0, dtype=np.int64), np.array([3, 3]), rng.integers(0, 50, 700),
-            np.tile(np.arange(7), 90)]
+    rows = [
+        rng.integers(0, 4, 1000),
+        np.zeros(0, dtype=np.int64),
+        np.array([3, 3]),
+        rng.integers(0, 50, 700),
+        np.tile(np.arange(7), 90),
+    ]
     tokens, lengths = padded(rows)
-    for q_min, q_max, k, window in ((1, 3, 8, 4096), (2, 2, 3, 64), (1, 1, 12, 4096), (3, 4, 5, 300)):
+    for q_min, q_max, k, window in (
+        (1, 3, 8, 4096),
+        (2, 2, 3, 64),
+        (1, 1, 12, 4096),
+        (3, 4, 5, 300),
+    ):
         want = context_matches_multi(tokens, lengths, q_min, q_max, k, 12, 64, window)
         got = context_matches_np(rows, q_min, q_max, k, 12, 64, window)
         assert_same(want[0], got[0])
@@ -101,18 +119,26 @@ def random_tables(V=12, k=4, w=5, seed=0) -> NGramTables:
     g = torch.Generator().manual_seed(seed)
     probs = torch.rand((V, k), generator=g).sort(dim=1, descending=True).values.half()
     probs[0, -1] = 0  # a zero probability: logp clamps at 1e-12
-    tensors = {"unigram": {"ids": torch.randperm(V, generator=g)[:k].int(), "probs": probs[1]},
-               "bigram": {"ids": torch.randint(0, V, (V, k), generator=g).int(), "probs": probs},
-               "extended": {"ids": torch.randint(0, V, (V, k, w), generator=g).int()}}
+    tensors = {
+        "unigram": {"ids": torch.randperm(V, generator=g)[:k].int(), "probs": probs[1]},
+        "bigram": {"ids": torch.randint(0, V, (V, k), generator=g).int(), "probs": probs},
+        "extended": {"ids": torch.randint(0, V, (V, k, w), generator=g).int()},
+    }
     return NGramTables(tensors, {"vocab_size": V})
 
 
 def state_of(rows, last) -> DecodeState:
     tokens, lengths = padded(rows)
     B = len(rows)
-    return DecodeState(tokens=tokens, lengths=lengths, last=torch.as_tensor(last), hidden=None,
-                       prompt_lengths=torch.zeros(B, dtype=torch.long), step=0,
-                       request_ids=torch.arange(B))
+    return DecodeState(
+        tokens=tokens,
+        lengths=lengths,
+        last=torch.as_tensor(last),
+        hidden=None,
+        prompt_lengths=torch.zeros(B, dtype=torch.long),
+        step=0,
+        request_ids=torch.arange(B),
+    )
 
 
 def test_host_tables_equal_the_ngram_tables_lookups():
@@ -132,8 +158,14 @@ def test_host_tables_equal_the_ngram_tables_lookups():
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=rows_st, k=st.integers(1, 7), w=st.integers(1, 7), q=st.integers(1, 2), extra=st.integers(0, 2),
-       seed=st.integers(0, 3))
+@given(
+    rows=rows_st,
+    k=st.integers(1, 7),
+    w=st.integers(1, 7),
+    q=st.integers(1, 2),
+    extra=st.integers(0, 2),
+    seed=st.integers(0, 3),
+)
 def test_ngrammys_equals_the_torch_drafter(rows, k, w, q, extra, seed):
     tables = random_tables(seed=seed)
     last = [r[-1] if r else 7 for r in rows]
@@ -142,8 +174,9 @@ def test_ngrammys_equals_the_torch_drafter(rows, k, w, q, extra, seed):
     if state.tokens.shape[1] == 0:
         return
     want = drafter.propose(state)
-    paths, group = ngrammys_np([np.array(r) for r in rows], np.array(last), HostTables(tables), 12, k, w, q,
-                               q + extra)
+    paths, group = ngrammys_np(
+        [np.array(r) for r in rows], np.array(last), HostTables(tables), 12, k, w, q, q + extra
+    )
     assert_same(want.tokens, paths)
     assert_same(want.group, group)
 
@@ -153,8 +186,13 @@ def test_table_rows_equal_the_torch_drafter():
     host = HostTables(tables)
     rows, last = [[1, 2, 3], [4]], [3, 0]
     state = state_of(rows, last)
-    for kind, k, w in (("unigram", 3, None), ("bigram", 4, None), ("bigram", 2, None), ("extended", 3, 2),
-                       ("extended", 4, None)):
+    for kind, k, w in (
+        ("unigram", 3, None),
+        ("bigram", 4, None),
+        ("bigram", 2, None),
+        ("extended", 3, 2),
+        ("extended", 4, None),
+    ):
         want = TableDrafter(tables, kind, k=k, w=w).propose(state)
         toks, logp = table_rows_np(kind, host, np.array(last), k, w)
         assert_same(want.tokens, toks)
@@ -164,8 +202,10 @@ def test_table_rows_equal_the_torch_drafter():
             assert_same(want.logp, logp)
             # the fixed budget's node values (decoder.propose) at a path length of 3
             L = 3
-            assert_same(pad_paths(want.logp.float().cumsum(-1).exp(), L).clamp_min(0),
-                        table_values_np(kind, host, np.array(last), k, L))
+            assert_same(
+                pad_paths(want.logp.float().cumsum(-1).exp(), L).clamp_min(0),
+                table_values_np(kind, host, np.array(last), k, L),
+            )
 
 
 # ---------------------------------------------------------------------------- statistics and budget
@@ -183,9 +223,16 @@ def test_host_stats_equal_the_torch_stats_over_many_steps():
             prefix = rng.integers(0, L + 1, (B, P))
             kept = rng.random((B, P, L)) < 0.7 if rng.random() < 0.5 else None
             tg = None if group is None else torch.tensor(group)
-            assert_same(ts.values(torch.tensor(owner), (B, P, L), tg), hs.values(owner, (B, P, L), group))
-            ts.update(torch.tensor(owner), torch.tensor(paths), torch.tensor(prefix), tg,
-                      None if kept is None else torch.tensor(kept))
+            assert_same(
+                ts.values(torch.tensor(owner), (B, P, L), tg), hs.values(owner, (B, P, L), group)
+            )
+            ts.update(
+                torch.tensor(owner),
+                torch.tensor(paths),
+                torch.tensor(prefix),
+                tg,
+                None if kept is None else torch.tensor(kept),
+            )
             hs.update(owner, paths, prefix, group, kept)
             assert_same(ts.hits, hs.hits)
             assert_same(ts.tries, hs.tries)
@@ -194,15 +241,24 @@ def test_host_stats_equal_the_torch_stats_over_many_steps():
 
 
 @settings(max_examples=200, deadline=None)
-@given(B=st.integers(1, 12), M=st.integers(0, 70), max_nodes=st.integers(0, 70), seed=st.integers(0, 10**6),
-       flat=st.booleans(), overhead=st.floats(0, 0.01))
+@given(
+    B=st.integers(1, 12),
+    M=st.integers(0, 70),
+    max_nodes=st.integers(0, 70),
+    seed=st.integers(0, 10**6),
+    flat=st.booleans(),
+    overhead=st.floats(0, 0.01),
+)
 def test_best_budget_equals_the_torch_rule(B, M, max_nodes, seed, flat, overhead):
     rng = np.random.default_rng(seed)
     values = (rng.random((B, M)) ** rng.integers(1, 5) * 1.2 - 0.1).astype(np.float32)
     if seed % 3 == 0:
         values = np.round(values, 1).astype(np.float32)  # ties
-    cost = CostCurve.flat() if flat else CostCurve([1, 2, 4, 8, 16, 32, 64],
-                                                   (np.cumsum(rng.random(7) * 3e-3) + 1e-3).tolist())
+    cost = (
+        CostCurve.flat()
+        if flat
+        else CostCurve([1, 2, 4, 8, 16, 32, 64], (np.cumsum(rng.random(7) * 3e-3) + 1e-3).tolist())
+    )
     want = int(best_budget(torch.tensor(values), cost, max_nodes, overhead)[0]) if B else 0
     assert best_budget_np(values, cost, max_nodes, overhead) == want
     n = B * (min(M, max_nodes) + 1)
@@ -228,7 +284,9 @@ def random_case(rng, B=None, P=None, L=None, V=None):
     P = int(rng.integers(0, 8)) if P is None else P
     L = int(rng.integers(0, 6)) if L is None else L
     paths = rng.integers(-1, V or int(rng.integers(1, 4)), (B, P, L))
-    values = np.minimum.accumulate(rng.choice([0.1, 0.5, 0.5, 0.9], (B, P, L)), axis=-1).astype(np.float32)
+    values = np.minimum.accumulate(rng.choice([0.1, 0.5, 0.5, 0.9], (B, P, L)), axis=-1).astype(
+        np.float32
+    )
     return paths, values
 
 
@@ -240,26 +298,41 @@ def test_build_tree_equals_the_torch_tree(seed):
         B = paths.shape[0]
         budget = [None, int(rng.integers(0, 8)), rng.integers(0, 8, B)][int(rng.integers(0, 3))]
         root = None if rng.random() < 0.3 else rng.integers(0, 3, B)
-        size = None if rng.random() < 0.4 else int(rng.integers(1, 14))  # smaller and larger than the tree
+        size = (
+            None if rng.random() < 0.4 else int(rng.integers(1, 14))
+        )  # smaller and larger than the tree
         tb = torch.tensor(budget) if isinstance(budget, np.ndarray) else budget
-        tree = build_tree(torch.tensor(paths), torch.tensor(values), tb, None if root is None else torch.tensor(root),
-                          size)
+        tree = build_tree(
+            torch.tensor(paths),
+            torch.tensor(values),
+            tb,
+            None if root is None else torch.tensor(root),
+            size,
+        )
         assert_same_tree(tree, build_tree_np(paths, values, budget, root, size))
 
 
 def test_build_tree_edge_cases():
     root = np.array([7, 8])
-    cases = [np.full((2, 3, 4), -1), np.zeros((2, 0, 4), dtype=np.int64), np.zeros((2, 3, 0), dtype=np.int64),
-             np.array([[[1, 2], [1, 2], [1, 2]], [[3, -1], [3, 4], [3, 4]]]),  # duplicate paths
-             np.array([[[1, -1, 2]], [[-1, 5, 6]]])]  # tokens after a PAD
+    cases = [
+        np.full((2, 3, 4), -1),
+        np.zeros((2, 0, 4), dtype=np.int64),
+        np.zeros((2, 3, 0), dtype=np.int64),
+        np.array([[[1, 2], [1, 2], [1, 2]], [[3, -1], [3, 4], [3, 4]]]),  # duplicate paths
+        np.array([[[1, -1, 2]], [[-1, 5, 6]]]),
+    ]  # tokens after a PAD
     for paths in cases:
         values = np.full(paths.shape, 0.5, dtype=np.float32)
         for budget, size in ((None, None), (0, None), (0, 5), (2, None), (None, 9), (3, 4)):
-            tree = build_tree(torch.tensor(paths), torch.tensor(values), budget, torch.tensor(root), size)
+            tree = build_tree(
+                torch.tensor(paths), torch.tensor(values), budget, torch.tensor(root), size
+            )
             host = build_tree_np(paths, values, budget, root, size)
             assert_same_tree(tree, host)
     host = build_tree_np(cases[3], None, None, root, 6)
-    assert host.num_nodes.tolist() == [3, 3] and host.valid.sum() == 6  # shared once, 3 padding nodes a row
+    assert (
+        host.num_nodes.tolist() == [3, 3] and host.valid.sum() == 6
+    )  # shared once, 3 padding nodes a row
 
 
 def test_pack_and_unpack_give_the_tree_back_as_views():
@@ -319,8 +392,12 @@ def test_credit_hit_and_prefix_equal_a_brute_force_count(seed):
         budget = None if rng.random() < 0.5 else int(rng.integers(0, 8))
         size = None if rng.random() < 0.5 else 1 + 8 + int(rng.integers(0, 3))
         host = build_tree_np(paths, values, budget, rng.integers(0, 2, B), size)
-        tree = build_tree(torch.tensor(paths), torch.tensor(values), budget, torch.tensor(host.tokens[:, 0]), size)
-        logits = torch.randn(B, tree.size, 2, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
+        tree = build_tree(
+            torch.tensor(paths), torch.tensor(values), budget, torch.tensor(host.tokens[:, 0]), size
+        )
+        logits = torch.randn(
+            B, tree.size, 2, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+        )
         acc = accept_greedy(tree, logits)
         credit, hit, prefix = torch_credit(torch.tensor(paths), torch.tensor(owner), tree, acc, nd)
         path = acc.path.numpy()  # what the host reads back
@@ -332,7 +409,9 @@ def test_credit_hit_and_prefix_equal_a_brute_force_count(seed):
 
 
 def test_credit_counts_a_shared_node_once_per_drafter():
-    paths = np.array([[[4, 5], [4, 6], [4, 5]]])  # drafters 0, 1, 1: node "4" shared by both, "4 5" by 0 and 1
+    paths = np.array(
+        [[[4, 5], [4, 6], [4, 5]]]
+    )  # drafters 0, 1, 1: node "4" shared by both, "4 5" by 0 and 1
     host = build_tree_np(paths, root=np.array([0]))
     path = np.array([[0, 1, 2]])  # root, "4", "4 5"
     assert credit_np(host, path, np.array([0, 1, 1]), 2).tolist() == [[2, 2]]

@@ -7,8 +7,13 @@ from redraft.infer.accept import entropy
 from redraft.infer.config import SamplingParams
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.base import PAD, Draft, Drafter, Feedback
-from redraft.infer.drafters.hsddw import (CausalLMModel, EntropyThreshold, HSDDWDrafter, ProbModel,
-                                          early_exit_model)
+from redraft.infer.drafters.hsddw import (
+    CausalLMModel,
+    EntropyThreshold,
+    HSDDWDrafter,
+    ProbModel,
+    early_exit_model,
+)
 from redraft.testing import decode_state as _state
 from redraft.testing import make_tiny_model
 
@@ -42,7 +47,9 @@ class Scripted(ProbModel):
         for b in range(B):
             for j in range(int(end[b] - first[b])):
                 last = int(tokens[b, first[b] + j])
-                out[b, j] = peaked(self.V, (last + 1) % self.V, self.script[min(self.i, len(self.script) - 1)])
+                out[b, j] = peaked(
+                    self.V, (last + 1) % self.V, self.script[min(self.i, len(self.script) - 1)]
+                )
                 self.i += 1
         return out
 
@@ -61,7 +68,7 @@ class Uncached(ProbModel):
         for b in range(B):
             if rows[b]:
                 e, f = int(end[b]), int(first[b])
-                out[b, : e - f] = self.model(tokens[b:b + 1, :e]).logits[0, f:e].float()
+                out[b, : e - f] = self.model(tokens[b : b + 1, :e]).logits[0, f:e].float()
         return out
 
 
@@ -88,7 +95,10 @@ def test_tau_is_the_running_mean_of_rejected_entropies():
     assert thr.tau.tolist() == pytest.approx([2.0, 2.0])
     assert thr.stop(0, 2.01) and not thr.stop(0, 2.0)
     assert thr.exceeds(torch.tensor([2.01, 2.0])).tolist() == [True, False]
-    assert thr.exceeds(torch.tensor([[1.0, 3.0], [2.5, 0.0]])).tolist() == [[False, True], [True, False]]
+    assert thr.exceeds(torch.tensor([[1.0, 3.0], [2.5, 0.0]])).tolist() == [
+        [False, True],
+        [True, False],
+    ]
     thr.select_rows(torch.tensor([1]))
     thr.add_rows(1)
     assert thr.tau.tolist() == [2.0, 0.0]
@@ -106,35 +116,80 @@ def test_self_verify_follows_the_rule_on_a_scripted_sequence():
     dr = d.propose(s)
     assert dr.tokens[0, 0].tolist() == [5]
     # target rejects it: tau = mean(1.0) = 1.0
-    d.observe(s, dr, Feedback(torch.tensor([[0]]), torch.full((1, 1), -1), torch.tensor([0]), torch.tensor([7]),
-                              verified=torch.tensor([[1]])))
+    d.observe(
+        s,
+        dr,
+        Feedback(
+            torch.tensor([[0]]),
+            torch.full((1, 1), -1),
+            torch.tensor([0]),
+            torch.tensor([7]),
+            verified=torch.tensor([[1]]),
+        ),
+    )
     assert d.tau1.tau.item() == pytest.approx(1.0, abs=1e-3)
     # step 2: first token (H=0.1) always, next H=3.0 > 1.0 stops
     m1.i = 2
     dr = d.propose(s)
     assert dr.tokens[0, 0].tolist() == [5]
-    d.observe(s, dr, Feedback(torch.tensor([[1]]), torch.tensor([[5]]), torch.tensor([1]), torch.tensor([6]),
-                              verified=torch.tensor([[1]])))
+    d.observe(
+        s,
+        dr,
+        Feedback(
+            torch.tensor([[1]]),
+            torch.tensor([[5]]),
+            torch.tensor([1]),
+            torch.tensor([6]),
+            verified=torch.tensor([[1]]),
+        ),
+    )
     assert d.tau1.tau.item() == pytest.approx(1.0, abs=1e-3)  # nothing rejected: tau unchanged
     # step 3: H = 2.0 (first, kept), 0.5, 0.4, 0.3 (<= 1), 1.2 > 1 stops: 4 tokens
     m1.i = 4
     dr = d.propose(s)
     assert dr.tokens[0, 0].tolist() == [5, 6, 7, 8]
     # the target accepts 2: the third token (drafted at H=0.4) is rejected -> tau = (1.0 + 0.4) / 2
-    d.observe(s, dr, Feedback(torch.tensor([[2]]), torch.tensor([[5, 6]]), torch.tensor([2]), torch.tensor([1]),
-                              verified=torch.tensor([[4]])))
+    d.observe(
+        s,
+        dr,
+        Feedback(
+            torch.tensor([[2]]),
+            torch.tensor([[5, 6]]),
+            torch.tensor([2]),
+            torch.tensor([1]),
+            verified=torch.tensor([[4]]),
+        ),
+    )
     assert d.tau1.tau.item() == pytest.approx(0.7, abs=1e-3)
     # a token the decoder's budget cut is not a rejection, even when the bonus differs
     # (sampling); a verified one is
     m1.i = 4
     dr = d.propose(s)
-    d.observe(s, dr, Feedback(torch.tensor([[1]]), torch.tensor([[5]]), torch.tensor([1]), torch.tensor([9]),
-                              verified=torch.tensor([[1]])))
+    d.observe(
+        s,
+        dr,
+        Feedback(
+            torch.tensor([[1]]),
+            torch.tensor([[5]]),
+            torch.tensor([1]),
+            torch.tensor([9]),
+            verified=torch.tensor([[1]]),
+        ),
+    )
     assert d.tau1.tau.item() == pytest.approx(0.7, abs=1e-3)
     m1.i = 4
     dr = d.propose(s)
-    d.observe(s, dr, Feedback(torch.tensor([[1]]), torch.tensor([[5]]), torch.tensor([1]), torch.tensor([6]),
-                              verified=torch.tensor([[3]])))  # token 6 (H=0.5) verified, not accepted
+    d.observe(
+        s,
+        dr,
+        Feedback(
+            torch.tensor([[1]]),
+            torch.tensor([[5]]),
+            torch.tensor([1]),
+            torch.tensor([6]),
+            verified=torch.tensor([[3]]),
+        ),
+    )  # token 6 (H=0.5) verified, not accepted
     assert d.tau1.tau.item() == pytest.approx((1.0 + 0.4 + 0.5) / 3, abs=1e-3)
     st = d.stats
     assert st.levels["m1"].drafted == 14 and st.levels["m1"].accepted == 5
@@ -188,7 +243,11 @@ def test_cached_draft_lm_equals_a_full_forward(tiny_target):
     buf = torch.tensor([[3, 8, 21, 4, 9, 11, 12], [7, 7, 30, 2, PAD, PAD, PAD]])
     # row 0: prefill, logits after positions 4..6; row 1: prefill, logits after position 3
     a = lm.logits(buf, torch.tensor([7, 4]), torch.tensor([4, 3]))
-    assert a.shape == (2, 3, tiny_target.vocab_size) and lm.forwards == 1 and lm.lengths.tolist() == [7, 4]
+    assert (
+        a.shape == (2, 3, tiny_target.vocab_size)
+        and lm.forwards == 1
+        and lm.lengths.tolist() == [7, 4]
+    )
     torch.testing.assert_close(a[0], full(buf[0].tolist())[4:7], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(a[1, 0], full(buf[1, :4].tolist())[3], rtol=1e-4, atol=1e-4)
     # row 0's last token changes: the drafter truncates, the model feeds the new one only; row 1
@@ -202,7 +261,9 @@ def test_cached_draft_lm_equals_a_full_forward(tiny_target):
     buf = torch.cat([buf, torch.tensor([[41, 42], [PAD, PAD]])], 1)
     c = lm.logits(buf, torch.tensor([9, 3]), torch.tensor([7, 2]))
     assert lm.lengths.tolist() == [9, 3] and lm.forwards == 3
-    torch.testing.assert_close(c[0], full([3, 8, 21, 4, 9, 11, 40, 41, 42])[7:9], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        c[0], full([3, 8, 21, 4, 9, 11, 40, 41, 42])[7:9], rtol=1e-4, atol=1e-4
+    )
     torch.testing.assert_close(c[1, 0], full([7, 7, 30])[2], rtol=1e-4, atol=1e-4)
     # rows leave and join
     lm.select_rows(torch.tensor([1]))
@@ -239,7 +300,9 @@ def test_pre_verify_samples_follow_m2(tiny_target, temperature, top_p):
     p2 = warp_probs(logits2, temperature, top_p)[0].double()
     assert greedy.tolist() == [int(logits2.argmax())] * g
     top = p2.topk(6).indices
-    obs = torch.stack([(first == t).sum() for t in top] + [(~torch.isin(first, top)).sum()]).double()
+    obs = torch.stack(
+        [(first == t).sum() for t in top] + [(~torch.isin(first, top)).sum()]
+    ).double()
     exp = torch.cat([p2[top], (1 - p2[top].sum()).reshape(1)]) * n
     assert exp.min() > 5
     assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
@@ -275,7 +338,9 @@ def test_hierarchy_greedy_equals_plain_greedy(tiny_target, tiny_prompts, hierarc
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.3, 0.9)])
-def test_rejection_sampling_with_hsddw_keeps_the_target_distribution(tiny_target, temperature, top_p):
+def test_rejection_sampling_with_hsddw_keeps_the_target_distribution(
+    tiny_target, temperature, top_p
+):
     """Decoder + HSDDW sampling: the first token produced by speculative verification (the
     second new token) follows sum_t1 p(t1) p(t2 | prompt, t1) of the warped target, whatever the
     chain sampled. M2 is the target itself, so its chains are accepted now and then (at
@@ -285,14 +350,22 @@ def test_rejection_sampling_with_hsddw_keeps_the_target_distribution(tiny_target
 
     ids = tiny_target.chat_ids([{"role": "user", "content": "Hello"}])
     n, V = 1500, tiny_target.vocab_size
-    d = HSDDWDrafter(early_exit_model(tiny_target.model, 1), tiny_target.model, max_len=2, m1_max=1, tau_init=6.0)
+    d = HSDDWDrafter(
+        early_exit_model(tiny_target.model, 1), tiny_target.model, max_len=2, m1_max=1, tau_init=6.0
+    )
     out = SpeculativeDecoder(tiny_target, [d], acceptance="rejection", budget=4).generate(
-        [ids] * n, max_new_tokens=2, temperature=temperature, top_p=top_p, seed=0)
+        [ids] * n, max_new_tokens=2, temperature=temperature, top_p=top_p, seed=0
+    )
     second = torch.tensor([o.tokens[1] for o in out if len(o.tokens) > 1])
     with torch.no_grad():
-        p1 = warp_probs(tiny_target.model(torch.tensor([ids])).logits[:, -1], temperature, top_p)[0]  # [V]
-        p2 = warp_probs(tiny_target.model(torch.tensor([ids + [t] for t in range(V)])).logits[:, -1],
-                        temperature, top_p)  # [V, V]
+        p1 = warp_probs(tiny_target.model(torch.tensor([ids])).logits[:, -1], temperature, top_p)[
+            0
+        ]  # [V]
+        p2 = warp_probs(
+            tiny_target.model(torch.tensor([ids + [t] for t in range(V)])).logits[:, -1],
+            temperature,
+            top_p,
+        )  # [V, V]
     marg = (p1[:, None] * p2).sum(0).double()
     obs = torch.bincount(second, minlength=V).double()
     exp = marg / marg.sum() * obs.sum()
@@ -312,9 +385,12 @@ def test_seeded_sampling_reproduces_the_chains(tiny_target, tiny_prompts):
     chains and the output; another seed changes them."""
     runs = []
     for seed in (0, 0, 1):
-        d = Recorded(early_exit_model(tiny_target.model, 1), tiny_target.model, max_len=4, tau_init=6.0)
+        d = Recorded(
+            early_exit_model(tiny_target.model, 1), tiny_target.model, max_len=4, tau_init=6.0
+        )
         out = SpeculativeDecoder(tiny_target, [d], acceptance="rejection", budget=8).generate(
-            tiny_prompts, max_new_tokens=8, temperature=1.0, seed=seed)
+            tiny_prompts, max_new_tokens=8, temperature=1.0, seed=seed
+        )
         runs.append(([o.tokens for o in out], d.drafts))
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
@@ -325,7 +401,9 @@ def _alone(target, prompts, make, max_new_tokens, **kw):
     res = []
     for p in prompts:
         d = make()
-        out = SpeculativeDecoder(target, [d], budget=16, **kw).generate([p], max_new_tokens=max_new_tokens)
+        out = SpeculativeDecoder(target, [d], budget=16, **kw).generate(
+            [p], max_new_tokens=max_new_tokens
+        )
         res.append((out[0].tokens, d.drafts[0]))
     return res
 
@@ -342,7 +420,9 @@ def test_batched_rows_draft_what_each_row_drafts_alone(tiny_target, tiny_prompts
         if cached:
             return Recorded(early_exit_model(model, 1), m2, max_len=6, m1_max=2, tau_init=tau)
         ref2 = None if m2 is None else Uncached(m2, "m2")
-        return Recorded(Uncached(early_exit_model(model, 1), "m1"), ref2, max_len=6, m1_max=2, tau_init=tau)
+        return Recorded(
+            Uncached(early_exit_model(model, 1), "m1"), ref2, max_len=6, m1_max=2, tau_init=tau
+        )
 
     d = make()
     out = SpeculativeDecoder(tiny_target, [d], budget=16).generate(tiny_prompts, max_new_tokens=16)
@@ -351,7 +431,9 @@ def test_batched_rows_draft_what_each_row_drafts_alone(tiny_target, tiny_prompts
     for i, o in enumerate(out):
         assert o.tokens == alone[i][0] == reference[i][0]
         assert d.drafts[i] == alone[i][1] == reference[i][1]
-    assert sum(len(c) > 1 for c in d.drafts[0]) > 0  # chains longer than the always-drafted first token
+    assert (
+        sum(len(c) > 1 for c in d.drafts[0]) > 0
+    )  # chains longer than the always-drafted first token
 
 
 class Oracle(Drafter):
@@ -369,7 +451,7 @@ class Oracle(Drafter):
         for r in range(state.batch_size):
             fut = self.futures[int(state.request_ids[r])]
             done = int(state.lengths[r] - state.prompt_lengths[r])  # output tokens so far
-            nxt = fut[done:done + self.k]
+            nxt = fut[done : done + self.k]
             toks[r, 0, : len(nxt)] = torch.tensor(nxt, dtype=torch.long)
         return Draft(tokens=toks)
 
@@ -382,15 +464,24 @@ def test_tokens_another_drafter_got_accepted_resync_the_draft_caches(tiny_target
     futures = {i: r.tokens for i, r in enumerate(ref)}
     runs = []
     other = make_tiny_model(tiny_target.vocab_size, seed=5)  # an M2 that is often wrong
-    for m1, m2 in ((early_exit_model(model, 1), other),
-                   (Uncached(early_exit_model(model, 1), "m1"), Uncached(other, "m2"))):
+    for m1, m2 in (
+        (early_exit_model(model, 1), other),
+        (Uncached(early_exit_model(model, 1), "m1"), Uncached(other, "m2")),
+    ):
         d = Recorded(m1, m2, max_len=6, m1_max=2, tau_init=6.0)
         out = SpeculativeDecoder(tiny_target, [Oracle(futures), d], budget=16).generate(
-            tiny_prompts, max_new_tokens=16)
+            tiny_prompts, max_new_tokens=16
+        )
         assert [o.tokens for o in out] == [r.tokens for r in ref]
         runs.append(d.drafts)
         # the oracle's path won where HSDDW's chain went wrong
-        assert sum(o.stats.drafter_accepted["oracle"] - o.stats.drafter_accepted.get("hsddw", 0) for o in out) > 0
+        assert (
+            sum(
+                o.stats.drafter_accepted["oracle"] - o.stats.drafter_accepted.get("hsddw", 0)
+                for o in out
+            )
+            > 0
+        )
     assert runs[0] == runs[1]
 
 
@@ -433,7 +524,10 @@ def test_reduced_vocab_head_matches_the_full_head_on_its_tokens(tiny_target):
     ee = early_exit_model(tiny_target.model, 1)
     V = tiny_target.vocab_size
     subset = torch.tensor([2, 5, 9, 40, 41, 100, 300])
-    full, sub = CausalLMModel(ee, vocab_size=V), CausalLMModel(ee, vocab_size=V, vocab_subset=subset)
+    full, sub = (
+        CausalLMModel(ee, vocab_size=V),
+        CausalLMModel(ee, vocab_size=V, vocab_subset=subset),
+    )
     full.reset(2)
     sub.reset(2)
     buf = torch.tensor([[3, 8, 21, 9, 40], [7, 2, PAD, PAD, PAD]])
@@ -464,7 +558,9 @@ def test_trigram_m1_early_exit_m2_hierarchy_is_exact(tiny_target, tiny_prompts):
     lg = tri.logits(torch.tensor([t0[:2], t0[:2]]), torch.tensor([2, 1]), torch.tensor([1, 0]))
     assert int(lg[0, 0].argmax()) == t0[2] and float(lg[0, 0].softmax(-1).max()) > 0.5
     torch.testing.assert_close(lg[1, 0].softmax(-1), torch.full((V,), 1.0 / V))
-    d = HSDDWDrafter(tri, CausalLMModel(early_exit_model(tiny_target.model, 1), "ee1"), max_len=6, tau_init=2.0)
+    d = HSDDWDrafter(
+        tri, CausalLMModel(early_exit_model(tiny_target.model, 1), "ee1"), max_len=6, tau_init=2.0
+    )
     out = SpeculativeDecoder(tiny_target, [d], budget=16).generate(tiny_prompts, max_new_tokens=24)
     for r, o in zip(ref, out):
         assert o.tokens == r.tokens

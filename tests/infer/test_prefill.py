@@ -15,7 +15,9 @@ CURVE = CostCurve([1, 8, 64], [1.0, 1.2, 2.0])
 
 def _prompts(V):
     """Prompts of 2 to 41 tokens (ids spread over the vocabulary)."""
-    return [[(7 * i + 3 * j + 1) % V for j in range(n)] for i, n in enumerate((5, 41, 2, 17, 30, 9))]
+    return [
+        [(7 * i + 3 * j + 1) % V for j in range(n)] for i, n in enumerate((5, 41, 2, 17, 30, 9))
+    ]
 
 
 def _run(dec, prompts, max_new, join_at):
@@ -44,13 +46,19 @@ def test_chunked_prefill_gives_the_unchunked_output(tiny_target, tiny_tables, ch
     join_at = [0, 1, 1, 3, 4, 10]
 
     def dec(c):
-        return SpeculativeDecoder(tiny_target, [NGrammysDrafter(tiny_tables, V), ContextNGramDrafter(V, name="ctx")],
-                                  cost_curve=CURVE, prefill_chunk=c)
+        return SpeculativeDecoder(
+            tiny_target,
+            [NGrammysDrafter(tiny_tables, V), ContextNGramDrafter(V, name="ctx")],
+            cost_curve=CURVE,
+            prefill_chunk=c,
+        )
 
     ref, _ = _run(dec(0), prompts, max_new, join_at)
     out, first = _run(dec(chunk), prompts, max_new, join_at)
     assert out == ref
-    singles = [plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens for p, m in zip(prompts, max_new)]
+    singles = [
+        plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens for p, m in zip(prompts, max_new)
+    ]
     assert [out[i] for i in range(len(prompts))] == singles
     # the 41-token prompt (joined before step 1, behind nothing) needs ceil(41 / chunk) chunks:
     # its first token comes in the step of its last chunk
@@ -80,7 +88,9 @@ def test_running_rows_decode_in_every_step_of_a_long_prefill(tiny_target):
 
 def test_cancelling_a_row_being_prefilled_keeps_the_others(tiny_target):
     V = tiny_target.vocab_size
-    dec = SpeculativeDecoder(tiny_target, [ContextNGramDrafter(V)], cost_curve=CURVE, prefill_chunk=3)
+    dec = SpeculativeDecoder(
+        tiny_target, [ContextNGramDrafter(V)], cost_curve=CURVE, prefill_chunk=3
+    )
     prompts = _prompts(V)
     ref = [plain_greedy(tiny_target, [p], max_new_tokens=10)[0].tokens for p in prompts[:3]]
     eng = dec.engine()
@@ -100,7 +110,9 @@ def test_cancelling_a_row_being_prefilled_keeps_the_others(tiny_target):
 def test_the_auto_chunk_costs_no_more_than_the_running_step():
     curve = CostCurve([1, 64], [0.010, 0.074])  # 1 ms per token past a 9 ms base
     assert prefill_chunk(curve, 48) == 48
-    assert prefill_chunk(curve, 8 * 17) == 128  # proportional past 64: c(128) = 0.148 <= c(136) < c(144)
+    assert (
+        prefill_chunk(curve, 8 * 17) == 128
+    )  # proportional past 64: c(128) = 0.148 <= c(136) < c(144)
     assert prefill_chunk(curve, 0) == PREFILL_CHUNK_MAX  # nobody decodes: nobody to stall
     assert prefill_chunk(curve, 1) == PREFILL_CHUNK_MIN  # never below the minimum
     # a flat curve (noise, or a GPU up to its last size) says nothing past it: proportional

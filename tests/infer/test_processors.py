@@ -62,15 +62,22 @@ def _run(dec, prompts, params):
 @pytest.fixture(scope="module")
 def prompts(tiny_target):
     enc = lambda t: list(tiny_target.tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
-    return [enc("The quick brown fox jumps over the lazy dog. The quick brown"), enc("def add(a, b):"),
-            enc("Hello there, hello there")]
+    return [
+        enc("The quick brown fox jumps over the lazy dog. The quick brown"),
+        enc("def add(a, b):"),
+        enc("Hello there, hello there"),
+    ]
 
 
-def test_greedy_with_processors_equals_the_reference_and_plain_greedy(tiny_target, tiny_tables, prompts):
+def test_greedy_with_processors_equals_the_reference_and_plain_greedy(
+    tiny_target, tiny_tables, prompts
+):
     V = tiny_target.vocab_size
-    params = [SamplingParams.checked(24, **PENALISED),
-              SamplingParams.checked(24, logit_bias={prompts[1][0]: 4.0, 7: -100}),
-              SamplingParams.checked(24)]  # a row without processors beside them
+    params = [
+        SamplingParams.checked(24, **PENALISED),
+        SamplingParams.checked(24, logit_bias={prompts[1][0]: 4.0, 7: -100}),
+        SamplingParams.checked(24),
+    ]  # a row without processors beside them
     refs = [ref_greedy(tiny_target, p, s) for p, s in zip(prompts, params)]
     unprocessed = ref_greedy(tiny_target, prompts[0], SamplingParams.checked(24))
     assert refs[0] != unprocessed  # the penalties change this output: the test has teeth
@@ -78,21 +85,38 @@ def test_greedy_with_processors_equals_the_reference_and_plain_greedy(tiny_targe
     assert [g.tokens for g in plain] == refs
     for budget in ("auto", 12):
         drafters = [NGrammysDrafter(tiny_tables, V), ContextNGramDrafter(V, name="ctx")]
-        spec = _run(SpeculativeDecoder(tiny_target, drafters, cost_curve=CURVE, budget=budget), prompts, params)
+        spec = _run(
+            SpeculativeDecoder(tiny_target, drafters, cost_curve=CURVE, budget=budget),
+            prompts,
+            params,
+        )
         assert [g.tokens for g in spec] == refs
-        assert sum(g.stats.accepted_tokens for g in spec) > 0  # drafts were accepted under the penalties
+        assert (
+            sum(g.stats.accepted_tokens for g in spec) > 0
+        )  # drafts were accepted under the penalties
 
 
 def test_min_tokens_holds_off_eos_and_stop_token_ids(tiny_target, tiny_tables, prompts):
     eos = tiny_target.eos_token_ids[0]
     stop = 5
-    params = [SamplingParams.checked(20, logit_bias={eos: 100.0}, min_tokens=6),
-              SamplingParams.checked(20, logit_bias={stop: 100.0}, min_tokens=3, stop_token_ids=[stop])]
-    dec = SpeculativeDecoder(tiny_target, [TableDrafter(tiny_tables, "bigram", k=4)], cost_curve=CURVE, budget=8)
+    params = [
+        SamplingParams.checked(20, logit_bias={eos: 100.0}, min_tokens=6),
+        SamplingParams.checked(20, logit_bias={stop: 100.0}, min_tokens=3, stop_token_ids=[stop]),
+    ]
+    dec = SpeculativeDecoder(
+        tiny_target, [TableDrafter(tiny_tables, "bigram", k=4)], cost_curve=CURVE, budget=8
+    )
     a, b = _run(dec, prompts[:2], params)
-    assert len(a.tokens) == 7 and a.tokens[-1] == eos and eos not in a.tokens[:-1] and a.finish_reason == "eos"
+    assert (
+        len(a.tokens) == 7
+        and a.tokens[-1] == eos
+        and eos not in a.tokens[:-1]
+        and a.finish_reason == "eos"
+    )
     assert len(b.tokens) == 4 and b.tokens[-1] == stop and b.finish_reason == "stop"
-    assert [a.tokens, b.tokens] == [ref_greedy(tiny_target, p, s) for p, s in zip(prompts[:2], params)]
+    assert [a.tokens, b.tokens] == [
+        ref_greedy(tiny_target, p, s) for p, s in zip(prompts[:2], params)
+    ]
 
 
 def test_sampling_keeps_the_processed_distribution(tiny_target, tiny_tables):
@@ -101,14 +125,33 @@ def test_sampling_keeps_the_processed_distribution(tiny_target, tiny_tables):
     scipy_stats = pytest.importorskip("scipy.stats")
     ids = tiny_target.chat_ids([{"role": "user", "content": "Hello"}])
     n, V = 1500, tiny_target.vocab_size
-    s = SamplingParams.checked(2, temperature=1.0, frequency_penalty=2.0, logit_bias={11: 2.0}, top_k=40, min_p=0.02,
-                               seed=0)
-    dec = SpeculativeDecoder(tiny_target, [TableDrafter(tiny_tables, "bigram", k=4)], acceptance="rejection", budget=4)
+    s = SamplingParams.checked(
+        2,
+        temperature=1.0,
+        frequency_penalty=2.0,
+        logit_bias={11: 2.0},
+        top_k=40,
+        min_p=0.02,
+        seed=0,
+    )
+    dec = SpeculativeDecoder(
+        tiny_target, [TableDrafter(tiny_tables, "bigram", k=4)], acceptance="rejection", budget=4
+    )
     out = dec.generate([ids] * n, max_new_tokens=2, temperature=1.0, seed=0)  # warm: not processed
     eng = dec.engine()
     for i in range(n):
-        eng.add(ids, SamplingParams.checked(2, temperature=1.0, frequency_penalty=2.0, logit_bias={11: 2.0}, top_k=40,
-                                            min_p=0.02, seed=i))
+        eng.add(
+            ids,
+            SamplingParams.checked(
+                2,
+                temperature=1.0,
+                frequency_penalty=2.0,
+                logit_bias={11: 2.0},
+                top_k=40,
+                min_p=0.02,
+                seed=i,
+            ),
+        )
     out = []
     while eng.has_work:
         out += [ev.generation for ev in eng.step() if ev.done]
@@ -139,7 +182,9 @@ def test_sampling_keeps_the_processed_distribution(tiny_target, tiny_tables):
 def test_logprobs_are_those_of_the_processed_distribution(tiny_target, tiny_tables, prompts):
     V = tiny_target.vocab_size
     s = SamplingParams.checked(12, logprobs=3, frequency_penalty=1.0)
-    dec = SpeculativeDecoder(tiny_target, [NGrammysDrafter(tiny_tables, V)], cost_curve=CURVE, budget=8)
+    dec = SpeculativeDecoder(
+        tiny_target, [NGrammysDrafter(tiny_tables, V)], cost_curve=CURVE, budget=8
+    )
     g, other = _run(dec, prompts[:2], [s, SamplingParams.checked(12)])
     assert other.logprobs is None
     assert len(g.logprobs) == len(g.tokens) and [x.token for x in g.logprobs] == g.tokens
@@ -155,10 +200,17 @@ def test_logprobs_are_those_of_the_processed_distribution(tiny_target, tiny_tabl
 
 
 def test_sampling_parameters_are_checked_naming_the_field(tiny_target):
-    for kw, name in [({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": "1"}, "frequency_penalty"),
-                     ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
-                     ({"logit_bias": {1: 101}}, "logit_bias"), ({"min_p": 1.5}, "min_p"), ({"top_k": -2}, "top_k"),
-                     ({"min_tokens": 11}, "min_tokens"), ({"logprobs": 21}, "logprobs")]:
+    for kw, name in [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {1: 101}}, "logit_bias"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_tokens": 11}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+    ]:
         with pytest.raises(ConfigError) as e:
             SamplingParams.checked(10, **kw)
         assert e.value.param == name

@@ -84,6 +84,7 @@ def fake_capture(captures):
         g = FakeGraph(fn, out)
         captures.append(g)
         return g, out
+
     return capture
 
 
@@ -94,10 +95,16 @@ def _static_decoder(target, capture, drafters):
     return dec
 
 
-def test_replayed_graphs_give_plain_greedy_and_are_reused_across_requests(tiny_target, tiny_tables, tiny_prompts):
+def test_replayed_graphs_give_plain_greedy_and_are_reused_across_requests(
+    tiny_target, tiny_tables, tiny_prompts
+):
     V = tiny_target.vocab_size
     captures = []
-    dec = _static_decoder(tiny_target, fake_capture(captures), [NGrammysDrafter(tiny_tables, V), ContextNGramDrafter(V)])
+    dec = _static_decoder(
+        tiny_target,
+        fake_capture(captures),
+        [NGrammysDrafter(tiny_tables, V), ContextNGramDrafter(V)],
+    )
     ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=30)
     out = dec.generate(tiny_prompts, max_new_tokens=30)
     assert [g.tokens for g in out] == [g.tokens for g in ref]
@@ -108,7 +115,9 @@ def test_replayed_graphs_give_plain_greedy_and_are_reused_across_requests(tiny_t
     assert len(captures) == n  # nothing captured twice
 
 
-def test_a_failing_capture_warns_once_and_decoding_goes_on_eagerly(tiny_target, tiny_tables, tiny_prompts, caplog):
+def test_a_failing_capture_warns_once_and_decoding_goes_on_eagerly(
+    tiny_target, tiny_tables, tiny_prompts, caplog
+):
     attempts = []
 
     def broken(fn, device, pool):
@@ -116,7 +125,9 @@ def test_a_failing_capture_warns_once_and_decoding_goes_on_eagerly(tiny_target, 
         fn()  # half-way through a capture, like CUBLAS_STATUS_EXECUTION_FAILED on the H100
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-    dec = _static_decoder(tiny_target, broken, [NGrammysDrafter(tiny_tables, tiny_target.vocab_size)])
+    dec = _static_decoder(
+        tiny_target, broken, [NGrammysDrafter(tiny_tables, tiny_target.vocab_size)]
+    )
     ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=30)
     with caplog.at_level(logging.WARNING, logger="redraft.infer.verify"):
         out = dec.generate(tiny_prompts, max_new_tokens=30)
@@ -129,7 +140,9 @@ def test_a_failing_capture_warns_once_and_decoding_goes_on_eagerly(tiny_target, 
 
 def test_growing_the_cache_drops_its_graphs_and_their_pool(tiny_target, tiny_tables, tiny_prompts):
     captures = []
-    dec = _static_decoder(tiny_target, fake_capture(captures), [NGrammysDrafter(tiny_tables, tiny_target.vocab_size)])
+    dec = _static_decoder(
+        tiny_target, fake_capture(captures), [NGrammysDrafter(tiny_tables, tiny_target.vocab_size)]
+    )
     eng = dec.engine()
     eng.add(dec.encode(tiny_prompts[2])[0], SamplingParams.checked(max_new_tokens=20))
     for _ in range(6):
@@ -137,7 +150,9 @@ def test_growing_the_cache_drops_its_graphs_and_their_pool(tiny_target, tiny_tab
     graphs = eng.cache.graph_set
     assert len(graphs) >= 1
     gen = eng.cache.generation
-    eng.add(dec.encode(tiny_prompts[1])[0], SamplingParams.checked(max_new_tokens=400))  # more slots and columns
+    eng.add(
+        dec.encode(tiny_prompts[1])[0], SamplingParams.checked(max_new_tokens=400)
+    )  # more slots and columns
     eng.step()
     assert eng.cache.generation > gen
     while eng.has_work:

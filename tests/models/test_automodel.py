@@ -21,8 +21,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _head(target=None, seed=0, **kw):
     torch.manual_seed(seed)
-    cfg = ReDrafterConfig.for_target(target, **kw) if target is not None else \
-        ReDrafterConfig(hidden_size=16, vocab_size=50, num_steps=3, tokenizer_fingerprint="fp-x", **kw)
+    cfg = (
+        ReDrafterConfig.for_target(target, **kw)
+        if target is not None
+        else ReDrafterConfig(
+            hidden_size=16, vocab_size=50, num_steps=3, tokenizer_fingerprint="fp-x", **kw
+        )
+    )
     d = ReDrafter(cfg)
     with torch.no_grad():
         for p in d.parameters():
@@ -39,7 +44,11 @@ def test_auto_classes_return_the_head(tmp_path):
     d = _head(draft_vocab_size=20)
     d.save_pretrained(tmp_path)
     cfg = AutoConfig.from_pretrained(tmp_path)
-    assert type(cfg) is ReDrafterConfig and cfg.draft_vocab_size == 20 and cfg.tokenizer_fingerprint == "fp-x"
+    assert (
+        type(cfg) is ReDrafterConfig
+        and cfg.draft_vocab_size == 20
+        and cfg.tokenizer_fingerprint == "fp-x"
+    )
     m = AutoModel.from_pretrained(tmp_path)
     assert type(m) is ReDrafter and _equal(m, d)
 
@@ -47,15 +56,28 @@ def test_auto_classes_return_the_head(tmp_path):
 def test_saved_config_has_auto_map_to_a_shim_of_redrafts_own_classes(tmp_path):
     _head().save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["auto_map"] == {"AutoConfig": "redraft_head.ReDrafterConfig", "AutoModel": "redraft_head.ReDrafter"}
-    assert "from redraft.models.redrafter import ReDrafter, ReDrafterConfig" in (tmp_path / "redraft_head.py").read_text()
+    assert cfg["auto_map"] == {
+        "AutoConfig": "redraft_head.ReDrafterConfig",
+        "AutoModel": "redraft_head.ReDrafter",
+    }
+    assert (
+        "from redraft.models.redrafter import ReDrafter, ReDrafterConfig"
+        in (tmp_path / "redraft_head.py").read_text()
+    )
 
 
 def _fresh_python(code: str, tmp_path) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    env.update(PYTHONPATH=str(REPO), HF_MODULES_CACHE=str(tmp_path / "hf-modules"), HF_HUB_OFFLINE="1")
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                       timeout=300)
+    env.update(
+        PYTHONPATH=str(REPO), HF_MODULES_CACHE=str(tmp_path / "hf-modules"), HF_HUB_OFFLINE="1"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout.strip().splitlines()[-1]
 
@@ -64,25 +86,31 @@ def test_import_redraft_alone_registers_the_auto_classes(tmp_path):
     """A fresh process: `import redraft` loads neither torch nor transformers, and AutoModel still
     knows the head when transformers' Auto classes load later."""
     _head().save_pretrained(tmp_path / "head")
-    out = _fresh_python(f"""
+    out = _fresh_python(
+        f"""
         import sys
         import redraft
         assert "torch" not in sys.modules and "transformers" not in sys.modules
         from transformers import AutoModel
-        m = AutoModel.from_pretrained({str(tmp_path / 'head')!r})
+        m = AutoModel.from_pretrained({str(tmp_path / "head")!r})
         print(type(m).__module__, type(m).__name__)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert out == "redraft.models.redrafter ReDrafter"
 
 
 def test_trust_remote_code_loads_the_head_without_importing_redraft_first(tmp_path):
     d = _head()
     d.save_pretrained(tmp_path / "head")
-    out = _fresh_python(f"""
+    out = _fresh_python(
+        f"""
         from transformers import AutoModel
-        m = AutoModel.from_pretrained({str(tmp_path / 'head')!r}, trust_remote_code=True)
+        m = AutoModel.from_pretrained({str(tmp_path / "head")!r}, trust_remote_code=True)
         print(type(m).__module__, type(m).__name__, float(m.lm_head.weight.detach().double().sum()))
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     mod, name, total = out.split()
     assert (mod, name) == ("redraft.models.redrafter", "ReDrafter")
     assert float(total) == pytest.approx(float(d.lm_head.weight.detach().double().sum()), abs=1e-9)
@@ -151,15 +179,22 @@ class _RecordingHub:
     def create_commit(self, api, repo_id, operations, **kw):
         for op in operations:
             src = op.path_or_fileobj
-            self.files[op.path_in_repo] = Path(src).read_bytes() if isinstance(src, (str, os.PathLike)) else src
+            self.files[op.path_in_repo] = (
+                Path(src).read_bytes() if isinstance(src, (str, os.PathLike)) else src
+            )
         return f"https://huggingface.co/{repo_id}/commit/0"
 
 
 def test_push_to_hub_uploads_a_loadable_head(tiny_target, tmp_path, monkeypatch):
     hub = _RecordingHub()
-    monkeypatch.setattr(HfApi, "create_repo", lambda api, repo_id, **kw: hub.create_repo(api, repo_id, **kw))
-    monkeypatch.setattr(HfApi, "create_commit",
-                        lambda api, repo_id, operations, **kw: hub.create_commit(api, repo_id, operations, **kw))
+    monkeypatch.setattr(
+        HfApi, "create_repo", lambda api, repo_id, **kw: hub.create_repo(api, repo_id, **kw)
+    )
+    monkeypatch.setattr(
+        HfApi,
+        "create_commit",
+        lambda api, repo_id, operations, **kw: hub.create_commit(api, repo_id, operations, **kw),
+    )
 
     def no_card(*a, **kw):
         raise EntryNotFoundError("no README.md yet")

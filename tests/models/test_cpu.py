@@ -10,7 +10,9 @@ pytestmark = pytest.mark.skipif(not cpu.packing_available(), reason="torch built
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.Linear(96, 32, bias=False))
+    return torch.nn.Sequential(
+        torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.Linear(96, 32, bias=False)
+    )
 
 
 @torch.no_grad()
@@ -64,4 +66,7 @@ def test_head_weights_are_shared_and_remade_when_the_weight_changes():
     wt2, packed2 = cpu.head_weights(head, torch.float32, min_weight=0)
     assert torch.equal(wt2, head.weight.T)
     torch.testing.assert_close(cpu.packed_linear(x, packed2, None), head(x), atol=1e-5, rtol=1e-5)
-    assert cpu.head_weights(head, torch.bfloat16)[1] is None and cpu.head_weights(head, torch.bfloat16)[0].dtype == torch.bfloat16
+    assert (
+        cpu.head_weights(head, torch.bfloat16)[1] is None
+        and cpu.head_weights(head, torch.bfloat16)[0].dtype == torch.bfloat16
+    )

@@ -18,7 +18,9 @@ from redraft.train.export import export_head, main
 def _head(target, seed=0, **kw):
     torch.manual_seed(seed)
     d = ReDrafter(ReDrafterConfig.for_target(target, num_steps=4, **kw)).attach_target(target)
-    with torch.no_grad():  # larger than the 0.02 init, so a wrong permutation changes the logits a lot
+    with (
+        torch.no_grad()
+    ):  # larger than the 0.02 init, so a wrong permutation changes the logits a lot
         for p in d.parameters():
             p.normal_(0, 0.3)
     return d
@@ -39,12 +41,18 @@ def apple_reference_logits(tensors, cfg, context, tokens, embedding):
     for i in range(tokens.shape[-1]):
         e = embedding[tokens[..., i]]
         if cfg["rnn"]:
-            s = F.silu(e @ tensors["rnn_w.weight"].T + s @ tensors["rnn_u.weight"].T + tensors["rnn_u.bias"])
+            s = F.silu(
+                e @ tensors["rnn_w.weight"].T
+                + s @ tensors["rnn_u.weight"].T
+                + tensors["rnn_u.bias"]
+            )
         else:
             s = s + e
         h = torch.cat([context, s], dim=-1)  # context first
         for j in range(L):
-            h = h + F.silu(h @ tensors[f"lm_head.{j}.linear.weight"].T + tensors[f"lm_head.{j}.linear.bias"])
+            h = h + F.silu(
+                h @ tensors[f"lm_head.{j}.linear.weight"].T + tensors[f"lm_head.{j}.linear.bias"]
+            )
         out.append(h @ tensors[f"lm_head.{L}.weight"].T)
     return torch.stack(out, dim=-2)
 
@@ -58,9 +66,19 @@ def test_apple_layout_has_exactly_the_names_and_shapes_apple_reads(tiny_target, 
     assert (cfg["vocab_size"], cfg["hidden_size"], cfg["exit_dim"]) == (V, H, 2 * H)
     assert cfg["num_draft_layers"] == 3 and cfg["rnn"] is True and cfg["num_lookback_tokens"] == 1
     shapes = {k: tuple(v.shape) for k, v in load_file(str(out / "model.safetensors")).items()}
-    expect = {"rnn_u.weight": (H, H), "rnn_u.bias": (H,), "rnn_w.weight": (H, H), "lm_head.3.weight": (V, 2 * H)}
-    expect.update({f"lm_head.{i}.linear.{w}": (2 * H, 2 * H) if w == "weight" else (2 * H,)
-                   for i in range(3) for w in ("weight", "bias")})
+    expect = {
+        "rnn_u.weight": (H, H),
+        "rnn_u.bias": (H,),
+        "rnn_w.weight": (H, H),
+        "lm_head.3.weight": (V, 2 * H),
+    }
+    expect.update(
+        {
+            f"lm_head.{i}.linear.{w}": (2 * H, 2 * H) if w == "weight" else (2 * H,)
+            for i in range(3)
+            for w in ("weight", "bias")
+        }
+    )
     assert shapes == expect  # no bias on the output layer, full target vocabulary
 
 
@@ -78,13 +96,30 @@ def test_exported_tensors_compute_the_same_logits_in_apples_forward(tiny_target,
 
 @pytest.mark.parametrize("rnn", [True, False])
 def test_round_trip_redraft_apple_redraft_is_exact(tiny_target, tmp_path, rnn):
-    d = _saved(tiny_target, tmp_path / "head", rnn=rnn, num_layers=2, target_weights_fingerprint="sha256:0123abcd")
+    d = _saved(
+        tiny_target,
+        tmp_path / "head",
+        rnn=rnn,
+        num_layers=2,
+        target_weights_fingerprint="sha256:0123abcd",
+    )
     export_head(tmp_path / "head", tmp_path / "apple")
     back = load_drafter(tmp_path / "apple", tiny_target)  # detected from model_type
     a, b = d.state_dict(), back.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    for key in ("num_steps", "num_layers", "rnn", "activation", "target_model", "tokenizer_fingerprint",
-                "target_weights_fingerprint", "vocab_size", "hidden_size", "embedding_dim", "draft_vocab_size"):
+    for key in (
+        "num_steps",
+        "num_layers",
+        "rnn",
+        "activation",
+        "target_model",
+        "tokenizer_fingerprint",
+        "target_weights_fingerprint",
+        "vocab_size",
+        "hidden_size",
+        "embedding_dim",
+        "draft_vocab_size",
+    ):
         assert getattr(back.config, key) == getattr(d.config, key), key
     ctx = torch.randn(2, d.config.hidden_size)
     tokens = torch.randint(0, d.config.vocab_size, (2, 4))
@@ -104,10 +139,13 @@ def test_export_keeps_or_casts_the_dtype(tiny_target, tmp_path):
     assert {v.dtype for v in load_file(str(out / "model.safetensors")).values()} == {torch.float32}
 
 
-@pytest.mark.parametrize("kw, says", [
-    ({"draft_vocab_size": 64}, "full vocabulary"),
-    ({"activation": "gelu"}, "--activation silu"),
-])
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"draft_vocab_size": 64}, "full vocabulary"),
+        ({"activation": "gelu"}, "--activation silu"),
+    ],
+)
 def test_export_refuses_what_the_layout_cannot_express(tiny_target, tmp_path, capsys, kw, says):
     d = _saved(tiny_target, tmp_path / "head", **kw)
     if "draft_vocab_size" in kw:
@@ -121,7 +159,9 @@ def test_export_refuses_what_the_layout_cannot_express(tiny_target, tmp_path, ca
 
 
 def test_export_refuses_embedding_dim_other_than_hidden_size(tmp_path):
-    ReDrafter(ReDrafterConfig(hidden_size=16, embedding_dim=8, vocab_size=50)).save_pretrained(tmp_path / "head")
+    ReDrafter(ReDrafterConfig(hidden_size=16, embedding_dim=8, vocab_size=50)).save_pretrained(
+        tmp_path / "head"
+    )
     with pytest.raises(ConfigError, match="embedding_dim"):
         export_head(tmp_path / "head", tmp_path / "apple")
 
@@ -155,7 +195,9 @@ def test_cli_checks_the_output_before_any_work(tiny_target, tmp_path, capsys):
     assert main([str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main([str(tmp_path / "head"), str(tmp_path / "busy"), "--overwrite"]) == 0
-    assert (tmp_path / "busy" / "model.safetensors").is_file() and (tmp_path / "busy" / "keep.txt").is_file()
+    assert (tmp_path / "busy" / "model.safetensors").is_file() and (
+        tmp_path / "busy" / "keep.txt"
+    ).is_file()
 
 
 def _apple_native(tmp_path, H=32, V=384, L=2, rnn=True, drop=None, config_over=None):
@@ -163,16 +205,29 @@ def _apple_native(tmp_path, H=32, V=384, L=2, rnn=True, drop=None, config_over=N
     torch.manual_seed(1)
     tensors = {}
     if rnn:
-        tensors.update({"rnn_u.weight": torch.randn(H, H) * 0.3, "rnn_u.bias": torch.randn(H) * 0.3,
-                        "rnn_w.weight": torch.randn(H, H) * 0.3})
+        tensors.update(
+            {
+                "rnn_u.weight": torch.randn(H, H) * 0.3,
+                "rnn_u.bias": torch.randn(H) * 0.3,
+                "rnn_w.weight": torch.randn(H, H) * 0.3,
+            }
+        )
     for i in range(L):
         tensors[f"lm_head.{i}.linear.weight"] = torch.randn(2 * H, 2 * H) * 0.3
         tensors[f"lm_head.{i}.linear.bias"] = torch.randn(2 * H) * 0.3
     tensors[f"lm_head.{L}.weight"] = torch.randn(V, 2 * H) * 0.3
     if drop:
         tensors.pop(drop)
-    cfg = {"model_type": "recurrent_drafting_drafter", "vocab_size": V, "hidden_size": H, "exit_dim": 2 * H,
-           "num_draft_layers": L, "num_lookback_tokens": -1, "rnn": rnn, **(config_over or {})}
+    cfg = {
+        "model_type": "recurrent_drafting_drafter",
+        "vocab_size": V,
+        "hidden_size": H,
+        "exit_dim": 2 * H,
+        "num_draft_layers": L,
+        "num_lookback_tokens": -1,
+        "rnn": rnn,
+        **(config_over or {}),
+    }
     path = tmp_path / "apple-native"
     path.mkdir()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -180,7 +235,9 @@ def _apple_native(tmp_path, H=32, V=384, L=2, rnn=True, drop=None, config_over=N
     return path, tensors, cfg
 
 
-def test_head_trained_with_apples_code_loads_with_warnings_and_computes_apples_forward(tiny_target, tmp_path):
+def test_head_trained_with_apples_code_loads_with_warnings_and_computes_apples_forward(
+    tiny_target, tmp_path
+):
     path, tensors, cfg = _apple_native(tmp_path)
     with pytest.warns(UserWarning) as record:
         d = load_drafter(path, tiny_target)
@@ -198,8 +255,15 @@ def test_apple_layout_is_checked_exactly(tiny_target, tmp_path):
         read_drafter(path)
 
 
-@pytest.mark.parametrize("over, key", [({"exit_dim": 48}, "exit_dim"), ({"num_draft_layers": "2"}, "num_draft_layers"),
-                                       ({"rnn": 1}, "rnn"), ({"vocab_size": 100}, "vocab_size")])
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        ({"exit_dim": 48}, "exit_dim"),
+        ({"num_draft_layers": "2"}, "num_draft_layers"),
+        ({"rnn": 1}, "rnn"),
+        ({"vocab_size": 100}, "vocab_size"),
+    ],
+)
 def test_apple_config_values_are_checked(tiny_target, tmp_path, over, key):
     path, _, _ = _apple_native(tmp_path, config_over=over)
     with pytest.raises(ArtifactError, match=key):
@@ -226,14 +290,30 @@ def test_init_from_an_apple_layout_head_starts_training_from_its_weights(tiny_ta
     chats = tmp_path / "chat.jsonl"
     with open(chats, "w") as f:
         for i in range(24):
-            conv = [{"from": "human", "value": f"say {i}"}, {"from": "gpt", "value": " ".join(["one two three"] * 3)}]
+            conv = [
+                {"from": "human", "value": f"say {i}"},
+                {"from": "gpt", "value": " ".join(["one two three"] * 3)},
+            ]
             f.write(json.dumps({"id": f"c{i}", "conversations": conv}) + "\n")
     kw = dict(max_length=64, num_proc=1, cache_dir=tmp_path / "cache", progress=False)
-    data = [build_token_dataset(f"sharegpt:{chats}", tiny_target.tokenizer, split=s, **kw) for s in ("train", "heldout")]
+    data = [
+        build_token_dataset(f"sharegpt:{chats}", tiny_target.tokenizer, split=s, **kw)
+        for s in ("train", "heldout")
+    ]
     d = _saved(tiny_target, tmp_path / "head")
     export_head(tmp_path / "head", tmp_path / "apple")
-    cfg = make_config("tiny", {"output_dir": str(tmp_path / "run"), "tensorboard": "false", "max_steps": "1",
-                               "lr": "1e-12", "num_steps": "4", "num_layers": "2", "init_from": str(tmp_path / "apple")})
+    cfg = make_config(
+        "tiny",
+        {
+            "output_dir": str(tmp_path / "run"),
+            "tensorboard": "false",
+            "max_steps": "1",
+            "lr": "1e-12",
+            "num_steps": "4",
+            "num_layers": "2",
+            "init_from": str(tmp_path / "apple"),
+        },
+    )
     assert cfg.num_layers == d.config.num_layers
     train(cfg, target=tiny_target, train_dataset=data[0], eval_dataset=data[1])
     tuned = load_file(str(tmp_path / "run" / "model.safetensors"))

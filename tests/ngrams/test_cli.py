@@ -35,14 +35,33 @@ def cache(tmp_path_factory):
 
 
 def _args(tiny_target_dir, code_dir, out, *extra):
-    return ["--target", str(tiny_target_dir), "--data", f"code-dir:{code_dir}?glob=*.py",
-            "--split", "all", "--output-dir", str(out), "--quiet", *extra]
+    return [
+        "--target",
+        str(tiny_target_dir),
+        "--data",
+        f"code-dir:{code_dir}?glob=*.py",
+        "--split",
+        "all",
+        "--output-dir",
+        str(out),
+        "--quiet",
+        *extra,
+    ]
 
 
-def test_build_all_kinds_and_load(tiny_target_dir, tiny_target, code_dir, tmp_path, monkeypatch, cache):
+def test_build_all_kinds_and_load(
+    tiny_target_dir, tiny_target, code_dir, tmp_path, monkeypatch, cache
+):
     monkeypatch.setattr("redraft.models.target.CACHE_ROOT", cache)  # token cache
     out = tmp_path / "ngrams"
-    assert main(_args(tiny_target_dir, code_dir, out, "-k", "4", "-w", "3", "-t", "5", "--min-count", "1")) == 0
+    assert (
+        main(
+            _args(
+                tiny_target_dir, code_dir, out, "-k", "4", "-w", "3", "-t", "5", "--min-count", "1"
+            )
+        )
+        == 0
+    )
     tables = NGramTables.load(out, target=tiny_target)
     assert tables.kinds == ["unigram", "bigram", "extended", "trigram"]
     assert (tables.k, tables.w, tables.t) == (4, 3, 5)
@@ -71,14 +90,32 @@ def _same_table(a, b):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
 
 
-def test_sharded_build_then_merge_equals_single(tiny_target_dir, tiny_target, code_dir, tmp_path,
-                                                 monkeypatch, cache):
+def test_sharded_build_then_merge_equals_single(
+    tiny_target_dir, tiny_target, code_dir, tmp_path, monkeypatch, cache
+):
     monkeypatch.setattr("redraft.models.target.CACHE_ROOT", cache)  # token cache
     single, sharded = tmp_path / "single", tmp_path / "sharded"
-    assert main(_args(tiny_target_dir, code_dir, single, "--kinds", "trigram", "--min-count", "1")) == 0
+    assert (
+        main(_args(tiny_target_dir, code_dir, single, "--kinds", "trigram", "--min-count", "1"))
+        == 0
+    )
     for i in range(2):
-        assert main(_args(tiny_target_dir, code_dir, sharded, "--kinds", "trigram",
-                          "--num-shards", "2", "--shard-id", str(i))) == 0
+        assert (
+            main(
+                _args(
+                    tiny_target_dir,
+                    code_dir,
+                    sharded,
+                    "--kinds",
+                    "trigram",
+                    "--num-shards",
+                    "2",
+                    "--shard-id",
+                    str(i),
+                )
+            )
+            == 0
+        )
     assert main(["merge", "--output-dir", str(sharded), "--min-count", "1", "--quiet"]) == 0
     _same_table(single, sharded)
     meta = json.loads((sharded / "ngrams.json").read_text())
@@ -97,13 +134,28 @@ def test_sharded_build_then_merge_equals_single(tiny_target_dir, tiny_target, co
     _same_table(single, sharded)
 
 
-def test_merge_refuses_a_shard_changed_at_the_same_size(tiny_target_dir, code_dir, tmp_path,
-                                                        monkeypatch, cache, capsys):
+def test_merge_refuses_a_shard_changed_at_the_same_size(
+    tiny_target_dir, code_dir, tmp_path, monkeypatch, cache, capsys
+):
     monkeypatch.setattr("redraft.models.target.CACHE_ROOT", cache)
     out = tmp_path / "sharded"
     for i in range(2):
-        assert main(_args(tiny_target_dir, code_dir, out, "--kinds", "trigram",
-                          "--num-shards", "2", "--shard-id", str(i))) == 0
+        assert (
+            main(
+                _args(
+                    tiny_target_dir,
+                    code_dir,
+                    out,
+                    "--kinds",
+                    "trigram",
+                    "--num-shards",
+                    "2",
+                    "--shard-id",
+                    str(i),
+                )
+            )
+            == 0
+        )
     counts = out / "trigram-counts-00001-of-00002" / "counts.bin"
     data = bytearray(counts.read_bytes())
     data[0] ^= 1  # a count off by one: same size, a different table
@@ -117,8 +169,10 @@ def test_merge_refuses_a_shard_changed_at_the_same_size(tiny_target_dir, code_di
 
 def _spill_of_a_killed_build(root):
     """A spill folder whose owner was SIGKILLed (its flock released by the kernel)."""
-    code = ("import os, sys; from redraft.ngrams.trigrams import SpillDir; d = SpillDir(sys.argv[1]); "
-            "(d.path / 'run-00000').mkdir(); print(d.path, flush=True); os.kill(os.getpid(), 9)")
+    code = (
+        "import os, sys; from redraft.ngrams.trigrams import SpillDir; d = SpillDir(sys.argv[1]); "
+        "(d.path / 'run-00000').mkdir(); print(d.path, flush=True); os.kill(os.getpid(), 9)"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True)
     assert out.returncode == -9, out.stderr
     path = Path(out.stdout.strip())
@@ -135,19 +189,23 @@ def test_stale_spills_are_removed_and_live_ones_kept(tmp_path):
     assert not live.path.exists()
 
 
-def test_a_build_into_the_same_output_removes_a_killed_builds_spill(tiny_target_dir, code_dir,
-                                                                     tmp_path, monkeypatch, cache):
+def test_a_build_into_the_same_output_removes_a_killed_builds_spill(
+    tiny_target_dir, code_dir, tmp_path, monkeypatch, cache
+):
     monkeypatch.setattr("redraft.models.target.CACHE_ROOT", cache)
     out = tmp_path / "ngrams"
     out.mkdir()
     dead = _spill_of_a_killed_build(out)
-    assert main(_args(tiny_target_dir, code_dir, out, "--kinds", "trigram", "--min-count", "1")) == 0
+    assert (
+        main(_args(tiny_target_dir, code_dir, out, "--kinds", "trigram", "--min-count", "1")) == 0
+    )
     assert not dead.exists()
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, "error"])
 def test_ctrl_c_or_an_error_while_merging_spilled_runs_leaves_no_spill(
-        tiny_target_dir, code_dir, tmp_path, monkeypatch, cache, capsys, interrupt):
+    tiny_target_dir, code_dir, tmp_path, monkeypatch, cache, capsys, interrupt
+):
     monkeypatch.setattr("redraft.models.target.CACHE_ROOT", cache)
     from redraft.errors import DataError
     from redraft.ngrams import trigrams
@@ -160,39 +218,59 @@ def test_ctrl_c_or_an_error_while_merging_spilled_runs_leaves_no_spill(
 
     monkeypatch.setattr(trigrams, "build_trigram_table", stop)
     out = tmp_path / "ngrams"
-    rc = main(_args(tiny_target_dir, code_dir, out, "--kinds", "trigram", "--memory-mb", "0",
-                    "--chunk-tokens", "40"))
+    rc = main(
+        _args(
+            tiny_target_dir,
+            code_dir,
+            out,
+            "--kinds",
+            "trigram",
+            "--memory-mb",
+            "0",
+            "--chunk-tokens",
+            "40",
+        )
+    )
     err = capsys.readouterr().err
     assert rc == (130 if interrupt is KeyboardInterrupt else 2)
     assert len(seen["spilled"]) > 1  # it had spilled
     ours = _our_lines(err)
-    assert len(ours) == 1 and ours[0].startswith("redraft-build-ngrams: ") and "Traceback" not in err
+    assert (
+        len(ours) == 1 and ours[0].startswith("redraft-build-ngrams: ") and "Traceback" not in err
+    )
     assert not any(p.exists() for p in seen["spilled"])
     assert not list(out.glob(".trigram-spill-*"))
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--kinds", "bigram,fourgram"], "fourgram"),
-    (["--num-shards", "2", "--shard-id", "2"], "--shard-id 2 is not in 0..1"),
-    (["--num-shards", "0"], "--num-shards 0 is out of range: it must be at least 1"),
-    (["--limit", "-5"], "--limit -5 is out of range: it must be at least 1"),
-    (["-k", "0"], "-k 0 is out of range"),
-    (["--min-count", "0"], "--min-count 0"),
-    (["--data", "nosuchkind:x", "--kinds", "trigram"], "Unknown data source 'nosuchkind:x'"),
-])
-def test_bad_flags_exit_2_with_one_line_before_any_work(tiny_target_dir, code_dir, tmp_path, capsys,
-                                                        monkeypatch, extra, message):
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--kinds", "bigram,fourgram"], "fourgram"),
+        (["--num-shards", "2", "--shard-id", "2"], "--shard-id 2 is not in 0..1"),
+        (["--num-shards", "0"], "--num-shards 0 is out of range: it must be at least 1"),
+        (["--limit", "-5"], "--limit -5 is out of range: it must be at least 1"),
+        (["-k", "0"], "-k 0 is out of range"),
+        (["--min-count", "0"], "--min-count 0"),
+        (["--data", "nosuchkind:x", "--kinds", "trigram"], "Unknown data source 'nosuchkind:x'"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line_before_any_work(
+    tiny_target_dir, code_dir, tmp_path, capsys, monkeypatch, extra, message
+):
     def no_load(*a, **kw):
         raise AssertionError("the target was loaded before the arguments were checked")
 
     monkeypatch.setattr("redraft.models.load_target", no_load)
     assert main(_args(tiny_target_dir, code_dir, tmp_path / "x", *extra)) == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1 and err.startswith("redraft-build-ngrams: error:")
+    assert (
+        message in err and err.count("\n") == 1 and err.startswith("redraft-build-ngrams: error:")
+    )
 
 
-def test_output_dir_that_is_a_file_fails_before_any_work(tiny_target_dir, code_dir, tmp_path, capsys,
-                                                        monkeypatch):
+def test_output_dir_that_is_a_file_fails_before_any_work(
+    tiny_target_dir, code_dir, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setattr("redraft.models.load_target", lambda *a, **kw: pytest.fail("loaded"))
     f = tmp_path / "file"
     f.write_text("x")
@@ -224,9 +302,19 @@ def test_help_lists_every_flag_with_each_default_once(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for flag in ("--target", "--kinds", "--data", "--output-dir", "--min-count", "--num-shards",
-                 "--shard-id", "--extend-with-model, --no-extend-with-model", "--memory-mb",
-                 "--overwrite, --no-overwrite", "--quiet, --no-quiet"):
+    for flag in (
+        "--target",
+        "--kinds",
+        "--data",
+        "--output-dir",
+        "--min-count",
+        "--num-shards",
+        "--shard-id",
+        "--extend-with-model, --no-extend-with-model",
+        "--memory-mb",
+        "--overwrite, --no-overwrite",
+        "--quiet, --no-quiet",
+    ):
         assert flag in text
     assert "(default: None)" not in text and text.count("(default: 25)") == 1
     with pytest.raises(SystemExit):
@@ -253,7 +341,10 @@ def test_extended_added_later_chains_the_stored_bigram(tiny_target_dir, code_dir
 
 
 def _chat_lines(n: int) -> list[str]:
-    conv = [{"from": "human", "value": "count from one"}, {"from": "gpt", "value": "one two three four five six"}]
+    conv = [
+        {"from": "human", "value": "count from one"},
+        {"from": "gpt", "value": "one two three four five six"},
+    ]
     return [json.dumps({"id": f"c{i}", "conversations": conv}) for i in range(n)]
 
 
@@ -261,10 +352,27 @@ def test_skipped_records_are_reported(tiny_target_dir, tmp_path, monkeypatch, ca
     """Malformed records of --data are counted by reason and reported, as redraft-train does."""
     monkeypatch.setattr("redraft.models.target.CACHE_ROOT", tmp_path / "cache")
     data = tmp_path / "mixed.jsonl"
-    bad = ["{not json", json.dumps({"id": "e", "conversations": [{"from": "human", "value": ""}]}), "[1, 2]"]
+    bad = [
+        "{not json",
+        json.dumps({"id": "e", "conversations": [{"from": "human", "value": ""}]}),
+        "[1, 2]",
+    ]
     data.write_text("\n".join(_chat_lines(5) + bad) + "\n")
-    args = ["--target", str(tiny_target_dir), "--kinds", "trigram", "--data", f"sharegpt:{data}", "--split", "all",
-            "--output-dir", str(tmp_path / "out"), "--min-count", "1", "--quiet"]
+    args = [
+        "--target",
+        str(tiny_target_dir),
+        "--kinds",
+        "trigram",
+        "--data",
+        f"sharegpt:{data}",
+        "--split",
+        "all",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--min-count",
+        "1",
+        "--quiet",
+    ]
     with caplog.at_level("WARNING", logger="redraft.ngrams"):
         assert main(args) == 0
     lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
@@ -278,10 +386,25 @@ def test_an_all_bad_corpus_is_a_clear_error(tiny_target_dir, tmp_path, monkeypat
     empty = json.dumps({"id": "e", "conversations": [{"from": "human", "value": ""}]})
     data.write_text(f'{{"id": "x", "conversations": []}}\n[1]\n{{not json\n{empty}\n')
     out = tmp_path / "out"
-    rc = main(["--target", str(tiny_target_dir), "--kinds", "trigram", "--data", f"sharegpt:{data}", "--split", "all",
-               "--output-dir", str(out), "--quiet"])
+    rc = main(
+        [
+            "--target",
+            str(tiny_target_dir),
+            "--kinds",
+            "trigram",
+            "--data",
+            f"sharegpt:{data}",
+            "--split",
+            "all",
+            "--output-dir",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 2
     err = [line for line in _our_lines(capsys.readouterr().err) if "error" in line]
-    assert len(err) == 1 and "no usable record" in err[0] and "every record was skipped" in err[0], err
+    assert (
+        len(err) == 1 and "no usable record" in err[0] and "every record was skipped" in err[0]
+    ), err
     assert "invalid_json 1" in err[0] and "not_an_object 1" in err[0] and str(data) in err[0]
     assert not (out / "ngrams.json").exists()

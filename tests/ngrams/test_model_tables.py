@@ -48,9 +48,12 @@ def test_bigram_context_is_the_start_of_text_token(tiny_target, llama2_target_di
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["shortcut", "model-forward"])
 def test_bigram_rows_equal_model_softmax_topk(tiny_target, fast_path):
-    ids, probs = build_bigram(tiny_target, k=6, batch_size=100, dtype="float32",
-                              fast_path=fast_path, progress=False)
-    ref = torch.topk(_reference_rows(tiny_target, prefix=(0,)), 6)  # rows are p(· | [<|endoftext|>, x])
+    ids, probs = build_bigram(
+        tiny_target, k=6, batch_size=100, dtype="float32", fast_path=fast_path, progress=False
+    )
+    ref = torch.topk(
+        _reference_rows(tiny_target, prefix=(0,)), 6
+    )  # rows are p(· | [<|endoftext|>, x])
     assert ids.shape == (tiny_target.vocab_size, 6) and ids.dtype == torch.int32
     torch.testing.assert_close(probs.double(), ref.values, rtol=1e-4, atol=1e-6)
     # Ids equal wherever the reference has no near-tie that rounding could flip.
@@ -103,15 +106,18 @@ def test_extended_equals_chaining_by_hand():
 
 def test_extended_with_model_equals_greedy_decoding(tiny_target):
     bigram, _ = build_bigram(tiny_target, k=2, dtype="float32", progress=False)
-    ext = build_extended_with_model(tiny_target, bigram, w=4, batch_size=300, dtype="float32",
-                                    progress=False)
+    ext = build_extended_with_model(
+        tiny_target, bigram, w=4, batch_size=300, dtype="float32", progress=False
+    )
     assert ext.shape == (tiny_target.vocab_size, 2, 4)
     assert torch.equal(ext[:, :, 0], bigram)
     for x, j in [(0, 0), (5, 1), (100, 0), (383, 1)]:
         seq = [0, x, int(bigram[x, j])]  # after the same start-of-text token as the rows
         for _ in range(3):  # greedy, full forward each step (no cache)
             with torch.no_grad():
-                seq.append(int(tiny_target.model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+                seq.append(
+                    int(tiny_target.model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+                )
         assert ext[x, j].tolist() == seq[2:]
 
 

@@ -35,8 +35,11 @@ def parts():
 
 
 def _save(path, parts, fingerprint="sha256:abc", **meta):
-    return save_tables(path, dict(vocab_size=V, tokenizer_fingerprint=fingerprint,
-                                  trigram={"t": 4}, **meta), **parts)
+    return save_tables(
+        path,
+        dict(vocab_size=V, tokenizer_fingerprint=fingerprint, trigram={"t": 4}, **meta),
+        **parts,
+    )
 
 
 def test_round_trip_and_lookups(parts, tmp_path):
@@ -98,7 +101,9 @@ def test_every_stored_context_is_found(parts, tmp_path):
 
 
 def test_fingerprint_mismatch_names_both(parts, tmp_path, tiny_target):
-    path = _save(tmp_path / "t", {"unigram": parts["unigram"]}, fingerprint="sha256:0000000000000000")
+    path = _save(
+        tmp_path / "t", {"unigram": parts["unigram"]}, fingerprint="sha256:0000000000000000"
+    )
     with pytest.raises(FingerprintMismatchError) as err:
         NGramTables.load(path, target=tiny_target)
     assert "sha256:0000000000000000" in str(err.value) and tiny_target.fingerprint in str(err.value)
@@ -149,17 +154,23 @@ def _rewrite_meta(path, change):
     (path / "ngrams.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda m: m.pop("files"), "lacks the key 'files'"),
-    (lambda m: m.pop("vocab_size"), "lacks the key 'vocab_size'"),
-    (lambda m: m.update(vocab_size="50"), "vocab_size '50'"),
-    (lambda m: m.update(files={}), "has files {}"),
-    (lambda m: m["files"].update(fourgram={"file": "x"}), r"unknown table kind\(s\) \['fourgram'\]"),
-    (lambda m: m["files"]["bigram"].pop("sha256"), "lacks files.bigram.sha256"),
-    (lambda m: m["files"]["bigram"].update(file="../bigram.safetensors"), "plain file name"),
-    (lambda m: m.update(kinds=["bigram"]), "says kinds"),
-    (lambda m: m.update(format="other"), "format 'other'"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda m: m.pop("files"), "lacks the key 'files'"),
+        (lambda m: m.pop("vocab_size"), "lacks the key 'vocab_size'"),
+        (lambda m: m.update(vocab_size="50"), "vocab_size '50'"),
+        (lambda m: m.update(files={}), "has files {}"),
+        (
+            lambda m: m["files"].update(fourgram={"file": "x"}),
+            r"unknown table kind\(s\) \['fourgram'\]",
+        ),
+        (lambda m: m["files"]["bigram"].pop("sha256"), "lacks files.bigram.sha256"),
+        (lambda m: m["files"]["bigram"].update(file="../bigram.safetensors"), "plain file name"),
+        (lambda m: m.update(kinds=["bigram"]), "says kinds"),
+        (lambda m: m.update(format="other"), "format 'other'"),
+    ],
+)
 def test_a_damaged_ngrams_json_names_what_is_wrong(parts, tmp_path, change, message):
     path = _save(tmp_path / "t", {"unigram": parts["unigram"], "bigram": parts["bigram"]})
     _rewrite_meta(path, change)

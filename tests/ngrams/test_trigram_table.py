@@ -25,8 +25,10 @@ V = 30
 def _records(seed=0, n=60, vocab=V, max_len=25):
     rng = np.random.default_rng(seed)
     # skewed ids: contexts repeat and have several successors, some with equal counts
-    return [np.minimum(rng.geometric(0.2, size=int(rng.integers(0, max_len))) - 1, vocab - 1)
-            for _ in range(n)]
+    return [
+        np.minimum(rng.geometric(0.2, size=int(rng.integers(0, max_len))) - 1, vocab - 1)
+        for _ in range(n)
+    ]
 
 
 def _reference(records, t, min_count=1):
@@ -41,7 +43,9 @@ def _reference(records, t, min_count=1):
         total[(a, b)] += n
     out = {}
     for (a, b), tot in total.items():
-        succ = sorted((-n, c) for (x, y, c), n in tri.items() if (x, y) == (a, b) and n >= min_count)[:t]
+        succ = sorted(
+            (-n, c) for (x, y, c), n in tri.items() if (x, y) == (a, b) and n >= min_count
+        )[:t]
         if succ:
             out[(a, b)] = [(c, -n / tot) for n, c in succ]
     return out
@@ -57,7 +61,9 @@ def _expected(ref, w1, w2, k):
 
 
 def test_worked_example_of_the_module_doc():
-    t = trigram_table_from_trigrams([1, 1, 1, 2], [2, 2, 2, 3], [5, 6, 7, 9], [1, 3, 2, 4], vocab_size=10)
+    t = trigram_table_from_trigrams(
+        [1, 1, 1, 2], [2, 2, 2, 3], [5, 6, 7, 9], [1, 3, 2, 4], vocab_size=10
+    )
     assert t.context_keys.tolist() == [12, 23] and t.offsets.tolist() == [0, 3, 4]
     assert t.ids.tolist() == [6, 7, 5, 9] and t.context_counts.tolist() == [6, 4]
     ids, probs = t.successors(np.array([1, 2, 4]), np.array([2, 3, 4]), 2)
@@ -70,8 +76,9 @@ def test_worked_example_of_the_module_doc():
 
 def test_from_trigrams_sums_repeats_and_prunes_like_the_builder():
     # (1, 2, 5) given twice: counts add up; t=1 keeps the most frequent, min_count drops rare ones
-    t = trigram_table_from_trigrams([1, 1, 1, 3], [2, 2, 2, 4], [5, 6, 5, 7], [2, 3, 2, 1],
-                                   vocab_size=10, t=1, min_count=2)
+    t = trigram_table_from_trigrams(
+        [1, 1, 1, 3], [2, 2, 2, 4], [5, 6, 5, 7], [2, 3, 2, 1], vocab_size=10, t=1, min_count=2
+    )
     assert t.context_keys.tolist() == [12] and t.ids.tolist() == [5]
     np.testing.assert_allclose(t.probs, [4 / 7])
     assert (t.t, t.min_count) == (1, 2)
@@ -134,7 +141,11 @@ def test_prob_is_the_probability_of_each_listed_successor():
     keys = table.context_keys[row]
     p = table.prob(keys // V, keys % V, table.ids)
     np.testing.assert_array_equal(p, table.probs)
-    tp = table.prob(torch.from_numpy(keys // V), torch.from_numpy(keys % V), torch.from_numpy(np.array(table.ids)))
+    tp = table.prob(
+        torch.from_numpy(keys // V),
+        torch.from_numpy(keys % V),
+        torch.from_numpy(np.array(table.ids)),
+    )
     np.testing.assert_array_equal(tp.numpy(), table.probs)
     assert table.prob(np.array([0, -1]), np.array([V + 3, 2]), np.array([1, 1])).tolist() == [0, 0]
 
@@ -143,8 +154,9 @@ def test_builders_agree():
     records = _records(seed=3)
     a = trigram_table_from_token_arrays(records, V, t=5, min_count=2)
     b = build_trigram_table(count_trigrams(records, V, chunk_tokens=40), t=5, min_count=2)
-    tri = collections.Counter((int(r[i]), int(r[i + 1]), int(r[i + 2])) for r in records
-                              for i in range(len(r) - 2))
+    tri = collections.Counter(
+        (int(r[i]), int(r[i + 1]), int(r[i + 2])) for r in records for i in range(len(r) - 2)
+    )
     w1, w2, w3 = (np.array([k[j] for k in tri]) for j in range(3))
     c = trigram_table_from_trigrams(w1, w2, w3, np.array(list(tri.values())), V, t=5, min_count=2)
     d = TrigramTable.from_csr(a.context_keys, a.offsets, a.ids, a.probs, V, t=5)
@@ -160,22 +172,30 @@ def test_from_csr_sorts_each_row_by_probability():
     t = TrigramTable.from_csr(keys, offsets, ids, probs, vocab_size=10)
     assert t.ids.tolist() == [5, 6, 4, 1, 2]  # equal probabilities keep their order
     np.testing.assert_allclose(t.probs, [0.5, 0.2, 0.1, 0.3, 0.3])
-    u = TrigramTable.from_csr(torch.tensor(keys), torch.tensor(offsets), torch.tensor(ids),
-                              torch.tensor(probs), vocab_size=10)
+    u = TrigramTable.from_csr(
+        torch.tensor(keys),
+        torch.tensor(offsets),
+        torch.tensor(ids),
+        torch.tensor(probs),
+        vocab_size=10,
+    )
     assert u.ids.tolist() == t.ids.tolist() and (u.t, u.max_successors) == (3, 3)
 
 
-@pytest.mark.parametrize("arrays,message", [
-    (([1, 2], [0, 1], [3], [0.5]), "2 contexts"),
-    (([1, 2], [0, 1, 2], [3, 4], [0.5]), "2 ids but 1 probs"),
-    (([2, 1], [0, 1, 2], [3, 4], [0.5, 0.5]), "not strictly increasing"),
-    (([1, 1], [0, 1, 2], [3, 4], [0.5, 0.5]), "not strictly increasing"),
-    (([1, 2], [0, 2, 1], [3, 4], [0.5, 0.5]), "to 1, want 0 to 2"),
-    (([1, 2], [0, 1, 2], [3, 10], [0.5, 0.5]), r"ids outside \[0, 10\)"),
-    (([1, 100], [0, 1, 2], [3, 4], [0.5, 0.5]), "context keys outside"),
-    (([1, 2], [0, 1, 2], [3, 4], [0.5, float("nan")]), "NaN"),
-    (([1, 2], [0, 1, 2], [3, 4], [0.5, 1.5]), r"outside \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "arrays,message",
+    [
+        (([1, 2], [0, 1], [3], [0.5]), "2 contexts"),
+        (([1, 2], [0, 1, 2], [3, 4], [0.5]), "2 ids but 1 probs"),
+        (([2, 1], [0, 1, 2], [3, 4], [0.5, 0.5]), "not strictly increasing"),
+        (([1, 1], [0, 1, 2], [3, 4], [0.5, 0.5]), "not strictly increasing"),
+        (([1, 2], [0, 2, 1], [3, 4], [0.5, 0.5]), "to 1, want 0 to 2"),
+        (([1, 2], [0, 1, 2], [3, 10], [0.5, 0.5]), r"ids outside \[0, 10\)"),
+        (([1, 100], [0, 1, 2], [3, 4], [0.5, 0.5]), "context keys outside"),
+        (([1, 2], [0, 1, 2], [3, 4], [0.5, float("nan")]), "NaN"),
+        (([1, 2], [0, 1, 2], [3, 4], [0.5, 1.5]), r"outside \[0, 1\]"),
+    ],
+)
 def test_inconsistent_arrays_are_named(arrays, message):
     with pytest.raises(ArtifactError, match=message):
         TrigramTable.from_csr(*arrays, vocab_size=10)
@@ -201,13 +221,19 @@ def test_ngram_tables_hand_out_the_table(tmp_path):
     loaded = NGramTables.load(tmp_path)
     assert as_trigram_table(loaded) is loaded.trigram and as_trigram_table(table) is table
     assert loaded.t == 4 and loaded.trigram.min_count == 1
-    w1, w2 = torch.tensor([int(table.context_keys[0] // V), 0]), torch.tensor([int(table.context_keys[0] % V), 29])
+    w1, w2 = (
+        torch.tensor([int(table.context_keys[0] // V), 0]),
+        torch.tensor([int(table.context_keys[0] % V), 29]),
+    )
     a_ids, a_p = loaded.trigram_successors(w1, w2)
     b_ids, b_p = table.successors(w1.numpy(), w2.numpy(), 4)
     assert a_ids.tolist() == b_ids.tolist()
     np.testing.assert_allclose(a_p.numpy(), b_p, atol=1e-3)  # float16 on disk
-    save_tables(tmp_path / "b", {"vocab_size": V, "tokenizer_fingerprint": "sha256:x"},
-                unigram=(torch.tensor([1, 2]), torch.tensor([0.5, 0.25])))
+    save_tables(
+        tmp_path / "b",
+        {"vocab_size": V, "tokenizer_fingerprint": "sha256:x"},
+        unigram=(torch.tensor([1, 2]), torch.tensor([0.5, 0.25])),
+    )
     with pytest.raises(ArtifactError, match="no trigram table.*--kinds trigram"):
         as_trigram_table(NGramTables.load(tmp_path / "b"))
     with pytest.raises(ConfigError, match="dict"):

@@ -19,8 +19,12 @@ from redraft.ngrams.trigrams import (
 def _corpus(seed=0, vocab=40, records=200, max_len=30):
     rng = np.random.default_rng(seed)
     # Skewed ids (a few frequent tokens) so contexts have several successors and count ties.
-    return [np.minimum(rng.geometric(0.15, size=int(rng.integers(0, max_len))) - 1, vocab - 1).astype(np.int32)
-            for _ in range(records)]
+    return [
+        np.minimum(rng.geometric(0.15, size=int(rng.integers(0, max_len))) - 1, vocab - 1).astype(
+            np.int32
+        )
+        for _ in range(records)
+    ]
 
 
 def _reference(records):
@@ -41,15 +45,23 @@ def _as_dict(counts, V):
     return out
 
 
-@pytest.mark.parametrize("chunk_tokens,memory_mb", [(1 << 20, 4096), (97, 4096), (97, 0)],
-                         ids=["one-chunk", "many-chunks", "spill-every-chunk"])
+@pytest.mark.parametrize(
+    "chunk_tokens,memory_mb",
+    [(1 << 20, 4096), (97, 4096), (97, 0)],
+    ids=["one-chunk", "many-chunks", "spill-every-chunk"],
+)
 def test_counts_equal_python_counter(chunk_tokens, memory_mb, tmp_path):
     records = _corpus()
-    counts = count_trigrams(records, 40, chunk_tokens=chunk_tokens, memory_mb=memory_mb,
-                            spill_dir=tmp_path / "spill")
+    counts = count_trigrams(
+        records, 40, chunk_tokens=chunk_tokens, memory_mb=memory_mb, spill_dir=tmp_path / "spill"
+    )
     ref = _reference(records)
     assert _as_dict(counts, 40) == dict(ref)
-    assert counts.stats == {"records": 200, "tokens": sum(map(len, records)), "trigrams": sum(ref.values())}
+    assert counts.stats == {
+        "records": 200,
+        "tokens": sum(map(len, records)),
+        "trigrams": sum(ref.values()),
+    }
     if memory_mb == 0:
         assert len(counts.spilled) > 1
 
@@ -65,7 +77,9 @@ def test_vocab_too_large_for_packing_uses_wide_keys():
 
 
 def test_trigrams_never_span_records():
-    counts = count_trigrams([np.array([1, 2]), np.array([3, 4]), np.array([5]), np.array([], np.int32)], 10)
+    counts = count_trigrams(
+        [np.array([1, 2]), np.array([3, 4]), np.array([5]), np.array([], np.int32)], 10
+    )
     assert counts.stats["trigrams"] == 0
     with pytest.raises(DataError, match="no tri-gram"):
         build_trigram_table(counts)
@@ -80,13 +94,17 @@ def test_table_probabilities_top_t_and_ties_equal_reference():
     records = _corpus(seed=3)
     ref = _reference(records)
     t, min_count = 3, 2
-    table = build_trigram_table(count_trigrams(records, 40, chunk_tokens=50), t=t, min_count=min_count)
+    table = build_trigram_table(
+        count_trigrams(records, 40, chunk_tokens=50), t=t, min_count=min_count
+    )
     ctx_total = collections.Counter()
     for (a, b, _), n in ref.items():
         ctx_total[(a, b)] += n
     expected = {}
     for (a, b), total in ctx_total.items():
-        succ = sorted(((-n, c) for (x, y, c), n in ref.items() if (x, y) == (a, b) and n >= min_count))[:t]
+        succ = sorted(
+            ((-n, c) for (x, y, c), n in ref.items() if (x, y) == (a, b) and n >= min_count)
+        )[:t]
         if succ:
             expected[a * 40 + b] = ([c for _, c in succ], [-n / total for n, _ in succ], total)
     assert table.context_keys.tolist() == sorted(expected)
@@ -108,10 +126,18 @@ def test_shard_and_merge_equals_single_build(tmp_path):
     single = build_trigram_table(count_trigrams(records, 40), t=4, min_count=1)
     dirs = []
     for i in range(3):
-        part = count_trigrams(itertools.islice(records, i, None, 3), 40, chunk_tokens=64,
-                              memory_mb=0 if i == 1 else 4096)  # shard 1 saves from spilled runs
-        dirs.append(part.save(tmp_path / f"shard{i}", meta={"num_shards": 3, "shard_id": i,
-                                                           "tokenizer_fingerprint": "sha256:x"}))
+        part = count_trigrams(
+            itertools.islice(records, i, None, 3),
+            40,
+            chunk_tokens=64,
+            memory_mb=0 if i == 1 else 4096,
+        )  # shard 1 saves from spilled runs
+        dirs.append(
+            part.save(
+                tmp_path / f"shard{i}",
+                meta={"num_shards": 3, "shard_id": i, "tokenizer_fingerprint": "sha256:x"},
+            )
+        )
     merged = build_trigram_table(load_counts(dirs, memory_mb=0), t=4, min_count=1)  # many ranges
     for a, b in zip(_table_arrays(single), _table_arrays(merged)):
         np.testing.assert_array_equal(a, b)
@@ -120,8 +146,12 @@ def test_shard_and_merge_equals_single_build(tmp_path):
 
 def test_merge_rejects_missing_and_truncated_shards(tmp_path):
     records = _corpus(seed=6)
-    dirs = [count_trigrams(records[i::2], 40).save(tmp_path / f"s{i}", meta={"num_shards": 2, "shard_id": i})
-            for i in range(2)]
+    dirs = [
+        count_trigrams(records[i::2], 40).save(
+            tmp_path / f"s{i}", meta={"num_shards": 2, "shard_id": i}
+        )
+        for i in range(2)
+    ]
     with pytest.raises(ArtifactError, match=r"missing \[1\]"):
         load_counts(dirs[:1])
     keys = dirs[1] / "keys.bin"

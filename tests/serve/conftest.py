@@ -47,6 +47,7 @@ def fake_server():
     from redraft.serve.app import create_app
 
     with contextlib.ExitStack() as stack:
+
         def start(step_delay: float = 0.0, per_step: int = 2, **kw):
             kw.setdefault("warmup", False)
             dec = FakeDecoder(step_delay=step_delay, per_step=per_step)

@@ -21,7 +21,12 @@ p.add_argument("--step-delay", type=float, default=0.05)
 p.add_argument("--grace", type=float, default=10.0)
 args = p.parse_args()
 sock = bind("127.0.0.1", 0)
-app = create_app(FakeDecoder(step_delay=args.step_delay, per_step=1), "fake", sampling_params=FakeParams, warmup=False)
+app = create_app(
+    FakeDecoder(step_delay=args.step_delay, per_step=1),
+    "fake",
+    sampling_params=FakeParams,
+    warmup=False,
+)
 print(f"PORT {sock.getsockname()[1]}", flush=True)
 run(app, sock, grace_s=args.grace, log_level="warning")
 print("EXITED CLEANLY", flush=True)

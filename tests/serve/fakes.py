@@ -36,24 +36,36 @@ class FakeParams:
     stop_token_ids: tuple = ()
 
     @classmethod
-    def checked(cls, **kw) -> "FakeParams":
+    def checked(cls, **kw) -> FakeParams:
         from redraft.infer.config import SamplingParams
 
-        SamplingParams.checked(**kw)  # the real range checks (penalties, logit_bias, ...: the fake ignores them)
+        SamplingParams.checked(
+            **kw
+        )  # the real range checks (penalties, logit_bias, ...: the fake ignores them)
         kw = {k: v for k, v in kw.items() if k in cls.__dataclass_fields__}
-        return cls(**{**kw, "stop": tuple(kw.get("stop") or ()), "stop_token_ids": tuple(kw.get("stop_token_ids") or ())})
+        return cls(
+            **{
+                **kw,
+                "stop": tuple(kw.get("stop") or ()),
+                "stop_token_ids": tuple(kw.get("stop_token_ids") or ()),
+            }
+        )
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be >= 1.", param="max_new_tokens")
+            raise ConfigError(
+                f"max_new_tokens={self.max_new_tokens} must be >= 1.", param="max_new_tokens"
+            )
         if self.temperature < 0:
             raise ConfigError(f"temperature={self.temperature} must be >= 0.", param="temperature")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p} must lie in (0, 1].", param="top_p")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty.", param="stop")
-        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
-            raise ConfigError(f"seed={self.seed}: use an integer in [0, 2**63) or none.", param="seed")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ConfigError(
+                f"seed={self.seed}: use an integer in [0, 2**63) or none.", param="seed"
+            )
 
 
 @dataclass
@@ -96,11 +108,14 @@ class FakeStats:
         return {"new_tokens": self.new_tokens}
 
 
-def expected(prompt: str, max_new_tokens: int, stop=(), seed: int | None = None,
-             stop_token_ids=()) -> tuple[str, str]:
+def expected(
+    prompt: str, max_new_tokens: int, stop=(), seed: int | None = None, stop_token_ids=()
+) -> tuple[str, str]:
     """(text, finish_reason) the fake engine produces for ``prompt`` (plain text prompt)."""
     start = (seed or 0) % len(prompt)
-    text = "".join(itertools.islice(itertools.cycle(prompt[start:] + prompt[:start]), max_new_tokens))
+    text = "".join(
+        itertools.islice(itertools.cycle(prompt[start:] + prompt[:start]), max_new_tokens)
+    )
     for i, c in enumerate(text):
         if ord(c) in stop_token_ids:
             text = text[:i]
@@ -123,7 +138,7 @@ class FakeEngine:
     """The engine interface over :class:`_Row` s (see the module doc). Records what the server
     did: ``added`` (rid, rows already running, step), ``cancelled`` rids, ``max_rows``."""
 
-    def __init__(self, owner: "FakeDecoder"):
+    def __init__(self, owner: FakeDecoder):
         self.owner = owner
         self.rows: dict[int, _Row] = {}
         self.joining: dict[int, _Row] = {}
@@ -137,16 +152,23 @@ class FakeEngine:
     def add(self, prompt_ids, params) -> int:
         self.thread_ids.add(threading.get_ident())
         if not prompt_ids or min(prompt_ids) < 0 or max(prompt_ids) >= VOCAB:
-            raise ConfigError(f"prompt is empty or holds a token id outside [0, {VOCAB}).", param="prompt")
+            raise ConfigError(
+                f"prompt is empty or holds a token id outside [0, {VOCAB}).", param="prompt"
+            )
         text = "".join(map(chr, prompt_ids))
         if "FAIL_ADD" in text:
             raise RuntimeError("fake add failure")
         if params.temperature > 0:
             raise ConfigError("temperature > 0 needs acceptance='rejection'.", param="temperature")
         if len(prompt_ids) >= CONTEXT:
-            raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; the context holds {CONTEXT}.", param="prompt")
+            raise ConfigError(
+                f"the prompt has {len(prompt_ids)} tokens; the context holds {CONTEXT}.",
+                param="prompt",
+            )
         if len(prompt_ids) + params.max_new_tokens > CONTEXT:
-            raise ConfigError(f"prompt + max_new_tokens exceeds the context {CONTEXT}.", param="max_new_tokens")
+            raise ConfigError(
+                f"prompt + max_new_tokens exceeds the context {CONTEXT}.", param="max_new_tokens"
+            )
         rid = self.next_rid
         self.next_rid += 1
         self.added.append((rid, len(self.rows), self.steps))
@@ -189,17 +211,25 @@ class FakeEngine:
                     hit = r.out[-1] in p.stop_token_ids
             text = "".join(map(chr, r.out[:-1] if hit else r.out))
             cut = min((text.find(s) for s in p.stop if s in text), default=-1)
-            reason = "stop" if cut >= 0 or hit else ("length" if len(r.out) >= p.max_new_tokens else None)
+            reason = (
+                "stop"
+                if cut >= 0 or hit
+                else ("length" if len(r.out) >= p.max_new_tokens else None)
+            )
             if cut >= 0:
                 text = text[:cut]
-            new = r.out[r.sent:]
-            delta = text[min(r.sent, len(text)):]
+            new = r.out[r.sent :]
+            delta = text[min(r.sent, len(text)) :]
             r.sent = len(r.out)
             r.stats.new_tokens = len(r.out)
             r.stats.target_calls = self.steps
             if reason:
                 del self.rows[rid]
-                events.append(StreamEvent(rid, delta, new, True, Generation(text, list(r.out), reason, r.stats)))
+                events.append(
+                    StreamEvent(
+                        rid, delta, new, True, Generation(text, list(r.out), reason, r.stats)
+                    )
+                )
             else:
                 events.append(StreamEvent(rid, delta, new))
         return events
@@ -215,8 +245,11 @@ class FakeDecoder:
         # a prompt holding "SLOW" is tokenized only once this is set (a tokenizer busy on a huge prompt)
         self.slow_encode = threading.Event()
         self.encoding = threading.Event()  # set while such a prompt waits
-        self.target = SimpleNamespace(vocab_size=VOCAB, spec="fake",
-                                      model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT)))
+        self.target = SimpleNamespace(
+            vocab_size=VOCAB,
+            spec="fake",
+            model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT)),
+        )
 
     @property
     def engine_(self) -> FakeEngine:
@@ -227,7 +260,9 @@ class FakeDecoder:
         return self.engines[-1]
 
     def encode(self, x) -> list[int]:
-        if isinstance(x, list):  # chat: the last message's content is the prompt (keeps outputs predictable)
+        if isinstance(
+            x, list
+        ):  # chat: the last message's content is the prompt (keeps outputs predictable)
             x = x[-1]["content"]
         if not x:
             raise ConfigError("prompt 0 is empty after tokenisation; give at least one token.")

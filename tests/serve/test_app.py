@@ -38,8 +38,9 @@ def wait_for(cond, timeout=10.0):
 
 def test_chat_completion_openai_client(fake_server):
     url, dec, _ = fake_server()
-    r = client(url).chat.completions.create(model="fake", messages=[{"role": "user", "content": "abc"}],
-                                            max_tokens=7)
+    r = client(url).chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "abc"}], max_tokens=7
+    )
     assert r.choices[0].message.content == expected("abc", 7)[0] == "abcabca"
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == "length"
@@ -52,7 +53,9 @@ def test_chat_completion_openai_client(fake_server):
 
 def test_completion_stop_string_and_seed_passed(fake_server):
     url, dec, _ = fake_server()
-    r = client(url).completions.create(model="fake", prompt="hello world", max_tokens=20, stop=["wor", "zz"], seed=3)
+    r = client(url).completions.create(
+        model="fake", prompt="hello world", max_tokens=20, stop=["wor", "zz"], seed=3
+    )
     assert r.choices[0].text == expected("hello world", 20, ("wor", "zz"), seed=3)[0] == "lo "
     assert r.choices[0].finish_reason == "stop"
     assert r.object == "text_completion"
@@ -60,8 +63,13 @@ def test_completion_stop_string_and_seed_passed(fake_server):
 
 def test_chat_stream_openai_client_with_usage(fake_server):
     url, _, _ = fake_server()
-    stream = client(url).chat.completions.create(model="fake", messages=[{"role": "user", "content": "xyz"}],
-                                                 max_tokens=9, stream=True, stream_options={"include_usage": True})
+    stream = client(url).chat.completions.create(
+        model="fake",
+        messages=[{"role": "user", "content": "xyz"}],
+        max_tokens=9,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -107,40 +115,47 @@ COMP = "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("path,body,param", [
-    (CHAT, b"{not json", None),
-    (CHAT, b"[1, 2]", None),
-    (CHAT, {"model": "fake"}, "messages"),
-    (CHAT, {"messages": []}, "messages"),
-    (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
-    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    (CHAT, {"messages": [{"role": "user", "content": ""}]}, "messages"),
-    (CHAT, {"messages": MSG, "model": "gpt-4"}, "model"),
-    (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),
-    (CHAT, {"messages": MSG, "max_tokens": -5}, "max_tokens"),
-    (CHAT, {"messages": MSG, "max_tokens": "ten"}, "max_tokens"),
-    (CHAT, {"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
-    (CHAT, {"messages": MSG, "max_tokens": CONTEXT}, "max_tokens"),
-    (CHAT, {"messages": MSG, "temperature": -0.5}, "temperature"),
-    (CHAT, {"messages": MSG, "temperature": 0.7}, "temperature"),
-    (CHAT, {"messages": MSG, "top_p": 0}, "top_p"),
-    (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
-    (CHAT, {"messages": MSG, "n": 0}, "n"),
-    (CHAT, {"messages": MSG, "stop": [1, 2]}, "stop"),
-    (CHAT, {"messages": MSG, "stop": [""]}, "stop"),
-    (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
-    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    (CHAT, {"messages": [{"role": "user", "content": "x" * CONTEXT}]}, "prompt"),
-    (COMP, {"prompt": "x" * (CONTEXT + 10), "max_tokens": 1}, "prompt"),
-    (COMP, {"prompt": ""}, "prompt"),
-    (COMP, {"prompt": ["a", 3]}, "prompt"),
-    (COMP, {"prompt": [-1, 3]}, "prompt"),
-    (COMP, {"prompt": {"text": "a"}}, "prompt"),
-    (COMP, {"max_tokens": 3}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        (CHAT, b"{not json", None),
+        (CHAT, b"[1, 2]", None),
+        (CHAT, {"model": "fake"}, "messages"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content"),
+        (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        (CHAT, {"messages": [{"role": "user", "content": ""}]}, "messages"),
+        (CHAT, {"messages": MSG, "model": "gpt-4"}, "model"),
+        (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),
+        (CHAT, {"messages": MSG, "max_tokens": -5}, "max_tokens"),
+        (CHAT, {"messages": MSG, "max_tokens": "ten"}, "max_tokens"),
+        (CHAT, {"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
+        (CHAT, {"messages": MSG, "max_tokens": CONTEXT}, "max_tokens"),
+        (CHAT, {"messages": MSG, "temperature": -0.5}, "temperature"),
+        (CHAT, {"messages": MSG, "temperature": 0.7}, "temperature"),
+        (CHAT, {"messages": MSG, "top_p": 0}, "top_p"),
+        (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
+        (CHAT, {"messages": MSG, "n": 0}, "n"),
+        (CHAT, {"messages": MSG, "stop": [1, 2]}, "stop"),
+        (CHAT, {"messages": MSG, "stop": [""]}, "stop"),
+        (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
+        (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (CHAT, {"messages": [{"role": "user", "content": "x" * CONTEXT}]}, "prompt"),
+        (COMP, {"prompt": "x" * (CONTEXT + 10), "max_tokens": 1}, "prompt"),
+        (COMP, {"prompt": ""}, "prompt"),
+        (COMP, {"prompt": ["a", 3]}, "prompt"),
+        (COMP, {"prompt": [-1, 3]}, "prompt"),
+        (COMP, {"prompt": {"text": "a"}}, "prompt"),
+        (COMP, {"max_tokens": 3}, "prompt"),
+    ],
+)
 def test_bad_input_is_400_naming_the_field(fake_server, path, body, param):
     url, dec, app = fake_server()
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kw = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     r = httpx.post(f"{url}{path}", timeout=30, **kw)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -179,8 +194,19 @@ def test_api_key(fake_server, monkeypatch):
     r = httpx.post(f"{url}{COMP}", json={"prompt": "a"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert r.headers["www-authenticate"] == "Bearer"
-    assert httpx.post(f"{url}{COMP}", json={"prompt": "a"}, headers={"Authorization": "Basic s3cret"}).status_code == 401
-    assert client(url, key="s3cret").completions.create(model="fake", prompt="ab", max_tokens=3).choices[0].text == "aba"
+    assert (
+        httpx.post(
+            f"{url}{COMP}", json={"prompt": "a"}, headers={"Authorization": "Basic s3cret"}
+        ).status_code
+        == 401
+    )
+    assert (
+        client(url, key="s3cret")
+        .completions.create(model="fake", prompt="ab", max_tokens=3)
+        .choices[0]
+        .text
+        == "aba"
+    )
     assert len(calls) == 4  # every keyed request went through the constant-time comparison
     assert httpx.get(f"{url}/health").status_code == 200  # operations endpoints stay open
     assert httpx.get(f"{url}/metrics").status_code == 200
@@ -197,8 +223,12 @@ def test_requests_join_a_running_batch_and_get_their_own_outputs(fake_server):
 
     def one(case):
         prompt, n, stop = case
-        return client(url).completions.create(model="fake", prompt=prompt, max_tokens=n,
-                                              stop=list(stop) or None).choices[0].text
+        return (
+            client(url)
+            .completions.create(model="fake", prompt=prompt, max_tokens=n, stop=list(stop) or None)
+            .choices[0]
+            .text
+        )
 
     with ThreadPoolExecutor(8) as pool:
         outs = list(pool.map(one, cases))
@@ -206,7 +236,9 @@ def test_requests_join_a_running_batch_and_get_their_own_outputs(fake_server):
     eng = dec.engine_
     assert eng.max_rows == 4  # never more rows than --max-batch
     assert any(running > 0 and step > 0 for _, running, step in eng.added)  # joined mid-decode
-    assert len(eng.thread_ids) == 1 and threading.get_ident() not in eng.thread_ids  # one loop thread
+    assert (
+        len(eng.thread_ids) == 1 and threading.get_ident() not in eng.thread_ids
+    )  # one loop thread
 
 
 def test_queue_full_is_429_with_retry_after(fake_server):
@@ -214,7 +246,9 @@ def test_queue_full_is_429_with_retry_after(fake_server):
     results = {}
 
     def slow(i):
-        results[i] = httpx.post(f"{url}{COMP}", json={"prompt": f"r{i}", "max_tokens": 20}, timeout=30)
+        results[i] = httpx.post(
+            f"{url}{COMP}", json={"prompt": f"r{i}", "max_tokens": 20}, timeout=30
+        )
 
     threads = [threading.Thread(target=slow, args=(i,)) for i in range(2)]
     for t in threads:
@@ -226,7 +260,9 @@ def test_queue_full_is_429_with_retry_after(fake_server):
     assert r.json()["error"]["code"] == "queue_full" and int(r.headers["retry-after"]) >= 1
     for t in threads:
         t.join()
-    assert [results[i].json()["choices"][0]["text"] for i in range(2)] == [expected(f"r{i}", 20)[0] for i in range(2)]
+    assert [results[i].json()["choices"][0]["text"] for i in range(2)] == [
+        expected(f"r{i}", 20)[0] for i in range(2)
+    ]
     assert 'redraft_requests_total{outcome="rejected"} 1.0' in httpx.get(f"{url}/metrics").text
 
 
@@ -236,8 +272,11 @@ def test_queue_full_is_429_with_retry_after(fake_server):
 def test_stream_disconnect_cancels_the_row(fake_server):
     url, dec, app = fake_server(step_delay=0.05, per_step=1)
     other = {}
-    t = threading.Thread(target=lambda: other.update(r=httpx.post(
-        f"{url}{COMP}", json={"prompt": "other", "max_tokens": 40}, timeout=30)))
+    t = threading.Thread(
+        target=lambda: other.update(
+            r=httpx.post(f"{url}{COMP}", json={"prompt": "other", "max_tokens": 40}, timeout=30)
+        )
+    )
     t.start()
     body = {"prompt": "abandoned", "max_tokens": 60, "stream": True}
     with httpx.stream("POST", f"{url}{COMP}", json=body, timeout=30) as resp:
@@ -249,7 +288,11 @@ def test_stream_disconnect_cancels_the_row(fake_server):
     assert rid not in dec.engine_.rows  # left at the next step
     t.join()
     assert other["r"].json()["choices"][0]["text"] == expected("other", 40)[0]
-    wait_for(lambda: 'redraft_requests_total{outcome="cancelled"} 1.0' in httpx.get(f"{url}/metrics").text)
+    wait_for(
+        lambda: (
+            'redraft_requests_total{outcome="cancelled"} 1.0' in httpx.get(f"{url}/metrics").text
+        )
+    )
 
 
 def test_non_stream_disconnect_cancels_the_row(fake_server):
@@ -265,18 +308,31 @@ def test_a_failing_request_stays_alone(fake_server):
     rows of that step, the loop builds a new engine and goes on serving."""
     url, dec, app = fake_server(step_delay=0.02, per_step=1)
     with ThreadPoolExecutor(3) as pool:
-        good = pool.submit(httpx.post, f"{url}{COMP}", json={"prompt": "fine", "max_tokens": 10}, timeout=30)
-        bad = pool.submit(httpx.post, f"{url}{COMP}", json={"prompt": "FAIL_ADD", "max_tokens": 10}, timeout=30)
-        assert bad.result().status_code == 500 and bad.result().json()["error"]["type"] == "server_error"
+        good = pool.submit(
+            httpx.post, f"{url}{COMP}", json={"prompt": "fine", "max_tokens": 10}, timeout=30
+        )
+        bad = pool.submit(
+            httpx.post, f"{url}{COMP}", json={"prompt": "FAIL_ADD", "max_tokens": 10}, timeout=30
+        )
+        assert (
+            bad.result().status_code == 500
+            and bad.result().json()["error"]["type"] == "server_error"
+        )
         assert good.result().json()["choices"][0]["text"] == expected("fine", 10)[0]
     r = httpx.post(f"{url}{COMP}", json={"prompt": "FAIL_STEP", "max_tokens": 10}, timeout=30)
     assert r.status_code == 500 and r.json()["error"]["code"] == "decode_error"
     # a streamed request whose step fails after the stream began: an error event, then [DONE]
-    with httpx.stream("POST", f"{url}{COMP}", json={"prompt": "FAIL_STEP", "max_tokens": 10, "stream": True},
-                      timeout=30) as resp:
+    with httpx.stream(
+        "POST",
+        f"{url}{COMP}",
+        json={"prompt": "FAIL_STEP", "max_tokens": 10, "stream": True},
+        timeout=30,
+    ) as resp:
         assert resp.status_code == 200
         lines = sse_lines(resp)
-    assert json.loads(lines[0][6:])["error"]["code"] == "decode_error" and lines[1:] == ["data: [DONE]"]
+    assert json.loads(lines[0][6:])["error"]["code"] == "decode_error" and lines[1:] == [
+        "data: [DONE]"
+    ]
     wait_for(lambda: len(dec.engines) == 3)  # a fresh engine after each failed step
     r = httpx.post(f"{url}{COMP}", json={"prompt": "after", "max_tokens": 4}, timeout=30)
     assert r.json()["choices"][0]["text"] == "afte"
@@ -290,14 +346,23 @@ def test_a_failing_request_stays_alone(fake_server):
 def test_metrics_count_requests_and_tokens(fake_server):
     url, _, _ = fake_server()
     c = client(url)
-    n = [c.completions.create(model="fake", prompt="m" * (i + 1), max_tokens=3 + i).usage.completion_tokens
-         for i in range(3)]
+    n = [
+        c.completions.create(
+            model="fake", prompt="m" * (i + 1), max_tokens=3 + i
+        ).usage.completion_tokens
+        for i in range(3)
+    ]
     text = httpx.get(f"{url}/metrics").text
     assert 'redraft_requests_total{outcome="length"} 3.0' in text
     assert f"redraft_generated_tokens_total {float(sum(n))}" in text
     assert "redraft_mean_accepted_length 2.0" in text
-    for name in ("redraft_tokens_per_second", "redraft_queue_depth", "redraft_batch_size",
-                 "redraft_target_calls_total", "redraft_time_to_first_token_seconds_bucket"):
+    for name in (
+        "redraft_tokens_per_second",
+        "redraft_queue_depth",
+        "redraft_batch_size",
+        "redraft_target_calls_total",
+        "redraft_time_to_first_token_seconds_bucket",
+    ):
         assert name in text
 
 
@@ -314,12 +379,42 @@ def test_loadtest_against_two_servers(fake_server, tmp_path, capsys):
     url_a, _, _ = fake_server(step_delay=0.01)
     url_b, _, _ = fake_server(step_delay=0.01)
     out = tmp_path / "load.json"
-    rc = loadtest.main([url_a, url_b, "--labels", "a,b", "--concurrency", "1,3", "--rounds", "2", "--max-tokens", "5",
-                        "--dataset", str(prompts), "--prompts", "3", "--out", str(out), "--markdown", str(tmp_path / "t.md")])
+    rc = loadtest.main(
+        [
+            url_a,
+            url_b,
+            "--labels",
+            "a,b",
+            "--concurrency",
+            "1,3",
+            "--rounds",
+            "2",
+            "--max-tokens",
+            "5",
+            "--dataset",
+            str(prompts),
+            "--prompts",
+            "3",
+            "--out",
+            str(out),
+            "--markdown",
+            str(tmp_path / "t.md"),
+        ]
+    )
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["concurrency"], r["label"]) for r in rows] == [(1, "a"), (1, "b"), (3, "a"), (3, "b")]
-    assert [r["requests"] for r in rows] == [2, 2, 6, 6] and [r["tokens"] for r in rows] == [10, 10, 30, 30]
+    assert [(r["concurrency"], r["label"]) for r in rows] == [
+        (1, "a"),
+        (1, "b"),
+        (3, "a"),
+        (3, "b"),
+    ]
+    assert [r["requests"] for r in rows] == [2, 2, 6, 6] and [r["tokens"] for r in rows] == [
+        10,
+        10,
+        30,
+        30,
+    ]
     assert all(r["identical"] for r in rows) and rows[0]["ratio"] == 1.0
     assert rows[0]["tree_nodes_per_step"] is None and rows[0]["mean_accepted_length"] == 2.0
     assert rows[0]["ttft_p50_ms"] > 0 and rows[2]["itl_p50_ms"] > 0

@@ -23,8 +23,19 @@ HERE = Path(__file__).parent
 
 
 def start_fake(grace: float, step_delay: float = 0.05):
-    proc = subprocess.Popen([sys.executable, str(HERE / "fake_server.py"), "--grace", str(grace),
-                             "--step-delay", str(step_delay)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE / "fake_server.py"),
+            "--grace",
+            str(grace),
+            "--step-delay",
+            str(step_delay),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     assert line.startswith("PORT "), line + proc.stderr.read()
     return proc, f"http://127.0.0.1:{int(line.split()[1])}"
@@ -50,7 +61,9 @@ def stream_in_thread(url, prompt, max_tokens, out: dict, started: threading.Even
 
 
 def text_of(lines):
-    return "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines if x.startswith("data: {"))
+    return "".join(
+        json.loads(x[6:])["choices"][0]["text"] for x in lines if x.startswith("data: {")
+    )
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits_0():
@@ -80,13 +93,17 @@ def test_sigterm_cuts_requests_after_the_grace_period():
     proc, url = start_fake(grace=0.5)
     try:
         out, started = {}, threading.Event()
-        t = stream_in_thread(url, "long", 90, out, started)  # 90 steps x 0.05 s: longer than the grace
+        t = stream_in_thread(
+            url, "long", 90, out, started
+        )  # 90 steps x 0.05 s: longer than the grace
         assert started.wait(30)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         t.join(30)
         assert time.monotonic() - t0 < 4.0  # cut after the grace period; 90 steps would take 4.5 s
-        assert proc.wait(30) == 0  # (interpreter exit after importing torch takes seconds on a busy machine)
+        assert (
+            proc.wait(30) == 0
+        )  # (interpreter exit after importing torch takes seconds on a busy machine)
         assert "data: [DONE]" not in out["lines"]
         assert len(text_of(out["lines"])) < 90
     finally:
@@ -102,8 +119,10 @@ def test_draining_server_answers_503(fake_server):
 
 
 def test_cli_help_imports_no_torch():
-    code = ("import sys\nfrom redraft.serve.cli import build_parser\nbuild_parser().format_help()\n"
-            "assert not any(m in sys.modules for m in ('torch', 'transformers', 'fastapi')), 'heavy import'")
+    code = (
+        "import sys\nfrom redraft.serve.cli import build_parser\nbuild_parser().format_help()\n"
+        "assert not any(m in sys.modules for m in ('torch', 'transformers', 'fastapi')), 'heavy import'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -112,14 +131,33 @@ def test_cli_busy_port_is_one_line_exit_2():
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "redraft.serve.cli", "--port", str(port), "--target", "/nonexistent"],
-                           capture_output=True, text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "REDRAFT_API_KEY"})
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "redraft.serve.cli",
+                "--port",
+                str(port),
+                "--target",
+                "/nonexistent",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "REDRAFT_API_KEY"},
+        )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
 
 
-@pytest.mark.parametrize("argv,msg", [(["--max-batch", "0"], "--max-batch"), (["--port", "70000"], "--port"),
-                                      (["--grace", "-1"], "--grace")])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--max-batch", "0"], "--max-batch"),
+        (["--port", "70000"], "--port"),
+        (["--grace", "-1"], "--grace"),
+    ],
+)
 def test_cli_rejects_bad_arguments_before_loading(argv, msg):
     from redraft.serve.cli import main
 

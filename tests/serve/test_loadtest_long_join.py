@@ -8,12 +8,36 @@ from redraft.serve import loadtest
 
 def test_long_join_scenario_reports_the_gaps_around_the_join(fake_server, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"prompt number {i}"}) + "\n" for i in range(3)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"prompt number {i}"}) + "\n" for i in range(3))
+    )
     url, _, _ = fake_server(step_delay=0.01, per_step=1)
     out = tmp_path / "long.json"
-    rc = loadtest.main([url, "--labels", "a", "--scenario", "long-join", "--concurrency", "2", "--max-tokens", "6",
-                        "--long-tokens", "15", "--join-after", "0.3", "--dataset", str(prompts), "--prompts", "3",
-                        "--out", str(out), "--markdown", str(tmp_path / "t.md")])
+    rc = loadtest.main(
+        [
+            url,
+            "--labels",
+            "a",
+            "--scenario",
+            "long-join",
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "6",
+            "--long-tokens",
+            "15",
+            "--join-after",
+            "0.3",
+            "--dataset",
+            str(prompts),
+            "--prompts",
+            "3",
+            "--out",
+            str(out),
+            "--markdown",
+            str(tmp_path / "t.md"),
+        ]
+    )
     assert rc == 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["label"] == "a" and row["prompt_tokens"] > 0

@@ -23,7 +23,13 @@ MSG = [{"role": "user", "content": "hi"}]
 
 def post(url, path, body, **kw):
     if isinstance(body, bytes):
-        return httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=30, **kw)
+        return httpx.post(
+            f"{url}{path}",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=30,
+            **kw,
+        )
     return httpx.post(f"{url}{path}", json=body, timeout=30, **kw)
 
 
@@ -42,7 +48,11 @@ def test_body_over_the_limit_is_413_naming_it(fake_server):
     r = post(url, COMP, {"prompt": "x" * 2000})
     assert r.status_code == 413
     err = r.json()["error"]
-    assert err["code"] == "request_too_large" and "1000 bytes" in err["message"] and "--max-request-bytes" in err["message"]
+    assert (
+        err["code"] == "request_too_large"
+        and "1000 bytes" in err["message"]
+        and "--max-request-bytes" in err["message"]
+    )
 
     def chunks():  # no Content-Length: the limit holds while reading
         yield b'{"prompt": "'
@@ -50,7 +60,9 @@ def test_body_over_the_limit_is_413_naming_it(fake_server):
             yield b"y" * 100
         yield b'"}'
 
-    r = httpx.post(f"{url}{COMP}", content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{url}{COMP}", content=chunks(), headers={"content-type": "application/json"}, timeout=30
+    )
     assert r.status_code == 413 and "more than 1000" in r.json()["error"]["message"]
     assert post(url, COMP, {"prompt": "ok", "max_tokens": 2}).json()["choices"][0]["text"] == "ok"
 
@@ -59,33 +71,43 @@ def test_tokenisation_runs_off_the_event_loop(fake_server):
     """While one request's prompt is being tokenized, /health and other requests are answered."""
     url, dec, _ = fake_server()
     out = {}
-    t = threading.Thread(target=lambda: out.update(r=post(url, COMP, {"prompt": "SLOW prompt", "max_tokens": 4})))
+    t = threading.Thread(
+        target=lambda: out.update(r=post(url, COMP, {"prompt": "SLOW prompt", "max_tokens": 4}))
+    )
     t.start()
     assert dec.encoding.wait(30)  # the tokenizer is busy now, and stays busy until released
     assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
-    assert post(url, COMP, {"prompt": "fast", "max_tokens": 4}).json()["choices"][0]["text"] == "fast"
+    assert (
+        post(url, COMP, {"prompt": "fast", "max_tokens": 4}).json()["choices"][0]["text"] == "fast"
+    )
     assert t.is_alive()
     dec.slow_encode.set()
     t.join(30)
     assert out["r"].json()["choices"][0]["text"] == "SLOW"
 
 
-@pytest.mark.parametrize("path,raw,param", [
-    (CHAT, b'{"messages": [{"role": "user", "content": "x\\ud83d y"}]}', "messages[0].content"),
-    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
-     "messages[0].content[0].text"),
-    (COMP, b'{"prompt": "abc\\ud83d def"}', "prompt"),
-    (COMP, b'{"prompt": "a", "stop": ["\\ud800"]}', "stop[0]"),
-    (COMP, b'{"prompt": "a", "user": {"\\ud800": 1}}', "user"),
-    (COMP, b'{"prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
-    (COMP, b'{"prompt": "a", "x": ' + b"[" * 40 + b"]" * 40 + b"}", "x"),
-    (COMP, b'{"prompt": "\xff\xfe"}', None),
-    (COMP, b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}", None),
-    (COMP, b'{"prompt": "a", "max_tokens": 1e400}', "max_tokens"),
-    (COMP, b'{"prompt": "a", "seed": 100000000000000000000000}', "seed"),
-    (COMP, b'{"prompt": "a", "temperature": NaN}', None),
-    (COMP, b'{"prompt": "a", "top_p": -Infinity}', None),
-])
+@pytest.mark.parametrize(
+    "path,raw,param",
+    [
+        (CHAT, b'{"messages": [{"role": "user", "content": "x\\ud83d y"}]}', "messages[0].content"),
+        (
+            CHAT,
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+            "messages[0].content[0].text",
+        ),
+        (COMP, b'{"prompt": "abc\\ud83d def"}', "prompt"),
+        (COMP, b'{"prompt": "a", "stop": ["\\ud800"]}', "stop[0]"),
+        (COMP, b'{"prompt": "a", "user": {"\\ud800": 1}}', "user"),
+        (COMP, b'{"prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+        (COMP, b'{"prompt": "a", "x": ' + b"[" * 40 + b"]" * 40 + b"}", "x"),
+        (COMP, b'{"prompt": "\xff\xfe"}', None),
+        (COMP, b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}", None),
+        (COMP, b'{"prompt": "a", "max_tokens": 1e400}', "max_tokens"),
+        (COMP, b'{"prompt": "a", "seed": 100000000000000000000000}', "seed"),
+        (COMP, b'{"prompt": "a", "temperature": NaN}', None),
+        (COMP, b'{"prompt": "a", "top_p": -Infinity}', None),
+    ],
+)
 def test_undecodable_input_is_400_naming_the_field(fake_server, path, raw, param, caplog):
     url, _, _ = fake_server()
     with caplog.at_level(logging.ERROR):
@@ -101,29 +123,60 @@ def test_undecodable_input_is_400_naming_the_field(fake_server, path, raw, param
 
 def test_null_means_the_default_for_every_optional_field(fake_server):
     url, _, _ = fake_server()
-    nulls = {k: None for k in ("model", "max_tokens", "temperature", "top_p", "stop", "stop_token_ids", "seed",
-                               "stream", "stream_options", "n", "best_of", "user", "presence_penalty",
-                               "frequency_penalty", "logprobs", "top_logprobs", "top_k", "logit_bias")}
+    nulls = {
+        k: None
+        for k in (
+            "model",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "stop",
+            "stop_token_ids",
+            "seed",
+            "stream",
+            "stream_options",
+            "n",
+            "best_of",
+            "user",
+            "presence_penalty",
+            "frequency_penalty",
+            "logprobs",
+            "top_logprobs",
+            "top_k",
+            "logit_bias",
+        )
+    }
     r = post(url, COMP, {"prompt": "nul", **nulls})
     assert r.status_code == 200, r.text
     assert [c["text"] for c in r.json()["choices"]] == [expected("nul", CONTEXT - 3)[0]]
-    r = post(url, CHAT, {"messages": [{"role": "user", "content": "chat", "name": None}], "max_completion_tokens": None,
-                         **nulls})
+    r = post(
+        url,
+        CHAT,
+        {
+            "messages": [{"role": "user", "content": "chat", "name": None}],
+            "max_completion_tokens": None,
+            **nulls,
+        },
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("chat")
     # the official client sends what it was given, null included
     got = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).completions.create(
-        model="fake", prompt="oai", max_tokens=3, n=None, stream=None, extra_body={"top_k": None})
+        model="fake", prompt="oai", max_tokens=3, n=None, stream=None, extra_body={"top_k": None}
+    )
     assert got.choices[0].text == "oai"
 
 
-@pytest.mark.parametrize("path,field,neutral,other", [
-    (COMP, "echo", [False], [True]),
-    (COMP, "prompt_logprobs", [], [0, 2]),
-    (COMP, "typical_p", [1], [0.5]),
-    (CHAT, "response_format", [{"type": "text"}], [{"type": "json_object"}]),
-    (CHAT, "tools", [[]], [[{"type": "function", "function": {"name": "f"}}]]),
-    (COMP, "best_of", [1], [3]),
-])
+@pytest.mark.parametrize(
+    "path,field,neutral,other",
+    [
+        (COMP, "echo", [False], [True]),
+        (COMP, "prompt_logprobs", [], [0, 2]),
+        (COMP, "typical_p", [1], [0.5]),
+        (CHAT, "response_format", [{"type": "text"}], [{"type": "json_object"}]),
+        (CHAT, "tools", [[]], [[{"type": "function", "function": {"name": "f"}}]]),
+        (COMP, "best_of", [1], [3]),
+    ],
+)
 def test_unimplemented_parameters_are_400_unless_neutral(fake_server, path, field, neutral, other):
     """Never a 200 that ignores what the client asked for: only the value that asks for nothing
     passes (each field's own). The penalties, logit_bias, min_p, top_k, min_tokens and logprobs
@@ -147,7 +200,9 @@ def test_errors_name_the_clients_own_field(fake_server, field):
     assert r.status_code == 400 and err["param"] == field
     assert field in err["message"] and "max_new_tokens" not in err["message"]
     r = post(url, CHAT, {"messages": MSG, field: 0})
-    assert r.json()["error"]["param"] == field and "max_new_tokens" not in r.json()["error"]["message"]
+    assert (
+        r.json()["error"]["param"] == field and "max_new_tokens" not in r.json()["error"]["message"]
+    )
 
 
 # ---------------------------------------------------------------------------------- n, several prompts, stop ids
@@ -173,8 +228,14 @@ def test_n_choices_with_derived_seeds(fake_server):
 
 def test_n_choices_streamed_interleave_with_their_index(fake_server):
     url, _, _ = fake_server(step_delay=0.01, per_step=1)
-    body = {"messages": [{"role": "user", "content": "abcdef"}], "max_tokens": 6, "seed": 1, "n": 2, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "abcdef"}],
+        "max_tokens": 6,
+        "seed": 1,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{url}{CHAT}", json=body, timeout=30) as resp:
         lines = [ln for ln in resp.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
@@ -184,7 +245,10 @@ def test_n_choices_streamed_interleave_with_their_index(fake_server):
     for j in range(2):
         mine = [o["choices"][0] for o in objs if o["choices"] and o["choices"][0]["index"] == j]
         assert mine[0]["delta"]["role"] == "assistant"
-        assert "".join(c["delta"].get("content") or "" for c in mine) == expected("abcdef", 6, seed=choice_seed(1, j))[0]
+        assert (
+            "".join(c["delta"].get("content") or "" for c in mine)
+            == expected("abcdef", 6, seed=choice_seed(1, j))[0]
+        )
         assert [c["finish_reason"] for c in mine].count("length") == 1
     assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] == 12
 
@@ -211,10 +275,12 @@ def test_too_many_choices_is_400_naming_n(fake_server):
 
 def test_stop_token_ids(fake_server):
     url, _, _ = fake_server()
-    r = post(url, COMP, {"prompt": "hello world", "max_tokens": 20, "stop_token_ids": [ord("w")]}).json()
+    r = post(
+        url, COMP, {"prompt": "hello world", "max_tokens": 20, "stop_token_ids": [ord("w")]}
+    ).json()
     assert r["choices"][0]["text"] == "hello " and r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] == 7  # the stop token is generated, its text left out
-    r = post(url, COMP, {"prompt": "a", "stop_token_ids": [10 ** 8]})
+    r = post(url, COMP, {"prompt": "a", "stop_token_ids": [10**8]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
 
 
@@ -225,16 +291,27 @@ def test_head_health_and_cors(fake_server):
     url, _, _ = fake_server()
     r = httpx.head(f"{url}/health")
     assert r.status_code == 200 and r.content == b""
-    pre = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
-           "Access-Control-Request-Headers": "authorization, content-type"}
+    pre = {
+        "Origin": "https://app.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
     assert "access-control-allow-origin" not in httpx.options(f"{url}{CHAT}", headers=pre).headers
     url, _, _ = fake_server(cors_origins=["https://app.example"], api_key="k")
     r = httpx.options(f"{url}{CHAT}", headers=pre)
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    assert (
+        r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    )
     assert "POST" in r.headers["access-control-allow-methods"]
-    r = httpx.post(f"{url}{COMP}", json={"prompt": "ab", "max_tokens": 2},
-                   headers={"Origin": "https://app.example", "Authorization": "Bearer k"})
-    assert r.json()["choices"][0]["text"] == "ab" and r.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.post(
+        f"{url}{COMP}",
+        json={"prompt": "ab", "max_tokens": 2},
+        headers={"Origin": "https://app.example", "Authorization": "Bearer k"},
+    )
+    assert (
+        r.json()["choices"][0]["text"] == "ab"
+        and r.headers["access-control-allow-origin"] == "https://app.example"
+    )
     r = httpx.options(f"{url}{CHAT}", headers={**pre, "Origin": "https://evil.example"})
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
 
@@ -244,14 +321,20 @@ def test_metrics_prompt_tokens_kv_cache_and_counts_from_one_source(fake_server):
     post(url, COMP, {"prompt": "abcd", "max_tokens": 3})
     assert metric(url, "redraft_prompt_tokens_total") == 4.0
     # a streamed client leaves mid-way: batch size drops with /health's running count, no step needed
-    with httpx.stream("POST", f"{url}{COMP}", json={"prompt": "gone", "max_tokens": 80, "stream": True}) as resp:
+    with httpx.stream(
+        "POST", f"{url}{COMP}", json={"prompt": "gone", "max_tokens": 80, "stream": True}
+    ) as resp:
         lines = resp.iter_lines()
         next(lines), next(lines)
         assert metric(url, "redraft_batch_size") == 1.0
         assert metric(url, "redraft_prompt_tokens_total") == 8.0
-        assert metric(url, "redraft_kv_cache_capacity_tokens") == CONTEXT  # the fake allocates CONTEXT per row
+        assert (
+            metric(url, "redraft_kv_cache_capacity_tokens") == CONTEXT
+        )  # the fake allocates CONTEXT per row
         held = metric(url, "redraft_kv_cache_tokens")
-        assert 4 < held < CONTEXT and 4 / CONTEXT < metric(url, "redraft_kv_cache_usage") < 1  # steps go on meanwhile
+        assert (
+            4 < held < CONTEXT and 4 / CONTEXT < metric(url, "redraft_kv_cache_usage") < 1
+        )  # steps go on meanwhile
     import time
 
     deadline = time.monotonic() + 10
@@ -266,14 +349,21 @@ def test_client_gone_mid_body_is_a_cancellation_not_an_error(fake_server, caplog
     host, port = url.removeprefix("http://").split(":")
     with caplog.at_level(logging.INFO):
         s = socket.create_connection((host, int(port)))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{\"prompt\": \"ab")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": "ab'
+        )
         s.close()
         import time
 
         deadline = time.monotonic() + 10
-        while 'outcome="cancelled"' not in httpx.get(f"{url}/metrics").text and time.monotonic() < deadline:
+        while (
+            'outcome="cancelled"' not in httpx.get(f"{url}/metrics").text
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
     text = httpx.get(f"{url}/metrics").text
-    assert 'redraft_requests_total{outcome="cancelled"} 1.0' in text and 'outcome="error"' not in text
+    assert (
+        'redraft_requests_total{outcome="cancelled"} 1.0' in text and 'outcome="error"' not in text
+    )
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -14,7 +14,10 @@ def write_counting_chats(path, n: int = 300, seed: int = 0):
         for i in range(n):
             s, k = rng.randrange(len(words)), rng.randint(4, 10)
             reply = " ".join(words[(s + j) % len(words)] for j in range(k))
-            conv = [{"from": "human", "value": f"count from {words[s]}"}, {"from": "gpt", "value": reply}]
+            conv = [
+                {"from": "human", "value": f"count from {words[s]}"},
+                {"from": "gpt", "value": reply},
+            ]
             f.write(json.dumps({"id": f"c{i}", "conversations": conv}) + "\n")
     return path
 
@@ -32,8 +35,10 @@ def tiny_data(tiny_target, chat_file, tmp_path_factory):
     cache = tmp_path_factory.mktemp("data-cache")
     kw = dict(max_length=128, num_proc=1, cache_dir=cache, progress=False)
     spec = f"sharegpt:{chat_file}"
-    return (build_token_dataset(spec, tiny_target.tokenizer, split="train", **kw),
-            build_token_dataset(spec, tiny_target.tokenizer, split="heldout", **kw))
+    return (
+        build_token_dataset(spec, tiny_target.tokenizer, split="train", **kw),
+        build_token_dataset(spec, tiny_target.tokenizer, split="heldout", **kw),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -42,5 +47,8 @@ def other_target(tmp_path_factory):
     from redraft.models import load_target
     from redraft.testing import make_tiny_target_dir
 
-    return load_target(str(make_tiny_target_dir(tmp_path_factory.mktemp("tiny-other"), seed=1)),
-                       dtype="float32", device="cpu")
+    return load_target(
+        str(make_tiny_target_dir(tmp_path_factory.mktemp("tiny-other"), seed=1)),
+        dtype="float32",
+        device="cpu",
+    )

@@ -21,10 +21,16 @@ def _one_line(capsys, prog: str) -> str:
 def read_only(monkeypatch):
     """Paths under the returned directory are not writable (os.access says so, as it does on a
     read-only file system even for root)."""
+
     def make(root):
         real = os.access
-        monkeypatch.setattr(cli.os, "access", lambda p, mode: False if str(p).startswith(str(root)) else real(p, mode))
+        monkeypatch.setattr(
+            cli.os,
+            "access",
+            lambda p, mode: False if str(p).startswith(str(root)) else real(p, mode),
+        )
         return root
+
     return make
 
 
@@ -40,7 +46,16 @@ def test_cache_features_output_dir_on_a_read_only_path(tmp_path, read_only, caps
 def test_train_data_cache_dir_on_a_read_only_path(tmp_path, read_only, capsys):
     ro = read_only(tmp_path / "ro")
     ro.mkdir()
-    rc = cli.main(["--recipe", "tiny", "--output-dir", str(tmp_path / "run"), "--data-cache-dir", str(ro / "cache")])
+    rc = cli.main(
+        [
+            "--recipe",
+            "tiny",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--data-cache-dir",
+            str(ro / "cache"),
+        ]
+    )
     assert rc == 2
     assert "--data-cache-dir" in _one_line(capsys, "redraft-train")
 
@@ -62,7 +77,9 @@ def test_a_write_error_while_running_is_one_line(tmp_path, monkeypatch, capsys):
     import redraft.train.features as features
 
     def boom(*a, **k):
-        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "f" / "shard-0.safetensors"))
+        raise OSError(
+            errno.EROFS, "Read-only file system", str(tmp_path / "f" / "shard-0.safetensors")
+        )
 
     monkeypatch.setattr(features, "cache_features", boom)
     assert cli.cache_features_main(["--recipe", "tiny", "--output-dir", str(tmp_path / "f")]) == 2
@@ -80,13 +97,29 @@ def test_resume_on_a_new_directory_is_refused(tmp_path, capsys):
 
 def test_a_failed_start_never_blocks_the_retry(tmp_path, tiny_target_dir, chat_file, capsys):
     out = tmp_path / "run"
-    common = ["--recipe", "tiny", "--target", str(tiny_target_dir), "--num-proc", "1", "--report-to", "none",
-              "--output-dir", str(out), "--data-cache-dir", str(tmp_path / "cache")]
+    common = [
+        "--recipe",
+        "tiny",
+        "--target",
+        str(tiny_target_dir),
+        "--num-proc",
+        "1",
+        "--report-to",
+        "none",
+        "--output-dir",
+        str(out),
+        "--data-cache-dir",
+        str(tmp_path / "cache"),
+    ]
     rc = cli.main([*common, "--data", f"sharegpt:{tmp_path / 'missing.jsonl'}", "--max-steps", "1"])
-    assert rc == 2 and (out / "run_config.yaml").is_file()  # the failed start left its config behind
+    assert (
+        rc == 2 and (out / "run_config.yaml").is_file()
+    )  # the failed start left its config behind
     capsys.readouterr()
     # it holds nothing to resume either
-    assert cli.main([*common, "--data", f"sharegpt:{chat_file}", "--max-steps", "1", "--resume"]) == 2
+    assert (
+        cli.main([*common, "--data", f"sharegpt:{chat_file}", "--max-steps", "1", "--resume"]) == 2
+    )
     assert "no checkpoint" in _one_line(capsys, "redraft-train")
     rc = cli.main([*common, "--data", f"sharegpt:{chat_file}", "--max-steps", "1"])
     assert rc == 0, capsys.readouterr().err[-2000:]

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from redraft.errors import ConfigError
+from redraft.train.batches import draft_vocab_from_data, epoch_batches
 from redraft.train.cli import build_parser, config_from_args
 from redraft.train.config import RECIPES_DIR, TrainConfig, load_recipe, make_config
-from redraft.train.batches import draft_vocab_from_data, epoch_batches
 from redraft.train.precision import deepspeed_config
 from redraft.train.schedule import WarmupCosine
 
@@ -33,12 +33,28 @@ def test_unknown_set_key_is_named_with_a_suggestion():
 
 
 def test_flags_override_recipe_and_are_typed():
-    args = build_parser().parse_args(["--recipe", "tiny", "--lr", "5e-4", "--no-rnn",
-                                      "--set", "max_steps=7", "--adam-betas", "0.8", "0.95"])
+    args = build_parser().parse_args(
+        [
+            "--recipe",
+            "tiny",
+            "--lr",
+            "5e-4",
+            "--no-rnn",
+            "--set",
+            "max_steps=7",
+            "--adam-betas",
+            "0.8",
+            "0.95",
+        ]
+    )
     cfg = config_from_args(args)
     tiny = load_recipe("tiny")
-    assert cfg.lr == 5e-4 and cfg.rnn is False and cfg.max_steps == 7 and cfg.adam_betas == (0.8, 0.95)
-    assert cfg.num_steps == tiny["num_steps"] != TrainConfig().num_steps  # untouched recipe keys stay
+    assert (
+        cfg.lr == 5e-4 and cfg.rnn is False and cfg.max_steps == 7 and cfg.adam_betas == (0.8, 0.95)
+    )
+    assert (
+        cfg.num_steps == tiny["num_steps"] != TrainConfig().num_steps
+    )  # untouched recipe keys stay
 
 
 def test_bad_values_are_errors():
@@ -52,7 +68,10 @@ def test_deepspeed_config_fills_auto_values_and_rejects_conflicts(tmp_path):
     cfg = make_config("tiny", {"zero_stage": 2, "grad_accum": 3})
     ds = deepspeed_config(cfg, "bf16")
     assert ds["zero_optimization"]["stage"] == 2
-    assert ds["gradient_accumulation_steps"] == 3 and ds["train_micro_batch_size_per_gpu"] == cfg.micro_batch_size
+    assert (
+        ds["gradient_accumulation_steps"] == 3
+        and ds["train_micro_batch_size_per_gpu"] == cfg.micro_batch_size
+    )
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
     f = tmp_path / "ds.json"
     f.write_text('{"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 0}}')
@@ -92,10 +111,12 @@ def test_epoch_order_is_deterministic_and_uses_each_record_once():
 def test_draft_vocab_is_the_most_frequent_assistant_tokens():
     import datasets
 
-    ds = datasets.Dataset.from_dict({
-        "input_ids": [[7, 7, 7, 7, 3, 3, 5], [3, 9, 9]],
-        "loss_mask": [[0, 0, 0, 1, 1, 1, 1], [1, 1, 1]],  # 7 is frequent but mostly unmasked
-    })
+    ds = datasets.Dataset.from_dict(
+        {
+            "input_ids": [[7, 7, 7, 7, 3, 3, 5], [3, 9, 9]],
+            "loss_mask": [[0, 0, 0, 1, 1, 1, 1], [1, 1, 1]],  # 7 is frequent but mostly unmasked
+        }
+    )
     ids = draft_vocab_from_data(ds, vocab_size=12, size=3)
     assert ids.tolist() == [3, 9, 5]
 
@@ -105,7 +126,9 @@ def _outside(r):
     return r.lo if r.lo_open else (r.lo - 1 if isinstance(r.lo, int) else r.lo - 0.5)
 
 
-@pytest.mark.parametrize("key", sorted(__import__("redraft.train.config", fromlist=["RANGES"]).RANGES))
+@pytest.mark.parametrize(
+    "key", sorted(__import__("redraft.train.config", fromlist=["RANGES"]).RANGES)
+)
 def test_every_numeric_setting_is_range_checked_with_flag_value_and_range(key):
     from redraft.train.config import RANGES
 
@@ -116,11 +139,15 @@ def test_every_numeric_setting_is_range_checked_with_flag_value_and_range(key):
         assert exc.value.param == key
         msg = str(exc.value)
         assert msg.startswith("--" + key.replace("_", "-")) and str(r) in msg, msg
-    make_config(None, {key: r.lo if not r.lo_open else r.lo + 1})  # the edge itself (or just inside) is fine
+    make_config(
+        None, {key: r.lo if not r.lo_open else r.lo + 1}
+    )  # the edge itself (or just inside) is fine
 
 
 def test_max_steps_zero_is_an_error_and_epochs_need_not_be_set_with_max_steps():
-    with pytest.raises(ConfigError, match=r"--max-steps 0 is out of range: must be >= 1 \(leave it out"):
+    with pytest.raises(
+        ConfigError, match=r"--max-steps 0 is out of range: must be >= 1 \(leave it out"
+    ):
         make_config("tiny", {"max_steps": "0"})
     assert make_config("tiny", {"max_steps": "3", "epochs": "0"}).max_steps == 3
 
@@ -134,7 +161,9 @@ def test_schedule_is_transformers_cosine_with_min_lr_one_step_later():
     ours_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     hf_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     ours = WarmupCosine(ours_opt, total, warmup, floor)
-    hf = get_cosine_with_min_lr_schedule_with_warmup(hf_opt, int(warmup * total), total, min_lr_rate=floor)
+    hf = get_cosine_with_min_lr_schedule_with_warmup(
+        hf_opt, int(warmup * total), total, min_lr_rate=floor
+    )
     ours_lrs, hf_lrs = [], []
     for _ in range(total):
         ours_lrs.append(ours_opt.param_groups[0]["lr"])
@@ -145,8 +174,13 @@ def test_schedule_is_transformers_cosine_with_min_lr_one_step_later():
     assert ours_lrs[:-1] == pytest.approx(hf_lrs[1:])
     assert hf_lrs[0] == 0 and ours_lrs[0] > 0
     assert ours_lrs[-1] == pytest.approx(floor) and hf_lrs[-1] > floor + 1e-3
-    timed = WarmupCosine(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), total, warmup, floor,
-                         time_budget_s=60)
+    timed = WarmupCosine(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+        total,
+        warmup,
+        floor,
+        time_budget_s=60,
+    )
     timed.elapsed_s = 60.0  # the budget is spent after one step: the schedule is at its end
     timed.step()
     assert timed.get_last_lr()[0] == pytest.approx(floor)
@@ -163,7 +197,11 @@ def test_meter_reads_loss_and_topk_once_and_matches_eval_accumulator():
     acc = EvalAccumulator(3)
     losses = []
     for _ in range(2):
-        logits, tgt, valid = torch.randn(7, 3, 10), torch.randint(0, 10, (7, 3)), torch.rand(7, 3) > 0.3
+        logits, tgt, valid = (
+            torch.randn(7, 3, 10),
+            torch.randint(0, 10, (7, 3)),
+            torch.rand(7, 3) > 0.3,
+        )
         loss = torch.rand(())
         losses.append(float(loss))
         meter.add(loss, {"step_loss": torch.rand(3), "step_count": valid.sum(0).float()}, tokens=11)
@@ -172,7 +210,9 @@ def test_meter_reads_loss_and_topk_once_and_matches_eval_accumulator():
     vals = meter.read(env)
     ref = acc.result()
     assert vals["train/loss"] == pytest.approx(sum(losses) / 2)
-    assert vals["train/top1"] == pytest.approx(ref["eval_top1"]) and vals["train/top5"] == pytest.approx(ref["eval_top5"])
+    assert vals["train/top1"] == pytest.approx(ref["eval_top1"]) and vals[
+        "train/top5"
+    ] == pytest.approx(ref["eval_top5"])
     assert vals["train/tokens_per_s"] > 0
     meter.reset()
     assert meter.read(env)["train/top1"] is None and meter.micro == 0
@@ -191,7 +231,9 @@ def test_trackers_write_tensorboard_scalars_per_position(tmp_path):
     ev.Reload()
     assert {"train/loss", "train/top1/pos0", "train/top1/pos1"} <= set(ev.Tags()["scalars"])
     assert [(s.step, s.value) for s in ev.Scalars("train/top1/pos1")] == [(3, 0.5)]
-    assert parse_report_to("none") == [] and parse_report_to("tensorboard,tensorboard") == ["tensorboard"]
+    assert parse_report_to("none") == [] and parse_report_to("tensorboard,tensorboard") == [
+        "tensorboard"
+    ]
     with pytest.raises(ConfigError, match="not a tracker"):
         parse_report_to("tensorboard,comet")
     import importlib.util

@@ -10,14 +10,24 @@ from redraft.train.trainer import train
 
 
 def _cfg(tmp_path, chat_file, **over):
-    base = {"output_dir": str(tmp_path / "run"), "report_to": "none", "data": f"sharegpt:{chat_file}",
-            "self_distill": "true", "distill_dir": str(tmp_path / "distilled"), "distill_limit": "12",
-            "distill_max_new_tokens": "6", "eval_limit": "4", "max_steps": "2"}
+    base = {
+        "output_dir": str(tmp_path / "run"),
+        "report_to": "none",
+        "data": f"sharegpt:{chat_file}",
+        "self_distill": "true",
+        "distill_dir": str(tmp_path / "distilled"),
+        "distill_limit": "12",
+        "distill_max_new_tokens": "6",
+        "eval_limit": "4",
+        "max_steps": "2",
+    }
     base.update(over)
     return make_config("tiny", base)
 
 
-def test_a_self_distilled_run_trains_on_the_targets_replies_and_reuses_them(tmp_path, tiny_target, chat_file, capsys):
+def test_a_self_distilled_run_trains_on_the_targets_replies_and_reuses_them(
+    tmp_path, tiny_target, chat_file, capsys
+):
     cfg = _cfg(tmp_path, chat_file)
     metrics = train(cfg, target=tiny_target)
     out = tmp_path / "distilled"
@@ -27,7 +37,9 @@ def test_a_self_distilled_run_trains_on_the_targets_replies_and_reuses_them(tmp_
     assert not any(is_heldout(r["id"], cfg.heldout_fraction) for r in train_rows)
     assert all(is_heldout(r["id"], cfg.heldout_fraction) for r in held_rows)
     # the replies are the target's (the tiny random target never counts words as the data does)
-    source = {json.loads(line)["id"]: json.loads(line) for line in chat_file.read_text().splitlines()}
+    source = {
+        json.loads(line)["id"]: json.loads(line) for line in chat_file.read_text().splitlines()
+    }
     r = train_rows[0]
     assert r["distilled_with"]["max_new_tokens"] == 6
     assert r["conversations"][1]["value"] != source[r["id"]]["conversations"][1]["value"]

@@ -43,7 +43,9 @@ def test_loss_respects_mask_and_is_mean_over_steps_of_masked_ce():
     valid = torch.rand(P, n) > 0.4
     valid[0] = True
     loss, stats = drafter_loss(logits, targets, valid)
-    ce = F.cross_entropy(logits.detach().flatten(0, 1), targets.flatten(), reduction="none").view(P, n)
+    ce = F.cross_entropy(logits.detach().flatten(0, 1), targets.flatten(), reduction="none").view(
+        P, n
+    )
     per_step = [(ce[:, i][valid[:, i]]).mean() for i in range(n) if valid[:, i].any()]
     torch.testing.assert_close(loss.detach(), torch.stack(per_step).mean())
     loss.backward()
@@ -65,10 +67,14 @@ def test_kd_term_is_kl_to_the_target():
     logits = torch.randn(4, 2, 6)
     valid = torch.ones(4, 2, dtype=torch.bool)
     same = logits.log_softmax(-1)
-    loss, _ = drafter_loss(logits, torch.zeros(4, 2, dtype=torch.long), valid, same, ce_weight=0.0, kd_weight=1.0)
+    loss, _ = drafter_loss(
+        logits, torch.zeros(4, 2, dtype=torch.long), valid, same, ce_weight=0.0, kd_weight=1.0
+    )
     assert abs(float(loss)) < 1e-6
     other = torch.randn(4, 2, 6).log_softmax(-1)
-    loss, _ = drafter_loss(logits, torch.zeros(4, 2, dtype=torch.long), valid, other, ce_weight=0.0, kd_weight=1.0)
+    loss, _ = drafter_loss(
+        logits, torch.zeros(4, 2, dtype=torch.long), valid, other, ce_weight=0.0, kd_weight=1.0
+    )
     kl = F.kl_div(logits.log_softmax(-1), other, log_target=True, reduction="none").sum(-1).mean()
     torch.testing.assert_close(loss, kl)
 
@@ -98,7 +104,7 @@ def test_target_greedy_windows_line_up_with_the_targets_own_continuation(tiny_ta
     with torch.no_grad():
         seq = tiny_target.model.generate(prompt, max_new_tokens=12, do_sample=False)
     mask = torch.zeros_like(seq)
-    mask[0, prompt.shape[1]:] = 1
+    mask[0, prompt.shape[1] :] = 1
     hidden = target_hidden(tiny_target, seq, "fp32")
     greedy = target_greedy(tiny_target, hidden, "fp32")
     w = make_windows(seq, mask, n=4)

@@ -27,7 +27,9 @@ def _cfg(tmp_path, name="run", **over):
 
 
 def _run(cfg, tiny_target, tiny_data, **kw):
-    return train(cfg, target=tiny_target, train_dataset=tiny_data[0], eval_dataset=tiny_data[1], **kw)
+    return train(
+        cfg, target=tiny_target, train_dataset=tiny_data[0], eval_dataset=tiny_data[1], **kw
+    )
 
 
 def _weights(run_dir):
@@ -37,8 +39,9 @@ def _weights(run_dir):
 def test_tiny_run_lowers_heldout_loss_and_writes_the_artifact(tmp_path, tiny_target, tiny_data):
     cfg = _cfg(tmp_path, max_steps=40, lr=0.01)
     torch.manual_seed(cfg.seed)  # the same init the trainer draws
-    untrained = ReDrafter(ReDrafterConfig.for_target(tiny_target, num_layers=cfg.num_layers,
-                                                     num_steps=cfg.num_steps)).attach_target(tiny_target)
+    untrained = ReDrafter(
+        ReDrafterConfig.for_target(tiny_target, num_layers=cfg.num_layers, num_steps=cfg.num_steps)
+    ).attach_target(tiny_target)
     env = DistEnv(0, 1, 0, torch.device("cpu"))
     before = evaluate(untrained, untrained, tiny_target, tiny_data[1], cfg, env, "fp32")
 
@@ -75,7 +78,9 @@ def test_resume_after_sigterm_gives_the_same_weights(tmp_path, tiny_target, tiny
 
     def kill_at_3(state):
         if state["global_step"] == 3:
-            os.kill(os.getpid(), signal.SIGTERM)  # the real handler: finish the step, checkpoint, stop
+            os.kill(
+                os.getpid(), signal.SIGTERM
+            )  # the real handler: finish the step, checkpoint, stop
 
     first = _run(cfg, tiny_target, tiny_data, on_step=kill_at_3)
     assert first["status"] == "interrupted" and first["global_step"] == 3
@@ -101,7 +106,9 @@ def test_reduced_vocab_and_kd_loss_train_and_round_trip(tmp_path, tiny_target, t
     import pyarrow.compute as pc
 
     tbl = tiny_data[0].with_format("arrow")
-    ids = pc.list_flatten(tbl["input_ids"]).to_numpy()[pc.list_flatten(tbl["loss_mask"]).to_numpy() == 1]
+    ids = pc.list_flatten(tbl["input_ids"]).to_numpy()[
+        pc.list_flatten(tbl["loss_mask"]).to_numpy() == 1
+    ]
     assert set(ids.tolist()) <= set(d.draft_to_target.tolist())
 
 
@@ -116,23 +123,77 @@ def test_zero_stages_save_a_loadable_head(tmp_path, tiny_target, tiny_data, stag
 
 @pytest.mark.parametrize("stage", [2])
 def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumulation(
-        tmp_path, tiny_target_dir, chat_file, stage):
-    common = ["--recipe", "tiny", "--target", str(tiny_target_dir), "--data", f"sharegpt:{chat_file}",
-              "--num-proc", "1", "--max-steps", "4", "--lr", "0.01", "--zero-stage", str(stage),
-              "--report-to", "none", "--data-cache-dir", str(tmp_path / "cache")]
+    tmp_path, tiny_target_dir, chat_file, stage
+):
+    common = [
+        "--recipe",
+        "tiny",
+        "--target",
+        str(tiny_target_dir),
+        "--data",
+        f"sharegpt:{chat_file}",
+        "--num-proc",
+        "1",
+        "--max-steps",
+        "4",
+        "--lr",
+        "0.01",
+        "--zero-stage",
+        str(stage),
+        "--report-to",
+        "none",
+        "--data-cache-dir",
+        str(tmp_path / "cache"),
+    ]
     # in-process runs of this session set RANK/MASTER_PORT...: the children must not inherit them
-    dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    dist_vars = {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
     env = {k: v for k, v in os.environ.items() if k not in dist_vars}
     env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
     bin_dir = Path(sys.executable).parent
-    one = subprocess.run([sys.executable, "-m", "redraft.train.cli", *common, "--grad-accum", "4",
-                          "--output-dir", str(tmp_path / "one")], env=env, capture_output=True, text=True,
-                         timeout=300)
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "redraft.train.cli",
+            *common,
+            "--grad-accum",
+            "4",
+            "--output-dir",
+            str(tmp_path / "one"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(29600 + os.getpid() % 300),
-                          "--module", "redraft.train.cli", *common, "--grad-accum", "2",
-                          "--output-dir", str(tmp_path / "two")], env=env, capture_output=True, text=True,
-                         timeout=300)
+    two = subprocess.run(
+        [
+            str(bin_dir / "deepspeed"),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(29600 + os.getpid() % 300),
+            "--module",
+            "redraft.train.cli",
+            *common,
+            "--grad-accum",
+            "2",
+            "--output-dir",
+            str(tmp_path / "two"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     m1 = json.loads((tmp_path / "one" / "metrics.json").read_text())
     m2 = json.loads((tmp_path / "two" / "metrics.json").read_text())
@@ -140,7 +201,9 @@ def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumu
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     assert m1["global_step"] == m2["global_step"] == 4
     torch.manual_seed(0)  # the trainer's init (seed 0): training moved away from it
-    init = ReDrafter(ReDrafterConfig(**json.loads((tmp_path / "one" / "config.json").read_text()))).state_dict()
+    init = ReDrafter(
+        ReDrafterConfig(**json.loads((tmp_path / "one" / "config.json").read_text()))
+    ).state_dict()
     assert (a["lm_head.weight"] - init["lm_head.weight"]).abs().max() > 1e-3
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
@@ -149,11 +212,23 @@ def test_two_processes_under_the_deepspeed_launcher_match_one_with_double_accumu
 @pytest.mark.slow
 def test_default_target_trains_in_amp_bf16(tmp_path, default_target):
     """The real pipeline: default target, default ShareGPT, bf16 autocast on CPU, a few steps."""
-    cfg = make_config("default", {"output_dir": str(tmp_path / "run"), "report_to": "none", "max_length": "256",
-                                  "self_distill": "false",  # the data as it is: distilling is tested on the tiny target
-                                  "train_limit": "16", "eval_limit": "4", "max_steps": "3", "grad_accum": "2",
-                                  "draft_vocab_size": "4096", "init_head": "target", "num_proc": "1",
-                                  "data_cache_dir": str(tmp_path / "cache")})
+    cfg = make_config(
+        "default",
+        {
+            "output_dir": str(tmp_path / "run"),
+            "report_to": "none",
+            "max_length": "256",
+            "self_distill": "false",  # the data as it is: distilling is tested on the tiny target
+            "train_limit": "16",
+            "eval_limit": "4",
+            "max_steps": "3",
+            "grad_accum": "2",
+            "draft_vocab_size": "4096",
+            "init_head": "target",
+            "num_proc": "1",
+            "data_cache_dir": str(tmp_path / "cache"),
+        },
+    )
     m = train(cfg, target=default_target)
     assert m["status"] == "completed" and m["precision"] == "amp-bf16"
     assert len(m["eval_top1"]) == 5 and all(0 <= a <= 1 for a in m["eval_top1"])
@@ -167,7 +242,9 @@ def test_eval_only_reproduces_the_final_metrics(tmp_path, tiny_target, tiny_data
 
     cfg = _cfg(tmp_path, max_steps=3, lr=0.01)
     m = _run(cfg, tiny_target, tiny_data)
-    again = evaluate_artifact(cfg, path=cfg.output_dir, target=tiny_target, eval_dataset=tiny_data[1])
+    again = evaluate_artifact(
+        cfg, path=cfg.output_dir, target=tiny_target, eval_dataset=tiny_data[1]
+    )
     assert again["eval_top1"] == pytest.approx(m["eval_top1"])
     assert again["eval_tau_est"] == pytest.approx(m["eval_tau_est"])
     with pytest.raises(ConfigError, match="init-from"):
@@ -177,7 +254,9 @@ def test_eval_only_reproduces_the_final_metrics(tmp_path, tiny_target, tiny_data
 def test_warm_start_makes_the_head_the_targets_lm_head_on_x(tiny_target):
     from redraft.train.trainer import warm_start_from_target
 
-    d = ReDrafter(ReDrafterConfig.for_target(tiny_target, draft_vocab_size=16)).attach_target(tiny_target)
+    d = ReDrafter(ReDrafterConfig.for_target(tiny_target, draft_vocab_size=16)).attach_target(
+        tiny_target
+    )
     d.set_draft_vocab(torch.arange(100, 116))
     warm_start_from_target(d, tiny_target)
     x = torch.randn(3, d.config.hidden_size)
@@ -185,13 +264,17 @@ def test_warm_start_makes_the_head_the_targets_lm_head_on_x(tiny_target):
     torch.testing.assert_close(d(x, torch.tensor([[1, 2], [3, 4], [5, 6]]))[:, 1], expect)
 
 
-def test_resume_with_another_target_is_refused_and_rewrites_nothing(tmp_path, tiny_target, tiny_data, other_target):
+def test_resume_with_another_target_is_refused_and_rewrites_nothing(
+    tmp_path, tiny_target, tiny_data, other_target
+):
     from redraft.train.fingerprint import weights_fingerprint
 
     cfg = _cfg(tmp_path, max_steps=2)
     _run(cfg, tiny_target, tiny_data)
     out = Path(cfg.output_dir)
-    saved = {f: (out / f).read_bytes() for f in ("config.json", "run_config.yaml", "model.safetensors")}
+    saved = {
+        f: (out / f).read_bytes() for f in ("config.json", "run_config.yaml", "model.safetensors")
+    }
     # the same tokenizer (fingerprint), other weights: the tokenizer check alone would accept it
     assert other_target.fingerprint == tiny_target.fingerprint
     with pytest.raises(ConfigError, match="--resume: the run .* was trained on target") as exc:
@@ -205,7 +288,10 @@ def test_resume_with_another_target_is_refused_and_rewrites_nothing(tmp_path, ti
 
     rec = yaml.safe_load((out / "run_config.yaml").read_text())["target_record"]
     assert rec["weights_fingerprint"] == weights_fingerprint(tiny_target.model)
-    assert rec["tokenizer_fingerprint"] == tiny_target.fingerprint and rec["target_model"] == tiny_target.model_id
+    assert (
+        rec["tokenizer_fingerprint"] == tiny_target.fingerprint
+        and rec["target_model"] == tiny_target.model_id
+    )
     art = json.loads((out / "config.json").read_text())
     assert art["target_weights_fingerprint"] == rec["weights_fingerprint"]
     assert art["target_model"] == tiny_target.model_id
@@ -223,8 +309,12 @@ def test_weights_fingerprint_sees_weights_not_dtype():
 
     m = make_tiny_model(64, hidden_size=16, num_layers=1)
     fp = weights_fingerprint(m)
-    assert weights_fingerprint(make_tiny_model(64, hidden_size=16, num_layers=1)) == fp  # deterministic
-    assert weights_fingerprint(m.to(torch.bfloat16)) == fp  # one checkpoint on CPU (fp32) or GPU (bf16)
+    assert (
+        weights_fingerprint(make_tiny_model(64, hidden_size=16, num_layers=1)) == fp
+    )  # deterministic
+    assert (
+        weights_fingerprint(m.to(torch.bfloat16)) == fp
+    )  # one checkpoint on CPU (fp32) or GPU (bf16)
     m = m.float()
     with torch.no_grad():
         w = m.model.layers[0].mlp.down_proj.weight  # not the embedding or the LM head
@@ -243,7 +333,9 @@ def _artifact(tmp_path, tiny_target, seed):
     return cfg, ReDrafter(cfg).state_dict()
 
 
-def test_a_kill_anywhere_in_the_artifact_write_leaves_one_whole_artifact(tmp_path, tiny_target, monkeypatch):
+def test_a_kill_anywhere_in_the_artifact_write_leaves_one_whole_artifact(
+    tmp_path, tiny_target, monkeypatch
+):
     from redraft.errors import ArtifactError
     from redraft.train import checkpoint as ckpt
 
@@ -276,7 +368,9 @@ def test_a_kill_anywhere_in_the_artifact_write_leaves_one_whole_artifact(tmp_pat
         if (out / "config.json").exists():
             step = json.loads((out / "metrics.json").read_text())["global_step"]
             w = load_file(str(out / "model.safetensors"))
-            assert torch.equal(w["lm_head.weight"], (old_w if step == 1 else new_w)["lm_head.weight"])
+            assert torch.equal(
+                w["lm_head.weight"], (old_w if step == 1 else new_w)["lm_head.weight"]
+            )
             assert load_drafter(out, tiny_target) is not None
         else:
             with pytest.raises(ArtifactError):
@@ -292,9 +386,13 @@ def test_a_kill_anywhere_in_the_artifact_write_leaves_one_whole_artifact(tmp_pat
         assert ckpt.recover_artifact(out) == ("completed" if staged else "discarded")
         step = json.loads((out / "metrics.json").read_text())["global_step"]
         assert step == (2 if staged else 1)
-        assert torch.equal(load_file(str(out / "model.safetensors"))["lm_head.weight"],
-                           (new_w if staged else old_w)["lm_head.weight"])
-        assert "ReDrafter" in (out / "README.md").read_text()  # the card, from redraft.hub, of the new files
+        assert torch.equal(
+            load_file(str(out / "model.safetensors"))["lm_head.weight"],
+            (new_w if staged else old_w)["lm_head.weight"],
+        )
+        assert (
+            "ReDrafter" in (out / "README.md").read_text()
+        )  # the card, from redraft.hub, of the new files
         assert not (out / ckpt.STAGE_DIR).exists()
         kill_points += 1
     assert kill_points >= 3  # weights, metrics and config.json were each a kill point
@@ -315,17 +413,28 @@ def test_a_partial_stage_is_discarded_and_the_old_artifact_kept(tmp_path, tiny_t
 
 
 @pytest.mark.parametrize("loss", ["ce", "ce+kd"])
-def test_the_fused_loss_trains_the_same_head_as_the_dense_reference(tmp_path, tiny_target, tiny_data, loss):
+def test_the_fused_loss_trains_the_same_head_as_the_dense_reference(
+    tmp_path, tiny_target, tiny_data, loss
+):
     runs = {}
     for impl in ("dense", "fused"):
-        cfg = _cfg(tmp_path, name=f"{impl}-{loss}", max_steps=6, lr=0.01, loss=loss, loss_impl=impl,
-                   draft_vocab_size=48)
+        cfg = _cfg(
+            tmp_path,
+            name=f"{impl}-{loss}",
+            max_steps=6,
+            lr=0.01,
+            loss=loss,
+            loss_impl=impl,
+            draft_vocab_size=48,
+        )
         runs[impl] = _run(cfg, tiny_target, tiny_data)
         runs[impl + "_w"] = _weights(cfg.resolved_output_dir())
     for key, w in runs["dense_w"].items():
         torch.testing.assert_close(runs["fused_w"][key], w, rtol=1e-4, atol=1e-5, msg=key)
     assert runs["fused"]["eval_loss"] == pytest.approx(runs["dense"]["eval_loss"], rel=1e-4)
-    assert not torch.equal(runs["dense_w"]["lm_head.weight"], torch.zeros_like(runs["dense_w"]["lm_head.weight"]))
+    assert not torch.equal(
+        runs["dense_w"]["lm_head.weight"], torch.zeros_like(runs["dense_w"]["lm_head.weight"])
+    )
 
 
 def test_zero3_refuses_the_fused_loss_and_auto_falls_back_to_dense(tmp_path):
@@ -340,7 +449,9 @@ def test_zero3_refuses_the_fused_loss_and_auto_falls_back_to_dense(tmp_path):
         resolve_loss_impl(_cfg(tmp_path, loss_impl="liger"), cpu)
 
 
-def test_evaluation_in_chunks_of_positions_equals_one_pass(tmp_path, tiny_target, tiny_data, monkeypatch):
+def test_evaluation_in_chunks_of_positions_equals_one_pass(
+    tmp_path, tiny_target, tiny_data, monkeypatch
+):
     from redraft.train import step
 
     cfg = _cfg(tmp_path, max_steps=2, lr=0.01)

@@ -52,16 +52,24 @@ class TrigramOverlay:
     table lookup plus one ``searchsorted``. Nothing is written to the table.
     """
 
-    def __init__(self, table: TrigramTable, batch_size: int, increment: float = DEFAULT_INCREMENT,
-                 cap: float = DEFAULT_CAP, patch_k: int = 16):
+    def __init__(
+        self,
+        table: TrigramTable,
+        batch_size: int,
+        increment: float = DEFAULT_INCREMENT,
+        cap: float = DEFAULT_CAP,
+        patch_k: int = 16,
+    ):
         self.table = table
         self.patch_k = patch_k  # lookups up to this k read precomputed merged rows
         self.increment, self.cap = float(increment), float(cap)
         V = table.vocab_size
         self._tri = V * V * V  # packed tri-grams per row
-        if (batch_size + 1) * self._tri >= 2 ** 62:
-            raise ValueError(f"vocab {V} x batch {batch_size} does not pack into int64 keys; "
-                             f"decode in smaller batches")
+        if (batch_size + 1) * self._tri >= 2**62:
+            raise ValueError(
+                f"vocab {V} x batch {batch_size} does not pack into int64 keys; "
+                f"decode in smaller batches"
+            )
         self.batch_size = batch_size
         self.key = np.zeros(0, np.int64)
         self.prob_ = np.zeros(0, np.float32)
@@ -71,7 +79,10 @@ class TrigramOverlay:
 
     def _pack(self, rows, w1, w2, w3=None) -> np.ndarray:
         V = self.table.vocab_size
-        ctx = np.asarray(rows, np.int64) * self._tri + (np.asarray(w1, np.int64) * V + np.asarray(w2, np.int64)) * V
+        ctx = (
+            np.asarray(rows, np.int64) * self._tri
+            + (np.asarray(w1, np.int64) * V + np.asarray(w2, np.int64)) * V
+        )
         return ctx if w3 is None else ctx + np.asarray(w3, np.int64)
 
     def update(self, rows, w1, w2, w3) -> None:
@@ -81,12 +92,18 @@ class TrigramOverlay:
         if not ok.any():
             return
         rows, w1, w2, w3 = rows[ok], w1[ok], w2[ok], w3[ok]
-        keys, first, reps = np.unique(self._pack(rows, w1, w2, w3), return_index=True, return_counts=True)
+        keys, first, reps = np.unique(
+            self._pack(rows, w1, w2, w3), return_index=True, return_counts=True
+        )
         pos = np.searchsorted(self.key, keys)
         present = pos < self.key.size
         present[present] = self.key[pos[present]] == keys[present]
         base = self.table.prob(w1[first], w2[first], w3[first])
-        now = np.where(present, self.prob_[np.minimum(pos, max(self.key.size - 1, 0))] if self.key.size else 0.0, base)
+        now = np.where(
+            present,
+            self.prob_[np.minimum(pos, max(self.key.size - 1, 0))] if self.key.size else 0.0,
+            base,
+        )
         new = np.maximum(now, np.minimum(self.cap, now + self.increment * reps)).astype(np.float32)
         self.prob_[pos[present]] = new[present]
         ins = ~present
@@ -100,14 +117,18 @@ class TrigramOverlay:
         seqs = np.asarray(seqs, np.int64)
         if seqs.shape[1] < 3:
             return
-        rows = np.broadcast_to(first_row + np.arange(seqs.shape[0])[:, None], (seqs.shape[0], seqs.shape[1] - 2))
+        rows = np.broadcast_to(
+            first_row + np.arange(seqs.shape[0])[:, None], (seqs.shape[0], seqs.shape[1] - 2)
+        )
         self.update(rows, seqs[:, :-2], seqs[:, 1:-1], seqs[:, 2:])
 
     def add_rows(self, n: int) -> None:
         """``n`` new request rows join after the current ones (with no updates yet)."""
-        if (self.batch_size + n + 1) * self._tri >= 2 ** 62:
-            raise ValueError(f"vocab {self.table.vocab_size} x batch {self.batch_size + n} does not pack into "
-                             f"int64 keys; decode in smaller batches")
+        if (self.batch_size + n + 1) * self._tri >= 2**62:
+            raise ValueError(
+                f"vocab {self.table.vocab_size} x batch {self.batch_size + n} does not pack into "
+                f"int64 keys; decode in smaller batches"
+            )
         self.batch_size += n
 
     def select_rows(self, keep) -> None:
@@ -219,13 +240,34 @@ class ADEDDrafter(Drafter):
 
     name = "aded"
 
-    def __init__(self, table, iterations: int = 150, c1: float = 32.0, c2: float = 8.0,
-                 depth: int = 4, candidates: int = 24, top_k: int = 12, wave: int = 50,
-                 increment: float = DEFAULT_INCREMENT, cap: float = DEFAULT_CAP, adapt: bool = True,
-                 adapt_prompt: bool = True, complete: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        table,
+        iterations: int = 150,
+        c1: float = 32.0,
+        c2: float = 8.0,
+        depth: int = 4,
+        candidates: int = 24,
+        top_k: int = 12,
+        wave: int = 50,
+        increment: float = DEFAULT_INCREMENT,
+        cap: float = DEFAULT_CAP,
+        adapt: bool = True,
+        adapt_prompt: bool = True,
+        complete: bool = True,
+        seed: int = 0,
+    ):
         self.table = as_trigram_table(table)
-        self.cfg = MCTSConfig(iterations=iterations, c1=c1, c2=c2, depth=depth,
-                              candidates=candidates, top_k=top_k, wave=wave, complete=complete)
+        self.cfg = MCTSConfig(
+            iterations=iterations,
+            c1=c1,
+            c2=c2,
+            depth=depth,
+            candidates=candidates,
+            top_k=top_k,
+            wave=wave,
+            complete=complete,
+        )
         self.increment, self.cap = increment, cap
         self.adapt, self.adapt_prompt = adapt, adapt_prompt
         self.seed = seed
@@ -258,7 +300,9 @@ class ADEDDrafter(Drafter):
         B = toks.shape[0]
         ar = torch.arange(B, device=toks.device)
         w2 = state.last
-        w1 = torch.where(lengths >= 2, toks[ar, (lengths - 2).clamp(min=0)], torch.full_like(w2, PAD))
+        w1 = torch.where(
+            lengths >= 2, toks[ar, (lengths - 2).clamp(min=0)], torch.full_like(w2, PAD)
+        )
         res = mcts_search(w1.cpu().numpy(), w2.cpu().numpy(), self._lookup, self.cfg, self.rng)
         self.last_result = res
         self.stats.calls += 1
@@ -267,8 +311,9 @@ class ADEDDrafter(Drafter):
         self.stats.seconds += time.perf_counter() - t0
         self.stats.cpu_seconds += time.process_time() - c0
         dev = state.device
-        return Draft(tokens=torch.from_numpy(res.tokens).to(dev),
-                     logp=torch.from_numpy(res.logp).to(dev))
+        return Draft(
+            tokens=torch.from_numpy(res.tokens).to(dev), logp=torch.from_numpy(res.logp).to(dev)
+        )
 
     def observe(self, state: DecodeState, draft: Draft, feedback: Feedback) -> None:
         """Adjust3Gram: raise the tri-grams the new tokens formed with the two before them."""
@@ -277,12 +322,17 @@ class ADEDDrafter(Drafter):
         toks, lengths = state.tokens, state.lengths
         B = toks.shape[0]
         ar = torch.arange(B, device=toks.device)
-        w1 = torch.where(lengths >= 2, toks[ar, (lengths - 2).clamp(min=0)], torch.full_like(state.last, PAD))
+        w1 = torch.where(
+            lengths >= 2, toks[ar, (lengths - 2).clamp(min=0)], torch.full_like(state.last, PAD)
+        )
         A = feedback.accepted.shape[1]
         acc = feedback.accepted.masked_fill(
-            torch.arange(A, device=toks.device)[None, :] >= feedback.num_accepted[:, None], PAD)
+            torch.arange(A, device=toks.device)[None, :] >= feedback.num_accepted[:, None], PAD
+        )
         # [B, 2 + A + 1]: w1, y, accepted..., bonus; the bonus moves left over the padding
-        seq = torch.cat([w1[:, None], state.last[:, None], acc, torch.full_like(state.last[:, None], PAD)], 1)
+        seq = torch.cat(
+            [w1[:, None], state.last[:, None], acc, torch.full_like(state.last[:, None], PAD)], 1
+        )
         seq[ar, 2 + feedback.num_accepted] = feedback.bonus
         self.overlay.update_sequences(seq.cpu().numpy())
 

@@ -104,7 +104,7 @@ class Draft:
         return int(self.tokens.shape[2])
 
     @staticmethod
-    def empty(batch_size: int, device=None) -> "Draft":
+    def empty(batch_size: int, device=None) -> Draft:
         """A draft with no paths (the tree is the root alone)."""
         return Draft(tokens=torch.full((batch_size, 0, 1), PAD, dtype=torch.long, device=device))
 
@@ -157,11 +157,11 @@ class Drafter:
     name: str = "drafter"
     host: bool = False
 
-    def propose_host(self, host) -> "Draft":
+    def propose_host(self, host) -> Draft:
         """Candidate paths (numpy ``[B, P, L]``) continuing ``host.last`` for every row."""
         raise NotImplementedError
 
-    def observe_host(self, host, draft: "Draft", feedback: HostFeedback) -> None:
+    def observe_host(self, host, draft: Draft, feedback: HostFeedback) -> None:
         """A host drafter's :meth:`observe`."""
 
     def add_rows(self, state: DecodeState, start: int) -> None:

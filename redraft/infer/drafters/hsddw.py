@@ -56,8 +56,19 @@ from redraft.infer.drafters.hsddw_models import (
 from redraft.infer.tree import cached_arange
 
 # The draft models live in hsddw_models.py; their names are re-exported here.
-__all__ = ["EntropyThreshold", "early_exit_model", "ProbModel", "CausalLMModel", "TrigramModel",
-           "frequent_tokens", "LevelStats", "HierarchyStats", "HSDDWDrafter", "default_hierarchy", "entropy"]
+__all__ = [
+    "EntropyThreshold",
+    "early_exit_model",
+    "ProbModel",
+    "CausalLMModel",
+    "TrigramModel",
+    "frequent_tokens",
+    "LevelStats",
+    "HierarchyStats",
+    "HSDDWDrafter",
+    "default_hierarchy",
+    "entropy",
+]
 
 
 class EntropyThreshold:
@@ -76,8 +87,11 @@ class EntropyThreshold:
     @property
     def tau(self) -> torch.Tensor:
         """``[B]`` float64 thresholds."""
-        return torch.where(self.count > 0, self.total / self.count.clamp_min(1),
-                           torch.full_like(self.total, self.init))
+        return torch.where(
+            self.count > 0,
+            self.total / self.count.clamp_min(1),
+            torch.full_like(self.total, self.init),
+        )
 
     def exceeds(self, h: torch.Tensor) -> torch.Tensor:
         """``h [B]`` or ``[B, K]`` entropies -> bool, ``h > tau`` of each row."""
@@ -109,7 +123,6 @@ class EntropyThreshold:
     def add_rows(self, n: int) -> None:
         self.total = torch.cat([self.total, self.total.new_zeros(n)])
         self.count = torch.cat([self.count, self.count.new_zeros(n)])
-
 
 
 # ---------------------------------------------------------------------------------- hierarchy
@@ -145,10 +158,17 @@ class HierarchyStats:
         return self.target_calls / self.output_tokens if self.output_tokens else 0.0
 
     def to_dict(self) -> dict:
-        return {"eta": self.eta, "target_calls": self.target_calls, "output_tokens": self.output_tokens,
-                "draft_seconds": self.draft_seconds, "model_calls": dict(self.model_calls),
-                "levels": {k: {"drafted": v.drafted, "accepted": v.accepted, "sigma": v.sigma}
-                           for k, v in self.levels.items()}}
+        return {
+            "eta": self.eta,
+            "target_calls": self.target_calls,
+            "output_tokens": self.output_tokens,
+            "draft_seconds": self.draft_seconds,
+            "model_calls": dict(self.model_calls),
+            "levels": {
+                k: {"drafted": v.drafted, "accepted": v.accepted, "sigma": v.sigma}
+                for k, v in self.levels.items()
+            },
+        }
 
 
 # ------------------------------------------------------------------ per-row sampling of drafts
@@ -161,7 +181,11 @@ def _draft_probs(logits: torch.Tensor, samp: RowSampling) -> torch.Tensor:
     t = samp.temperature.to(logits.device)
     sampled = t > 0
     temp = torch.where(sampled, t, torch.ones_like(t))
-    top_p = torch.where(sampled, samp.top_p.to(logits.device), torch.ones_like(t)) if samp.any_top_p else 1.0
+    top_p = (
+        torch.where(sampled, samp.top_p.to(logits.device), torch.ones_like(t))
+        if samp.any_top_p
+        else 1.0
+    )
     return warp_probs(logits, temp, top_p)
 
 
@@ -185,15 +209,25 @@ def _draw(probs: torch.Tensor, greedy: torch.Tensor, samp: RowSampling) -> torch
     the row's generator."""
     if samp.all_greedy:
         return greedy
-    drawn = _by_generator(samp, probs.shape[0], lambda rows, gen: torch.multinomial(
-        probs if rows is None else probs[rows.to(probs.device)], 1, generator=gen)[:, 0])
+    drawn = _by_generator(
+        samp,
+        probs.shape[0],
+        lambda rows, gen: torch.multinomial(
+            probs if rows is None else probs[rows.to(probs.device)], 1, generator=gen
+        )[:, 0],
+    )
     return torch.where(samp.temperature.to(probs.device) > 0, drawn, greedy)
 
 
 def _uniform(samp: RowSampling, B: int, R: int, device) -> torch.Tensor:
     """``[B, R]`` uniform draws, each row's from its generator."""
-    return _by_generator(samp, B, lambda rows, gen: torch.rand(
-        (B if rows is None else rows.numel(), R), generator=gen, device=device))
+    return _by_generator(
+        samp,
+        B,
+        lambda rows, gen: torch.rand(
+            (B if rows is None else rows.numel(), R), generator=gen, device=device
+        ),
+    )
 
 
 @dataclass
@@ -226,20 +260,35 @@ class HSDDWDrafter(Drafter):
         name: stats label.
     """
 
-    def __init__(self, m1, m2=None, max_len: int = 8, m1_max: int = 4, tau_init: float = 0.0,
-                 name: str = "hsddw"):
+    def __init__(
+        self,
+        m1,
+        m2=None,
+        max_len: int = 8,
+        m1_max: int = 4,
+        tau_init: float = 0.0,
+        name: str = "hsddw",
+    ):
         if max_len < 1 or m1_max < 1:
-            raise ConfigError(f"HSDDW needs max_len >= 1 and m1_max >= 1 (got {max_len}, {m1_max}).")
+            raise ConfigError(
+                f"HSDDW needs max_len >= 1 and m1_max >= 1 (got {max_len}, {m1_max})."
+            )
         self.m1 = m1 if isinstance(m1, ProbModel) else CausalLMModel(m1, "m1")
-        self.m2 = None if m2 is None else (m2 if isinstance(m2, ProbModel) else CausalLMModel(m2, "m2"))
+        self.m2 = (
+            None if m2 is None else (m2 if isinstance(m2, ProbModel) else CausalLMModel(m2, "m2"))
+        )
         self.max_len, self.m1_max, self.tau_init = max_len, m1_max, tau_init
         self.name = name
         self.tau1 = EntropyThreshold(0, tau_init)
         self.tau2 = EntropyThreshold(0, tau_init)
         self.stats = HierarchyStats()
-        self._buf: torch.Tensor | None = None  # [B, W] committed tokens, then the chain being drafted
+        self._buf: torch.Tensor | None = (
+            None  # [B, W] committed tokens, then the chain being drafted
+        )
         self._synced: torch.Tensor | None = None  # [B] committed tokens at the last propose
-        self._ent: torch.Tensor | None = None  # [B, max_len] final level's entropy at each chain token
+        self._ent: torch.Tensor | None = (
+            None  # [B, max_len] final level's entropy at each chain token
+        )
         self._len: torch.Tensor | None = None  # [B] chain lengths of the last propose
 
     @property
@@ -283,8 +332,14 @@ class HSDDWDrafter(Drafter):
         old = self._buf
         # below the last sync's length the models saw committed tokens; past it at most a chain
         cols = self._synced[:, None] + cached_arange(self.max_len + 1, tok.device)  # [B, W]
-        same = ((old.gather(1, cols.clamp(max=old.shape[1] - 1)) == tok.gather(1, cols.clamp(max=tok.shape[1] - 1)))
-                & (cols < L[:, None]) & (cols < old.shape[1]))
+        same = (
+            (
+                old.gather(1, cols.clamp(max=old.shape[1] - 1))
+                == tok.gather(1, cols.clamp(max=tok.shape[1] - 1))
+            )
+            & (cols < L[:, None])
+            & (cols < old.shape[1])
+        )
         valid = self._synced + same.long().cumprod(dim=1).sum(dim=1)  # [B]
         for m in self.models:
             m.truncate(valid)
@@ -292,7 +347,9 @@ class HSDDWDrafter(Drafter):
         if tok.shape[1] >= width:
             self._buf = tok[:, :width].clone()
         else:
-            self._buf = torch.cat([tok, tok.new_full((tok.shape[0], width - tok.shape[1]), PAD)], dim=1)
+            self._buf = torch.cat(
+                [tok, tok.new_full((tok.shape[0], width - tok.shape[1]), PAD)], dim=1
+            )
         self._synced = L.clone()
 
     def _write(self, pos: torch.Tensor, tok: torch.Tensor, rows: torch.Tensor) -> None:
@@ -316,7 +373,9 @@ class HSDDWDrafter(Drafter):
             if i and not bool(going.any()):  # host read: every row stopped
                 break
             end = start + n
-            lg = self.m1.logits(self._buf, end, end - 1, going)[:, 0].to(dev)  # [B, V] after each row's last token
+            lg = self.m1.logits(self._buf, end, end - 1, going)[:, 0].to(
+                dev
+            )  # [B, V] after each row's last token
             p = _draft_probs(lg, samp)
             h = entropy(p)  # [B]
             if i > 0:
@@ -330,7 +389,9 @@ class HSDDWDrafter(Drafter):
             self._write(end, t, going)
             n = n + going.long()
         r = max(1, int(n.max()))  # host read: the columns some row drafted
-        return _Chain(toks[:, :r], ent[:, :r], logp[:, :r], torch.stack(dists[:r], 1) if dists else None, n)
+        return _Chain(
+            toks[:, :r], ent[:, :r], logp[:, :r], torch.stack(dists[:r], 1) if dists else None, n
+        )
 
     def _hierarchy(self, L: torch.Tensor, samp: RowSampling, counts: torch.Tensor):
         """Rounds of M1 drafting and M2 pre-verifying for every row until M2 loses confidence
@@ -339,7 +400,10 @@ class HSDDWDrafter(Drafter):
         B, dev, ML = L.shape[0], L.device, self.max_len
         width = ML + self.m1_max + 1  # scatter room: a round writes at most m1_max + 1 past out
         chain = torch.full((B, width), PAD, dtype=torch.long, device=dev)
-        chain_ent, chain_logp = torch.zeros((B, width), device=dev), torch.zeros((B, width), device=dev)
+        chain_ent, chain_logp = (
+            torch.zeros((B, width), device=dev),
+            torch.zeros((B, width), device=dev),
+        )
         out = torch.zeros(B, dtype=torch.long, device=dev)  # chain tokens so far
         active = torch.ones(B, dtype=torch.bool, device=dev)
         greedy_row = (samp.temperature <= 0).to(dev)
@@ -371,22 +435,33 @@ class HSDDWDrafter(Drafter):
             extra = g2.gather(1, n_ok[:, None])[:, 0]
             if c1.dists is not None:
                 p_at = p2.gather(1, n_ok[:, None, None].expand(-1, 1, p2.shape[-1]))[:, 0]  # [B, V]
-                q_at = c1.dists.gather(1, n_ok.clamp(max=R - 1)[:, None, None].expand(-1, 1, p2.shape[-1]))[:, 0]
+                q_at = c1.dists.gather(
+                    1, n_ok.clamp(max=R - 1)[:, None, None].expand(-1, 1, p2.shape[-1])
+                )[:, 0]
                 res = (p_at - q_at * rejected[:, None]).clamp_min(0)
                 mass = res.sum(-1, keepdim=True)
                 extra = _draw(torch.where(mass > 0, res / mass.clamp_min(1e-30), p_at), extra, samp)
-            cand = torch.where(ar1 < n_ok[:, None], torch.cat([c1.tokens, c1.tokens[:, :1]], 1),
-                               torch.where(ar1 == n_ok[:, None], extra[:, None], PAD))  # [B, R+1]
+            cand = torch.where(
+                ar1 < n_ok[:, None],
+                torch.cat([c1.tokens, c1.tokens[:, :1]], 1),
+                torch.where(ar1 == n_ok[:, None], extra[:, None], PAD),
+            )  # [B, R+1]
             c_len = n_ok + 1
             # M2's self-verify: keep candidates while M2's entropy stays under tau2 (the chain's
             # first token always)
-            unsure = ((ar1 > 0)[None] | (out > 0)[:, None]) & self.tau2.exceeds(h2) & (ar1[None] < c_len[:, None])
+            unsure = (
+                ((ar1 > 0)[None] | (out > 0)[:, None])
+                & self.tau2.exceeds(h2)
+                & (ar1[None] < c_len[:, None])
+            )
             confident = ~unsure.any(dim=1)
             keep = torch.where(confident, c_len, unsure.long().argmax(dim=1))
             keep = torch.where(active, torch.minimum(keep, ML - out), torch.zeros_like(keep))
             # the correction goes into the buffer; what follows it is forgotten by both models
             self._write(start + n_ok, extra, active)
-            cut = torch.where(active, start + n_ok, torch.full_like(start, torch.iinfo(torch.long).max))
+            cut = torch.where(
+                active, start + n_ok, torch.full_like(start, torch.iinfo(torch.long).max)
+            )
             for m in self.models:
                 m.truncate(cut)
             pos = out[:, None] + ar1  # [B, R+1] chain positions of the candidates
@@ -408,8 +483,10 @@ class HSDDWDrafter(Drafter):
         t0 = time.perf_counter()
         B, dev = state.batch_size, state.device
         if self._buf is None or self._buf.shape[0] != B:
-            raise ConfigError(f"HSDDW holds {0 if self._buf is None else self._buf.shape[0]} rows, the state "
-                              f"{B}: call add_rows(state, start) when rows join (the decoder does).")
+            raise ConfigError(
+                f"HSDDW holds {0 if self._buf is None else self._buf.shape[0]} rows, the state "
+                f"{B}: call add_rows(state, start) when rows join (the decoder does)."
+            )
         samp = state.sampling if state.sampling is not None else RowSampling.uniform(B, device=dev)
         calls = [m.calls for m in self.models]
         self._sync(state)
@@ -420,7 +497,9 @@ class HSDDWDrafter(Drafter):
             counts[0] += n.sum()
         else:
             toks, ent, logp, n = self._hierarchy(state.lengths, samp, counts)
-        drafted1, accepted1, kept2, longest = torch.cat([counts, n.max()[None]]).tolist()  # one host read
+        drafted1, accepted1, kept2, longest = torch.cat(
+            [counts, n.max()[None]]
+        ).tolist()  # one host read
         self._ent, self._len = ent, n
         lv = self.stats.levels
         lv[self.m1.name].drafted += drafted1
@@ -443,17 +522,25 @@ class HSDDWDrafter(Drafter):
         n = self._len
         rejected = (a < n) & (a < feedback.verified[:, 0].to(n.device))
         thr = self.tau2 if self.m2 is not None else self.tau1
-        thr.reject_where(rejected, self._ent.gather(1, a.clamp(max=self._ent.shape[1] - 1)[:, None])[:, 0])
+        thr.reject_where(
+            rejected, self._ent.gather(1, a.clamp(max=self._ent.shape[1] - 1)[:, None])[:, 0]
+        )
         top = self.models[-1]
-        acc, emitted = torch.stack([torch.minimum(a, n).sum(),
-                                    (feedback.num_accepted.to(n.device) + 1).sum()]).tolist()
+        acc, emitted = torch.stack(
+            [torch.minimum(a, n).sum(), (feedback.num_accepted.to(n.device) + 1).sum()]
+        ).tolist()
         self.stats.levels[top.name].accepted += acc
         self.stats.target_calls += state.batch_size
         self.stats.output_tokens += emitted
 
 
-def default_hierarchy(target, m1_layers: int | None = None, m2_layers: int | None = None,
-                      vocab_subset: torch.Tensor | None = None, **kw) -> HSDDWDrafter:
+def default_hierarchy(
+    target,
+    m1_layers: int | None = None,
+    m2_layers: int | None = None,
+    vocab_subset: torch.Tensor | None = None,
+    **kw,
+) -> HSDDWDrafter:
     """The no-training hierarchy of any target: early-exit(~L/8) -> early-exit(~L/2.5) -> target
     (4 and 12 layers for a 30-layer SmolLM2), sharing the target's weights. ``vocab_subset``:
     compute both draft heads over these token ids only (see :class:`CausalLMModel`)."""
@@ -461,5 +548,11 @@ def default_hierarchy(target, m1_layers: int | None = None, m2_layers: int | Non
     l1 = m1_layers or max(1, round(n / 8))
     l2 = m2_layers or max(l1 + 1, round(n / 2.5))
     V = target.vocab_size
-    m2 = None if l2 >= n else CausalLMModel(early_exit_model(target.model, l2), f"ee{l2}", V, vocab_subset)
-    return HSDDWDrafter(CausalLMModel(early_exit_model(target.model, l1), f"ee{l1}", V, vocab_subset), m2, **kw)
+    m2 = (
+        None
+        if l2 >= n
+        else CausalLMModel(early_exit_model(target.model, l2), f"ee{l2}", V, vocab_subset)
+    )
+    return HSDDWDrafter(
+        CausalLMModel(early_exit_model(target.model, l1), f"ee{l1}", V, vocab_subset), m2, **kw
+    )

@@ -37,10 +37,13 @@ def early_exit_model(model: nn.Module, num_layers: int) -> nn.Module:
     if not isinstance(layers, nn.ModuleList):
         raise ConfigError(
             f"early exit needs a decoder whose layers are `{prefix}.layers` (Llama-style); "
-            f"{type(model).__name__} has none. Use a separate draft LM instead.")
+            f"{type(model).__name__} has none. Use a separate draft LM instead."
+        )
     n = len(layers)
     if not 1 <= num_layers < n:
-        raise ConfigError(f"early-exit layers={num_layers}: choose 1..{n - 1} for a {n}-layer target.")
+        raise ConfigError(
+            f"early-exit layers={num_layers}: choose 1..{n - 1} for a {n}-layer target."
+        )
     cfg = copy.copy(model.config)
     cfg.num_hidden_layers = num_layers
     if isinstance(getattr(cfg, "layer_types", None), list):
@@ -85,8 +88,13 @@ class ProbModel:
     def truncate(self, lengths: torch.Tensor) -> None:
         """Row ``b`` forgets every token it has seen at positions ``>= lengths[b]`` (``[B]`` long)."""
 
-    def logits(self, tokens: torch.Tensor, end: torch.Tensor, first: torch.Tensor,
-               rows: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(
+        self,
+        tokens: torch.Tensor,
+        end: torch.Tensor,
+        first: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Next-token logits after positions ``first[b] .. end[b] - 1`` of ``tokens [B, W]``
         (row ``b``'s context is ``tokens[b, :end[b]]``, ``first[b] < end[b]``).
 
@@ -121,8 +129,13 @@ class CausalLMModel(ProbModel):
             weights), every other token gets probability 0. Costs a copy of ``S`` head rows.
     """
 
-    def __init__(self, model: nn.Module, name: str = "lm", vocab_size: int | None = None,
-                 vocab_subset: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        name: str = "lm",
+        vocab_size: int | None = None,
+        vocab_subset: torch.Tensor | None = None,
+    ):
         self.model = model.eval()
         self.name = name
         self.vocab_size = vocab_size
@@ -174,7 +187,9 @@ class CausalLMModel(ProbModel):
         tokens, end, first = tokens.to(dev), end.to(dev), first.to(dev)
         rows = None if rows is None else rows.to(dev)
         B = tokens.shape[0]
-        start = torch.minimum(c.lengths, first)  # the asked positions must be fed to get their logits
+        start = torch.minimum(
+            c.lengths, first
+        )  # the asked positions must be fed to get their logits
         if rows is not None:
             start = torch.where(rows, start, c.lengths)
         c.lengths = start
@@ -182,12 +197,18 @@ class CausalLMModel(ProbModel):
         low = start if rows is None else torch.where(rows, start, torch.iinfo(torch.long).max)
         # one host read: the forward's width, the logits asked for, the longest and the shortest
         # fed row now
-        N, K, top, low = torch.stack([n.max(), _counts(end, first, rows).max(), start.max(), low.min()]).tolist()
-        V = self.vocab_size or (self.full_v if self.subset is not None else self.head.weight.shape[0])
+        N, K, top, low = torch.stack(
+            [n.max(), _counts(end, first, rows).max(), start.max(), low.min()]
+        ).tolist()
+        V = self.vocab_size or (
+            self.full_v if self.subset is not None else self.head.weight.shape[0]
+        )
         if N == 0:
             return torch.zeros((B, K, V), device=dev)
         ar = cached_arange(N, dev)
-        ids = tokens.gather(1, (start[:, None] + ar).clamp(max=tokens.shape[1] - 1)).clamp_min(0)  # [B, N]
+        ids = tokens.gather(1, (start[:, None] + ar).clamp(max=tokens.shape[1] - 1)).clamp_min(
+            0
+        )  # [B, N]
         c.reserve(B, top + N)
         c.begin(start, N, span=top + N)  # row b's fed tokens go to columns start[b] ..
         mask = None
@@ -195,12 +216,19 @@ class CausalLMModel(ProbModel):
             # a fed token sees its row's cache, the row's fed tokens before it, and itself (padding
             # tokens past a row's count only themselves and what precedes them: no empty softmax)
             causal = torch.tril(torch.ones((N, N), dtype=torch.bool, device=dev))
-            anc = causal[None] & ((ar[None] < n[:, None])[:, None, :] | torch.eye(N, dtype=torch.bool, device=dev))
+            anc = causal[None] & (
+                (ar[None] < n[:, None])[:, None, :] | torch.eye(N, dtype=torch.bool, device=dev)
+            )
             mask = c.attention_bias(anc, self.dtype)
         # else every fed row starts at column `top`: the model's own causal mask is right (and the
         # unmasked attention kernel faster; rows not fed compute garbage nobody reads)
-        h = self.base(input_ids=ids, attention_mask=mask, position_ids=start[:, None] + ar,
-                      **cache_kwargs(self.base, c), use_cache=True).last_hidden_state
+        h = self.base(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=start[:, None] + ar,
+            **cache_kwargs(self.base, c),
+            use_cache=True,
+        ).last_hidden_state
         c.lengths = start + n  # each row keeps its own n[b] tokens, already in place
         self.calls += 1
         idx = ((first - start)[:, None] + cached_arange(K, dev)).clamp(0, N - 1)  # [B, K]
@@ -212,7 +240,9 @@ class CausalLMModel(ProbModel):
             sub = h @ self.sub_w.T  # [B, K, S]
             if self.sub_b is not None:
                 sub = sub + self.sub_b
-            logits = sub.new_full((*sub.shape[:-1], self.full_v), float("-inf")).index_copy_(-1, self.subset, sub)
+            logits = sub.new_full((*sub.shape[:-1], self.full_v), float("-inf")).index_copy_(
+                -1, self.subset, sub
+            )
         else:
             logits = self.head(h)
         logits = logits.float()
@@ -256,7 +286,7 @@ class TrigramModel(ProbModel):
         # ids -1 (fewer successors) go to a spare column V, dropped after the scatter
         out = torch.full((B * K, self.V + 1), float("-inf"), device=tokens.device)
         out.scatter_(1, torch.where(ids >= 0, ids.long(), self.V), logp)
-        out = out[:, :self.V]
+        out = out[:, : self.V]
         out[mass[:, 0] <= 0] = 0.0  # unknown context: uniform (max entropy)
         self.calls += 1
         return out.reshape(B, K, self.V)

@@ -33,8 +33,8 @@ context keys, and the node arrays are preallocated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -182,8 +182,9 @@ def _expand(tree: _Tree, nodes: np.ndarray, lookup: Lookup, cfg: MCTSConfig) -> 
     tree.size += n_new
 
 
-def _rollout(tree: _Tree, nodes: np.ndarray, lookup: Lookup, cfg: MCTSConfig,
-             rng: np.random.Generator) -> np.ndarray:
+def _rollout(
+    tree: _Tree, nodes: np.ndarray, lookup: Lookup, cfg: MCTSConfig, rng: np.random.Generator
+) -> np.ndarray:
     """Score of each traversal ending at ``nodes`` [T]: its tree path, then table samples to
     depth ``D`` (a context the table does not know ends the rollout). Returns ``[T]`` in [0, 1]."""
     value = tree.ea[nodes].copy()  # [T] expected accepted tokens along the tree path
@@ -207,8 +208,13 @@ def _rollout(tree: _Tree, nodes: np.ndarray, lookup: Lookup, cfg: MCTSConfig,
     return value / cfg.depth
 
 
-def mcts_search(root_w1: np.ndarray, root_w2: np.ndarray, lookup: Lookup,
-                cfg: MCTSConfig | None = None, rng: np.random.Generator | None = None) -> MCTSResult:
+def mcts_search(
+    root_w1: np.ndarray,
+    root_w2: np.ndarray,
+    lookup: Lookup,
+    cfg: MCTSConfig | None = None,
+    rng: np.random.Generator | None = None,
+) -> MCTSResult:
     """Run ADED's MCTS from ``(w1, w2)`` of every row and return ranked candidate paths.
 
     Args:

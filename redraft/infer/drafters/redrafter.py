@@ -101,8 +101,14 @@ class ReDrafterDrafter(Drafter):
             multiply bf16 natively).
     """
 
-    def __init__(self, head, width: int = FIELDS["redrafter_width"].default, length: int | None = None,
-                 name: str = "redrafter", dtype="auto"):
+    def __init__(
+        self,
+        head,
+        width: int = FIELDS["redrafter_width"].default,
+        length: int | None = None,
+        name: str = "redrafter",
+        dtype="auto",
+    ):
         self.head, self.width, self.name = head.to(draft_dtype(head, dtype)), width, name
         self.length = int(length or head.config.num_steps)  # default: the head's training horizon
 

@@ -23,7 +23,9 @@ class DraftRetrieverDrafter(Drafter):
 
     name = "draftretriever"
 
-    def __init__(self, index_path, choices: int = 64, max_q: int = 16, min_q: int = 2, depth: int = 8):
+    def __init__(
+        self, index_path, choices: int = 64, max_q: int = 16, min_q: int = 2, depth: int = 8
+    ):
         import draftretriever
 
         self.reader = draftretriever.Reader(str(index_path))
