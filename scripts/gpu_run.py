@@ -61,7 +61,8 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parent)
 )  # its sibling modules, also when loaded by path
 
-from gpu_run_base import (
+from gpu_run_base import (  # noqa: E402 (after the sys.path setup); re-exports for callers
+    ALL,  # noqa: F401
     EXIT_MISSING,
     IMPORTS,
     LOG_KEEP,
@@ -72,6 +73,7 @@ from gpu_run_base import (
     OUT_MAX_TOTAL,
     REPO,
     STAGES,
+    STEP_LIMITS,  # noqa: F401
     WORK,
     Bundle,
     Profile,

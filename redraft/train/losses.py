@@ -16,6 +16,7 @@ import torch
 
 # The loss lives with the head (ReDrafter.forward(labels=...) uses it too); re-exported here.
 from redraft.models.losses import IGNORE_INDEX as IGNORE  # noqa: F401
+from redraft.models.losses import drafter_loss  # noqa: F401
 
 
 @dataclass
