@@ -28,7 +28,6 @@ which is the baseline every speculative result is compared with.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -58,7 +57,6 @@ from redraft.infer.drafters.base import (
 from redraft.infer.engine import Engine
 from redraft.infer.hostdraft import HostStats, best_budget_np
 from redraft.infer.hosttree import (
-    HostTree,
     accepted_prefix_np,
     build_tree_np,
     clean_paths_np,
@@ -359,7 +357,7 @@ class SpeculativeDecoder:
         B, P, L = prop.paths.shape
         cfg = self.config
         if P == 0:
-            return root_tree(host.last, verifier.tree_size(1))
+            return build_tree_np(prop.paths, root=host.last, size=verifier.tree_size(1))
         if cfg.budget != "auto":
             budget, size = cfg.budget, None
             if verifier.static:
@@ -471,43 +469,6 @@ class SpeculativeDecoder:
 
 _EMPTY_PATHS = np.full((1 << 16, 0, 1), PAD, np.int64)  # [B, 0, 1] views for plain steps
 _EMPTY_OWNER = np.zeros(0, np.int64)
-
-
-@functools.lru_cache(maxsize=64)
-def _root_parts(B: int, N: int):
-    parent = np.zeros((B, N), np.int64)
-    parent[:, 0] = -1
-    valid = np.zeros((B, N), bool)
-    valid[:, 0] = True
-    anc = np.broadcast_to(np.eye(N, dtype=bool), (B, N, N)).copy()
-    anc[:, :, 0] = True
-    return (
-        parent,
-        np.zeros((B, N), np.int64),
-        valid,
-        anc,
-        np.ones(B, np.int64),
-        np.zeros(B, np.int64),
-    )
-
-
-def root_tree(last: np.ndarray, size: int) -> HostTree:
-    """The tree of a plain step: the root alone (``last``), padded to ``size`` nodes."""
-    B = len(last)
-    parent, depth, valid, anc, ones, zeros = _root_parts(B, size)
-    tokens = np.full((B, size), PAD, np.int64)
-    tokens[:, 0] = last
-    return HostTree(
-        tokens=tokens,
-        parent=parent,
-        depth=depth,
-        valid=valid,
-        anc=anc,
-        path_node=np.full((B, 0, 1), -1, np.int64),
-        num_nodes=ones,
-        num_entries=zeros,
-        max_depth=0,
-    )
 
 
 def _to_host(dr: Draft) -> Draft:

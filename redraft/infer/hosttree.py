@@ -146,6 +146,22 @@ def _kept_entries_np(valid, rep, is_new, values: np.ndarray, budget) -> np.ndarr
     return np.logical_and.accumulate(keep, axis=-1)  # an entry stays only if its whole prefix does
 
 
+@functools.lru_cache(maxsize=64)
+def _root_parts(B: int, N: int) -> tuple[np.ndarray, ...]:
+    """The parts of a root-only tree that do not depend on the tokens (made once per shape, read
+    only: every plain decode step builds one)."""
+    parent = np.zeros((B, N), dtype=np.int64)
+    parent[:, 0] = -1
+    valid = np.zeros((B, N), dtype=bool)
+    valid[:, 0] = True
+    anc = np.broadcast_to(_eye(N), (B, N, N)).copy()
+    anc[:, :, 0] = True
+    parts = (parent, np.zeros((B, N), dtype=np.int64), valid, anc, np.ones(B, dtype=np.int64))
+    for a in parts:
+        a.flags.writeable = False
+    return parts
+
+
 def _root_only(paths, root, size, num_entries) -> HostTree:
     """No drafts: the root alone, padded to ``size``."""
     B, P, L = paths.shape
@@ -153,20 +169,15 @@ def _root_only(paths, root, size, num_entries) -> HostTree:
     tokens = np.full((B, N), PAD, dtype=np.int64)
     if root is not None:
         tokens[:, 0] = root
-    valid = np.zeros((B, N), dtype=bool)
-    valid[:, 0] = True
-    anc = np.broadcast_to(_eye(N), (B, N, N)).copy()
-    anc[:, :, 0] = True
-    parent = np.zeros((B, N), dtype=np.int64)
-    parent[:, 0] = -1
+    parent, depth, valid, anc, ones = _root_parts(B, N)
     return HostTree(
         tokens=tokens,
         parent=parent,
-        depth=np.zeros((B, N), dtype=np.int64),
+        depth=depth,
         valid=valid,
         anc=anc,
         path_node=np.full((B, P, L), -1, dtype=np.int64),
-        num_nodes=np.ones(B, dtype=np.int64),
+        num_nodes=ones,
         num_entries=num_entries,
         max_depth=0,
     )
