@@ -155,6 +155,47 @@ def prefill_chunk(cost: CostCurve, step_tokens: int) -> int:
     return int(sizes[ok].max()) if bool(ok.any()) else PREFILL_CHUNK_MIN
 
 
+class PrefillPacer:
+    """The "auto" prefill chunk, paced by measured chunk forwards.
+
+    The cost curve is measured once, over a short cache, for a single row; a chunk of a long
+    prompt attends over everything before it, so a chunk that the curve says costs one decode
+    step costs several near the end of a 4,000-token prompt (and the machine's load changes
+    both). So after each chunk the pacer keeps ``r``, its measured seconds per token past the
+    forward's fixed cost ``c0`` (the curve's one-token cost), averaged over the last chunks, and
+    sizes the next chunk to cost no more than the running rows' last measured verify step:
+    ``T = (target - c0) / r``, a multiple of 16 in ``[PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX]``,
+    at most twice the last chunk (one lucky measurement must not stall the streams). Before the
+    first measured chunk it is :func:`prefill_chunk` of the curve.
+    """
+
+    SMOOTH = 0.5  # weight of the newest chunk in the per-token estimate
+    MARGIN = 0.9  # aim a little under the step: the next chunk sees a longer context
+
+    def __init__(self):
+        self.rate: float | None = None  # seconds per prompt token past the fixed cost
+        self.last = 0  # tokens of the last measured chunk
+
+    def observe(self, tokens: int, seconds: float, cost: CostCurve) -> None:
+        """A chunk forward of ``tokens`` prompt tokens took ``seconds``."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        c0 = float(cost.seconds[0])
+        r = max(seconds - c0, 0.05 * seconds) / tokens
+        self.rate = r if self.rate is None else self.SMOOTH * r + (1 - self.SMOOTH) * self.rate
+        self.last = tokens
+
+    def chunk(self, cost: CostCurve, step_tokens: int, step_seconds: float | None) -> int:
+        """Prompt tokens for the next chunk, given the running rows' last verify forward
+        (``step_tokens`` tokens, ``step_seconds`` measured; ``None`` before the first step)."""
+        if self.rate is None or not step_seconds:
+            return prefill_chunk(cost, step_tokens)
+        budget = self.MARGIN * step_seconds - float(cost.seconds[0])
+        T = int(budget / self.rate) // PREFILL_CHUNK_MIN * PREFILL_CHUNK_MIN
+        T = min(T, max(2 * self.last, PREFILL_CHUNK_MIN))
+        return max(PREFILL_CHUNK_MIN, min(PREFILL_CHUNK_MAX, T))
+
+
 class AcceptanceStats:
     """Running acceptance rate per (drafter, path group, depth), with a Beta prior, on a device.
 

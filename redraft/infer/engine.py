@@ -48,7 +48,7 @@ from redraft.infer.accept import (
     seed_uniforms,
     token_logprobs,
 )
-from redraft.infer.budget import PREFILL_CHUNK_MIN, prefill_chunk
+from redraft.infer.budget import PREFILL_CHUNK_MIN, PrefillPacer
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState
 from redraft.infer.processors import RowProcessors
@@ -81,9 +81,11 @@ class Engine:
         self.cache = None  # SlotKVCache, made at the first join, kept for the engine's life
         self.sampling: RowSampling | None = None
         self.steps = 0
-        self._step_tokens = (
-            0  # tokens the last verify forward ran (batch x tree size): the auto prefill chunk
-        )
+        # the running rows' last verify forward (batch x tree tokens, measured seconds) and the
+        # last prefill chunk's (tokens, clock marks): what the "auto" prefill chunk is paced by
+        self._step_tokens, self._step_secs = 0, None
+        self._chunk_marks = None
+        self._pacer = PrefillPacer()
         self._next_id = 0
         self._clock = Clock(self.device)
         self._context = getattr(decoder.model.config, "max_position_embeddings", None)
@@ -201,6 +203,7 @@ class Engine:
         credit = dec.feedback(host, before, prop, tree, acc)
         secs = clock.seconds(t0, t1), clock.seconds(t1, t2)  # CUDA events are done: the read synced
         dec.after_step(prop, acc, credit, secs)
+        self._step_secs = secs[1]
         self.steps += 1
         return events + self._emit(tree, prop, acc, credit, secs, readout.logprobs)
 
@@ -356,8 +359,24 @@ class Engine:
         pend = [j for j, r in enumerate(self.prefilling) if not r.done]
         if len(keep) == len(self.rows) and len(pend) == len(self.prefilling):
             return
+        # few moves: rows above the new end fill the holes the leaving rows leave; the first
+        # waiting requests (nothing cached yet) take the freed slots before the rows being
+        # prefilled, which then stay where they are (a long prompt's cache is not copied each
+        # time a row leaves, and short requests are not queued behind it)
+        B = len(self.rows)
+        keep = _fill_holes(keep, 0)
+        m = min(B - len(keep), len(self.waiting)) if pend else 0
+        fresh, self.waiting = self.waiting[:m], self.waiting[m:]
+        first = len(keep) + m
+        pend = [p - B for p in _fill_holes([B + j for j in pend], first)]
         self.prefilling = [self.prefilling[j] for j in pend]
-        self.cache.keep_rows(keep, pend)  # the rows being prefilled move up behind the kept ones
+        lengths = self.cache.host_lengths
+        moved = [lengths[i] for t, i in enumerate(keep) if i != t] + [
+            self.prefilling[t].filled for t, j in enumerate(pend) if B + j != first + t
+        ]
+        self.cache.keep_rows(keep, [None] * m + pend, columns=max(moved, default=0) + 1)
+        if fresh:
+            self._admit(fresh, front=True)
         if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[i] for i in keep]
@@ -410,6 +429,15 @@ class Engine:
         else:
             self.cache.reserve(self.cache.batch + len(self.prefilling) + len(new), width)
 
+    def _admit(self, new: list[Row], front: bool = False) -> None:
+        """Waiting rows ``new`` join the prefill queue, at its end (the slots after it) or, from
+        :meth:`_retire`, at its front (slots the leaving rows freed)."""
+        self._reserve(new)
+        t0 = time.perf_counter()
+        for r in new:
+            r.t_start = t0
+        self.prefilling = new + self.prefilling if front else self.prefilling + new
+
     def _prefill(self) -> list[StreamEvent]:
         """One prefill chunk: waiting requests take the slots after the active rows and those
         being prefilled; the first rows of that queue get their next piece of prompt in one
@@ -417,11 +445,7 @@ class Engine:
         first token and join the batch (:meth:`_join`)."""
         if self.waiting:
             new, self.waiting = self.waiting, []
-            self._reserve(new)
-            t0 = time.perf_counter()
-            for r in new:
-                r.t_start = t0
-            self.prefilling += new
+            self._admit(new)
         n, T = self._chunk_rows()
         rows, cache = self.prefilling[:n], self.cache
         t0 = time.perf_counter()
@@ -429,12 +453,15 @@ class Engine:
         cache.reserve(
             cache.batch + len(self.prefilling), max(starts) + T + 1
         )  # padding columns of short pieces
+        m0 = self._clock.mark()
         h_last = self.verifier.prefill(
             [r.prompt[r.filled : r.filled + T] for r in rows],
             cache,
             first_slot=cache.batch,
             starts=starts,
         )  # [n, H]
+        # read at the next chunk (on CUDA the events are done by then: every step reads back)
+        self._chunk_marks = (n * T, m0, self._clock.mark())
         for r in rows:
             r.filled = min(len(r.prompt), r.filled + T)
         done = sum(
@@ -461,8 +488,9 @@ class Engine:
 
     def _chunk_size(self) -> int:
         """Prompt tokens one prefill forward may hold (``DecoderConfig.prefill_chunk``; "auto":
-        ``budget.prefill_chunk`` of the running rows' last verify, measuring the cost curve if
-        no step has yet)."""
+        :class:`~redraft.infer.budget.PrefillPacer`: no more than the running rows' last verify
+        forward, from the measured cost of the previous chunks, or of the cost curve (measured
+        now if no step has yet) before the first)."""
         chunk = self.dec.config.prefill_chunk
         if chunk != "auto":
             return chunk or 1 << 40  # 0: off, every prompt in one piece
@@ -474,7 +502,13 @@ class Engine:
             return PREFILL_CHUNK_MIN  # whatever the cost: no need to measure it
         if self.dec.cost_curve is None:
             self.dec.measure_cost()
-        return prefill_chunk(self.dec.cost_curve, self._step_tokens)
+        if self._chunk_marks is not None:
+            tokens, m0, m1 = self._chunk_marks
+            if self._clock.cuda:
+                m1.synchronize()  # done already (a step read back since); never an error
+            self._pacer.observe(tokens, self._clock.seconds(m0, m1), self.dec.cost_curve)
+            self._chunk_marks = None
+        return self._pacer.chunk(self.dec.cost_curve, self._step_tokens, self._step_secs)
 
     def _join(self, new: list[Row], h_last: torch.Tensor) -> list[StreamEvent]:
         """Rows ``new`` (the first of the prefill queue, their prompts all in the cache, in the
@@ -546,6 +580,20 @@ class Engine:
                 request_ids=torch.cat([s.request_ids, part.request_ids]),
             )
         self.state = dataclasses.replace(self.state, sampling=self.sampling)
+
+
+def _fill_holes(slots: list[int], first: int) -> list[int]:
+    """New order of rows now in ``slots`` (ascending) that are to occupy ``first ..
+    first + len(slots) - 1``: rows already in that range stay where they are, the rows above it
+    fill its holes (a row leaving moves one row, not every row after it)."""
+    end = first + len(slots)
+    taken = {s for s in slots if first <= s < end}
+    holes = iter(t for t in range(first, end) if t not in taken)
+    placed = {s: s for s in taken}
+    for s in slots:
+        if s >= end:
+            placed[next(holes)] = s
+    return [placed[t] for t in range(first, end)]
 
 
 def _widen(tokens: torch.Tensor, width: int) -> torch.Tensor:

@@ -194,14 +194,25 @@ class SlotKVCache(Cache):
         idx = torch.tensor([rows, src, dst], dtype=torch.long).to(self.kv.device, non_blocking=True)
         self.kv[:, :, idx[0], :, idx[2]] = self.kv[:, :, idx[0], :, idx[1]]
 
-    def keep_rows(self, keep: list[int], pending: list[int] = ()) -> None:
-        """Rows ``keep`` (indices of active rows, in order) stay, compacted into slots 0..len-1;
-        rows being prefilled (slots after the batch; ``pending``: their indices counted from the
-        first slot after it) follow them in order, the others are dropped."""
-        slots = list(keep) + [self.batch + j for j in pending]
-        if slots != list(range(len(slots))):
-            idx = torch.tensor(slots, dtype=torch.long).to(self.kv.device)
-            self.kv[:, :, : len(slots)] = self.kv[:, :, idx]
+    def keep_rows(
+        self, keep: list[int], pending: list[int] = (), columns: int | None = None
+    ) -> None:
+        """Rows ``keep`` (indices of active rows, in their new order) stay, in slots
+        0..len-1; rows being prefilled (slots after the batch; ``pending``: their indices counted
+        from the first slot after it, in their new order; ``None``: a slot for a new row, nothing
+        to copy) follow them, the others are dropped.
+
+        Only rows whose slot changes are copied, and only their first ``columns`` columns (what
+        any moved row holds; default: the whole capacity): a row leaving a batch of long rows
+        must not copy every row's whole cache (gigabytes on a CPU after a long prompt joined).
+        The caller picks orders that move few rows (``Engine._retire``)."""
+        slots = list(keep) + [None if j is None else self.batch + j for j in pending]
+        dst = [t for t, s in enumerate(slots) if s is not None and s != t]
+        if dst:
+            src = torch.tensor([slots[t] for t in dst], dtype=torch.long).to(self.kv.device)
+            c = self.capacity if columns is None else min(int(columns), self.capacity)
+            # the right side is gathered into a new tensor first: overlapping moves are safe
+            self.kv[:, :, dst, :, :c] = self.kv[:, :, src, :, :c]
         self.host_lengths = [self.host_lengths[i] for i in keep] if self.host_lengths else []
         self.batch = len(keep)
 
