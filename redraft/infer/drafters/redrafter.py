@@ -140,7 +140,7 @@ class ReDrafterDrafter(Drafter):
         self.beam_cost = beam_cost
         self.novelty = np.ones((max(self.widths), max(self.lengths)))  # unseen: assume new
         self.plans: Counter = Counter()  # (W, L) -> steps drafted with it
-        self._decoder, self._index, self._steps = None, 0, 0
+        self._decoder, self._index, self._steps, self._next_plan = None, 0, 0, 0
 
     @property
     def auto(self) -> bool:
@@ -152,8 +152,8 @@ class ReDrafterDrafter(Drafter):
         self._decoder, self._index = decoder, index
 
     def propose(self, state: DecodeState) -> Draft:
-        if self.auto and self._steps % self.REPLAN == 0:
-            self._plan(state)
+        if self.auto and self._steps >= self._next_plan and self._plan(state):
+            self._next_plan = self._steps + self.REPLAN
         self._steps += 1
         self.plans[(self.width, self.length)] += 1
         tokens, logp, _ = beam_search(self.head, state.hidden, state.last, self.width, self.length)
@@ -172,12 +172,12 @@ class ReDrafterDrafter(Drafter):
         a = self.NOVELTY_EMA
         self.novelty[:W, :L] = a * self.novelty[:W, :L] + (1 - a) * novelty_np(tokens)
 
-    def _plan(self, state: DecodeState) -> None:
+    def _plan(self, state: DecodeState) -> bool:
         """Choose (W, L) for the next steps (``beamcost.plan_beam``), measuring the beam-search
-        cost on this device the first time."""
+        cost on this device the first time; False while the decoder has no cost curve yet."""
         dec = self._decoder
         if dec is None or dec.cost_curve is None or state.hidden is None:
-            return
+            return False
         if self.beam_cost is None:
             vd = self.head.config.draft_vocab_size or self.head.config.vocab_size
             self.beam_cost = measure_beam_cost(
@@ -193,3 +193,4 @@ class ReDrafterDrafter(Drafter):
         self.width, self.length, _ = plan_beam(
             rates, self.novelty, self.beam_cost, dec.cost_curve, B, self.widths, self.lengths, fixed
         )
+        return True
