@@ -137,7 +137,7 @@ def plan_beam(
 
     Args:
         rates: ``[G, D]`` acceptance rate of the ReDrafter's entries by beam rank and depth
-            (``HostStats.rates()[drafter]``; ``G >= max(widths)``, ``D >= max(lengths)``).
+            (``HostStats.rates()[drafter]``; the last rank and depth stand for those past them).
         novelty: ``[max(widths), max(lengths)]`` expected new nodes per entry (:func:`novelty_np`).
         beam_cost: the drafting cost; verify_cost: the decoder's verify-cost curve (one row).
         batch: rows B. widths, lengths: the candidates. fixed_s: other per-step seconds.
@@ -146,7 +146,10 @@ def plan_beam(
         ``(W, L, tokens per second)`` of the best candidate.
     """
     Wm, Lm = max(widths), max(lengths)
-    v = np.cumprod(np.asarray(rates, np.float64)[:Wm, :Lm], axis=1)  # [Wm, Lm]
+    rates = np.asarray(rates, np.float64)[:Wm, :Lm]
+    # past the statistics' last rank or depth the decoder reuses the last one: so does the plan
+    rates = np.pad(rates, ((0, Wm - rates.shape[0]), (0, Lm - rates.shape[1])), mode="edge")
+    v = np.cumprod(rates, axis=1)  # [Wm, Lm]
     v = np.minimum.accumulate(v, axis=0)  # a lower-scored beam is no likelier (untried ranks)
     new = np.asarray(novelty, np.float64)[:Wm, :Lm]
     cand = np.array([(w, n) for w in widths for n in lengths], np.int64)  # [C, 2]

@@ -175,3 +175,11 @@ def test_only_an_auto_setting_is_planned(tiny_head):
     dr = ReDrafterDrafter(tiny_head, width=4, length="auto")
     assert dr.widths == [4] and dr.lengths == list(range(1, tiny_head.config.num_steps + 1))
     assert not ReDrafterDrafter(tiny_head, width=4).auto
+
+
+def test_ranks_and_depths_past_the_statistics_reuse_the_last_ones():
+    rates = np.array([[0.5, 0.4]])  # one rank, two depths known
+    cost = BeamCost.from_ms("1:1", "1:1")
+    short = plan_beam(rates, np.ones((3, 4)), cost, FLAT, 1, [1, 2, 3], [1, 2, 3, 4])
+    full = np.array([[0.5, 0.4, 0.4, 0.4]] * 3)
+    assert short == plan_beam(full, np.ones((3, 4)), cost, FLAT, 1, [1, 2, 3], [1, 2, 3, 4])
