@@ -9,17 +9,21 @@ steps over its B * W beams (``drafters.redrafter.beam_search``)::
 measured once on the device in use (:func:`measure_beam_cost`, like the verify-cost curve).
 
 What a beam buys: the decoder observes, per (drafter, path group, depth), how often an entry
-is accepted once its parent was; the ReDrafter's paths are grouped by beam rank, so
-``v[p, l] = prod_{j <= l} rate[p, j]`` is the chance that beam ``p`` is accepted through depth
-``l``. Beams share prefixes and at most one node per depth is accepted, so those events are
-either the same (a shared node) or disjoint: the chance that the accepted path reaches depth
-``l + 1`` is the sum of ``v`` over the *distinct* nodes at depth ``l``. The drafter counts how
-often entry ``(p, l)`` is a node of its own (``novelty[p, l]``, :func:`novelty_np`), so a
-(W, L) tree holds, in expectation, ``novelty[p, l]`` nodes of value ``v[p, l]`` for every
-``p < W``, ``l < L`` (the sum at a depth capped by the depth above it: the accepted path cannot
-reach depth l + 1 more often than depth l). Beams are sorted by score, so a beam's ``v`` is
-taken as at most the beam's above it: a rank never tried does not look better than the ranks
-that were (its rates alone would be the prior's).
+is accepted once its parent was. Beams share prefixes, and a beam's entries on a prefix it
+shares with a better beam are that beam's nodes, not new ones; so an "auto" drafter puts each
+beam in the group of its rank bucket (0, 1, 2-3, 4-7, 8+) and its *split depth* ``f``, the first
+depth at which it differs from every beam before it (:func:`split_depth_np`; beam 0 and beams
+with a first token of their own: 0). Then ``v[p, f, l] = prod_{j <= l} rate[group(p, f), j]``
+is the chance that such a beam is accepted through depth ``l``, and its new nodes are the
+depths ``l >= f``. At most one node per depth is accepted, so distinct nodes are disjoint
+events: the chance that the accepted path reaches depth ``l + 1`` is the sum of ``v`` over the
+distinct nodes at depth ``l``. The drafter counts how often beam ``p`` splits at ``f``
+(``split[p, f]``), so a (W, L) tree holds, in expectation, ``split[p, f]`` nodes of value
+``v[p, f, l]`` for every ``p < W``, ``f <= l < L`` (each depth's sum capped by the depth above
+it: the accepted path cannot reach depth l + 1 more often than depth l). Beams are sorted by
+score, so a beam's ``v`` is taken as at most the beam's above it with the same split: a rank
+never tried does not look better than the ranks that were (its rates alone would be the
+prior's).
 
 :func:`plan_beam` then does what ``budget.best_budget`` does for the tree, one level up: for
 every candidate (W, L) it sorts those nodes by value, lets the budget verify the best K of them,
@@ -28,9 +32,9 @@ expected output tokens per second of the step. The best (W, L) wins. Depths neve
 the rates' prior (0.3), so longer searches look worth a try until tried; the decoder's counts
 decay, so an abandoned setting is re-tried now and then.
 
-Worked example (B = 1, every entry a node of its own, a flat verify cost of 1 s, drafting
-``first(1) = ext(1) = 0.1`` s and ``ext(2) = 0.15`` s): rates ``[[0.6, 0.5], [0.2, 0.5]]`` give
-``v = [[0.6, 0.3], [0.2, 0.1]]``, so
+Worked example (B = 1, both beams split at depth 0, a flat verify cost of 1 s, drafting
+``first(1) = ext(1) = 0.1`` s and ``ext(2) = 0.15`` s): rates ``[0.6, 0.5]`` (beam 0) and
+``[0.2, 0.5]`` (beam 1) give ``v = [[0.6, 0.3], [0.2, 0.1]]``, so
 
     W=1, L=1: (1 + 0.6) / (1 + 0.1)                   = 1.45 tokens/s
     W=1, L=2: (1 + 0.6 + 0.3) / (1 + 0.1 + 0.1)       = 1.58
@@ -49,6 +53,21 @@ from redraft.infer.budget import CostCurve, measure_cost_curve
 
 ROW_SIZES = (1, 2, 4, 8, 16, 32, 64)  # rows at which the head's steps are timed
 MAX_WIDTH = 16  # the widest beam search "auto" considers
+RANK_BUCKETS = 5  # statistics groups per split depth: ranks 0, 1, 2-3, 4-7, 8+
+MAX_SPLIT = 5  # split depths 0..5 (deeper ones counted as 5): 30 groups, within HostStats' 32
+
+
+def rank_bucket(rank: np.ndarray) -> np.ndarray:
+    """0, 1, 2-3, 4-7, 8+ -> 0, 1, 2, 3, 4."""
+    rank = np.asarray(rank, np.int64)
+    return np.minimum(np.where(rank > 0, np.floor(np.log2(np.maximum(rank, 1))) + 1, 0), 4).astype(
+        np.int64
+    )
+
+
+def beam_group(rank, split) -> np.ndarray:
+    """The statistics group of a beam of ``rank`` that splits at depth ``split`` (broadcast)."""
+    return np.minimum(np.asarray(split, np.int64), MAX_SPLIT) * RANK_BUCKETS + rank_bucket(rank)
 
 
 class BeamCost:
@@ -112,20 +131,20 @@ def measure_beam_cost(
     return BeamCost(first, CostCurve(sizes, ext.cummax(dim=0).values.tolist()))
 
 
-def novelty_np(tokens: np.ndarray) -> np.ndarray:
-    """``[W, L]`` float: the fraction of rows in which beam ``p``'s entry at depth ``l`` is a
-    node of its own (no beam before it shares its prefix through depth ``l``), for beams
-    ``tokens [B, W, L]`` (host ids; beam 0 is always new)."""
+def split_depth_np(tokens: np.ndarray) -> np.ndarray:
+    """``[B, W]`` int64: the first depth at which beam ``p`` of ``tokens [B, W, L]`` differs from
+    every beam before it (the length of its longest prefix shared with a better beam; beam 0:
+    0). Beams are distinct sequences, so it is below ``L``."""
     B, W, L = tokens.shape
     eq = tokens[:, :, None, :] == tokens[:, None, :, :]  # [B, W(p), W(q), L]
-    shared = np.logical_and.accumulate(eq, axis=-1)  # prefixes equal through depth l
-    earlier = np.tri(W, W, -1, dtype=bool)[None, :, :, None]  # q < p
-    return (~(shared & earlier).any(axis=2)).mean(axis=0)
+    common = np.logical_and.accumulate(eq, axis=-1).sum(axis=-1)  # [B, W, W] shared prefix
+    earlier = np.tri(W, W, -1, dtype=bool)[None]  # q < p
+    return np.where(earlier, common, 0).max(axis=2, initial=0)
 
 
 def plan_beam(
     rates: np.ndarray,
-    novelty: np.ndarray,
+    split: np.ndarray,
     beam_cost: BeamCost,
     verify_cost: CostCurve,
     batch: int,
@@ -136,9 +155,11 @@ def plan_beam(
     """The (W, L) with the most expected output tokens per second (see the module doc).
 
     Args:
-        rates: ``[G, D]`` acceptance rate of the ReDrafter's entries by beam rank and depth
-            (``HostStats.rates()[drafter]``; the last rank and depth stand for those past them).
-        novelty: ``[max(widths), max(lengths)]`` expected new nodes per entry (:func:`novelty_np`).
+        rates: ``[G, D]`` acceptance rate of the ReDrafter's entries by statistics group
+            (:func:`beam_group`) and depth (``HostStats.rates()[drafter]``; the last depth
+            stands for those past it).
+        split: ``[max(widths), S]``: how often beam ``p`` splits at depth ``f`` (rows sum to 1;
+            ``S <= MAX_SPLIT + 1``).
         beam_cost: the drafting cost; verify_cost: the decoder's verify-cost curve (one row).
         batch: rows B. widths, lengths: the candidates. fixed_s: other per-step seconds.
 
@@ -146,25 +167,31 @@ def plan_beam(
         ``(W, L, tokens per second)`` of the best candidate.
     """
     Wm, Lm = max(widths), max(lengths)
-    rates = np.asarray(rates, np.float64)[:Wm, :Lm]
-    # past the statistics' last rank or depth the decoder reuses the last one: so does the plan
-    rates = np.pad(rates, ((0, Wm - rates.shape[0]), (0, Lm - rates.shape[1])), mode="edge")
-    v = np.cumprod(rates, axis=1)  # [Wm, Lm]
-    v = np.minimum.accumulate(v, axis=0)  # a lower-scored beam is no likelier (untried ranks)
-    new = np.asarray(novelty, np.float64)[:Wm, :Lm]
+    split = np.asarray(split, np.float64)[:Wm]
+    S = split.shape[1]
+    rates = np.asarray(rates, np.float64)[:, :Lm]
+    rates = np.pad(rates, ((0, 0), (0, Lm - rates.shape[1])), mode="edge")  # the decoder's rule
+    rank, f, depth = np.arange(Wm), np.arange(S), np.arange(Lm)
+    v = np.cumprod(rates[beam_group(rank[:, None], f[None])], axis=2)  # [Wm, S, Lm]
+    # a lower-scored beam is no likelier (untried ranks); beam 0 only ever splits at depth 0
+    v[:, 0] = np.minimum.accumulate(v[:, 0], axis=0)
+    v[1:, 1:] = np.minimum.accumulate(v[1:, 1:], axis=0)
     cand = np.array([(w, n) for w in widths for n in lengths], np.int64)  # [C, 2]
     Wc, Lc = cand[:, 0], cand[:, 1]
-    rank, depth = np.arange(Wm), np.arange(Lm)
-    inside = (rank[None, :, None] < Wc[:, None, None]) & (depth[None, None, :] < Lc[:, None, None])
-    weight = np.where(inside, new[None], 0.0)  # [C, Wm, Lm] expected nodes per entry
+    inside = (rank[None, :, None, None] < Wc[:, None, None, None]) & (
+        depth[None, None, None, :] < Lc[:, None, None, None]
+    )
+    new = split[:, :, None] * (depth[None, None, :] >= f[None, :, None])  # [Wm, S, Lm] nodes
+    weight = np.where(inside, new[None], 0.0)  # [C, Wm, S, Lm] expected nodes per entry
     # the accepted path reaches depth l+1 no more often than depth l: scale each depth's nodes
-    depth_sum = (weight * v[None]).sum(axis=1)  # [C, Lm]
+    depth_sum = (weight * v[None]).sum(axis=(1, 2))  # [C, Lm]
     cap = np.minimum.accumulate(np.minimum(depth_sum, 1.0), axis=1)
-    weight = weight * np.where(depth_sum > 0, cap / np.maximum(depth_sum, 1e-12), 0.0)[:, None]
+    scale = np.where(depth_sum > 0, cap / np.maximum(depth_sum, 1e-12), 0.0)
+    weight = weight * scale[:, None, None, :]
     order = np.argsort(-v, axis=None, kind="stable")  # nodes by value, best first
-    w_sorted = weight.reshape(len(cand), -1)[:, order]  # [C, Wm*Lm]
+    w_sorted = weight.reshape(len(cand), -1)[:, order]  # [C, Wm*S*Lm]
     zero = np.zeros((len(cand), 1))
-    nodes = np.concatenate([zero, np.cumsum(w_sorted, axis=1)], axis=1)  # K = 0.. [C, G+1]
+    nodes = np.concatenate([zero, np.cumsum(w_sorted, axis=1)], axis=1)  # K = 0.. [C, N+1]
     gain = np.concatenate([zero, np.cumsum(w_sorted * v.reshape(-1)[order], axis=1)], axis=1)
     secs = (
         curve_np(verify_cost, batch * (1 + nodes))

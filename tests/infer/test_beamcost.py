@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.beamcost import BeamCost, curve_np, measure_beam_cost, novelty_np, plan_beam
+from redraft.infer.beamcost import (
+    MAX_SPLIT,
+    BeamCost,
+    beam_group,
+    curve_np,
+    measure_beam_cost,
+    plan_beam,
+    split_depth_np,
+)
 from redraft.infer.budget import CostCurve
 from redraft.infer.config import DecoderConfig
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
@@ -16,27 +24,59 @@ from redraft.infer.drafters.redrafter import ReDrafterDrafter, beam_search
 FLAT = CostCurve([1, 1024], [1.0, 1.0])
 
 
+def by_group(per_beam):
+    """``[30, D]`` rates by statistics group from ``{(rank, split depth): rates}`` (others 0)."""
+    D = len(next(iter(per_beam.values())))
+    rates = np.zeros(((MAX_SPLIT + 1) * 5, D))
+    for (p, f), r in per_beam.items():
+        rates[beam_group(p, f)] = r
+    return rates
+
+
+def at_zero(W):
+    """Every beam splits at depth 0."""
+    split = np.zeros((W, MAX_SPLIT + 1))
+    split[:, 0] = 1
+    return split
+
+
 def test_the_module_docs_worked_example():
     cost = BeamCost.from_ms("1:100", "1:100,2:150")
-    rates = np.array([[0.6, 0.5], [0.2, 0.5]])
-    new = np.ones((2, 2))
-    W, L, tps = plan_beam(rates, new, cost, FLAT, 1, [1, 2], [1, 2])
+    rates = by_group({(0, 0): [0.6, 0.5], (1, 0): [0.2, 0.5]})
+    W, L, tps = plan_beam(rates, at_zero(2), cost, FLAT, 1, [1, 2], [1, 2])
     assert (W, L) == (2, 2) and tps == pytest.approx(2.2 / 1.25)
     # dear extension steps: one token per beam, two beams (1.8 / 1.1)
     dear = BeamCost.from_ms("1:100", "1:400,2:450")
-    assert plan_beam(rates, new, dear, FLAT, 1, [1, 2], [1, 2]) == (2, 1, pytest.approx(1.8 / 1.1))
+    got = plan_beam(rates, at_zero(2), dear, FLAT, 1, [1, 2], [1, 2])
+    assert got == (2, 1, pytest.approx(1.8 / 1.1))
     # a second beam that is never right: one beam of two tokens (1.9 / 1.2)
-    weak = np.array([[0.6, 0.5], [0.0, 0.5]])
-    assert plan_beam(weak, new, cost, FLAT, 1, [1, 2], [1, 2])[:2] == (1, 2)
+    weak = by_group({(0, 0): [0.6, 0.5], (1, 0): [0.0, 0.5]})
+    assert plan_beam(weak, at_zero(2), cost, FLAT, 1, [1, 2], [1, 2])[:2] == (1, 2)
 
 
-def brute_force(rates, new, cost, verify, B, widths, lengths):
-    """Every (W, L) and every K, nodes taken one by one by value (integer novelty only)."""
+def test_a_beam_that_shares_its_first_token_adds_only_its_later_nodes():
+    # beam 1 always shares beam 0's first token: its depth-0 entry is beam 0's node; its one
+    # new node, at depth 1, is worth 0.6 * 0.5
+    cost = BeamCost.from_ms("1:1", "1:1")
+    split = np.zeros((2, MAX_SPLIT + 1))
+    split[0, 0] = split[1, 1] = 1
+    rates = by_group({(0, 0): [0.6, 0.0], (1, 1): [0.6, 0.5]})
+    W, L, tps = plan_beam(rates, split, cost, FLAT, 1, [1, 2], [1, 2])
+    assert (W, L) == (2, 2) and tps == pytest.approx((1 + 0.6 + 0.3) / 1.002)
+
+
+def brute_force(rates, split, cost, verify, B, widths, lengths):
+    """Every (W, L) and every K, nodes taken one by one by value (each beam one split depth)."""
     best = None
+    f = split.argmax(axis=1)
     for W, L in itertools.product(widths, lengths):
-        v = np.cumprod(rates[:W, :L], axis=1)
-        v = np.minimum.accumulate(v, axis=0)
-        vals = sorted((v[p, d] for p in range(W) for d in range(L) if new[p, d]), reverse=True)
+        v = np.zeros((W, (MAX_SPLIT + 1), L))
+        for p in range(W):
+            for g in range(MAX_SPLIT + 1):
+                v[p, g] = np.cumprod(rates[beam_group(p, g), :L])
+                if p > 1 or (p == 1 and g == 0):  # beam 0 only splits at depth 0
+                    v[p, g] = np.minimum(v[p, g], v[p - 1, g])
+        vals = sorted((v[p, f[p], d] for p in range(W) for d in range(f[p], L)), reverse=True)
         for K in range(len(vals) + 1):
             secs = float(verify(torch.tensor([B * (K + 1.0)]))[0]) + float(cost(B, W, L))
             tps = B * (1 + sum(vals[:K])) / secs
@@ -48,45 +88,36 @@ def brute_force(rates, new, cost, verify, B, widths, lengths):
 @pytest.mark.parametrize("seed", range(6))
 def test_plan_matches_a_brute_force_search(seed):
     rng = np.random.default_rng(seed)
-    rates = rng.uniform(0.0, 0.5, size=(6, 5))  # per-depth sums stay below 1: no capping
+    rates = rng.uniform(0.0, 0.5, size=((MAX_SPLIT + 1) * 5, 5))  # depth sums stay below 1
     rates[:, 0] *= 1 / 3
-    new = (rng.uniform(size=(6, 5)) < 0.7).astype(float)
-    new[0] = 1
+    split = np.zeros((6, MAX_SPLIT + 1))
+    split[np.arange(6), [0, *sorted(rng.integers(0, 3, size=5))]] = 1  # one split per beam
     verify = CostCurve([1, 4, 16, 64], sorted(rng.uniform(0.01, 0.1, size=4)))
     cost = BeamCost.from_ms("1:2,8:4", "1:1,4:2,16:6,64:20")
     B = int(rng.integers(1, 4))
-    got = plan_beam(rates, new, cost, verify, B, range(1, 7), range(1, 6))
-    want = brute_force(rates, new, cost, verify, B, range(1, 7), range(1, 6))
+    got = plan_beam(rates, split, cost, verify, B, range(1, 7), range(1, 6))
+    want = brute_force(rates, split, cost, verify, B, range(1, 7), range(1, 6))
     assert got[:2] == want[:2] and got[2] == pytest.approx(want[2])
 
 
 def test_a_depth_is_reached_no_more_often_than_the_one_above():
     # 8 distinct first tokens each accepted 40% of the time would be 3.2 tokens at depth 0:
-    # the cap keeps depth 0 at one token at most, so 3 beams (1.2 capped to 1) cost more than
-    # they can give over 2 (0.8) when a beam costs 0.1 s
-    rates = np.full((8, 1), 0.4)
+    # the cap keeps depth 0 at one token at most
+    rates = np.full(((MAX_SPLIT + 1) * 5, 1), 0.4)
     cost = BeamCost.from_ms("1:100", "1:1")
-    W, _, tps = plan_beam(rates, np.ones((8, 1)), cost, FLAT, 1, range(1, 9), [1])
+    W, _, tps = plan_beam(rates, at_zero(8), cost, FLAT, 1, range(1, 9), [1])
     assert tps <= 2.0 / 1.1 + 1e-9
 
 
-def test_novelty_counts_shared_prefixes_once():
+def test_split_depth_is_the_longest_prefix_shared_with_a_better_beam():
     tokens = np.array(
         [
             [[5, 6, 7], [5, 6, 8], [5, 9, 7], [4, 6, 7]],
-            [[1, 2, 3], [4, 5, 6], [1, 2, 3], [1, 2, 9]],
+            [[1, 2, 3], [4, 5, 6], [1, 2, 9], [1, 7, 9]],
         ]
     )
-    new = novelty_np(tokens)
-    # row 0: beam 1 shares 5,6; beam 2 shares 5; beam 3 is new everywhere
-    # row 1: beam 1 new; beam 2 equals beam 0 throughout; beam 3 shares 1,2
-    want = np.array(
-        [
-            [[1, 1, 1], [0, 0, 1], [0, 1, 1], [1, 1, 1]],
-            [[1, 1, 1], [1, 1, 1], [0, 0, 0], [0, 0, 1]],
-        ]
-    ).mean(axis=0)
-    np.testing.assert_allclose(new, want)
+    np.testing.assert_array_equal(split_depth_np(tokens), [[0, 2, 1, 0], [0, 0, 2, 1]])
+    assert beam_group(0, 0) == 0 and beam_group(5, 2) == 2 * 5 + 3 and beam_group(40, 9) == 29
 
 
 def test_curve_np_is_the_cost_curve():
@@ -177,9 +208,10 @@ def test_only_an_auto_setting_is_planned(tiny_head):
     assert not ReDrafterDrafter(tiny_head, width=4).auto
 
 
-def test_ranks_and_depths_past_the_statistics_reuse_the_last_ones():
-    rates = np.array([[0.5, 0.4]])  # one rank, two depths known
+def test_depths_past_the_statistics_reuse_the_last_one():
+    rates = np.full(((MAX_SPLIT + 1) * 5, 2), 0.5)
+    rates[:, 1] = 0.4
     cost = BeamCost.from_ms("1:1", "1:1")
-    short = plan_beam(rates, np.ones((3, 4)), cost, FLAT, 1, [1, 2, 3], [1, 2, 3, 4])
-    full = np.array([[0.5, 0.4, 0.4, 0.4]] * 3)
-    assert short == plan_beam(full, np.ones((3, 4)), cost, FLAT, 1, [1, 2, 3], [1, 2, 3, 4])
+    short = plan_beam(rates, at_zero(3), cost, FLAT, 1, [1, 2, 3], [1, 2, 3, 4])
+    full = np.concatenate([rates, rates[:, 1:], rates[:, 1:]], axis=1)
+    assert short == plan_beam(full, at_zero(3), cost, FLAT, 1, [1, 2, 3], [1, 2, 3, 4])

@@ -21,7 +21,14 @@ from collections import Counter
 import numpy as np
 import torch
 
-from redraft.infer.beamcost import MAX_WIDTH, measure_beam_cost, novelty_np, plan_beam
+from redraft.infer.beamcost import (
+    MAX_SPLIT,
+    MAX_WIDTH,
+    beam_group,
+    measure_beam_cost,
+    plan_beam,
+    split_depth_np,
+)
 from redraft.infer.config import FIELDS
 from redraft.infer.drafters.base import DecodeState, Draft, Drafter
 
@@ -119,7 +126,7 @@ class ReDrafterDrafter(Drafter):
     """
 
     REPLAN = 4  # steps between two choices of (W, L) ("auto")
-    NOVELTY_EMA = 0.9  # weight of the past in the new-node fractions
+    SPLIT_EMA = 0.9  # weight of the past in the split-depth frequencies
 
     def __init__(
         self,
@@ -138,7 +145,9 @@ class ReDrafterDrafter(Drafter):
         self.widths = list(range(1, MAX_WIDTH + 1)) if self.auto_width else [self.width]
         self.lengths = list(range(1, horizon + 1)) if self.auto_length else [self.length]
         self.beam_cost = beam_cost
-        self.novelty = np.ones((max(self.widths), max(self.lengths)))  # unseen: assume new
+        # how often beam p splits from the beams before it at depth f; unseen: at depth 0
+        self.split = np.zeros((max(self.widths), MAX_SPLIT + 1))
+        self.split[:, 0] = 1
         self.plans: Counter = Counter()  # (W, L) -> steps drafted with it
         self._decoder, self._index, self._steps, self._next_plan = None, 0, 0, 0
 
@@ -161,16 +170,21 @@ class ReDrafterDrafter(Drafter):
         # < 2**53 and float32 log-probs are exact in float64
         both = torch.cat([tokens.double(), logp.double()], dim=-1).cpu()  # [B, W, 2L]
         tokens, logp = both[..., : self.length].long(), both[..., self.length :].float()
-        if self.auto:
-            self._observe_novelty(tokens.numpy())
-        return Draft(tokens=tokens, logp=logp)
+        if not self.auto:  # statistics by rank (the decoder's default)
+            return Draft(tokens=tokens, logp=logp)
+        return Draft(tokens=tokens, logp=logp, group=torch.from_numpy(self._groups(tokens.numpy())))
 
-    def _observe_novelty(self, tokens: np.ndarray) -> None:
-        """Fold this step's new-node fractions (:func:`~redraft.infer.beamcost.novelty_np`) into
-        the running ones."""
-        W, L = tokens.shape[1:]
-        a = self.NOVELTY_EMA
-        self.novelty[:W, :L] = a * self.novelty[:W, :L] + (1 - a) * novelty_np(tokens)
+    def _groups(self, tokens: np.ndarray) -> np.ndarray:
+        """``[B, W]`` the beams' statistics groups (rank bucket x split depth,
+        :func:`~redraft.infer.beamcost.beam_group`); this step's split depths are folded into
+        the running frequencies."""
+        B, W, _ = tokens.shape
+        f = np.minimum(split_depth_np(tokens), MAX_SPLIT)  # [B, W]
+        seen = np.zeros((W, MAX_SPLIT + 1))
+        np.add.at(seen, (np.broadcast_to(np.arange(W), (B, W)), f), 1.0 / B)
+        a = self.SPLIT_EMA
+        self.split[:W] = a * self.split[:W] + (1 - a) * seen
+        return beam_group(np.arange(W)[None], f)
 
     def _plan(self, state: DecodeState) -> bool:
         """Choose (W, L) for the next steps (``beamcost.plan_beam``), measuring the beam-search
@@ -191,6 +205,6 @@ class ReDrafterDrafter(Drafter):
         fixed = getattr(dec, "_draft_overhead", 0.0) - own  # the rest of the drafting phase
         rates = dec.stats.rates()[self._index]
         self.width, self.length, _ = plan_beam(
-            rates, self.novelty, self.beam_cost, dec.cost_curve, B, self.widths, self.lengths, fixed
+            rates, self.split, self.beam_cost, dec.cost_curve, B, self.widths, self.lengths, fixed
         )
         return True
