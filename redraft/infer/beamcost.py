@@ -57,12 +57,10 @@ RANK_BUCKETS = 5  # statistics groups per split depth: ranks 0, 1, 2-3, 4-7, 8+
 MAX_SPLIT = 5  # split depths 0..5 (deeper ones counted as 5): 30 groups, within HostStats' 32
 
 
-def rank_bucket(rank: np.ndarray) -> np.ndarray:
-    """0, 1, 2-3, 4-7, 8+ -> 0, 1, 2, 3, 4."""
+def rank_bucket(rank) -> np.ndarray:
+    """Ranks 0, 1, 2-3, 4-7, 8+ -> buckets 0, 1, 2, 3, 4 (``ceil(log2(rank + 1))``, capped)."""
     rank = np.asarray(rank, np.int64)
-    return np.minimum(np.where(rank > 0, np.floor(np.log2(np.maximum(rank, 1))) + 1, 0), 4).astype(
-        np.int64
-    )
+    return np.minimum(np.ceil(np.log2(rank + 1.0)), RANK_BUCKETS - 1).astype(np.int64)
 
 
 def beam_group(rank, split) -> np.ndarray:

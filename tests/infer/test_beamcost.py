@@ -215,3 +215,30 @@ def test_depths_past_the_statistics_reuse_the_last_one():
     short = plan_beam(rates, at_zero(3), cost, FLAT, 1, [1, 2, 3], [1, 2, 3, 4])
     full = np.concatenate([rates, rates[:, 1:], rates[:, 1:]], axis=1)
     assert short == plan_beam(full, at_zero(3), cost, FLAT, 1, [1, 2, 3], [1, 2, 3, 4])
+
+
+def test_auto_groups_beams_by_rank_and_split_depth(tiny_target, tiny_head):
+    from redraft.infer.drafters.base import DecodeState
+
+    H = tiny_target.model.config.hidden_size
+    state = DecodeState(
+        tokens=torch.tensor([[3, 4], [5, 6]]),
+        lengths=torch.tensor([2, 2]),
+        last=torch.tensor([4, 6]),
+        hidden=torch.randn(2, H),
+        prompt_lengths=torch.tensor([1, 1]),
+        step=0,
+        request_ids=torch.tensor([0, 1]),
+    )
+    dr = ReDrafterDrafter(tiny_head, width="auto", length=3)
+    draft = dr.propose(state)  # no decoder bound: the start width, 8
+    toks = draft.tokens.numpy()
+    assert toks.shape == (2, 8, 3)
+    f = split_depth_np(toks)
+    np.testing.assert_array_equal(draft.group.numpy(), beam_group(np.arange(8)[None], f))
+    seen = np.zeros((8, MAX_SPLIT + 1))
+    for b in range(2):
+        seen[np.arange(8), f[b]] += 0.5
+    np.testing.assert_allclose(dr.split[:8], 0.9 * at_zero(8) + 0.1 * seen)
+    fixed = ReDrafterDrafter(tiny_head, width=8, length=3).propose(state)
+    assert fixed.group is None and torch.equal(fixed.tokens, draft.tokens)
