@@ -106,15 +106,16 @@ class DecoderConfig(Settings):
     )
     # ---- drafters (load_decoder / make_drafters)
     redrafter_width: Any = _f(
-        8,
-        "ReDrafter beams per step: a number, or 'auto' (chosen every few steps from the "
-        "measured beam-search and verify costs and the observed acceptance by beam rank and "
-        "depth, among 1-16).",
+        "auto",
+        "ReDrafter beams per step: 'auto' (chosen every few steps from the measured "
+        "beam-search and verify costs and the observed acceptance by beam rank and depth, "
+        "among 1-16; needs the 'auto' budget, else 8) or a number.",
     )
     redrafter_length: Any = _f(
-        None,
-        "ReDrafter tokens per beam: a number, 'auto' (chosen with the width, among 1 and the "
-        "head's training horizon), or none (the head's training horizon).",
+        "auto",
+        "ReDrafter tokens per beam: 'auto' (chosen with the width, between 1 and the head's "
+        "training horizon; needs the 'auto' budget, else the horizon), a number, or none (the "
+        "head's training horizon).",
     )
     ngram_k: int = _f(
         8,

@@ -152,7 +152,8 @@ def test_config_takes_auto_or_numbers():
     assert (cfg.redrafter_width, cfg.redrafter_length) == ("auto", "auto")
     cfg = DecoderConfig(redrafter_width="4", redrafter_length="3")  # from a flag
     assert (cfg.redrafter_width, cfg.redrafter_length) == (4, 3)
-    assert DecoderConfig().redrafter_length is None
+    assert (DecoderConfig().redrafter_width, DecoderConfig().redrafter_length) == ("auto", "auto")
+    assert DecoderConfig(redrafter_length=None).redrafter_length is None  # the head's horizon
     for key, bad in (("redrafter_width", "wide"), ("redrafter_width", 0), ("redrafter_length", -1)):
         with pytest.raises(ConfigError, match=key) as err:
             DecoderConfig(**{key: bad})
@@ -205,7 +206,8 @@ def test_only_an_auto_setting_is_planned(tiny_head):
     assert dr.lengths == [2] and dr.widths[-1] == 16 and dr.auto
     dr = ReDrafterDrafter(tiny_head, width=4, length="auto")
     assert dr.widths == [4] and dr.lengths == list(range(1, tiny_head.config.num_steps + 1))
-    assert not ReDrafterDrafter(tiny_head, width=4).auto
+    assert not ReDrafterDrafter(tiny_head, width=4, length=None).auto
+    assert ReDrafterDrafter(tiny_head).auto_width and ReDrafterDrafter(tiny_head).auto_length
 
 
 def test_depths_past_the_statistics_reuse_the_last_one():

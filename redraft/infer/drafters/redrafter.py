@@ -132,7 +132,7 @@ class ReDrafterDrafter(Drafter):
         self,
         head,
         width: int | str = FIELDS["redrafter_width"].default,
-        length: int | str | None = None,
+        length: int | str | None = FIELDS["redrafter_length"].default,
         name: str = "redrafter",
         dtype="auto",
         beam_cost=None,
