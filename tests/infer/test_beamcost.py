@@ -244,3 +244,27 @@ def test_auto_groups_beams_by_rank_and_split_depth(tiny_target, tiny_head):
     np.testing.assert_allclose(dr.split[:8], 0.9 * at_zero(8) + 0.1 * seen)
     fixed = ReDrafterDrafter(tiny_head, width=8, length=3).propose(state)
     assert fixed.group is None and torch.equal(fixed.tokens, draft.tokens)
+
+
+def test_the_bench_runs_fixed_and_auto_beams_side_by_side(
+    capsys, tiny_target_dir, tiny_head, tmp_path
+):
+    import json
+
+    from redraft.infer.bench import main
+
+    head = tmp_path / "head"
+    tiny_head.save_pretrained(head)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "The quick brown fox jumps over the lazy dog."}))
+    out = tmp_path / "r.json"
+    argv = ["--target", tiny_target_dir, "--datasets", prompts, "--prompts", 1]
+    argv += ["--max-new-tokens", 16, "--methods", "greedy,redrafter,redrafter-auto"]
+    argv += ["--drafter", head, "--redrafter-width", 3, "--redrafter-length", 2]
+    argv += ["--no-warmup", "--cost-curve", "1:1,8:1.2,64:2", "--out", out]
+    code = main([str(a) for a in argv])
+    assert code == 0, capsys.readouterr().err
+    res = json.loads(out.read_text())
+    assert res["config"]["decoder"]["redrafter_width"] == 3
+    r = res["results"]["p"]
+    assert r["redrafter"]["identical_to_ar"] and r["redrafter-auto"]["identical_to_ar"]
