@@ -42,6 +42,13 @@ def _mix(ctx, cfg=None):
     return make_drafters(ctx.target, ctx.heads, ctx.tables, cfg or ctx.cfg)
 
 
+def _auto_beams(ctx):
+    """The loaded heads again, planning their beam width and length (``redraft.infer.beamcost``)."""
+    from redraft.infer.drafters.redrafter import ReDrafterDrafter
+
+    return [ReDrafterDrafter(d.head, "auto", "auto", name=d.name) for d in ctx.heads]
+
+
 def _context(ctx):
     from redraft.infer.drafters.ngram import ContextNGramDrafter
 
@@ -111,6 +118,11 @@ REGISTRY: dict[str, Method] = {
     ),
     "redrafter": Method(
         "the ReDrafter head(s) alone (beam search)", lambda ctx: list(ctx.heads), ("drafter",)
+    ),
+    "redrafter-auto": Method(
+        "the ReDrafter head(s) alone, beam width and length 'auto' (whatever the flags say)",
+        _auto_beams,
+        ("drafter",),
     ),
     "aded": Method(
         "ADED: MCTS over the corpus tri-gram table, adapted per request", _aded, ("ngrams:trigram",)

@@ -105,11 +105,17 @@ class DecoderConfig(Settings):
         "number of tokens, or 0 (off: every prompt in one forward).",
     )
     # ---- drafters (load_decoder / make_drafters)
-    redrafter_width: int = _f(8, "ReDrafter beams per step.", range=Range(1, 1024))
-    redrafter_length: int | None = _f(
-        None,
-        "ReDrafter tokens per beam (default: the head's training horizon).",
-        range=Range(1, 256),
+    redrafter_width: Any = _f(
+        "auto",
+        "ReDrafter beams per step: 'auto' (chosen every few steps from the measured "
+        "beam-search and verify costs and the observed acceptance by beam rank and depth, "
+        "among 1-16; needs the 'auto' budget, else 8) or a number.",
+    )
+    redrafter_length: Any = _f(
+        "auto",
+        "ReDrafter tokens per beam: 'auto' (chosen with the width, between 1 and the head's "
+        "training horizon; needs the 'auto' budget, else the horizon), a number, or none (the "
+        "head's training horizon).",
     )
     ngram_k: int = _f(
         8,
@@ -165,6 +171,19 @@ class DecoderConfig(Settings):
             or self.prefill_chunk < 0
         ):
             bad("prefill_chunk", "use 'auto', a number of tokens >= 1, or 0 (off).")
+        for key, hi in (("redrafter_width", 1024), ("redrafter_length", 256)):
+            v = getattr(self, key)
+            if isinstance(v, str) and v != "auto":
+                try:
+                    v = int(v)
+                except ValueError:
+                    bad(key, f"use 'auto' or a number in [1, {hi}].")
+            if v == "auto" or (v is None and key == "redrafter_length"):
+                setattr(self, key, v)
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+                bad(key, f"use 'auto' or a number in [1, {hi}].")
+            setattr(self, key, v)
         if self.context_q > self.context_q_max:
             raise ConfigError(
                 f"decoder settings context_q={self.context_q} and context_q_max={self.context_q_max}: "

@@ -131,6 +131,9 @@ class SpeculativeDecoder:
         self.cost_curve = cost_curve
         self.eos = set(target.eos_token_ids)
         self.stats = HostStats(len(self.drafters))
+        for i, d in enumerate(self.drafters):  # drafters that plan from the decoder's measurements
+            if hasattr(d, "bind"):
+                d.bind(self, i)
         self.gate = DrafterGate(
             len(self.drafters),
             cfg.gate_explore,

@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 
 from redraft.errors import ConfigError
-from redraft.infer.config import DecoderConfig
+from redraft.infer.config import FIELDS, DecoderConfig
 from redraft.infer.decoder import SpeculativeDecoder
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
 from redraft.infer.drafters.redrafter import ReDrafterDrafter
@@ -28,10 +28,14 @@ LOAD_KEYS = ("target", "drafters", "ngrams", "dtype", "device")  # load_decoder'
 
 
 def load_redrafter(
-    path, target, width: int = 8, length: int | None = None, name: str = "redrafter"
+    path,
+    target,
+    width=FIELDS["redrafter_width"].default,
+    length=FIELDS["redrafter_length"].default,
+    name: str = "redrafter",
 ):
-    """A :class:`ReDrafterDrafter` from a drafter artifact (``length`` defaults to the head's
-    training horizon ``num_steps``)."""
+    """A :class:`ReDrafterDrafter` from a drafter artifact (``width`` and ``length``: numbers or
+    "auto", the defaults; ``length=None``: the head's training horizon ``num_steps``)."""
     from redraft.models.drafter_io import load_drafter
 
     return ReDrafterDrafter(load_drafter(path, target), width=width, length=length, name=name)

@@ -158,3 +158,43 @@ def test_growing_the_cache_drops_its_graphs_and_their_pool(tiny_target, tiny_tab
     while eng.has_work:
         eng.step()
     assert graphs.generation == eng.cache.generation  # stale graphs were dropped, new ones made
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_redrafter_step_costs_its_beam_search_and_auto_adds_no_ops(overhead_setup, batch):
+    """The beam search dispatches a fixed number of ops per draft step, whatever the width and
+    batch (beams are batched); an "auto" width and length plans on the host: once its beam-cost
+    measurement is done, a step runs exactly the ops of a fixed search of the chosen size."""
+    from redraft.infer.drafters.redrafter import ReDrafterDrafter
+    from redraft.infer.overhead import _prompts
+    from redraft.models.redrafter import ReDrafter, ReDrafterConfig
+
+    target, _ = overhead_setup
+    torch.manual_seed(0)
+    head = ReDrafter(ReDrafterConfig.for_target(target, num_layers=1)).eval()
+    head.attach_target(target)
+
+    def step_ops(width, length):
+        dr = ReDrafterDrafter(head, width=width, length=length)
+        dec = SpeculativeDecoder(target, [dr], guard=False)
+        dec.eos = set()
+        eng = dec.engine()
+        for p in _prompts(target, batch):
+            eng.add(p, SamplingParams.checked(max_new_tokens=48))
+        for _ in range(4):  # joins, the cost curves, the first plan
+            eng.step()
+        out = []
+        for _ in range(6):
+            with OpCounter() as ops:
+                eng.step()
+            out.append((ops.total, dr.length))
+        return out
+
+    fixed = {n: {c for c, _ in step_ops(8, n)} for n in (1, 3, 5)}
+    assert all(len(c) == 1 for c in fixed.values())  # the same every step
+    per = {n: c.pop() for n, c in fixed.items()}
+    assert per[5] - per[3] == per[3] - per[1] <= 2 * 30  # each draft step: <= 30 ops
+    assert per[1] <= 40
+    assert step_ops(2, 3)[0][0] == per[3]  # width does not add ops
+    for total, length in step_ops("auto", "auto"):
+        assert total == per[1] + (length - 1) * (per[3] - per[1]) // 2

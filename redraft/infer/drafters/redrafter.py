@@ -16,8 +16,19 @@ which keeps the target's distribution exactly.
 
 from __future__ import annotations
 
+from collections import Counter
+
+import numpy as np
 import torch
 
+from redraft.infer.beamcost import (
+    MAX_SPLIT,
+    MAX_WIDTH,
+    beam_group,
+    measure_beam_cost,
+    plan_beam,
+    split_depth_np,
+)
 from redraft.infer.config import FIELDS
 from redraft.infer.drafters.base import DecodeState, Draft, Drafter
 
@@ -89,29 +100,111 @@ def draft_dtype(head, dtype="auto") -> torch.dtype:
     return own.dtype
 
 
+START_WIDTH = 8  # an "auto" width's first steps (before the decoder has measured anything)
+
+
 class ReDrafterDrafter(Drafter):
     """Proposes the ``width`` beams of ``length`` tokens of a ReDrafter head.
 
     Args:
         head: a loaded :class:`~redraft.models.redrafter.ReDrafter` (``load_drafter``). It is cast
             to ``dtype`` in place.
-        width: beams per row (Apple's default 4-8). length: tokens per beam (<= the head's
-            training horizon, ``head.config.num_steps``, the default, is where it is accurate).
+        width: beams per row (Apple's default 4-8), or ``"auto"``: chosen every few steps from
+            the measured drafting and verify costs and the observed acceptance by beam rank
+            and depth (:mod:`redraft.infer.beamcost`), among 1..``beamcost.MAX_WIDTH``.
+        length: tokens per beam (<= the head's training horizon, ``head.config.num_steps``, the
+            default, is where it is accurate), or ``"auto"``: chosen the same way among
+            1..``num_steps``.
         dtype: the head's drafting dtype (:func:`draft_dtype`; ``"auto"``: bf16 on CPUs that
             multiply bf16 natively).
+        beam_cost: a :class:`~redraft.infer.beamcost.BeamCost` to use instead of measuring one
+            at the first planned step (only with an ``"auto"`` width or length).
+
+    "auto" needs the decoder's measurements: :class:`~redraft.infer.decoder.SpeculativeDecoder`
+    calls :meth:`bind` with itself. Until it has a verify-cost curve (after its first step) the
+    search runs at the default width and the head's horizon.
     """
+
+    REPLAN = 4  # steps between two choices of (W, L) ("auto")
+    SPLIT_EMA = 0.9  # weight of the past in the split-depth frequencies
 
     def __init__(
         self,
         head,
-        width: int = FIELDS["redrafter_width"].default,
-        length: int | None = None,
+        width: int | str = FIELDS["redrafter_width"].default,
+        length: int | str | None = FIELDS["redrafter_length"].default,
         name: str = "redrafter",
         dtype="auto",
+        beam_cost=None,
     ):
-        self.head, self.width, self.name = head.to(draft_dtype(head, dtype)), width, name
-        self.length = int(length or head.config.num_steps)  # default: the head's training horizon
+        self.head, self.name = head.to(draft_dtype(head, dtype)), name
+        horizon = int(head.config.num_steps)  # the head's training horizon
+        self.auto_width, self.auto_length = width == "auto", length == "auto"
+        self.width = START_WIDTH if self.auto_width else int(width)
+        self.length = horizon if self.auto_length or not length else int(length)
+        self.widths = list(range(1, MAX_WIDTH + 1)) if self.auto_width else [self.width]
+        self.lengths = list(range(1, horizon + 1)) if self.auto_length else [self.length]
+        self.beam_cost = beam_cost
+        # how often beam p splits from the beams before it at depth f; unseen: at depth 0
+        self.split = np.zeros((max(self.widths), MAX_SPLIT + 1))
+        self.split[:, 0] = 1
+        self.plans: Counter = Counter()  # (W, L) -> steps drafted with it
+        self._decoder, self._index, self._steps, self._next_plan = None, 0, 0, 0
+
+    @property
+    def auto(self) -> bool:
+        return self.auto_width or self.auto_length
+
+    def bind(self, decoder, index: int) -> None:
+        """The decoder whose acceptance rates (``decoder.stats``, this drafter is ``index``),
+        verify-cost curve and step timings an "auto" width or length is planned from."""
+        self._decoder, self._index = decoder, index
 
     def propose(self, state: DecodeState) -> Draft:
+        if self.auto and self._steps >= self._next_plan and self._plan(state):
+            self._next_plan = self._steps + self.REPLAN
+        self._steps += 1
+        self.plans[(self.width, self.length)] += 1
         tokens, logp, _ = beam_search(self.head, state.hidden, state.last, self.width, self.length)
-        return Draft(tokens=tokens.to(state.device), logp=logp.to(state.device))
+        # one read of tokens and log-probs together (the decoder reads device drafts anyway); ids
+        # < 2**53 and float32 log-probs are exact in float64
+        both = torch.cat([tokens.double(), logp.double()], dim=-1).cpu()  # [B, W, 2L]
+        tokens, logp = both[..., : self.length].long(), both[..., self.length :].float()
+        if not self.auto:  # statistics by rank (the decoder's default)
+            return Draft(tokens=tokens, logp=logp)
+        return Draft(tokens=tokens, logp=logp, group=torch.from_numpy(self._groups(tokens.numpy())))
+
+    def _groups(self, tokens: np.ndarray) -> np.ndarray:
+        """``[B, W]`` the beams' statistics groups (rank bucket x split depth,
+        :func:`~redraft.infer.beamcost.beam_group`); this step's split depths are folded into
+        the running frequencies."""
+        B, W, _ = tokens.shape
+        f = np.minimum(split_depth_np(tokens), MAX_SPLIT)  # [B, W]
+        seen = np.zeros((W, MAX_SPLIT + 1))
+        np.add.at(seen, (np.broadcast_to(np.arange(W), (B, W)), f), 1.0 / B)
+        a = self.SPLIT_EMA
+        self.split[:W] = a * self.split[:W] + (1 - a) * seen
+        return beam_group(np.arange(W)[None], f)
+
+    def _plan(self, state: DecodeState) -> bool:
+        """Choose (W, L) for the next steps (``beamcost.plan_beam``), measuring the beam-search
+        cost on this device the first time; False while the decoder has no cost curve yet."""
+        dec = self._decoder
+        if dec is None or dec.cost_curve is None or state.hidden is None:
+            return False
+        if self.beam_cost is None:
+            vd = self.head.config.draft_vocab_size or self.head.config.vocab_size
+            self.beam_cost = measure_beam_cost(
+                lambda c, y, w, n: beam_search(self.head, c, y, w, n),
+                state.hidden[:1],
+                state.last[:1],
+                max_rows=min(vd, max(self.widths) * 4),
+            )
+        B = state.batch_size
+        own = float(self.beam_cost(B, self.width, self.length))
+        fixed = getattr(dec, "_draft_overhead", 0.0) - own  # the rest of the drafting phase
+        rates = dec.stats.rates()[self._index]
+        self.width, self.length, _ = plan_beam(
+            rates, self.split, self.beam_cost, dec.cost_curve, B, self.widths, self.lengths, fixed
+        )
+        return True
