@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from redraft.infer.budget import SIZES, CostCurve, measure_cost_curve
+from redraft.infer.grouped_attention import grouped, row_groups, use_grouped_attention
 from redraft.infer.kv import SlotKVCache
 from redraft.infer.opcount import not_counted
 from redraft.models import cpu
@@ -166,6 +167,8 @@ class Verifier:
         self._last_key = None  # the previous verify's shape key (capture on a repeat)
         self._warned = False
         self._attention = _sdpa_backends(self.device)
+        # CPU: rows of very different lengths attend in two groups (grouped_attention)
+        self._grouped = not static and use_grouped_attention(self.model)
 
     # ------------------------------------------------------------------ shapes
 
@@ -220,7 +223,15 @@ class Verifier:
                 lengths, N, cache.capacity if static else min(cache.capacity, cache.physical + N)
             )
             bias = cache.attention_bias(step.anc.bool(), self.dtype)
-            return self._model(step.tokens.clamp_min(0), lengths[:, None] + step.depth, bias, cache)
+            groups = (
+                row_groups(cache.host_lengths, N, self.device)
+                if self._grouped and not static
+                else None
+            )
+            with grouped(groups):
+                return self._model(
+                    step.tokens.clamp_min(0), lengths[:, None] + step.depth, bias, cache
+                )
 
     def prefill(
         self,

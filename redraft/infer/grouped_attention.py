@@ -1,0 +1,113 @@
+"""Attention for a batch whose rows hold very different numbers of tokens (CPU decoding).
+
+The verify forward attends every row over the batch's longest row (``span`` columns; a row's
+own mask hides the rest). When one 4,000-token prompt joins eight 100-token chats, every row
+reads 4,000 columns of keys and values per layer: on a 2-core CPU a step of the eight chats
+took 2.3x longer (scripts in docs/serve.md). Here the rows are split in two groups by length,
+each attended over its own longest row, one SDPA call per group; masked columns carry no
+weight, so the output is what one call over the whole span gives.
+
+Only CPU forwards use it (a captured CUDA graph attends over the whole capacity by design):
+:class:`~redraft.infer.verify.Verifier` switches a CPU target from ``sdpa`` to this function
+(registered with transformers' ``AttentionInterface``), which is plain ``sdpa`` unless the
+verifier set the groups of the current forward (:func:`grouped`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+NAME = "redraft_grouped_sdpa"
+MIN_SAVING = 0.3  # split only when it saves at least this share of the attention's reads
+
+_GROUPS: contextvars.ContextVar = contextvars.ContextVar("redraft_row_groups", default=None)
+
+
+def row_groups(lengths: list[int], n: int, device) -> tuple | None:
+    """``(groups, inverse)`` for a batch whose row ``b`` holds ``lengths[b]`` cached tokens and
+    attends over ``n`` new ones, or ``None`` when one call is as good. ``groups``: two
+    ``(rows, span)``, ``rows`` a slice when the group's rows are consecutive, else a ``[b]``
+    long tensor; ``inverse`` (``None`` when both are slices in order): the ``[B]`` permutation
+    that puts the groups' concatenated outputs back in batch order. The split (rows sorted by
+    length) minimises the columns read, ``sum over groups of rows x span``; it is used when it
+    saves at least ``MIN_SAVING`` of one call's reads."""
+    B = len(lengths)
+    if B < 2:
+        return None
+    order = sorted(range(B), key=lengths.__getitem__)
+    spans = [lengths[i] + n for i in order]
+    full = B * spans[-1]
+    best, cut = full, 0
+    for k in range(1, B):
+        cost = k * spans[k - 1] + (B - k) * spans[-1]
+        if cost < best:
+            best, cut = cost, k
+    if not cut or best > (1 - MIN_SAVING) * full:
+        return None
+    parts, inverse = [sorted(order[:cut]), sorted(order[cut:])], None
+    if parts[0] == list(range(cut)):  # consecutive and in order: views, no copies
+        groups = [(slice(0, cut), spans[cut - 1]), (slice(cut, B), spans[-1])]
+    else:
+        groups = [
+            (torch.tensor(parts[0], device=device), spans[cut - 1]),
+            (torch.tensor(parts[1], device=device), spans[-1]),
+        ]
+        inverse = torch.empty(B, dtype=torch.long)
+        inverse[parts[0] + parts[1]] = torch.arange(B)
+        inverse = inverse.to(device)
+    return groups, inverse
+
+
+@contextlib.contextmanager
+def grouped(groups: tuple | None):
+    """Forwards inside attend in these row groups (:func:`row_groups`; ``None``: one call)."""
+    token = _GROUPS.set(groups)
+    try:
+        yield
+    finally:
+        _GROUPS.reset(token)
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' ``sdpa`` attention, one call per row group of the current forward.
+    ``query [B, heads, n, d]``, ``key``/``value [B, kv_heads, span, d]``, ``attention_mask``
+    additive ``[B, 1, n, span]``; returns ``([B, n, heads, d], None)`` as ``sdpa`` does."""
+    plan = _GROUPS.get()
+    if plan is None or attention_mask is None or attention_mask.dim() != 4:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    groups, inverse = plan
+    outs = []
+    for rows, span in groups:
+
+        def take(t, rows=rows, span=span):  # columns first: never gather the whole span
+            t = t[..., :span]
+            return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+        outs.append(
+            sdpa_attention_forward(
+                module,
+                query[rows] if isinstance(rows, slice) else query.index_select(0, rows),
+                take(key.transpose(2, 3)).transpose(2, 3),  # [b, kv_heads, span, d]
+                take(value.transpose(2, 3)).transpose(2, 3),
+                take(attention_mask),
+                **kwargs,
+            )[0]
+        )
+    out = torch.cat(outs)  # [B, n, heads, d], the groups' rows one after the other
+    return (out if inverse is None else out.index_select(0, inverse)), None
+
+
+AttentionInterface.register(NAME, grouped_sdpa)
+
+
+def use_grouped_attention(model) -> bool:
+    """Switch a CPU model from ``sdpa`` to :func:`grouped_sdpa`; returns whether it did."""
+    if model.device.type != "cpu" or model.config._attn_implementation != "sdpa":
+        return False
+    model.set_attn_implementation(NAME)
+    return True

@@ -1,0 +1,65 @@
+"""Rows of very different lengths attend in two groups on the CPU: the same output as one call
+over the longest row, and the engine's outputs stay exact."""
+
+import torch
+
+from redraft.infer import SamplingParams
+from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
+from redraft.infer.drafters.ngram import ContextNGramDrafter
+from redraft.infer.grouped_attention import NAME, grouped, grouped_sdpa, row_groups
+
+
+def test_row_groups_split_only_where_it_saves_reads():
+    assert row_groups([10, 12, 11], 2, "cpu") is None  # similar lengths: one call
+    assert row_groups([100], 1, "cpu") is None
+    ((short, s_span), (long, l_span)), inverse = row_groups([20, 4000, 30, 25], 3, "cpu")
+    assert short.tolist() == [0, 2, 3] and s_span == 33  # the short rows' longest + n
+    assert long.tolist() == [1] and l_span == 4003
+    assert inverse.tolist() == [0, 3, 1, 2]  # row b's output is at inverse[b] of the groups'
+    ((short, s_span), (long, l_span)), inverse = row_groups([20, 30, 25, 4000], 3, "cpu")
+    assert (short, long, inverse) == (slice(0, 3), slice(3, 4), None)  # consecutive: views
+
+
+class _Attn(torch.nn.Module):
+    num_key_value_groups = 2
+    is_causal = True
+
+
+def test_grouped_sdpa_equals_one_call_over_the_whole_span():
+    g = torch.Generator().manual_seed(0)
+    B, H, KV, n, d, span = 4, 4, 2, 3, 8, 50
+    q = torch.randn(B, H, n, d, generator=g)
+    k = torch.randn(B, KV, span, d, generator=g)
+    v = torch.randn(B, KV, span, d, generator=g)
+    lengths = [5, 47, 9, 7]
+    cols = torch.arange(span)
+    vis = cols[None, None, :] < (
+        torch.tensor(lengths)[:, None, None] + 1 + torch.arange(n)[None, :, None]
+    )
+    mask = torch.zeros(B, 1, n, span).masked_fill_(~vis[:, None], float("-inf"))
+    module = _Attn()
+    ref, _ = grouped_sdpa(module, q, k, v, mask, scaling=d**-0.5)  # no groups set: plain sdpa
+    groups = row_groups(lengths, n, "cpu")
+    assert groups is not None
+    with grouped(groups):
+        out, _ = grouped_sdpa(module, q, k, v, mask, scaling=d**-0.5)
+    assert out.shape == (B, n, H, d)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_long_row_among_short_ones_decodes_exactly(tiny_target):
+    V = tiny_target.vocab_size
+    dec = SpeculativeDecoder(tiny_target, [ContextNGramDrafter(V)], budget=6)
+    assert dec.verifier._grouped  # a CPU target runs the grouped attention
+    assert tiny_target.model.config._attn_implementation == NAME
+    long = [(7 * j + 3) % V for j in range(90)]
+    prompts = [[1, 2, 3], long, [4, 5], [6, 7, 8, 9]]
+    eng = dec.engine()
+    ids = {eng.add(p, SamplingParams.checked(max_new_tokens=12)): i for i, p in enumerate(prompts)}
+    out = {}
+    while eng.has_work:
+        for ev in eng.step():
+            if ev.done:
+                out[ids[ev.index]] = ev.generation.tokens
+    for i, p in enumerate(prompts):
+        assert out[i] == plain_greedy(tiny_target, [p], max_new_tokens=12)[0].tokens
