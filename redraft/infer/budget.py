@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import torch
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -128,6 +129,40 @@ def best_budget(
     secs = cost.table(B * (M + 1), values.device)[B * torch.arange(1, M + 2, device=values.device)]
     k = (gain / (secs + overhead_s)).argmax()
     return k.expand(B)
+
+
+class BatchCost:
+    """Verify cost of a batch, ``c(B rows, n tokens each)``, from forwards measured at a few
+    batch sizes (``by_batch``: B -> a :class:`CostCurve` over tokens per row; B = 1 is the
+    one-row curve). A batch of B rows does not cost what one row of ``B * n`` tokens costs (each
+    row attends over its own cache; on CPUs the matrix kernels change with the row count), so
+    the budget and the speculation guard's first verdicts read batches off this instead of the
+    one-row curve's ``c(B * n)``. Between measured batch sizes the cost is interpolated linearly
+    in B; past the largest it grows in proportion to B (a bound: the forward only gets less flat).
+    """
+
+    def __init__(self, by_batch: dict[int, CostCurve]):
+        self.batches = sorted(by_batch)
+        self.curves = by_batch
+
+    def __call__(self, B: int, n) -> np.ndarray:
+        """Seconds of a forward of ``B`` rows x ``n`` tokens per row (``n``: int or array)."""
+        n = np.asarray(n, dtype=np.float64)
+        bs = self.batches
+        if B >= bs[-1]:
+            return self.curves[bs[-1]](torch.as_tensor(n)).numpy() * (B / bs[-1])
+        if B <= bs[0]:
+            return self.curves[bs[0]](torch.as_tensor(n)).numpy()
+        hi = next(b for b in bs if b >= B)
+        lo = max(b for b in bs if b <= B)
+        c_lo = self.curves[lo](torch.as_tensor(n)).numpy()
+        if hi == lo:
+            return c_lo
+        c_hi = self.curves[hi](torch.as_tensor(n)).numpy()
+        return c_lo + (B - lo) / (hi - lo) * (c_hi - c_lo)
+
+    def to_dict(self) -> dict:
+        return {str(b): c.to_dict() for b, c in self.curves.items()}
 
 
 PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX = 16, 2048  # the "auto" prefill chunk's bounds (tokens)
@@ -375,6 +410,10 @@ class SpeculationGuard:
     speculate (one row's cost is what the cost curve measures). Plain steps are exact: the guard
     changes the speed, never the output.
 
+    A bucket that no neighbour informs starts from the cost model's verdict (``prior``: the
+    decoder's measured batched verify costs and its recent node values): predicted to lose, it
+    starts with a plain stretch, then one speculative run checks the prediction.
+
     A bucket seen for the first time starts from its neighbours' verdicts instead of exploring
     blind (a server's batch size moves between buckets all the time in its first seconds): the
     verify forward only gets less flat as the batch grows, so speculation that lost at a smaller
@@ -389,6 +428,9 @@ class SpeculationGuard:
     def __init__(self, explore: int = 8, min_batch: int = 2, enabled: bool = True):
         self.explore, self.min_batch, self.enabled = max(int(explore), 1), min_batch, enabled
         self._buckets: dict[int, _GuardBucket] = {}
+        # batch size -> the cost model's verdict (True/False) or None: a bucket that no
+        # neighbour informs starts from it (the decoder's measured batched costs)
+        self.prior = None
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -402,6 +444,8 @@ class SpeculationGuard:
                 st.speculative, st.held, st.left = False, True, self.explore
             elif any(k > b and o.verdict is True for k, o in self._buckets.items()):
                 st.left = self.REPROBE
+            elif self.prior is not None and self.prior(batch) is False:
+                st.speculative, st.held, st.left = False, True, self.explore
         return self._buckets[b]
 
     def speculate(self, batch: int) -> bool:

@@ -43,7 +43,7 @@ from redraft.infer.accept import (
     step_choices,
     walk,
 )
-from redraft.infer.budget import CostCurve, DrafterGate, SpeculationGuard
+from redraft.infer.budget import BatchCost, CostCurve, DrafterGate, SpeculationGuard
 from redraft.infer.config import DecoderConfig, SamplingParams
 from redraft.infer.drafters.base import (
     PAD,
@@ -65,7 +65,7 @@ from redraft.infer.hosttree import (
 )
 from redraft.infer.rows import Clock
 from redraft.infer.stats import Generation, StreamEvent
-from redraft.infer.verify import Verifier
+from redraft.infer.verify import Verifier, measure_batch_cost
 
 
 @dataclass
@@ -142,6 +142,12 @@ class SpeculativeDecoder:
         self.guard = SpeculationGuard(
             cfg.gate_explore, enabled=cfg.guard and bool(self.drafters) and cfg.budget == "auto"
         )
+        self.guard.prior = self._speculation_pays
+        # measured batched verify costs (measure_batch_cost; the server does at warm-up) and the
+        # last speculative step's node values (mean over rows, best first): the cost model's
+        # verdict on a batch size the guard has not measured yet
+        self.batch_cost: BatchCost | None = None
+        self._row_values: np.ndarray | None = None
         self.generator: torch.Generator | None = (
             None  # the shared sampling generator (None: torch's)
         )
@@ -293,6 +299,32 @@ class SpeculativeDecoder:
         self.cost_curve = self.verifier.measure_cost(self.config.max_nodes, context, sizes)
         return self.cost_curve
 
+    def measure_batch_cost(self, max_batch: int, context: int = 256) -> BatchCost:
+        """Measure batched verify forwards (2, 4, 8, ... rows up to ``max_batch``, 1 to 16
+        tokens per row; a few seconds on a CPU): the budget then costs a batch's tree from them,
+        and the speculation guard starts each batch size from their verdict (a server calls
+        this at warm-up, so its first requests are not spent exploring)."""
+        if self.cost_curve is None:
+            self.measure_cost(context)
+        batches = [b for b in (2, 4, 8, 16, 32, 64) if b <= max(max_batch, 2)]
+        sizes = [n for n in (1, 2, 4, 8, 16) if n <= self.config.max_nodes + 1]
+        self.batch_cost = measure_batch_cost(
+            self.verifier, self.cost_curve, batches, sizes, context
+        )
+        return self.batch_cost
+
+    def _speculation_pays(self, batch: int) -> bool | None:
+        """Whether the cost model expects speculation to beat plain steps at this batch size:
+        the best K for the last speculative step's node values (per row) against K = 0 and no
+        drafting, with the measured batched costs; ``None`` before both are known."""
+        v = self._row_values
+        if self.batch_cost is None or v is None:
+            return None
+        ks = np.arange(len(v) + 1)
+        gain = batch * (1.0 + np.concatenate([[0.0], np.cumsum(v)]))
+        secs = self.batch_cost(batch, ks + 1) + self._draft_overhead
+        return bool((gain / secs).max() > batch / float(self.batch_cost(batch, 1)))
+
     # ------------------------------------------------------------------ the step's pieces
 
     @property
@@ -370,7 +402,12 @@ class SpeculativeDecoder:
             if self.cost_curve is None:
                 self.measure_cost()
             values = np.where(prop.paths >= 0, prop.values, 0).reshape(B, -1)
-            k = best_budget_np(values, self._cost_table(), cfg.max_nodes, self._draft_overhead)
+            k = best_budget_np(
+                values, self._cost_table(), cfg.max_nodes, self._draft_overhead, self.batch_cost
+            )
+            if self.batch_cost is not None:
+                top = -np.sort(-values, axis=1)[:, : cfg.max_nodes]
+                self._row_values = top.mean(axis=0)
             budget, size = k, None
             if verifier.static:
                 size = verifier.tree_size(1 + min(k, P * L), limit=1 + cfg.max_nodes)

@@ -370,7 +370,7 @@ class HostStats:
         np.add.at(self.tries.reshape(-1), flat.reshape(-1), tried.reshape(-1).astype(np.float32))
 
 
-def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0) -> int:
+def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0, batch_cost=None) -> int:
     """``budget.best_budget`` on the host: the one K (nodes per row) for the batch.
 
     Args:
@@ -380,6 +380,8 @@ def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0) -> int
             float32) with ``n >= B * (min(M, max_nodes) + 1)``.
         max_nodes: upper bound on K.
         overhead_s: fixed per-step seconds outside the forward.
+        batch_cost: a ``budget.BatchCost`` (measured batched forwards): for ``B >= 2`` rows the
+            cost of K nodes per row is read off it, ``c(B, K + 1)``, instead of ``c(B * (K + 1))``.
     """
     values = np.asarray(values)
     B, M = values.shape
@@ -406,7 +408,10 @@ def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0) -> int
     gain = np.float32(B) + np.concatenate([[0], np.cumsum(total, dtype=np.float64)]).astype(
         np.float32
     )
-    secs = table[B * np.arange(1, M + 2)]
+    if batch_cost is not None and B >= 2:
+        secs = batch_cost(B, np.arange(1, M + 2)).astype(np.float32)
+    else:
+        secs = table[B * np.arange(1, M + 2)]
     return int(np.argmax(gain / (secs + np.float32(overhead_s))))
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from redraft.infer.budget import SIZES, CostCurve, measure_cost_curve
+from redraft.infer.budget import SIZES, BatchCost, CostCurve, measure_cost_curve
 from redraft.infer.grouped_attention import grouped, row_groups, use_grouped_attention
 from redraft.infer.kv import SlotKVCache
 from redraft.infer.opcount import not_counted
@@ -343,6 +343,25 @@ class Verifier:
             self.logits(self.verify(chain_step([context], n, self.device), cache))
 
         return measure_cost_curve(fwd, sizes, sync=self.sync)
+
+
+def measure_batch_cost(
+    verifier: Verifier, curve: CostCurve, batches, sizes, context: int = 256
+) -> BatchCost:
+    """Time verify forwards of ``B`` rows (each over a ``context``-token cache) x ``n`` tokens
+    per row for each B in ``batches`` and n in ``sizes``; ``curve`` (the one-row curve) is B = 1.
+    The fastest of two runs each (other processes only add time)."""
+    by_batch = {1: curve}
+    for B in sorted(set(batches) - {1}):
+        cache = verifier.new_cache(B, context + max(sizes) + 1)
+        verifier.prefill([[0] * context] * B, cache)
+        cache.batch, cache.host_lengths = B, [context] * B
+
+        def fwd(n, B=B, cache=cache):
+            verifier.logits(verifier.verify(chain_step([context] * B, n, verifier.device), cache))
+
+        by_batch[B] = measure_cost_curve(fwd, sizes, repeats=2, sync=verifier.sync)
+    return BatchCost(by_batch)
 
 
 def chain_step(lengths: list[int], n: int, device, token: int = 0) -> StepInput:

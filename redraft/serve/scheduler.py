@@ -319,6 +319,11 @@ class Scheduler:
         engine.add(self.decoder.encode("Hello")[0], self.make_params(max_new_tokens=WARMUP_TOKENS))
         while engine.has_work:
             engine.step()
+        dec = self.decoder
+        if dec.guard.enabled and self.max_batch > 1:
+            # batched verify costs: the budget and the guard's first verdicts per batch size
+            # (a few seconds before the first request, instead of exploring during it)
+            dec.measure_batch_cost(self.max_batch)
 
     # ------------------------------------------------------------------ delivery
 

@@ -1,15 +1,17 @@
 """The decoder on tiny models: greedy output equals plain greedy for every drafter and the mix,
 batches with different accepted lengths, streaming, stop strings, sampling, stats."""
 
+import numpy as np
 import pytest
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.budget import CostCurve, DrafterGate, SpeculationGuard
+from redraft.infer.budget import BatchCost, CostCurve, DrafterGate, SpeculationGuard
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.base import DecodeState, Draft, Drafter
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
 from redraft.infer.drafters.redrafter import ReDrafterDrafter
+from redraft.infer.hostdraft import best_budget_np
 
 
 def hf_greedy(target, ids, n):
@@ -427,3 +429,45 @@ def test_the_same_seed_gives_the_same_text_on_one_decoder_and_with_any_drafts(
         for g in dec.generate(tiny_prompts, max_new_tokens=24, temperature=0.8, top_p=0.95, seed=1)
     ]
     assert other != runs[0]
+
+
+def test_a_bucket_the_cost_model_says_loses_starts_plain_then_checks():
+    R, explore = SpeculationGuard.RUN, 4
+    g = SpeculationGuard(explore=explore)
+    g.prior = lambda batch: batch < 8  # the cost model: speculation pays below 8 rows
+    modes = _drive(g, 8, {True: 300.0, False: 100.0}, explore + R + 1)
+    # predicted to lose: a plain stretch first, then a speculative run checks the prediction
+    assert modes[:explore] == [False] * explore and modes[explore : explore + R] == [True] * R
+    g = SpeculationGuard(explore=explore)
+    g.prior = lambda batch: batch < 8
+    assert _drive(g, 4, {True: 300.0, False: 100.0}, R) == [True] * R  # predicted to pay
+
+
+def test_batch_cost_interpolates_between_measured_batch_sizes():
+    one = CostCurve([1, 16], [0.010, 0.020])
+    two = CostCurve([1, 16], [0.012, 0.040])
+    eight = CostCurve([1, 16], [0.020, 0.160])
+    bc = BatchCost({1: one, 2: two, 8: eight})
+    assert bc(2, 16) == pytest.approx(0.040)
+    assert bc(5, 16) == pytest.approx(0.040 + 0.5 * 0.120)  # halfway from 2 to 8 rows
+    assert bc(16, 1) == pytest.approx(0.040)  # past the largest: in proportion to the rows
+    # the budget reads a batch off it: steep batched costs give a smaller tree than c(B * n)
+    values = np.tile(0.8 ** np.arange(1, 16), (4, 1))  # a chain's node values
+    flat = CostCurve([1, 64], [0.010, 0.011])
+    assert best_budget_np(values, flat, 15) == 15
+    assert best_budget_np(values, flat, 15, batch_cost=bc) < 15
+
+
+def test_the_decoder_measures_batched_costs_and_predicts_per_batch(tiny_target):
+    dec = SpeculativeDecoder(
+        tiny_target, [ContextNGramDrafter(tiny_target.vocab_size)], max_nodes=8
+    )
+    bc = dec.measure_batch_cost(4, context=16)
+    assert bc.batches == [1, 2, 4] and dec.cost_curve is bc.curves[1]
+    assert all(float(bc(b, 4)) > 0 for b in (1, 2, 4))
+    assert dec._speculation_pays(4) is None  # no node values yet
+    dec._row_values = np.full(8, 0.9)
+    dec.batch_cost = BatchCost({1: CostCurve([1, 16], [1.0, 1.1])})  # nearly flat: pays
+    assert dec._speculation_pays(4) is True
+    dec.batch_cost = BatchCost({1: CostCurve([1, 2, 16], [1.0, 2.0, 16.0])})  # each token a step
+    assert dec._speculation_pays(4) is False
