@@ -21,6 +21,7 @@ import contextvars
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "redraft_grouped_sdpa"
 MIN_SAVING = 0.3  # split only when it saves at least this share of the attention's reads
@@ -103,11 +104,17 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
 
 
 AttentionInterface.register(NAME, grouped_sdpa)
+# the masks transformers builds for this implementation (callers that pass none, e.g. HSDDW's
+# draft models over the same weights) are sdpa's: without this line it builds none at all
+AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 def use_grouped_attention(model) -> bool:
-    """Switch a CPU model from ``sdpa`` to :func:`grouped_sdpa`; returns whether it did."""
-    if model.device.type != "cpu" or model.config._attn_implementation != "sdpa":
+    """Switch a CPU model from ``sdpa`` to :func:`grouped_sdpa`; returns whether it runs it
+    (also when an earlier verifier over the same model switched it)."""
+    impl = model.config._attn_implementation
+    if model.device.type != "cpu" or impl not in ("sdpa", NAME):
         return False
-    model.set_attn_implementation(NAME)
+    if impl == "sdpa":
+        model.set_attn_implementation(NAME)
     return True
