@@ -1,0 +1,64 @@
+"""Console-script entry points that wire a lower stage's command to a later stage's engine.
+
+``data`` and ``train`` may not import ``infer`` (the layering rule), yet their self-distillation
+should generate with redraft's own batched engine, the fastest path the project has. So the
+commands keep their code where it is (``redraft.data.distill.main``, ``redraft.train.cli``)
+and these wrappers, one layer above ``infer``, run them inside
+``redraft.data.replies.use_replies(engine_replies)``; ``python -m redraft.data.distill`` or
+``redraft.train.cli`` run directly fall back to Hugging Face ``generate``.
+
+Nothing heavy is imported here: ``--help`` stays instant (``redraft.infer.replies`` is imported
+only when a target is loaded and a generator made).
+"""
+
+from __future__ import annotations
+
+from redraft.data.replies import use_replies
+
+
+def engine_replies(target, settings):
+    """``redraft.infer.replies.engine_replies``, imported when first called."""
+    from redraft.infer.replies import engine_replies as make
+
+    return make(target, settings)
+
+
+def distill_data_main(argv: list[str] | None = None) -> int:
+    """``redraft-distill-data``."""
+    from redraft.data.distill import main
+
+    with use_replies(engine_replies):
+        return main(argv)
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """``redraft-train`` (its ``self_distill`` data made by the engine)."""
+    from redraft.train.cli import main
+
+    with use_replies(engine_replies):
+        return main(argv)
+
+
+def cache_features_main(argv: list[str] | None = None) -> int:
+    """``redraft-cache-features`` (its ``self_distill`` data made by the engine)."""
+    from redraft.train.cli import cache_features_main as main
+
+    with use_replies(engine_replies):
+        return main(argv)
+
+
+# `python -m redraft.entry redraft-train ARGS...`: for launchers that take a module, not a
+# console script (the deepspeed launcher's --module in scripts/gpu_run_stages.py)
+COMMANDS = {
+    "redraft-train": train_main,
+    "redraft-cache-features": cache_features_main,
+    "redraft-distill-data": distill_data_main,
+}
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        print(f"usage: python -m redraft.entry {{{','.join(COMMANDS)}}} [ARGS...]", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(COMMANDS[sys.argv[1]](sys.argv[2:]))
