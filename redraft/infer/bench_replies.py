@@ -7,7 +7,7 @@ For each dtype, the first user turn of ``--prompts`` held-out conversations of `
 (chat template applied; those of at most ``--max-prompt-tokens``) gets a greedy reply from each
 generator, ``--batch-size`` in flight as ``redraft-distill-data`` keeps them; prints new tokens/s
 of each, the ratio, and whether the replies are identical token for token. One untimed warm-up
-per generator and dtype first.
+per generator and dtype first; with ``--rounds`` the fastest run of each, in alternating order.
 """
 
 from __future__ import annotations
@@ -31,19 +31,26 @@ def run_generator(gen, prompts: list[list[int]], batch_size: int) -> list[tuple[
     return [out[k] for k in range(len(prompts))]
 
 
-def measure(target, prompts, factories: dict, max_new_tokens: int, batch_size: int) -> dict:
-    """``{name: (new tokens, seconds, replies)}`` for each ``(target, settings) -> generator``."""
+def measure(
+    target, prompts, factories: dict, max_new_tokens: int, batch_size: int, rounds: int = 1
+) -> dict:
+    """``{name: (new tokens, seconds, replies)}`` for each ``(target, settings) -> generator``:
+    the fastest of ``rounds`` timed runs, the order of the generators reversed every round (a
+    shared machine's load drifts)."""
     from redraft.data.replies import ReplySettings
 
     settings = ReplySettings(max_new_tokens, tuple(target.eos_token_ids), batch_size=batch_size)
-    out = {}
-    for name, factory in factories.items():
-        gen = factory(target, settings)
+    gens = {name: factory(target, settings) for name, factory in factories.items()}
+    for gen in gens.values():
         run_generator(gen, prompts[:2], batch_size)  # warm-up (first-call costs), not timed
-        t0 = time.perf_counter()
-        replies = run_generator(gen, prompts, batch_size)
-        dt = time.perf_counter() - t0
-        out[name] = (sum(len(t) for t, _ in replies), dt, replies)
+    out = {}
+    for r in range(rounds):
+        for name in list(gens)[:: 1 if r % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            replies = run_generator(gens[name], prompts, batch_size)
+            dt = time.perf_counter() - t0
+            if name not in out or dt < out[name][1]:
+                out[name] = (sum(len(t) for t, _ in replies), dt, replies)
     return out
 
 
@@ -60,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", action="append", help="repeat for several (default: float32)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=1, help="timed runs each (the fastest counts)")
     args = p.parse_args(argv)
 
     import torch
@@ -89,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             {"hf-generate": HFReplies, "engine": EngineReplies},
             args.max_new_tokens,
             args.batch_size,
+            args.rounds,
         )
         (nh, th, rh), (ne, te, re) = res["hf-generate"], res["engine"]
         same = sum(a == b for a, b in zip(rh, re))
