@@ -171,3 +171,36 @@ def test_the_benchmark_times_both_generators_on_the_same_prompts(tiny_target, pr
     (n_hf, t_hf, r_hf), (n_en, t_en, r_en) = res["hf"], res["engine"]
     assert r_hf == r_en and n_hf == n_en == sum(len(t) for t, _ in r_hf) > 0
     assert t_hf > 0 and t_en > 0
+
+
+def test_redraft_train_self_distills_with_the_generator_use_replies_sets(tiny_target, tmp_path):
+    """The trainer (which may not import infer) makes its data with the injected engine."""
+    import types
+
+    from redraft.train.config import make_config
+    from redraft.train.distilled import distilled_data
+    from redraft.train.fingerprint import target_record
+
+    src = tmp_path / "src.jsonl"
+    src.write_text(
+        "".join(json.dumps({**c, "id": f"x{i}-{c['id']}"}) + "\n" for i in range(8) for c in CHATS)
+    )
+    cfg = make_config(
+        "tiny",
+        {
+            "output_dir": str(tmp_path / "run"),
+            "data": f"sharegpt:{src}",
+            "self_distill": "true",
+            "distill_dir": str(tmp_path / "distilled"),
+            "distill_limit": "3",
+            "distill_max_new_tokens": "4",
+            "eval_limit": "2",
+        },
+    )
+    said = []
+    env = types.SimpleNamespace(is_main=True, say=said.append, barrier=lambda: None)
+    with use_replies(engine_replies):
+        out = distilled_data(cfg, tiny_target, target_record(tiny_target), env)
+    made = [m for m in said if "new tokens in" in m]
+    assert len(made) == 2 and all(m.endswith(", engine)") for m in made), said
+    assert out.data.endswith("train.jsonl") and (tmp_path / "distilled" / "train.jsonl").is_file()
