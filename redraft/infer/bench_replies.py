@@ -34,9 +34,10 @@ def run_generator(gen, prompts: list[list[int]], batch_size: int) -> list[tuple[
 def measure(
     target, prompts, factories: dict, max_new_tokens: int, batch_size: int, rounds: int = 1
 ) -> dict:
-    """``{name: (new tokens, seconds, replies)}`` for each ``(target, settings) -> generator``:
-    the fastest of ``rounds`` timed runs, the order of the generators reversed every round (a
-    shared machine's load drifts)."""
+    """``{name: (new tokens, seconds, replies, CPU seconds)}`` for each ``(target, settings) ->
+    generator``: the fastest of ``rounds`` timed runs, the order of the generators reversed every
+    round (a shared machine's load drifts). CPU seconds are this process's (all its threads):
+    with one thread they depend much less on other jobs than the wall time does."""
     from redraft.data.replies import ReplySettings
 
     settings = ReplySettings(max_new_tokens, tuple(target.eos_token_ids), batch_size=batch_size)
@@ -46,11 +47,11 @@ def measure(
     out = {}
     for r in range(rounds):
         for name in list(gens)[:: 1 if r % 2 == 0 else -1]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             replies = run_generator(gens[name], prompts, batch_size)
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             if name not in out or dt < out[name][1]:
-                out[name] = (sum(len(t) for t, _ in replies), dt, replies)
+                out[name] = (sum(len(t) for t, _ in replies), dt, replies, cpu)
     return out
 
 
@@ -85,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens at most, batch {args.batch_size}, device {args.device}, "
         f"{torch.get_num_threads()} thread(s)"
     )
-    print("| dtype | hf-generate tok/s | engine tok/s | engine / hf | identical replies |")
-    print("|---|---:|---:|---:|---|")
+    print(
+        "| dtype | hf-generate tok/s | engine tok/s | engine / hf (wall) | engine / hf "
+        "(tokens per CPU-second) | identical replies |"
+    )
+    print("|---|---:|---:|---:|---:|---|")
     for dtype in args.dtype or ["float32"]:
         target = load_target(args.target, dtype=dtype, device=args.device)
         prompts = [ids for c in chats if len(ids := target.chat_ids(c)) <= args.max_prompt_tokens]
@@ -99,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
             args.batch_size,
             args.rounds,
         )
-        (nh, th, rh), (ne, te, re) = res["hf-generate"], res["engine"]
+        (nh, th, rh, ch), (ne, te, re, ce) = res["hf-generate"], res["engine"]
         same = sum(a == b for a, b in zip(rh, re))
         print(
             f"| {dtype} | {nh / th:.1f} ({nh} in {th:.1f} s) | {ne / te:.1f} ({ne} in {te:.1f} s) "
-            f"| {(ne / te) / (nh / th):.2f}x | {same}/{len(prompts)} |",
+            f"| {(ne / te) / (nh / th):.2f}x | {(ne / ce) / (nh / ch):.2f}x "
+            f"| {same}/{len(prompts)} |",
             flush=True,
         )
     return 0

@@ -168,7 +168,7 @@ def test_the_benchmark_times_both_generators_on_the_same_prompts(tiny_target, pr
     from redraft.infer.bench_replies import measure
 
     res = measure(tiny_target, prompts, {"hf": HFReplies, "engine": EngineReplies}, 5, 2, rounds=2)
-    (n_hf, t_hf, r_hf), (n_en, t_en, r_en) = res["hf"], res["engine"]
+    (n_hf, t_hf, r_hf, _), (n_en, t_en, r_en, _) = res["hf"], res["engine"]
     assert r_hf == r_en and n_hf == n_en == sum(len(t) for t, _ in r_hf) > 0
     assert t_hf > 0 and t_en > 0
 
