@@ -14,7 +14,8 @@ Replies come from a :class:`~redraft.data.replies.ReplyGenerator` kept full by
 by its conversation's next turn or a new conversation. The console script (``redraft.entry``)
 injects redraft's own engine (continuous batching, ``redraft.infer.replies``); called from
 Python with no generator, this module falls back to Hugging Face ``generate`` (one left-padded
-batch per poll). Greedy replies are the same from both.
+batch per poll). Greedy replies are the same from both in float32 (in bfloat16 rounding flips
+near-ties with the batch shape, whichever generator runs).
 
 Records are appended (and flushed) as soon as their conversation is done; running the same
 command again skips every id already in the file, so an interrupted run resumes where it stopped.

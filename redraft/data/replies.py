@@ -12,8 +12,9 @@ freed slot is refilled at its next step; :class:`HFReplies` runs one left-padded
 The layering rule keeps ``data`` and ``train`` from importing ``infer``, so the engine is
 injected from above: the console scripts (``redraft.entry``) and ``redraft-demo`` run their work
 inside :func:`use_replies` with the engine's factory; without one, :func:`make_replies` falls
-back to :class:`HFReplies`. Greedy replies are the same token for token from both
-(``tests/infer/test_replies.py``).
+back to :class:`HFReplies`. Greedy replies are the same token for token from both in float32
+(``tests/infer/test_replies.py``); in bfloat16 rounding flips near-ties differently for different
+batch shapes, in either generator.
 
 Torch is imported only when a generator is made.
 """

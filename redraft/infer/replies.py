@@ -5,8 +5,9 @@
 plain autoregressive decoding with redraft's slot KV cache (and, on CUDA, its captured verify
 graphs). Unlike one ``model.generate`` per batch, a reply that ends frees its row at once and
 the distiller's next prompt joins at the next step, so the batch stays full. Greedy replies are
-the same tokens as Hugging Face ``generate`` gives (``tests/infer/test_replies.py``); sampled
-ones follow the same distribution, each request seeded from the run's seed and its key.
+the same tokens as Hugging Face ``generate`` gives in float32 (``tests/infer/test_replies.py``;
+bfloat16 rounding flips near-ties with the batch shape); sampled ones follow the same
+distribution, each request seeded from the run's seed and its key.
 
 ``redraft.entry`` injects it into ``redraft-distill-data``, ``redraft-train`` and
 ``redraft-cache-features`` (``data`` and ``train`` may not import ``infer``);

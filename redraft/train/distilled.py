@@ -7,7 +7,8 @@ wrote). :func:`distilled_data` makes them with :func:`redraft.data.distill.disti
 resumable: an interrupted run continues where it stopped) the first time and reuses them after.
 The replies come from redraft's engine when the command runs under ``redraft.entry`` (the
 ``redraft-train`` and ``redraft-cache-features`` console scripts, ``redraft-demo``), else from
-Hugging Face ``generate``; greedy replies are the same either way, so the cache is shared::
+Hugging Face ``generate``; the cache does not record which (greedy replies are the same in
+float32; in bfloat16 rounding flips near-ties with the batch shape, whichever generator)::
 
     <distill_dir>/train.jsonl      the train split of --data, at most distill_limit conversations
     <distill_dir>/heldout.jsonl    its held-out split, at most eval_limit (unless --eval-data is set)
