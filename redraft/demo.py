@@ -94,7 +94,7 @@ def build_ngrams(target_spec: str, out: Path) -> Path:
 
 def train_head(target_spec: str, out: Path, minutes: float, retrain: bool) -> Path:
     from redraft.data.replies import use_replies
-    from redraft.infer.replies import engine_replies
+    from redraft.infer.replies import EngineReplies
     from redraft.train.config import make_config
     from redraft.train.trainer import train
 
@@ -106,7 +106,7 @@ def train_head(target_spec: str, out: Path, minutes: float, retrain: bool) -> Pa
     cfg = make_config(
         "demo", {"target": target_spec, "output_dir": str(out), "max_time_minutes": minutes}
     )
-    with use_replies(engine_replies):  # the self-distilled data comes from redraft's engine
+    with use_replies(EngineReplies):  # the self-distilled data comes from redraft's engine
         metrics = train(cfg, resume=False, overwrite=True)
     if metrics.get("status") == "interrupted":
         raise RedraftError(

@@ -17,10 +17,11 @@ from redraft.data.replies import use_replies
 
 
 def engine_replies(target, settings):
-    """``redraft.infer.replies.engine_replies``, imported when first called."""
-    from redraft.infer.replies import engine_replies as make
+    """``redraft.infer.replies.EngineReplies(target, settings)``, imported when first called
+    (``--help`` imports no torch)."""
+    from redraft.infer.replies import EngineReplies
 
-    return make(target, settings)
+    return EngineReplies(target, settings)
 
 
 def distill_data_main(argv: list[str] | None = None) -> int:

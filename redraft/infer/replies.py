@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # the protocol's types; infer does not import data at run tim
 
 
 class EngineReplies:
-    """A ``ReplyGenerator`` over one engine (made once, its cache reused by every request).
+    """A ``ReplyGenerator`` over one engine (made once, its cache reused by every request); the
+    class is the factory ``redraft.data.replies.use_replies`` takes.
 
     Args:
         target: a :class:`redraft.models.Target` (its dtype and device are the engine's).
@@ -43,7 +44,7 @@ class EngineReplies:
         # sampling needs the lossless rule, which with no draft is plain sampling. Prefill is
         # not chunked (prefill_chunk 0): chunks keep a server's running rows responsive, but
         # here only throughput counts, and a prompt in one forward reads the weights once
-        # (bf16 on the 2-core CPU: 1.2x the tokens/s of "auto"; docs/train.md)
+        # (measured in docs/train.md, "Who generates, and how fast")
         self.decoder = SpeculativeDecoder(
             target,
             [],
@@ -79,8 +80,3 @@ class EngineReplies:
                 toks = list(g.tokens[:-1] if stopped else g.tokens)
                 done.append((self.keys.pop(ev.index), toks, stopped))
         return done
-
-
-def engine_replies(target, settings: ReplySettings) -> EngineReplies:
-    """The factory ``redraft.data.replies.use_replies`` takes."""
-    return EngineReplies(target, settings)

@@ -7,7 +7,7 @@ import pytest
 
 from redraft.data.distill import _prompt_ids, distill
 from redraft.data.replies import HFReplies, ReplySettings, make_replies, use_replies
-from redraft.infer.replies import EngineReplies, engine_replies
+from redraft.infer.replies import EngineReplies
 
 # ShareGPT records: one turn, two turns with a system prompt, three turns
 CHATS = [
@@ -93,7 +93,7 @@ def test_distilled_records_are_the_same_from_both_generators(tiny_target, tmp_pa
     kw = dict(max_new_tokens=6, batch_size=2, progress=False)
     hf, eng = tmp_path / "hf.jsonl", tmp_path / "engine.jsonl"
     a = distill(tiny_target, data, hf, replies=HFReplies, **kw)
-    b = distill(tiny_target, data, eng, replies=engine_replies, **kw)
+    b = distill(tiny_target, data, eng, replies=EngineReplies, **kw)
     assert (a["generator"], b["generator"]) == ("hf-generate", "engine")
     by_id = lambda p: {r["id"]: r for r in map(json.loads, p.read_text().splitlines())}  # noqa: E731
     assert by_id(hf) == by_id(eng) and len(by_id(hf)) == len(CHATS)
@@ -141,7 +141,7 @@ def test_multi_turn_conversations_continue_alike_from_both_generators(tiny_targe
         )
         return {r.id: r.messages for r in recs if r is not None}, counts
 
-    (hf, c_hf), (eng, c_eng) = out(HFReplies), out(engine_replies)
+    (hf, c_hf), (eng, c_eng) = out(HFReplies), out(EngineReplies)
     assert hf == eng and c_hf == c_eng
     assert max(sum(m["role"] == "assistant" for m in msgs) for msgs in hf.values()) >= 2
 
@@ -149,13 +149,13 @@ def test_multi_turn_conversations_continue_alike_from_both_generators(tiny_targe
 def test_use_replies_sets_the_default_generator_for_a_block(tiny_target):
     s = ReplySettings(4, tuple(tiny_target.eos_token_ids))
     assert isinstance(make_replies(tiny_target, s), HFReplies)
-    with use_replies(engine_replies):
+    with use_replies(EngineReplies):
         assert isinstance(make_replies(tiny_target, s), EngineReplies)
         assert isinstance(make_replies(tiny_target, s, HFReplies), HFReplies)  # explicit wins
     assert isinstance(make_replies(tiny_target, s), HFReplies)
 
 
-def test_sampled_engine_replies_do_not_depend_on_the_batch(tiny_target, prompts):
+def test_sampled_EngineReplies_do_not_depend_on_the_batch(tiny_target, prompts):
     s1 = ReplySettings(8, tuple(tiny_target.eos_token_ids), temperature=1.0, seed=3, batch_size=1)
     s5 = ReplySettings(8, tuple(tiny_target.eos_token_ids), temperature=1.0, seed=3, batch_size=5)
     one = run_all(EngineReplies(tiny_target, s1), prompts)
@@ -199,7 +199,7 @@ def test_redraft_train_self_distills_with_the_generator_use_replies_sets(tiny_ta
     )
     said = []
     env = types.SimpleNamespace(is_main=True, say=said.append, barrier=lambda: None)
-    with use_replies(engine_replies):
+    with use_replies(EngineReplies):
         out = distilled_data(cfg, tiny_target, target_record(tiny_target), env)
     made = [m for m in said if "new tokens in" in m]
     assert len(made) == 2 and all(m.endswith(", engine)") for m in made), said
