@@ -13,6 +13,8 @@ only when a target is loaded and a generator made).
 
 from __future__ import annotations
 
+import sys
+
 from redraft.data.replies import use_replies
 
 
@@ -56,10 +58,16 @@ COMMANDS = {
     "redraft-distill-data": distill_data_main,
 }
 
-if __name__ == "__main__":
-    import sys
 
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+def module_main(argv: list[str]) -> int:
+    """``argv`` holds a command name (not always first: the deepspeed launcher puts
+    ``--local_rank=N`` before the script's arguments); the other arguments go to it in order."""
+    at = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
+    if at is None:
         print(f"usage: python -m redraft.entry {{{','.join(COMMANDS)}}} [ARGS...]", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(COMMANDS[sys.argv[1]](sys.argv[2:]))
+        return 2
+    return COMMANDS[argv[at]](argv[:at] + argv[at + 1 :])
+
+
+if __name__ == "__main__":
+    sys.exit(module_main(sys.argv[1:]))

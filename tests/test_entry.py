@@ -41,3 +41,16 @@ def test_help_through_the_module_imports_no_torch(name):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "exit 0 False", out.stderr
     assert "usage:" in out.stdout
+
+
+def test_the_module_finds_its_command_after_the_launchers_flags(monkeypatch):
+    from redraft import entry
+
+    seen = {}
+    monkeypatch.setitem(entry.COMMANDS, "redraft-train", lambda argv: seen.setdefault("a", argv))
+    assert entry.module_main(["--local_rank=0", "redraft-train", "--recipe", "tiny"]) == [
+        "--local_rank=0",
+        "--recipe",
+        "tiny",
+    ]
+    assert entry.module_main(["--recipe", "tiny"]) == 2  # no command: usage, exit 2
