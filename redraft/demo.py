@@ -93,6 +93,8 @@ def build_ngrams(target_spec: str, out: Path) -> Path:
 
 
 def train_head(target_spec: str, out: Path, minutes: float, retrain: bool) -> Path:
+    from redraft.data.replies import use_replies
+    from redraft.infer.replies import EngineReplies
     from redraft.train.config import make_config
     from redraft.train.trainer import train
 
@@ -104,7 +106,8 @@ def train_head(target_spec: str, out: Path, minutes: float, retrain: bool) -> Pa
     cfg = make_config(
         "demo", {"target": target_spec, "output_dir": str(out), "max_time_minutes": minutes}
     )
-    metrics = train(cfg, resume=False, overwrite=True)
+    with use_replies(EngineReplies):  # the self-distilled data comes from redraft's engine
+        metrics = train(cfg, resume=False, overwrite=True)
     if metrics.get("status") == "interrupted":
         raise RedraftError(
             f"training was interrupted; the checkpoint in {out} can be resumed with "

@@ -262,7 +262,8 @@ class Stages:
             "--master_port",
             free_port(),
             "--module",
-            "redraft.train.cli",
+            "redraft.entry",  # redraft-train with the engine making its self-distilled data
+            "redraft-train",
             "--recipe",
             recipe,
             "--target",

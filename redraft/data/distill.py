@@ -3,11 +3,19 @@
 A drafter is accepted most often when it learned the *target's* replies, not another model's.
 ``redraft-distill-data`` keeps each conversation's system and user turns, and replaces each
 assistant turn with the target's own reply to the conversation so far (its earlier replies
-included), in batches (left-padded ``model.generate``), greedy or sampled. The output is
-ShareGPT-format JSONL, readable by every CLI as ``--data sharegpt:FILE.jsonl``::
+included), greedy or sampled. The output is ShareGPT-format JSONL, readable by every CLI as
+``--data sharegpt:FILE.jsonl``::
 
     redraft-distill-data --target default --data default-chat --output checkpoints/distilled.jsonl \\
         --max-new-tokens 256 --batch-size 8 --limit 2000
+
+Replies come from a :class:`~redraft.data.replies.ReplyGenerator` kept full by
+:func:`distill_stream`: up to ``--batch-size`` prompts in flight, a finished reply's slot taken
+by its conversation's next turn or a new conversation. The console script (``redraft.entry``)
+injects redraft's own engine (continuous batching, ``redraft.infer.replies``); called from
+Python with no generator, this module falls back to Hugging Face ``generate`` (one left-padded
+batch per poll). Greedy replies are the same from both in float32 (in bfloat16 rounding flips
+near-ties with the batch shape, whichever generator runs).
 
 Records are appended (and flushed) as soon as their conversation is done; running the same
 command again skips every id already in the file, so an interrupted run resumes where it stopped.
@@ -20,18 +28,23 @@ status 130. This module imports no torch at import time (``--help`` is instant).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
 import os
 import sys
 import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from redraft.cli import ModelSettings
+from redraft.cli import ModelSettings, run_cli
 from redraft.data.records import DataStats, Record, is_heldout, record_to_sharegpt
+from redraft.data.replies import ReplyFactory, ReplyGenerator, ReplySettings, make_replies
 from redraft.data.sources import iter_records, parse_spec
-from redraft.errors import ConfigError, DataError, RedraftError
+from redraft.errors import ConfigError, DataError
 from redraft.utils import ArgumentParser, HelpFormatter
 
 PROG = "redraft-distill-data"
@@ -81,123 +94,118 @@ def _prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(out)
 
 
-def generate_replies(
-    target, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float
-) -> list[tuple[list[int], bool]]:
-    """One batched ``generate`` over left-padded prompts.
+@dataclass
+class _Conversation:
+    """One conversation being distilled: its system turn and the replies so far, the user
+    turns still to answer, and whether it goes on."""
 
-    Returns, per prompt, the new token ids up to (not including) the first end-of-sequence token,
-    and whether it stopped by itself (False: it ran into ``max_new_tokens``).
-    """
-    import torch
+    record: Record
+    messages: list[dict]
+    users: list[str]
+    turn: int = 0
 
-    tok, model = target.tokenizer, target.model
-    eos = target.eos_token_ids
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    width = max(len(p) for p in prompts)
-    # [B, width]: left padding so every prompt's last token sits in the last column
-    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = torch.tensor(p)
-        attention[i, width - len(p) :] = 1
-    sample = temperature > 0
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids.to(target.device),
-            attention_mask=attention.to(target.device),
-            max_new_tokens=max_new_tokens,
-            do_sample=sample,
-            temperature=temperature if sample else None,
-            top_p=top_p if sample else None,
-            top_k=0 if sample else None,  # no hidden top-k cut
-            pad_token_id=pad,
-            eos_token_id=eos,
-        )
-    new = out[:, width:].cpu()  # [B, <= max_new_tokens]
-    is_eos = torch.isin(new, torch.tensor(eos))
-    has_eos = is_eos.any(dim=1)
-    # first eos position per row (the row length when there is none), vectorised
-    stop = torch.where(
-        has_eos,
-        is_eos.int().argmax(dim=1),
-        torch.full_like(has_eos, new.shape[1], dtype=torch.long),
-    )
-    return [(new[i, : int(stop[i])].tolist(), bool(has_eos[i])) for i in range(len(prompts))]
-
-
-def distill_batch(
-    target,
-    records: list[Record],
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    max_prompt_tokens: int,
-    counts: dict,
-    max_turns: int | None = None,
-) -> list[Record]:
-    """Regenerate the assistant turns of a batch of conversations, turn by turn.
-
-    At step ``t`` every conversation that has a ``t``-th user turn (and is still going) gets one
-    reply in the same ``generate`` call. A conversation ends early when its prompt would exceed
-    ``max_prompt_tokens``, its reply is empty, or its reply ran into ``max_new_tokens``; with
-    ``max_turns`` only its first ``max_turns`` user turns get replies.
-    Conversations with no reply at all are not returned.
-    """
-    tok = target.tokenizer
-    convs = []
-    for r in records:
+    @classmethod
+    def of(cls, r: Record, max_turns: int | None) -> _Conversation:
         head = [dict(m) for m in r.messages[:1] if m["role"] == "system"]
         users = [m["content"] for m in r.messages if m["role"] == "user"][:max_turns]
-        convs.append({"record": r, "messages": head, "users": users, "open": True})
-    for t in range(max((len(c["users"]) for c in convs), default=0)):
-        active, prompts = [], []
-        for c in convs:
-            if not c["open"] or t >= len(c["users"]):
-                continue
-            ids = _prompt_ids(tok, c["messages"] + [{"role": "user", "content": c["users"][t]}])
-            if len(ids) > max_prompt_tokens:
-                c["open"] = False
-                counts["prompt_too_long"] += 1
-                continue
-            active.append(c)
-            prompts.append(ids)
-        if not active:
-            break
-        for c, (reply, stopped) in zip(
-            active,
-            generate_replies(
-                target, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p
-            ),
-        ):
-            counts["new_tokens"] += len(reply)
-            text = tok.decode(reply, skip_special_tokens=True)
-            if not text.strip():
-                c["open"] = False
-                counts["empty_reply"] += 1
-                continue
-            c["messages"] += [
-                {"role": "user", "content": c["users"][t]},
-                {"role": "assistant", "content": text},
-            ]
-            if not stopped:
-                c["open"] = False
-                counts["hit_max_new_tokens"] += 1
-    out = []
-    for c in convs:
-        if any(m["role"] == "assistant" for m in c["messages"]):
-            out.append(
-                Record(
-                    id=c["record"].id,
-                    kind="chat",
-                    messages=c["messages"],
-                    source=c["record"].source,
-                )
-            )
-        else:
+        return cls(r, head, users)
+
+    def next_prompt(self, tok, max_prompt_tokens: int, counts) -> list[int] | None:
+        """The next turn's prompt ids, or None: no turn left, or (counted) its prompt is longer
+        than ``max_prompt_tokens``."""
+        if self.turn >= len(self.users):
+            return None
+        ids = _prompt_ids(tok, self.messages + [{"role": "user", "content": self.users[self.turn]}])
+        if len(ids) > max_prompt_tokens:
+            counts["prompt_too_long"] += 1
+            return None
+        return ids
+
+    def take(self, tok, reply: list[int], stopped: bool, counts) -> bool:
+        """Add the reply to the current turn; whether the conversation goes on (an empty reply
+        ends it unanswered, a reply cut by max_new_tokens ends it after this turn)."""
+        counts["new_tokens"] += len(reply)
+        text = tok.decode(reply, skip_special_tokens=True)
+        if not text.strip():
+            counts["empty_reply"] += 1
+            return False
+        self.messages += [
+            {"role": "user", "content": self.users[self.turn]},
+            {"role": "assistant", "content": text},
+        ]
+        self.turn += 1
+        if not stopped:
+            counts["hit_max_new_tokens"] += 1
+            return False
+        return True
+
+    def result(self, counts) -> Record | None:
+        """The distilled record, or None (counted) when no turn got a reply."""
+        if not any(m["role"] == "assistant" for m in self.messages):
             counts["no_reply"] += 1
-    return out
+            return None
+        r = self.record
+        return Record(id=r.id, kind="chat", messages=self.messages, source=r.source)
+
+
+def distill_stream(
+    gen: ReplyGenerator,
+    tok,
+    records: Iterable[Record],
+    *,
+    capacity: int,
+    max_prompt_tokens: int,
+    counts,
+    max_turns: int | None = None,
+) -> Iterator[Record | None]:
+    """Regenerate the assistant turns of ``records`` with ``gen``, turn by turn, keeping up to
+    ``capacity`` prompts in flight: each finished reply frees a slot for its conversation's
+    next turn (first) or a new conversation. Yields each conversation's distilled record
+    (None when it got no reply) as it ends, in the order they end.
+
+    A conversation ends when its next prompt would exceed ``max_prompt_tokens``, a reply is
+    empty, a reply ran into the generator's ``max_new_tokens``, or its (first ``max_turns``)
+    user turns are all answered. One with no reply at all yields None.
+    """
+    source = iter(records)
+    ready: deque[_Conversation] = deque()  # conversations whose next turn is to be submitted
+    flying: dict[int, _Conversation] = {}  # key -> conversation whose reply is being made
+    keys = itertools.count()
+    while True:
+        while len(flying) < capacity:
+            if ready:
+                conv = ready.popleft()
+            elif (r := next(source, None)) is not None:
+                conv = _Conversation.of(r, max_turns)
+            else:
+                break
+            prompt = conv.next_prompt(tok, max_prompt_tokens, counts)
+            if prompt is None:
+                yield conv.result(counts)
+                continue
+            key = next(keys)
+            flying[key] = conv
+            gen.submit(key, prompt)
+        if not flying:
+            return
+        finished = gen.poll()
+        if not finished:
+            raise RuntimeError(f"{gen.name}.poll() returned nothing with {len(flying)} in flight")
+        for key, reply, stopped in finished:
+            conv = flying.pop(key)
+            if conv.take(tok, reply, stopped, counts):
+                ready.append(conv)
+            else:
+                yield conv.result(counts)
+
+
+def _prompt_limit(target, max_prompt_tokens: int, max_new_tokens: int) -> int:
+    """The longest prompt a turn may have: ``max_prompt_tokens``, and room for the reply within
+    the model's context (when it has a known one)."""
+    context = getattr(target.model.config, "max_position_embeddings", None)
+    if not context:
+        return max_prompt_tokens
+    return min(max_prompt_tokens, context - max_new_tokens)
 
 
 def _length_sorted_batches(records, batch_size: int, window: int):
@@ -232,6 +240,7 @@ def distill(
     sort_window: int = 8,
     progress: bool = True,
     max_turns: int | None = None,
+    replies: ReplyFactory | None = None,
 ) -> dict:
     """Write the target's own replies for the chats of ``spec`` to ``output`` (ShareGPT JSONL).
 
@@ -240,16 +249,20 @@ def distill(
         spec: a chat data spec, e.g. ``"default-chat"``.
         output: the JSONL file; created, or appended to (ids already in it are skipped).
         max_new_tokens: longest reply; a reply that hits it ends its conversation.
-        batch_size: conversations generated together.
+        batch_size: replies generated together (prompts in flight at most).
         temperature: 0 = greedy; otherwise sampling with ``top_p``.
         limit: at most this many source conversations (counting those already done).
         split: ``"all"``, ``"train"`` or ``"heldout"`` records of the source.
-        max_prompt_tokens: a conversation ends before a turn whose prompt is longer.
-        seed: torch seed for sampling.
+        max_prompt_tokens: a conversation ends before a turn whose prompt is longer (or whose
+            reply could run past the model's context).
+        seed: torch seed for sampling (the engine seeds each request from it).
         sort_window: batches read ahead and sorted by prompt length (less padding); 1 keeps the
             source order.
         progress: show a progress bar (conversations, and new tokens per second).
         max_turns: reply to at most this many user turns per conversation (None: all).
+        replies: the :class:`~redraft.data.replies.ReplyGenerator` factory; None: the one
+            :func:`~redraft.data.replies.use_replies` set (the console scripts: redraft's
+            engine), else Hugging Face ``generate``.
 
     Returns:
         Counts: written, skipped_done, new_tokens, seconds and why conversations ended early.
@@ -298,28 +311,42 @@ def distill(
         "max_new_tokens": max_new_tokens,
         "max_turns": max_turns,
     }
+    gen = make_replies(
+        target,
+        ReplySettings(
+            max_new_tokens=max_new_tokens,
+            stop_ids=tuple(target.eos_token_ids),
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            batch_size=batch_size,
+        ),
+        replies,
+    )
+    bar.set_description(f"distilling ({gen.name})")
+    ordered = itertools.chain.from_iterable(_length_sorted_batches(todo(), batch_size, sort_window))
     with open(output, "a", encoding="utf-8") as f:
-        for batch in _length_sorted_batches(todo(), batch_size, sort_window):
-            for r in distill_batch(
-                target,
-                batch,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                max_prompt_tokens=max_prompt_tokens,
-                counts=counts,
-                max_turns=max_turns,
-            ):
+        for r in distill_stream(
+            gen,
+            target.tokenizer,
+            ordered,
+            capacity=batch_size,
+            max_prompt_tokens=_prompt_limit(target, max_prompt_tokens, max_new_tokens),
+            counts=counts,
+            max_turns=max_turns,
+        ):
+            if r is not None:
                 _write_reply(f, r, made_with)
                 done.add(r.id)
                 counts["written"] += 1
-            bar.update(len(batch))
+            bar.update(1)
             rate = counts["new_tokens"] / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix_str(f"{rate:,.1f} tok/s", refresh=False)
     bar.close()
     if not counts["conversations_read"]:
         _no_conversation(spec, output, existed, counts, stats)
     counts["seconds"] = round(time.perf_counter() - t0, 2)
+    counts["generator"] = gen.name
     result = dict(counts)
     result["source"] = stats.summary()
     return result
@@ -498,66 +525,63 @@ def check_args(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        check_args(args)
-        from redraft.models import load_target
-        from redraft.utils import resolve_device, resolve_dtype
+    return run_cli(
+        PROG,
+        lambda: _run(args),
+        interrupted="the conversations written so far are kept (run the same command again "
+        "to resume).",
+    )
 
-        device = resolve_device(args.device)  # "cuda" without CUDA: one line, before the load
-        if args.threads:
-            import torch
 
-            torch.set_num_threads(args.threads)
-        dtype = resolve_dtype(args.dtype, device) if args.dtype is not None else None
-        target = load_target(args.target, dtype=dtype, device=device)
-        result = distill(
-            target,
-            args.data,
-            args.output,
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            limit=args.limit,
-            split=args.split,
-            heldout_fraction=args.heldout_fraction,
-            max_prompt_tokens=args.max_prompt_tokens,
-            seed=args.seed,
-            sort_window=args.sort_window,
-            progress=args.progress,
-            max_turns=args.max_turns,
-        )
-    except RedraftError as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(
-            f"{PROG}: interrupted; the conversations written so far are kept (run the same "
-            f"command again to resume).",
-            file=sys.stderr,
-        )
-        return 130
+def _run(args) -> int:
+    check_args(args)
+    from redraft.models import load_target
+    from redraft.utils import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)  # "cuda" without CUDA: one line, before the load
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    dtype = resolve_dtype(args.dtype, device) if args.dtype is not None else None
+    target = load_target(args.target, dtype=dtype, device=device)
+    result = distill(
+        target,
+        args.data,
+        args.output,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        limit=args.limit,
+        split=args.split,
+        heldout_fraction=args.heldout_fraction,
+        max_prompt_tokens=args.max_prompt_tokens,
+        seed=args.seed,
+        sort_window=args.sort_window,
+        progress=args.progress,
+        max_turns=args.max_turns,
+    )
     print(
         f"wrote {result.get('written', 0)} conversations to {args.output} "
         f"({result.get('skipped_done', 0)} already there; {result.get('new_tokens', 0)} new tokens in "
-        f"{result['seconds']} s); source: {result['source']}",
+        f"{result['seconds']} s with {result['generator']}); source: {result['source']}",
         file=sys.stderr,
     )
-    ended = {
-        k: v
-        for k, v in result.items()
-        if k
-        in (
-            "prompt_too_long",
-            "empty_reply",
-            "hit_max_new_tokens",
-            "no_reply",
-            "not_a_conversation",
-        )
-    }
+    ended = {k: v for k, v in result.items() if k in ENDED_EARLY}
     if ended:
         print(f"ended early or skipped: {ended}", file=sys.stderr)
     return 0
+
+
+# the counts that say why a conversation ended early or was skipped
+ENDED_EARLY = (
+    "prompt_too_long",
+    "empty_reply",
+    "hit_max_new_tokens",
+    "no_reply",
+    "not_a_conversation",
+)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ class TrainConfig(Settings):
         range=Range(1),
     )
     distill_batch_size: int = _f(
-        8, "Conversations generated together when self-distilling.", range=Range(1)
+        8, "Replies generated together (prompts in flight) when self-distilling.", range=Range(1)
     )
     pack: bool = _f(False, "Pack records into max_length sequences (redraft.data).")
     heldout_fraction: float = _f(

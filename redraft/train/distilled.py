@@ -4,7 +4,11 @@ A head learns the next tokens of its data; it is accepted when those are the *ta
 tokens. ``self_distill: true`` (the shipped recipes) trains and evaluates on the target's greedy
 replies to the prompts of ``--data`` instead of the data's own replies (which another model
 wrote). :func:`distilled_data` makes them with :func:`redraft.data.distill.distill` (batched,
-resumable: an interrupted run continues where it stopped) the first time and reuses them after::
+resumable: an interrupted run continues where it stopped) the first time and reuses them after.
+The replies come from redraft's engine when the command runs under ``redraft.entry`` (the
+``redraft-train`` and ``redraft-cache-features`` console scripts, ``redraft-demo``), else from
+Hugging Face ``generate``; the cache does not record which (greedy replies are the same in
+float32; in bfloat16 rounding flips near-ties with the batch shape, whichever generator)::
 
     <distill_dir>/train.jsonl      the train split of --data, at most distill_limit conversations
     <distill_dir>/heldout.jsonl    its held-out split, at most eval_limit (unless --eval-data is set)
@@ -99,7 +103,7 @@ def ensure_split(
     dt = time.perf_counter() - t0
     say(
         f"redraft-train: {res.get('written', 0)} conversations, {res.get('new_tokens', 0)} new tokens in "
-        f"{dt:.0f} s ({res.get('new_tokens', 0) / max(dt, 1e-9):.0f} tokens/s)"
+        f"{dt:.0f} s ({res.get('new_tokens', 0) / max(dt, 1e-9):.0f} tokens/s, {res['generator']})"
     )
     path.with_name(path.name + DONE_SUFFIX).write_text(
         json.dumps(

@@ -1,0 +1,82 @@
+"""Distillation replies from redraft's own engine: continuous batching, the target's dtype.
+
+:class:`EngineReplies` is a ``redraft.data.replies.ReplyGenerator`` (``submit`` prompts,
+``poll`` finished replies) over an :class:`~redraft.infer.engine.Engine` with no drafters, i.e.
+plain autoregressive decoding with redraft's slot KV cache (and, on CUDA, its captured verify
+graphs). Unlike one ``model.generate`` per batch, a reply that ends frees its row at once and
+the distiller's next prompt joins at the next step, so the batch stays full. Greedy replies are
+the same tokens as Hugging Face ``generate`` gives in float32 (``tests/infer/test_replies.py``;
+bfloat16 rounding flips near-ties with the batch shape); sampled ones follow the same
+distribution, each request seeded from the run's seed and its key.
+
+``redraft.entry`` injects it into ``redraft-distill-data``, ``redraft-train`` and
+``redraft-cache-features`` (``data`` and ``train`` may not import ``infer``);
+``python -m redraft.infer.bench_replies`` measures it against ``generate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from redraft.infer.config import SamplingParams
+from redraft.infer.decoder import SpeculativeDecoder, row_seed
+
+if TYPE_CHECKING:  # the protocol's types; infer does not import data at run time
+    from redraft.data.replies import ReplySettings
+
+
+class EngineReplies:
+    """A ``ReplyGenerator`` over one engine (made once, its cache reused by every request); the
+    class is the factory ``redraft.data.replies.use_replies`` takes.
+
+    Args:
+        target: a :class:`redraft.models.Target` (its dtype and device are the engine's).
+        settings: a ``redraft.data.replies.ReplySettings``.
+    """
+
+    name = "engine"
+
+    def __init__(self, target, settings: ReplySettings):
+        self.settings = settings
+        sample = settings.temperature > 0
+        # no drafters: every step verifies the root alone (budget 0), the plain-greedy baseline;
+        # sampling needs the lossless rule, which with no draft is plain sampling. Prefill is
+        # not chunked (prefill_chunk 0): chunks keep a server's running rows responsive, but
+        # here only throughput counts, and a prompt in one forward reads the weights once
+        # (measured in docs/train.md, "Who generates, and how fast")
+        self.decoder = SpeculativeDecoder(
+            target,
+            [],
+            budget=0,
+            acceptance="rejection" if sample else "greedy",
+            prefill_chunk=0,
+        )
+        self.engine = self.decoder.engine()
+        self.params = SamplingParams.checked(
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            stop_token_ids=list(settings.stop_ids),
+        )
+        self.keys: dict[int, int] = {}  # engine request id -> the caller's key
+
+    def submit(self, key: int, prompt: list[int]) -> None:
+        params = self.params
+        if self.settings.temperature > 0:  # its own seed: the reply does not depend on the batch
+            params = dataclasses.replace(params, seed=row_seed(self.settings.seed, key))
+        self.keys[self.engine.add(list(prompt), params)] = key
+
+    def poll(self) -> list[tuple[int, list[int], bool]]:
+        """Engine steps until at least one reply ends; ``(key, tokens, stopped)`` per reply (a
+        ``Reply``), ``tokens`` without the stop id that ended it."""
+        done = []
+        while self.engine.has_work and not done:
+            for ev in self.engine.step():
+                if not ev.done:
+                    continue
+                g = ev.generation
+                stopped = g.finish_reason in ("eos", "stop")  # "length": ran into max_new_tokens
+                toks = list(g.tokens[:-1] if stopped else g.tokens)
+                done.append((self.keys.pop(ev.index), toks, stopped))
+        return done
