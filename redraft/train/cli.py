@@ -51,6 +51,8 @@ CACHE_KEYS = (
     "device",
     "precision",
     "threads",
+    "head_features",
+    "feature_layers",
 )
 
 

@@ -112,6 +112,23 @@ class ReDrafterDrafter(Drafter):
         self.head, self.width, self.name = head.to(draft_dtype(head, dtype)), width, name
         self.length = int(length or head.config.num_steps)  # default: the head's training horizon
 
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the head reads, the last one last (``()``: a
+        ``last`` head, the last hidden state only). The decoder has the verify forward return
+        them, concatenated, as ``DecodeState.hidden``."""
+        return self.head.config.hidden_layers
+
+    def context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``state.hidden`` ``[B, F]`` -> the head's context ``x`` ``[B, H]``, once per step: a
+        ``last`` head takes the last H columns (all of them unless a multi-layer head shares
+        the decoder), a ``multi`` head projects its layers' states (``head.project``)."""
+        if self.hidden_layers:
+            return self.head.project(hidden)
+        H = self.head.config.hidden_size
+        return hidden if hidden.shape[-1] == H else hidden[..., -H:]
+
     def propose(self, state: DecodeState) -> Draft:
-        tokens, logp, _ = beam_search(self.head, state.hidden, state.last, self.width, self.length)
+        context = self.context(state.hidden)
+        tokens, logp, _ = beam_search(self.head, context, state.last, self.width, self.length)
         return Draft(tokens=tokens.to(state.device), logp=logp.to(state.device))
