@@ -51,6 +51,7 @@ CACHE_KEYS = (
     "device",
     "precision",
     "threads",
+    "distill_dir",
     "head_features",
     "feature_layers",
 )
