@@ -106,14 +106,34 @@ def train_head(target_spec: str, out: Path, minutes: float, retrain: bool) -> Pa
     cfg = make_config(
         "demo", {"target": target_spec, "output_dir": str(out), "max_time_minutes": minutes}
     )
+    # the target's features of the self-distilled records, cached once (like the records): the
+    # budget then trains the head ~2x the tokens of a run that runs the target every step
+    # (docs/train.md, "Toward tau_est 1.8")
     with use_replies(EngineReplies):  # the self-distilled data comes from redraft's engine
-        metrics = train(cfg, resume=False, overwrite=True)
+        feats = cache_demo_features(cfg, out.parent / f"{out.name}-features")
+        metrics = train(cfg.replace(features=str(feats)), resume=False, overwrite=True)
     if metrics.get("status") == "interrupted":
         raise RedraftError(
             f"training was interrupted; the checkpoint in {out} can be resumed with "
             f"`redraft-train --output-dir {out} --resume`."
         )
     return out
+
+
+def cache_demo_features(cfg, path: Path) -> Path:
+    """``redraft-cache-features`` for the demo's records into ``path`` (kept and reused; features
+    of another target or other records are replaced)."""
+    from redraft.errors import ConfigError
+    from redraft.train.features import cache_features
+
+    try:
+        cache_features(cfg, path)
+    except ConfigError as exc:
+        if exc.param != "output_dir":
+            raise
+        print(f"{path} holds features of other records; caching them again")
+        cache_features(cfg, path, overwrite=True)
+    return path
 
 
 def print_head_metrics(run: Path) -> None:

@@ -128,6 +128,7 @@ class SpeculativeDecoder:
         self.verifier = Verifier(
             target, fp32_logits=cfg.fp32_logits, cpu_pack=cfg.cpu_pack, static=static
         )
+        self.verifier.hidden_layers = lower_hidden_layers(self.drafters)
         self.cost_curve = cost_curve
         self.eos = set(target.eos_token_ids)
         self.stats = HostStats(len(self.drafters))
@@ -509,6 +510,20 @@ class SpeculativeDecoder:
 
 _EMPTY_PATHS = np.full((1 << 16, 0, 1), PAD, np.int64)  # [B, 0, 1] views for plain steps
 _EMPTY_OWNER = np.zeros(0, np.int64)
+
+
+def lower_hidden_layers(drafters) -> tuple[int, ...]:
+    """The layers below the last whose hidden states the verify forward must also return, for
+    the drafters that read several (multi-layer ReDrafter heads: ``hidden_layers``, the last
+    layer last); ``()`` when none does (the forward is then unchanged). Drafters that read
+    different layer sets cannot share one decoder (``DecodeState.hidden`` has one layout)."""
+    sets = {tuple(getattr(d, "hidden_layers", ())) for d in drafters} - {()}
+    if len(sets) > 1:
+        raise ConfigError(
+            f"drafters read the target's hidden states of different layer sets ({sorted(sets)}); "
+            f"use heads trained with the same feature_layers in one decoder."
+        )
+    return sets.pop()[:-1] if sets else ()
 
 
 def _to_host(dr: Draft) -> Draft:

@@ -164,6 +164,10 @@ class Verifier:
         self.timing = False
         self.graphs = static and self.device.type == "cuda" if graphs is None else graphs
         self.capture = capture or cuda_capture
+        # Lower layers whose hidden states the forwards also return, before the last one:
+        # ``[..., (len + 1) * H]`` = [layer a | layer b | ... | last]; () = the last only (set by
+        # the decoder before the first forward, for multi-layer ReDrafter heads)
+        self.hidden_layers: tuple[int, ...] = ()
         self._last_key = None  # the previous verify's shape key (capture on a repeat)
         self._warned = False
         self._attention = _sdpa_backends(self.device)
@@ -195,7 +199,10 @@ class Verifier:
     # ------------------------------------------------------------------ forwards
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., H]`` final hidden states -> ``[..., V]`` logits."""
+        """``[..., H]`` final hidden states (or the forwards' ``[..., F]`` features, whose last H
+        columns they are) -> ``[..., V]`` logits."""
+        if self.hidden_layers:
+            hidden = hidden[..., -self._head_wt.shape[0] :]
         h = hidden.to(self._head_wt.dtype)
         rows = h.numel() // h.shape[-1]
         if self._head_packed is not None and cpu.MIN_PACKED_ROWS <= rows <= cpu.MAX_PACKED_ROWS:
@@ -204,6 +211,7 @@ class Verifier:
         return out if self._head_b is None else out + self._head_b
 
     def _model(self, ids, positions, bias, cache) -> torch.Tensor:
+        extra = {"output_hidden_states": True} if self.hidden_layers else {}
         with self._attention, cpu.use_packed(self._packs):
             out = self.base(
                 input_ids=ids,
@@ -211,6 +219,11 @@ class Verifier:
                 position_ids=positions,
                 use_cache=True,
                 **cache_kwargs(self.base, cache),
+                **extra,
+            )
+        if self.hidden_layers:  # [B, n, (k+1) * H]: the lower layers' states, then the last
+            return torch.cat(
+                [out.hidden_states[i] for i in self.hidden_layers] + [out.last_hidden_state], -1
             )
         return out.last_hidden_state  # [B, n, H] after the final norm
 
@@ -268,7 +281,8 @@ class Verifier:
         return hid[torch.arange(B, device=dev), plen - 1]
 
     def verify(self, step: StepInput, cache: SlotKVCache) -> torch.Tensor:
-        """One forward over the packed trees of ``step``; returns hidden ``[B, N, H]`` (the tree
+        """One forward over the packed trees of ``step``; returns hidden ``[B, N, H]`` (``[B, N,
+        F]`` with :attr:`hidden_layers`; :meth:`logits` reads the last H columns) (the tree
         tokens' keys and values are written at each row's length, to be committed; with a
         captured graph the tensor is the graph's output buffer, valid until the next verify)."""
         if not self.static:

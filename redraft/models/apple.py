@@ -91,6 +91,13 @@ def swap_halves(first: int, second: int) -> torch.Tensor:
 
 def check_exportable(config: ReDrafterConfig) -> None:
     """ConfigError, saying what to change, when Apple's layout cannot express the head."""
+    if config.features != "last":
+        raise ConfigError(
+            f"this head reads the target's layers {list(config.hidden_layers)} (features: "
+            f"{config.features}): a multi-layer head has no Apple or TensorRT-LLM equivalent (their "
+            f"drafter reads the last hidden state only). Train with --head-features last to export.",
+            param="features",
+        )
     if config.draft_vocab_size is not None:
         raise ConfigError(
             f"this head has a reduced draft vocabulary (draft_vocab_size={config.draft_vocab_size} of "

@@ -11,6 +11,13 @@ One small recurrent head on top of a frozen target LLM::
 ``rnn=False`` is the paper's ablation: U = I, W = I, b = 0, f = identity, so ``s_i`` is the plain
 running sum of the draft tokens' embeddings.
 
+``features="multi"`` (EAGLE-3's fusion) replaces ``x`` by ``P [rms(h_a), rms(h_b), h_L]``: the
+target's hidden states at a low, a middle and the last layer (``config.feature_layers``; the
+lower two RMS-normalised without weights), concatenated ``[..., 3H]`` and projected to H by the
+trained ``feature_proj`` P (initialised to pick ``h_L``: an untrained multi head is a last head).
+Everything after ``x`` is unchanged. The decoder's verify forward then also returns those
+layers' states (:attr:`redraft.infer.drafters.redrafter.ReDrafterDrafter.hidden_layers`).
+
 Which hidden state pairs with which token (the one contract training and decoding share)
 ------------------------------------------------------------------------------------------
 At decode time the decoder has committed tokens ``y_1 .. y_t``; ``y_t`` (the "bonus" token) was
@@ -137,6 +144,9 @@ class ReDrafter(PreTrainedModel):
             [ResBlock(S + H, config.activation) for _ in range(config.num_layers)]
         )
         self.lm_head = nn.Linear(S + H, config.out_vocab_size, bias=False)  # O
+        if config.features == "multi":
+            # [k*H] -> [H]: the concatenated layers' hidden states back to the context width
+            self.feature_proj = nn.Linear(config.feature_size, H, bias=False)
         if config.draft_vocab_size is not None:
             # [Vd] target id of each draft id; set by set_draft_vocab and saved in the checkpoint.
             self.register_buffer(
@@ -144,6 +154,18 @@ class ReDrafter(PreTrainedModel):
             )
         self._embedding: tuple[nn.Embedding, ...] = ()  # a tuple hides it from nn.Module
         self.post_init()
+        if config.features == "multi":
+            self._init_feature_proj()
+
+    @torch.no_grad()
+    def _init_feature_proj(self) -> None:
+        """``feature_proj`` starts as "take the last layer": zeros on the lower layers' columns,
+        the identity on the last layer's, so an untrained ``multi`` head is exactly a ``last``
+        head and the lower layers' weights grow from there (their gradients are not zero)."""
+        H = self.config.hidden_size
+        w = self.feature_proj.weight  # [H, k*H]
+        w.zero_()
+        w[:, -H:] = torch.eye(H, dtype=w.dtype, device=w.device)
 
     # ---------------------------------------------------------------- target embedding, vocab
 
@@ -160,7 +182,19 @@ class ReDrafter(PreTrainedModel):
         return self
 
     def attach_target(self, target: Target) -> ReDrafter:
-        """Attach ``target.input_embedding``. Returns self."""
+        """Attach ``target.input_embedding`` (a ``multi`` head: after checking that the target has
+        the layers it reads). Returns self."""
+        if self.config.features == "multi":
+            from redraft.models.redrafter_config import target_num_layers
+
+            L = target_num_layers(target)
+            if L != self.config.target_num_layers:
+                raise RedraftError(
+                    f"This ReDrafter reads the hidden states of layers "
+                    f"{list(self.config.hidden_layers)} of a {self.config.target_num_layers}-layer "
+                    f"target, but target {target.model_id!r} has {L} decoder layers: it was "
+                    f"trained for another model."
+                )
         return self.attach_embeddings(target.input_embedding)
 
     @property
@@ -233,6 +267,26 @@ class ReDrafter(PreTrainedModel):
         # U @ 0 + b = b; the module is called (not .bias read) so ZeRO-3 gathers its weights.
         return self.act(we + self.rnn_u(torch.zeros_like(we) if state is None else state))
 
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features ``[..., F]`` -> the context ``x`` ``[..., H]``: the identity for a
+        ``last`` head (F = H); for ``multi`` (F = k*H, the layers of ``config.feature_layers`` in
+        order) the lower layers' states are RMS-normalised without weights (the residual stream
+        below the final norm grows with depth and spikes at attention-sink tokens; the last one
+        is already normalised), then ``feature_proj``."""
+        if self.config.features == "last":
+            return features
+        H = self.config.hidden_size
+        if features.shape[-1] != self.config.feature_size:
+            raise RedraftError(
+                f"This multi-layer ReDrafter reads the target's hidden states of layers "
+                f"{list(self.config.hidden_layers)} concatenated ({self.config.feature_size} "
+                f"values per position) but got {features.shape[-1]}."
+            )
+        low = features[..., :-H].unflatten(-1, (-1, H))  # [..., k-1, H]
+        low = nn.functional.rms_norm(low, (H,), eps=1e-6).flatten(-2)
+        x = torch.cat([low, features[..., -H:]], dim=-1).to(self.feature_proj.weight.dtype)
+        return self.feature_proj(x)  # [..., H]
+
     def head_features(self, state: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """``[s, x]`` -> ResNet blocks: the output layer's input. ``state`` [..., S], ``context``
         [..., H] (broadcast against each other) -> [..., S + H]."""
@@ -276,7 +330,9 @@ class ReDrafter(PreTrainedModel):
         """Teacher-forced logits of a whole chain in one pass (and the training loss with ``labels``).
 
         Args:
-            context: ``[..., H]`` the target's last hidden state at the last accepted token.
+            context: ``[..., F]`` the target's features at the last accepted token: its last
+                hidden state (F = H), or for a ``multi`` head the hidden states of
+                ``config.feature_layers`` concatenated (:meth:`project` maps them to H).
             tokens: ``[..., L]`` target ids; ``tokens[..., 0]`` is the last token the target
                 produced, ``tokens[..., i > 0]`` are draft tokens.
             labels: ``[..., L]`` target ids that ``logits[..., i, :]`` should predict (not shifted
@@ -295,6 +351,7 @@ class ReDrafter(PreTrainedModel):
             ``[..., L, Vd]`` logits (``logits[..., i, :]`` predicts the token after
             ``tokens[..., i]``), or a :class:`ReDrafterOutput` with ``loss`` and ``logits``.
         """
+        context = self.project(context)  # [..., F] -> [..., H] (identity for "last")
         s = self.states(tokens)  # [..., L, S]
         if return_features:
             return self.head_features(s, context.unsqueeze(-2))  # [..., L, S + H]
@@ -330,12 +387,16 @@ class ReDrafter(PreTrainedModel):
 
         Args:
             state: ``[N, S]`` the previous state, or ``None`` for the first step (s_{-1} = 0).
-            context: ``[N, H]`` the target's hidden state (constant along a chain).
+            context: ``[N, H]`` the context ``x`` (constant along a chain): ``project(features)``,
+                which beam search computes once per chain; ``[N, F]`` features of a ``multi``
+                head are projected here (every call).
             token: ``[N]`` target ids just appended to each chain.
 
         Returns:
             ``(new_state [N, S], logits [N, Vd])``; ``logits`` predicts the token after ``token``.
         """
+        if context.shape[-1] != self.config.hidden_size:
+            context = self.project(context)
         s = self._next_state(state, self.embed(token))
         return s, self.head(s, context)
 
@@ -420,7 +481,7 @@ def describe(config: ReDrafterConfig) -> str:
     return (
         f"hidden_size={config.hidden_size}, embedding_dim={config.embedding_dim}, vocab_size="
         f"{config.vocab_size}, draft_vocab_size={config.draft_vocab_size}, num_layers={config.num_layers}, "
-        f"rnn={config.rnn}"
+        f"rnn={config.rnn}, features={config.features}, feature_layers={config.feature_layers}"
     )
 
 

@@ -16,7 +16,16 @@ from redraft.errors import ConfigError
 from redraft.models import artifact
 from redraft.models.target import Target
 
-__all__ = ["ReDrafterConfig", "MODEL_TYPE", "AUTO_MODULE", "AUTO_MAP", "AUTO_MODULE_SOURCE"]
+__all__ = [
+    "ReDrafterConfig",
+    "MODEL_TYPE",
+    "AUTO_MODULE",
+    "AUTO_MAP",
+    "AUTO_MODULE_SOURCE",
+    "FEATURES",
+    "default_feature_layers",
+    "target_num_layers",
+]
 
 MODEL_TYPE = "redrafter"
 # transformers' trust_remote_code loads this file from a saved head; it re-exports redraft's own
@@ -29,6 +38,23 @@ AUTO_MODULE_SOURCE = (
     'before redraft is imported. The classes are redraft\'s own: `pip install redraft` is needed."""\n'
     "from redraft.models.redrafter import ReDrafter, ReDrafterConfig  # noqa: F401\n"
 )
+
+# What the head reads of the target: "last" = its last hidden state (the paper's ReDrafter),
+# "multi" = a low, a middle and the last layer's hidden states, concatenated (EAGLE-3's fusion).
+FEATURES = ("last", "multi")
+
+
+def target_num_layers(target: Target) -> int:
+    """Decoder layers L of ``target`` (hidden-state index L is the LM head's input)."""
+    return int(target.model.config.num_hidden_layers)
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """A ``multi`` head's layers for an ``num_layers``-layer target: ~L/4, ~L/2 and L (the last,
+    the LM head's input), e.g. ``[7, 15, 30]`` for SmolLM2-135M's 30 layers; duplicates of a
+    shallow target merge (``[1, 2]`` for 2 layers)."""
+    L = num_layers
+    return sorted({max(1, L // 4), max(1, L // 2), L})
 
 
 def _int(name: str, value, minimum: int, optional: bool = False) -> int | None:
@@ -72,6 +98,16 @@ class ReDrafterConfig(PretrainedConfig):
         target_model, tokenizer_fingerprint, target_vocab_size, target_hidden_size: the target
             this head belongs to (docs/hub.md); ``load_drafter`` checks the fingerprint.
         initializer_range: std of the normal init of every linear layer.
+        features: ``"last"`` (default; what every head before it was): the context ``x`` is the
+            target's last hidden state. ``"multi"``: the hidden states of ``feature_layers``
+            concatenated (``[..., len(layers) * H]``), projected back to H by the trained
+            ``feature_proj`` (EAGLE-3's low/middle/high fusion).
+        feature_layers: ``multi`` only: ascending indices into the target's hidden states
+            (``i`` = the output of decoder layer ``i``, 1-based); the last must be
+            ``target_num_layers`` (the LM head's input, after the final norm, which decoding
+            computes anyway). Default :func:`default_feature_layers`.
+        target_num_layers: the target's decoder layers L (recorded for ``multi`` heads, so the
+            layer indices can be checked without the target).
     """
 
     model_type = MODEL_TYPE
@@ -91,6 +127,9 @@ class ReDrafterConfig(PretrainedConfig):
         target_vocab_size: int | None = None,
         target_hidden_size: int | None = None,
         initializer_range: float = 0.02,
+        features: str = "last",
+        feature_layers: list[int] | None = None,
+        target_num_layers: int | None = None,
         **kwargs,
     ):
         kwargs.setdefault("tie_word_embeddings", False)  # the head owns its output layer
@@ -137,6 +176,10 @@ class ReDrafterConfig(PretrainedConfig):
                 param="initializer_range",
             )
         self.initializer_range = float(initializer_range)
+        self.target_num_layers = _int("target_num_layers", target_num_layers, 1, optional=True)
+        self.features, self.feature_layers = _features(
+            features, feature_layers, self.target_num_layers
+        )
         super().__init__(**kwargs)
         self.auto_map = dict(AUTO_MAP)
         if self.draft_vocab_size is not None and not self.draft_vocab_size <= self.vocab_size:
@@ -157,6 +200,16 @@ class ReDrafterConfig(PretrainedConfig):
         return self.embedding_dim
 
     @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target hidden-state layers the head reads, in order (``()``: the last one only)."""
+        return tuple(self.feature_layers or ())
+
+    @property
+    def feature_size(self) -> int:
+        """Width F of the context the head takes: H (``last``) or ``len(feature_layers) * H``."""
+        return self.hidden_size * max(1, len(self.hidden_layers))
+
+    @property
     def out_vocab_size(self) -> int:
         """Vd: rows of the output layer."""
         return self.draft_vocab_size or self.vocab_size
@@ -165,6 +218,17 @@ class ReDrafterConfig(PretrainedConfig):
     def for_target(cls, target: Target, **kwargs) -> ReDrafterConfig:
         """A config sized for ``target`` that records its id, sizes and tokenizer fingerprint."""
         meta = target.artifact_metadata()
+        if kwargs.get("features", "last") == "multi":
+            L = target_num_layers(target)
+            if kwargs.get("target_num_layers", L) != L:
+                raise ConfigError(
+                    f"target_num_layers={kwargs['target_num_layers']} but target "
+                    f"{meta.get('target_model')!r} has {L} decoder layers.",
+                    param="target_num_layers",
+                )
+            kwargs["target_num_layers"] = L
+            if kwargs.get("feature_layers") is None:
+                kwargs["feature_layers"] = default_feature_layers(L)
         return cls(
             hidden_size=target.hidden_size,
             embedding_dim=int(target.input_embedding.weight.shape[1]),
@@ -172,3 +236,46 @@ class ReDrafterConfig(PretrainedConfig):
             **meta,
             **kwargs,
         )
+
+
+def _features(features, layers, num_layers: int | None) -> tuple[str, list[int] | None]:
+    """``(features, feature_layers)`` checked; a ConfigError names the key, the value and what
+    is valid."""
+    if features not in FEATURES:
+        raise ConfigError(
+            f"ReDrafterConfig features={features!r} must be one of {', '.join(FEATURES)}.",
+            param="features",
+        )
+    if features == "last":
+        if layers is not None:
+            raise ConfigError(
+                f"ReDrafterConfig feature_layers={layers!r} needs features='multi' (a 'last' head "
+                f"reads the last hidden state only); drop it or set features: multi.",
+                param="feature_layers",
+            )
+        return features, None
+    if num_layers is None:
+        raise ConfigError(
+            "ReDrafterConfig features='multi' needs target_num_layers (the target's decoder "
+            "layers; ReDrafterConfig.for_target fills it).",
+            param="target_num_layers",
+        )
+    L = num_layers
+    if layers is None:
+        layers = default_feature_layers(L)
+    if (
+        not isinstance(layers, (list, tuple))
+        or len(layers) < 2
+        or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in layers)
+        or any(not 1 <= i <= L for i in layers)
+        or list(layers) != sorted(set(layers))
+        or layers[-1] != L
+    ):
+        raise ConfigError(
+            f"ReDrafterConfig feature_layers={layers!r} is invalid for a target of "
+            f"target_num_layers={L}: give at least 2 ascending, distinct layer indices in "
+            f"[1, {L}] ending with {L} (the last layer, the LM head's input), e.g. "
+            f"{default_feature_layers(L) if L > 1 else [L]}.",
+            param="feature_layers",
+        )
+    return features, [int(i) for i in layers]

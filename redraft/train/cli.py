@@ -51,6 +51,9 @@ CACHE_KEYS = (
     "device",
     "precision",
     "threads",
+    "distill_dir",
+    "head_features",
+    "feature_layers",
 )
 
 

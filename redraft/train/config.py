@@ -116,6 +116,18 @@ class TrainConfig(Settings):
         "(assistant tokens of the training data); none = full vocabulary.",
         range=Range(1),
     )
+    head_features: str = _f(
+        "last",
+        "What the head reads of the target: 'last' (its last hidden state, the paper's "
+        "ReDrafter; exports to Apple's layout) or 'multi' (a low, a middle and the last "
+        "layer's hidden states concatenated and projected to the hidden size, EAGLE-3 style).",
+        choices=("last", "multi"),
+    )
+    feature_layers: list[int] | None = _f(
+        None,
+        "'multi' only: the target's layers to read, ascending, ending with its last layer L "
+        "(1-based decoder layer outputs, e.g. 8,15,30); none = ~L/4, ~L/2 and L.",
+    )
     init_from: str | None = _f(
         None, "Start from the weights of this drafter artifact (fine-tuning)."
     )
@@ -310,6 +322,12 @@ class TrainConfig(Settings):
                 param="activation",
             )
         parse_report_to(self.report_to)
+        if self.feature_layers is not None and self.head_features != "multi":
+            raise ConfigError(
+                f"--feature-layers {self.feature_layers} needs --head-features multi (a 'last' "
+                f"head reads the last hidden state only).",
+                param="feature_layers",
+            )
 
 
 # redraft-cache-features: next-token logits kept per token, and the dtypes hidden states may be stored in

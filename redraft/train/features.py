@@ -12,7 +12,9 @@ Layout of ``DIR``::
                               fingerprints), the data settings, top_k, dtypes, the shard plan,
                               "complete": true once every shard is written
     shard-00000.safetensors   one contiguous range of records, tokens concatenated:
-                                hidden       [N, H]  bfloat16 (or float32 / float16)
+                                hidden       [N, F]  bfloat16 (or float32 / float16); F = H,
+                                                     or k*H: the k layers "hidden_layers" of
+                                                     features.json (--head-features multi)
                                 topk_ids     [N, k]  int32    the target's top-k next tokens
                                 topk_logits  [N, k]  float32  their logits
                                 input_ids    [N]     int32
@@ -247,7 +249,9 @@ class FeatureRecords:
             [np.diff(np.asarray(sh["offsets"])) for sh in self.shards]
         ).astype(np.int64)
         self.hidden_dtype = getattr(torch, self.meta["hidden_dtype"])
-        self.hidden_size = int(self.meta["hidden_size"])
+        # the layers a multi-layer head reads, concatenated per token (absent: the last only)
+        self.hidden_layers = tuple(self.meta.get("hidden_layers", ()))
+        self.hidden_size = int(self.meta["hidden_size"]) * max(1, len(self.hidden_layers))
         self.top_k = int(self.meta["top_k"])
 
     def __len__(self) -> int:
@@ -255,7 +259,7 @@ class FeatureRecords:
 
     def batch(self, idx, device) -> Batch:
         """Records ``idx`` as a right-padded :class:`~redraft.train.batches.Batch` with hidden
-        states ``[B, T, H]`` (the cached dtype) and, with ``load_topk``, the top-k ``[B, T, k]``."""
+        states ``[B, T, F]`` (the cached dtype) and, with ``load_topk``, the top-k ``[B, T, k]``."""
         idx = np.asarray(idx, dtype=np.int64)
         B, T, k = len(idx), int(self.lengths[idx].max()), self.top_k
         ids = np.zeros((B, T), np.int64)
@@ -350,7 +354,8 @@ def cache_features(
 
     records = TokenRecords(dataset)
     flat_ids, flat_mask = token_arrays(dataset)
-    per_token = bytes_per_token(target.hidden_size, top_k, hidden_dtype)
+    layers = head_layers(cfg, target)
+    per_token = bytes_per_token(target.hidden_size * max(1, len(layers)), top_k, hidden_dtype)
     settings = {
         "format": FORMAT,
         "target": target_record(target),
@@ -364,6 +369,8 @@ def cache_features(
         "tokens_sha256": "sha256:"
         + hashlib.sha256(flat_ids.astype(np.int32).tobytes()).hexdigest()[:16],
         "bytes_per_token": per_token,
+        # only for a multi-layer head, so the settings of a last-state cache are what they were
+        **({"hidden_layers": list(layers)} if layers else {}),
     }
     meta = _start_or_resume(
         out, settings, records.lengths, int(shard_mb * 2**20) // per_token, overwrite
@@ -386,14 +393,14 @@ def cache_features(
             **_shard_features(
                 target,
                 records,
-                start,
-                end,
+                (start, end),
                 precision,
                 top_k,
                 getattr(torch, hidden_dtype),
                 batch_tokens,
                 device,
                 bar,
+                layers,
             ),
             "input_ids": torch.from_numpy(flat_ids[a:b].astype(np.int32)),
             "loss_mask": torch.from_numpy(flat_mask[a:b].astype(np.uint8)),
@@ -465,33 +472,46 @@ def _training_dataset(cfg: TrainConfig, target, progress: bool):
     )
 
 
+def head_layers(cfg: TrainConfig, target) -> tuple[int, ...]:
+    """The hidden-state layers the run's head reads (``()``: the last only), checked."""
+    if cfg.head_features == "last":
+        return ()
+    from redraft.models.redrafter_config import ReDrafterConfig
+
+    return ReDrafterConfig.for_target(
+        target, features=cfg.head_features, feature_layers=cfg.feature_layers
+    ).hidden_layers
+
+
 def _shard_features(
     target,
     records,
-    start: int,
-    end: int,
+    span: tuple[int, int],
     precision: str,
     top_k: int,
     hidden_dtype: torch.dtype,
     batch_tokens: int,
     device,
     bar,
+    layers: tuple[int, ...] = (),
 ) -> dict[str, torch.Tensor]:
-    """The target's features of records ``start:end``, tokens concatenated in record order:
-    ``hidden`` [N, H], ``topk_ids`` [N, k] int32, ``topk_logits`` [N, k] float32 (CPU)."""
-    from redraft.train.step import target_hidden, target_topk
+    """The target's features of records ``span = (start, end)``, tokens concatenated in record
+    order: ``hidden`` [N, F] (F = H, or k*H for ``layers``), ``topk_ids`` [N, k] int32,
+    ``topk_logits`` [N, k] float32 (CPU)."""
+    from redraft.train.step import last_hidden, target_hidden, target_topk
 
+    start, end = span
     lengths = records.lengths[start:end]
     offsets = np.concatenate([[0], np.cumsum(lengths)])  # each record's first token in the shard
     n = int(offsets[-1])
-    hidden = torch.empty(n, target.hidden_size, dtype=hidden_dtype)
+    hidden = torch.empty(n, target.hidden_size * max(1, len(layers)), dtype=hidden_dtype)
     topk_ids = torch.empty(n, top_k, dtype=torch.int32)
     topk_logits = torch.empty(n, top_k, dtype=torch.float32)
     order = start + np.argsort(-lengths, kind="stable")  # similar lengths together: little padding
     for group in _length_groups(order, records.lengths, batch_tokens):
         batch = records.batch(group, device)
-        h = target_hidden(target, batch.ids, precision)  # [B, T, H]
-        t_ids, t_val = target_topk(target, h, precision, top_k)  # [B, T, k]
+        h = target_hidden(target, batch.ids, precision, layers)  # [B, T, F]
+        t_ids, t_val = target_topk(target, last_hidden(target, h), precision, top_k)  # [B, T, k]
         h, t_ids, t_val = h.to(hidden_dtype).cpu(), t_ids.cpu(), t_val.cpu()
         for row, r in enumerate(group):  # B records: one slice copy each
             a, ln = int(offsets[r - start]), int(records.lengths[r])

@@ -1,6 +1,7 @@
 """The math of one micro batch: the target's features, the head's loss, held-out metrics.
 
-hidden   = target_hidden(target, ids)              [B, T, H]  (or cached: batch.hidden)
+hidden   = target_hidden(target, ids)              [B, T, F]  (or cached: batch.hidden; F = H, or
+                                                   k*H for a multi-layer head's k layers)
 windows  = make_windows(ids, mask, n)              P positions x n steps (losses.py)
 feats    = head features(hidden[windows], tokens)  [P, n, S+H] every position, every step, one pass
 teacher  = the target's top-k at each target       [P, n, k]  (only for the KD loss)
@@ -25,13 +26,25 @@ from redraft.train.losses import EvalAccumulator, drafter_loss, make_windows, ta
 from redraft.train.precision import autocast, head_autocast
 
 
-def target_hidden(target, ids: torch.Tensor, precision: str) -> torch.Tensor:
-    """The target's last hidden states (the LM head's input), ``[B, T, H]``, no graph.
+def target_hidden(target, ids: torch.Tensor, precision: str, layers=()) -> torch.Tensor:
+    """The target's features, no graph: its last hidden states (the LM head's input) ``[B, T, H]``,
+    or with ``layers`` (a ``multi`` head's ``config.hidden_layers``, the last one L) the hidden
+    states of those layers concatenated, ``[B, T, len(layers) * H]`` (the last H columns are the
+    last hidden state: :func:`last_hidden`).
 
     Right padding needs no attention mask: causal attention never looks at later pad tokens.
     """
     with torch.inference_mode(), autocast(ids.device, precision):
-        return target.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+        if not layers:
+            return target.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+        out = target.model.base_model(input_ids=ids, use_cache=False, output_hidden_states=True)
+        return torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+
+
+def last_hidden(target, features: torch.Tensor) -> torch.Tensor:
+    """The last hidden state ``[..., H]`` of features ``[..., F]`` (:func:`target_hidden`)."""
+    H = target.hidden_size
+    return features if features.shape[-1] == H else features[..., -H:]
 
 
 def target_greedy(target, hidden: torch.Tensor, precision: str, chunk: int = 512) -> torch.Tensor:
@@ -134,7 +147,7 @@ def batch_teacher(
     if batch.topk_ids is not None:
         ids, vals = batch.topk_ids, batch.topk_logits
     else:
-        ids, vals = target_topk(target, hidden, precision, cfg.kd_top_k)  # [B, T, k]
+        ids, vals = target_topk(target, last_hidden(target, hidden), precision, cfg.kd_top_k)
     return model.to_draft_ids(ids[b, j].long()), vals[b, j].float()
 
 
@@ -162,11 +175,10 @@ def batch_loss(
     if batch.hidden is not None:
         hidden = batch.hidden if hidden_dtype is None else batch.hidden.to(hidden_dtype)
     else:
-        hidden = target_hidden(target, ids, precision)  # [B, T, H]
+        hidden = target_hidden(target, ids, precision, model.config.hidden_layers)  # [B, T, F]
     win = make_windows(ids, mask, cfg.num_steps)
-    ctx = hidden[
-        win.batch_idx, win.pos_idx
-    ]  # [P, H], a normal tensor (indexing leaves inference mode)
+    # [P, F], a normal tensor (indexing leaves inference mode); the head projects F to H
+    ctx = hidden[win.batch_idx, win.pos_idx]
     targets_d = model.to_draft_ids(win.targets)
     ce_w, kd_w = loss_weights(cfg)
     t_ids = t_probs = None
@@ -238,8 +250,8 @@ def evaluate(model: ReDrafter, forward, target, ds, cfg: TrainConfig, env, preci
         if not count:
             idx = order[:1]
         ids, mask = collate(ds, idx, env.device)
-        hidden = target_hidden(target, ids, precision)
-        greedy = target_greedy(target, hidden, precision)  # [B, T]
+        hidden = target_hidden(target, ids, precision, model.config.hidden_layers)  # [B, T, F]
+        greedy = target_greedy(target, last_hidden(target, hidden), precision)  # [B, T]
         win = make_windows(ids, mask, cfg.num_steps)
         ctx = hidden[win.batch_idx, win.pos_idx]
         b, j = target_next_positions(win, ids.shape[1])

@@ -453,19 +453,23 @@ def build_head(cfg: TrainConfig, target, records, record: dict) -> ReDrafter:
         activation=cfg.activation,
         num_steps=cfg.num_steps,
         draft_vocab_size=cfg.draft_vocab_size,
+        features=cfg.head_features,
+        feature_layers=cfg.feature_layers,
         target_weights_fingerprint=record["weights_fingerprint"],
     )
+    check_records_layers(records, dcfg.hidden_layers, cfg)
     model = ReDrafter(dcfg)
     if cfg.init_from:
         from redraft.models.drafter_io import load_drafter
 
         src = load_drafter(cfg.init_from, target, dtype=torch.float32)
-        if src.config.draft_vocab_size != dcfg.draft_vocab_size:
-            raise ConfigError(
-                f"init_from {cfg.init_from} has draft_vocab_size {src.config.draft_vocab_size}, "
-                f"this run {dcfg.draft_vocab_size}; make them equal.",
-                param="init_from",
-            )
+        for key in ("draft_vocab_size", "features", "feature_layers"):
+            if getattr(src.config, key) != getattr(dcfg, key):
+                raise ConfigError(
+                    f"init_from {cfg.init_from} has {key} {getattr(src.config, key)}, this run "
+                    f"{getattr(dcfg, key)}; make them equal.",
+                    param="init_from",
+                )
         model.load_state_dict(src.state_dict())
     else:
         if cfg.draft_vocab_size:
@@ -477,6 +481,19 @@ def build_head(cfg: TrainConfig, target, records, record: dict) -> ReDrafter:
         if cfg.init_head == "target":
             warm_start_from_target(model, target)
     return model.attach_target(target)
+
+
+def check_records_layers(records, layers: tuple[int, ...], cfg: TrainConfig) -> None:
+    """Cached features must hold the layers the head reads (``()``: the last hidden state)."""
+    cached = getattr(records, "hidden_layers", None)
+    if cached is not None and tuple(cached) != tuple(layers):
+        raise ConfigError(
+            f"--features {cfg.features} hold the target's hidden states of layers "
+            f"{list(cached) or 'last'}, but this head (--head-features {cfg.head_features}) reads "
+            f"{list(layers) or 'last'}; cache features with the same --head-features / "
+            f"--feature-layers (redraft-cache-features), or train without --features.",
+            param="features",
+        )
 
 
 def build_engine(cfg: TrainConfig, model: ReDrafter, total_steps: int, precision: str):

@@ -158,6 +158,16 @@ def test_export_refuses_what_the_layout_cannot_express(tiny_target, tmp_path, ca
     assert not (tmp_path / "apple").exists()
 
 
+def test_export_refuses_a_multi_layer_head_in_one_line(tiny_target, tmp_path, capsys):
+    _saved(tiny_target, tmp_path / "head", features="multi")
+    capsys.readouterr()
+    assert main([str(tmp_path / "head"), str(tmp_path / "apple")]) == 2
+    err = capsys.readouterr().err
+    assert "a multi-layer head has no Apple or TensorRT-LLM equivalent" in err
+    assert "--head-features last" in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "apple").exists()
+
+
 def test_export_refuses_embedding_dim_other_than_hidden_size(tmp_path):
     ReDrafter(ReDrafterConfig(hidden_size=16, embedding_dim=8, vocab_size=50)).save_pretrained(
         tmp_path / "head"

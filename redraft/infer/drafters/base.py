@@ -48,7 +48,9 @@ class DecodeState:
         last: ``[B]`` long: the bonus token ``y`` each path continues.
         hidden: ``[B, H]``: the target's last-layer hidden state (after the final norm) at the
             position that produced ``y`` (the token before it), or ``None`` before the first
-            verify. ReDrafter and other hidden-state drafters condition on it.
+            verify. ReDrafter and other hidden-state drafters condition on it. When a drafter
+            reads several layers (a ``multi`` ReDrafter head's ``hidden_layers``), it is
+            ``[B, k*H]``: those layers' states concatenated, the last H columns the last layer's.
         prompt_lengths: ``[B]`` long: how many of ``tokens`` are the prompt.
         step: verify steps done so far in this batch.
         request_ids: ``[B]`` long: which request each row is (rows join and leave the batch).

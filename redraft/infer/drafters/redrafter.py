@@ -160,12 +160,29 @@ class ReDrafterDrafter(Drafter):
         verify-cost curve and step timings an "auto" width or length is planned from."""
         self._decoder, self._index = decoder, index
 
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the head reads, the last one last (``()``: a
+        ``last`` head, the last hidden state only). The decoder has the verify forward return
+        them, concatenated, as ``DecodeState.hidden``."""
+        return self.head.config.hidden_layers
+
+    def context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``state.hidden`` ``[B, F]`` -> the head's context ``x`` ``[B, H]``, once per step: a
+        ``last`` head takes the last H columns (all of them unless a multi-layer head shares
+        the decoder), a ``multi`` head projects its layers' states (``head.project``)."""
+        if self.hidden_layers:
+            return self.head.project(hidden)
+        H = self.head.config.hidden_size
+        return hidden if hidden.shape[-1] == H else hidden[..., -H:]
+
     def propose(self, state: DecodeState) -> Draft:
         if self.auto and self._steps >= self._next_plan and self._plan(state):
             self._next_plan = self._steps + self.REPLAN
         self._steps += 1
         self.plans[(self.width, self.length)] += 1
-        tokens, logp, _ = beam_search(self.head, state.hidden, state.last, self.width, self.length)
+        context = self.context(state.hidden)  # [B, H] (a multi head projects its layers)
+        tokens, logp, _ = beam_search(self.head, context, state.last, self.width, self.length)
         # one read of tokens and log-probs together (the decoder reads device drafts anyway); ids
         # < 2**53 and float32 log-probs are exact in float64
         both = torch.cat([tokens.double(), logp.double()], dim=-1).cpu()  # [B, W, 2L]
@@ -196,7 +213,7 @@ class ReDrafterDrafter(Drafter):
             vd = self.head.config.draft_vocab_size or self.head.config.vocab_size
             self.beam_cost = measure_beam_cost(
                 lambda c, y, w, n: beam_search(self.head, c, y, w, n),
-                state.hidden[:1],
+                self.context(state.hidden[:1]),
                 state.last[:1],
                 max_rows=min(vd, max(self.widths) * 4),
             )
