@@ -412,7 +412,8 @@ class SpeculationGuard:
 
     A bucket that no neighbour informs starts from the cost model's verdict (``prior``: the
     decoder's measured batched verify costs and its recent node values): predicted to lose, it
-    starts with a plain stretch, then one speculative run checks the prediction.
+    starts with a plain stretch of ``PRIOR_WAIT * explore`` steps (a short request does not pay
+    for the check), then one speculative run checks the prediction.
 
     A bucket seen for the first time starts from its neighbours' verdicts instead of exploring
     blind (a server's batch size moves between buckets all the time in its first seconds): the
@@ -424,6 +425,7 @@ class SpeculationGuard:
     RUN = 4  # steps of one mode per measurement (the first one not counted)
     MAX_WAIT_FACTOR = 16
     REPROBE = 128  # steps of winning speculation between plain re-measurements
+    PRIOR_WAIT = 4  # a bucket predicted to lose: plain steps (x explore) before the first check
 
     def __init__(self, explore: int = 8, min_batch: int = 2, enabled: bool = True):
         self.explore, self.min_batch, self.enabled = max(int(explore), 1), min_batch, enabled
@@ -445,7 +447,8 @@ class SpeculationGuard:
             elif any(k > b and o.verdict is True for k, o in self._buckets.items()):
                 st.left = self.REPROBE
             elif self.prior is not None and self.prior(batch) is False:
-                st.speculative, st.held, st.left = False, True, self.explore
+                # trusted for a while: a short request should not pay the check's losing steps
+                st.speculative, st.held, st.left = False, True, self.PRIOR_WAIT * self.explore
         return self._buckets[b]
 
     def speculate(self, batch: int) -> bool:

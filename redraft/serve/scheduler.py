@@ -316,14 +316,17 @@ class Scheduler:
     def _warm(self, engine) -> None:
         if self.make_params is None:
             return
-        engine.add(self.decoder.encode("Hello")[0], self.make_params(max_new_tokens=WARMUP_TOKENS))
-        while engine.has_work:
-            engine.step()
         dec = self.decoder
         if dec.guard.enabled and self.max_batch > 1:
             # batched verify costs: the budget and the guard's first verdicts per batch size
-            # (a few seconds before the first request, instead of exploring during it)
+            # (a few seconds before the first request, instead of exploring during it); first,
+            # so that the warm-up's steps leave node values for those verdicts
             dec.measure_batch_cost(self.max_batch)
+        elif dec.cost_curve is None and dec.config.prefill_chunk == "auto":
+            dec.measure_cost()  # the auto prefill chunk reads it: not during the first requests
+        engine.add(self.decoder.encode("Hello")[0], self.make_params(max_new_tokens=WARMUP_TOKENS))
+        while engine.has_work:
+            engine.step()
 
     # ------------------------------------------------------------------ delivery
 

@@ -435,9 +435,10 @@ def test_a_bucket_the_cost_model_says_loses_starts_plain_then_checks():
     R, explore = SpeculationGuard.RUN, 4
     g = SpeculationGuard(explore=explore)
     g.prior = lambda batch: batch < 8  # the cost model: speculation pays below 8 rows
-    modes = _drive(g, 8, {True: 300.0, False: 100.0}, explore + R + 1)
+    wait = SpeculationGuard.PRIOR_WAIT * explore
+    modes = _drive(g, 8, {True: 300.0, False: 100.0}, wait + R + 1)
     # predicted to lose: a plain stretch first, then a speculative run checks the prediction
-    assert modes[:explore] == [False] * explore and modes[explore : explore + R] == [True] * R
+    assert modes[:wait] == [False] * wait and modes[wait : wait + R] == [True] * R
     g = SpeculationGuard(explore=explore)
     g.prior = lambda batch: batch < 8
     assert _drive(g, 4, {True: 300.0, False: 100.0}, R) == [True] * R  # predicted to pay
