@@ -200,8 +200,10 @@ class PrefillPacer:
     forward's fixed cost ``c0`` (the curve's one-token cost), averaged over the last chunks, and
     sizes the next chunk to cost no more than the running rows' last measured verify step:
     ``T = (target - c0) / r``, a multiple of 16 in ``[PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX]``,
-    at most twice the last chunk (one lucky measurement must not stall the streams). Before the
-    first measured chunk it is :func:`prefill_chunk` of the curve.
+    at most twice the largest chunk measured so far or the curve's chunk (one lucky measurement
+    of small chunks must not stall the streams with a huge one; a prompt's short last piece must
+    not hold the next prompt's chunks small). Before the first measured chunk it is
+    :func:`prefill_chunk` of the curve.
     """
 
     SMOOTH = 0.5  # weight of the newest chunk in the per-token estimate
@@ -209,7 +211,7 @@ class PrefillPacer:
 
     def __init__(self):
         self.rate: float | None = None  # seconds per prompt token past the fixed cost
-        self.last = 0  # tokens of the last measured chunk
+        self.last = 0  # tokens of the largest measured chunk
 
     def observe(self, tokens: int, seconds: float, cost: CostCurve) -> None:
         """A chunk forward of ``tokens`` prompt tokens took ``seconds``."""
@@ -218,7 +220,7 @@ class PrefillPacer:
         c0 = float(cost.seconds[0])
         r = max(seconds - c0, 0.05 * seconds) / tokens
         self.rate = r if self.rate is None else self.SMOOTH * r + (1 - self.SMOOTH) * self.rate
-        self.last = tokens
+        self.last = max(self.last, tokens)  # the largest chunk measured
 
     def chunk(self, cost: CostCurve, step_tokens: int, step_seconds: float | None) -> int:
         """Prompt tokens for the next chunk, given the running rows' last verify forward
@@ -227,7 +229,7 @@ class PrefillPacer:
             return prefill_chunk(cost, step_tokens)
         budget = self.MARGIN * step_seconds - float(cost.seconds[0])
         T = int(budget / self.rate) // PREFILL_CHUNK_MIN * PREFILL_CHUNK_MIN
-        T = min(T, max(2 * self.last, PREFILL_CHUNK_MIN))
+        T = min(T, max(2 * self.last, prefill_chunk(cost, step_tokens)))
         return max(PREFILL_CHUNK_MIN, min(PREFILL_CHUNK_MAX, T))
 
 

@@ -148,10 +148,13 @@ def test_the_pacer_sizes_chunks_from_their_measured_cost():
     # the running step takes 0.1 s: (0.9 * 0.1 - 0.010) / 0.002 = 40 -> 32 (a multiple of 16)
     assert pacer.chunk(curve, 48, 0.100) == 32
     # a much cheaper chunk later (the machine got quieter): the estimate follows, averaged,
-    # and the next chunk is at most twice the last measured one
+    # and the next chunk is at most twice the largest measured one (48 tokens)
     pacer.observe(32, 0.010 + 32 * 0.0002, curve)
     assert pacer.rate == pytest.approx(0.5 * 0.0002 + 0.5 * 0.002)
-    assert pacer.chunk(curve, 48, 1.0) == 64
+    assert pacer.chunk(curve, 48, 1.0) == 96
+    # a prompt's short last piece does not hold the next chunks small
+    pacer.observe(5, 0.010 + 5 * 0.0011, curve)
+    assert pacer.last == 48 and pacer.chunk(curve, 48, 1.0) == 96
     # never below the minimum, never above the maximum
     assert pacer.chunk(curve, 48, 0.001) == PREFILL_CHUNK_MIN
     pacer.last = 1 << 20
