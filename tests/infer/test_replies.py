@@ -7,6 +7,7 @@ import pytest
 
 from redraft.data.distill import _prompt_ids, distill
 from redraft.data.replies import HFReplies, ReplySettings, make_replies, use_replies
+from redraft.infer.bench_replies import run_generator
 from redraft.infer.replies import EngineReplies
 
 # ShareGPT records: one turn, two turns with a system prompt, three turns
@@ -50,17 +51,8 @@ TEXTS = [
 
 
 def run_all(gen, prompts):
-    """Submit at most ``batch_size`` at a time, refilling as replies finish (as distill does)."""
-    todo, flying, out = list(enumerate(prompts)), 0, {}
-    while todo or flying:
-        while todo and flying < gen_batch(gen):
-            key, p = todo.pop(0)
-            gen.submit(key, p)
-            flying += 1
-        for key, toks, stopped in gen.poll():
-            out[key] = (toks, stopped)
-            flying -= 1
-    return [out[k] for k in range(len(prompts))]
+    """At most ``batch_size`` in flight, refilled as replies finish (as distill does)."""
+    return run_generator(gen, prompts, gen_batch(gen))
 
 
 def gen_batch(gen):
