@@ -61,10 +61,6 @@ if TYPE_CHECKING:  # the decoder imports the engine
     from redraft.infer.decoder import SpeculativeDecoder
 
 
-UNLIMITED = 1 << 40  # a prefill chunk without a limit
-MAX_PADDING = 0.5  # prompts share a prefill forward while its padding stays below this share
-
-
 class Engine:
     """Continuous batching over a :class:`~redraft.infer.decoder.SpeculativeDecoder`, whose public
     step pieces it calls in order (``propose``, ``build_tree``, ``choices``, ``accept``,
@@ -436,7 +432,6 @@ class Engine:
     def _admit(self, new: list[Row], front: bool = False) -> None:
         """Waiting rows ``new`` join the prefill queue, at its end (the slots after it) or, from
         :meth:`_retire`, at its front (slots the leaving rows freed)."""
-        new = sorted(new, key=lambda r: len(r.prompt))  # similar lengths share a forward
         self._reserve(new)
         t0 = time.perf_counter()
         for r in new:
@@ -451,17 +446,7 @@ class Engine:
         if self.waiting:
             new, self.waiting = self.waiting, []
             self._admit(new)
-        chunk = self._chunk_size()
-        events = self._prefill_piece(chunk)
-        # unlimited (nobody decodes, or chunking off): every waiting prompt before the next
-        # step, in forwards of similar lengths rather than one padded to the longest
-        while chunk >= UNLIMITED and self.prefilling:
-            events += self._prefill_piece(chunk)
-        return events
-
-    def _prefill_piece(self, chunk: int) -> list[StreamEvent]:
-        """One prefill forward of the queue's first rows (:meth:`_chunk_rows`)."""
-        n, T = self._chunk_rows(chunk)
+        n, T = self._chunk_rows()
         rows, cache = self.prefilling[:n], self.cache
         t0 = time.perf_counter()
         starts = [r.filled for r in rows]
@@ -487,21 +472,18 @@ class Engine:
             r.stats.prefill_time += time.perf_counter() - t0  # the first token's read synced
         return events
 
-    def _chunk_rows(self, chunk: int) -> tuple[int, int]:
+    def _chunk_rows(self) -> tuple[int, int]:
         """``(n, T)``: the first ``n`` rows of the prefill queue get up to ``T`` more prompt
-        tokens each in an ``[n, T]`` forward, which holds at most ``chunk`` tokens
-        (:meth:`_chunk_size`) and pads at most ``MAX_PADDING`` of its real tokens (rows are
-        admitted shortest first). ``T`` is the longest remaining prompt of the rows taken, cut to
+        tokens each in this step's ``[n, T]`` forward, which holds at most ``chunk`` tokens
+        (:meth:`_chunk_size`). ``T`` is the longest remaining prompt of the rows taken, cut to
         the chunk, so either one row gets a piece of a longer prompt or every row taken is
         finished by this chunk (the rows that join are always the queue's first)."""
+        chunk = self._chunk_size()
         rem = [len(r.prompt) - r.filled for r in self.prefilling]
-        n, T, real = 1, min(chunk, rem[0]), min(chunk, rem[0])
-        while n < len(rem):
-            T2, real2 = min(chunk, max(T, rem[n])), real + min(chunk, rem[n])
-            # within the chunk, and padding at most MAX_PADDING of the real tokens
-            if (n + 1) * T2 > chunk or (n + 1) * T2 > (1 + MAX_PADDING) * real2:
-                break
-            n, T, real = n + 1, T2, real2
+        n, T = 1, min(chunk, rem[0])
+        while n < len(rem) and (n + 1) * min(chunk, max(T, rem[n])) <= chunk:
+            T = min(chunk, max(T, rem[n]))
+            n += 1
         return n, T
 
     def _chunk_size(self) -> int:
@@ -511,11 +493,11 @@ class Engine:
         now if no step has yet) before the first)."""
         chunk = self.dec.config.prefill_chunk
         if chunk != "auto":
-            return chunk or UNLIMITED  # 0: off, every prompt in one piece
+            return chunk or 1 << 40  # 0: off, every prompt in one piece
         if (
             not self.rows
-        ):  # nobody to stall: every waiting prompt before the next step (a batch joins together)
-            return UNLIMITED
+        ):  # nobody to stall: every waiting prompt in one forward (a batch joins together)
+            return 1 << 40
         if all(len(r.prompt) - r.filled <= PREFILL_CHUNK_MIN for r in self.prefilling):
             return PREFILL_CHUNK_MIN  # whatever the cost: no need to measure it
         if self.dec.cost_curve is None:

@@ -230,32 +230,3 @@ def test_a_short_request_takes_a_leaving_rows_slot_ahead_of_a_long_prefill(tiny_
                 out[ev.index] = ev.generation.tokens
     for rid, p, m in ((b, [4, 5, 6], 30), (c, long, 3), (d, [7, 8], 2)):
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
-
-
-def test_prompts_joining_together_prefill_in_forwards_of_similar_lengths(tiny_target):
-    """Nobody decodes: every waiting prompt is prefilled before the first step, shortest first,
-    in forwards whose padding stays under MAX_PADDING (not one forward padded to the longest)."""
-    V = tiny_target.vocab_size
-    lengths = [12, 30, 70, 3, 5, 11, 4, 33]
-    prompts = [[(3 * i + 5 * j + 1) % V for j in range(n)] for i, n in enumerate(lengths)]
-    dec = SpeculativeDecoder(tiny_target, [], budget=0)
-    eng = dec.engine()
-    forwards = []
-    prefill = eng.verifier.prefill
-
-    def spy(pieces, *a, **k):
-        forwards.append(sorted(len(p) for p in pieces))
-        return prefill(pieces, *a, **k)
-
-    eng.verifier.prefill = spy
-    ids = [eng.add(p, SamplingParams.checked(max_new_tokens=4)) for p in prompts]
-    eng.step()
-    assert len(eng.rows) == len(prompts) and not eng.prefilling  # all joined in the first step
-    assert forwards == [[3, 4, 5], [11, 12], [30, 33], [70]]  # sorted, padding <= 50%
-    out = {}
-    while eng.has_work:
-        for ev in eng.step():
-            if ev.done:
-                out[ev.index] = ev.generation.tokens
-    for rid, p in zip(ids, prompts):
-        assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=4)[0].tokens
