@@ -86,6 +86,7 @@ class Engine:
         self._step_tokens, self._step_secs = 0, None
         self._chunk_marks = None
         self._pacer = PrefillPacer()
+        self._paced = False  # the current prefill chunk's size came from the pacer
         self._next_id = 0
         self._clock = Clock(self.device)
         self._context = getattr(decoder.model.config, "max_position_embeddings", None)
@@ -460,8 +461,10 @@ class Engine:
             first_slot=cache.batch,
             starts=starts,
         )  # [n, H]
-        # read at the next chunk (on CUDA the events are done by then: every step reads back)
-        self._chunk_marks = (n * T, m0, self._clock.mark())
+        # read at the next chunk (on CUDA the events are done by then: every step reads back);
+        # only paced chunks: a forward of every waiting prompt while nobody decodes (many rows,
+        # short contexts) says nothing of what one row's chunk of a long prompt costs
+        self._chunk_marks = (n * T, m0, self._clock.mark()) if self._paced else None
         for r in rows:
             r.filled = min(len(r.prompt), r.filled + T)
         done = sum(
@@ -491,6 +494,7 @@ class Engine:
         :class:`~redraft.infer.budget.PrefillPacer`: no more than the running rows' last verify
         forward, from the measured cost of the previous chunks, or of the cost curve (measured
         now if no step has yet) before the first)."""
+        self._paced = False
         chunk = self.dec.config.prefill_chunk
         if chunk != "auto":
             return chunk or 1 << 40  # 0: off, every prompt in one piece
@@ -508,6 +512,7 @@ class Engine:
                 m1.synchronize()  # done already (a step read back since); never an error
             self._pacer.observe(tokens, self._clock.seconds(m0, m1), self.dec.cost_curve)
             self._chunk_marks = None
+        self._paced = True
         return self._pacer.chunk(self.dec.cost_curve, self._step_tokens, self._step_secs)
 
     def _join(self, new: list[Row], h_last: torch.Tensor) -> list[StreamEvent]:
