@@ -437,6 +437,17 @@ class Engine:
         t0 = time.perf_counter()
         for r in new:
             r.t_start = t0
+        if not front and any(r.filled for r in self.prefilling):
+            # prompts part-way through their prefill: the new requests go ahead of them and
+            # their cached columns move behind the new slots (one copy per arrival), so a short
+            # request does not wait for a long prompt's last chunk
+            P, cache = len(self.prefilling), self.cache
+            cache.keep_rows(
+                list(range(cache.batch)),
+                [None] * len(new) + [j if self.prefilling[j].filled else None for j in range(P)],
+                columns=max(r.filled for r in self.prefilling) + 1,
+            )
+            front = True
         self.prefilling = new + self.prefilling if front else self.prefilling + new
 
     def _prefill(self) -> list[StreamEvent]:
