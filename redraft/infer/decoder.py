@@ -145,10 +145,10 @@ class SpeculativeDecoder:
         )
         self.guard.prior = self._speculation_pays
         # measured batched verify costs (measure_batch_cost; the server does at warm-up) and the
-        # last speculative step's node values (mean over rows, best first): the cost model's
-        # verdict on a batch size the guard has not measured yet
+        # last speculative step's node values ([B, M], read only when the guard meets a new
+        # batch size): the cost model's verdict on a batch size the guard has not measured yet
         self.batch_cost: BatchCost | None = None
-        self._row_values: np.ndarray | None = None
+        self._last_values: np.ndarray | None = None
         self.generator: torch.Generator | None = (
             None  # the shared sampling generator (None: torch's)
         )
@@ -318,9 +318,10 @@ class SpeculativeDecoder:
         """Whether the cost model expects speculation to beat plain steps at this batch size:
         the best K for the last speculative step's node values (per row) against K = 0 and no
         drafting, with the measured batched costs; ``None`` before both are known."""
-        v = self._row_values
-        if self.batch_cost is None or v is None:
+        if self.batch_cost is None or self._last_values is None:
             return None
+        # mean over rows of each row's values, best first
+        v = (-np.sort(-self._last_values, axis=1)[:, : self.config.max_nodes]).mean(axis=0)
         ks = np.arange(len(v) + 1)
         gain = batch * (1.0 + np.concatenate([[0.0], np.cumsum(v)]))
         secs = self.batch_cost(batch, ks + 1) + self._draft_overhead
@@ -406,9 +407,7 @@ class SpeculativeDecoder:
             k = best_budget_np(
                 values, self._cost_table(), cfg.max_nodes, self._draft_overhead, self.batch_cost
             )
-            if self.batch_cost is not None:
-                top = -np.sort(-values, axis=1)[:, : cfg.max_nodes]
-                self._row_values = top.mean(axis=0)
+            self._last_values = values  # kept, not sorted: the guard rarely reads it
             budget, size = k, None
             if verifier.static:
                 size = verifier.tree_size(1 + min(k, P * L), limit=1 + cfg.max_nodes)

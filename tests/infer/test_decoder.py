@@ -467,7 +467,7 @@ def test_the_decoder_measures_batched_costs_and_predicts_per_batch(tiny_target):
     assert bc.batches == [1, 2, 4] and dec.cost_curve is bc.curves[1]
     assert all(float(bc(b, 4)) > 0 for b in (1, 2, 4))
     assert dec._speculation_pays(4) is None  # no node values yet
-    dec._row_values = np.full(8, 0.9)
+    dec._last_values = np.full((2, 8), 0.9)
     dec.batch_cost = BatchCost({1: CostCurve([1, 16], [1.0, 1.1])})  # nearly flat: pays
     assert dec._speculation_pays(4) is True
     dec.batch_cost = BatchCost({1: CostCurve([1, 2, 16], [1.0, 2.0, 16.0])})  # each token a step
