@@ -22,8 +22,10 @@ node values and the chosen K.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -193,44 +195,83 @@ def prefill_chunk(cost: CostCurve, step_tokens: int) -> int:
 class PrefillPacer:
     """The "auto" prefill chunk, paced by measured chunk forwards.
 
-    The cost curve is measured once, over a short cache, for a single row; a chunk of a long
-    prompt attends over everything before it, so a chunk that the curve says costs one decode
-    step costs several near the end of a 4,000-token prompt (and the machine's load changes
-    both). So after each chunk the pacer keeps ``r``, its measured seconds per token past the
-    forward's fixed cost ``c0`` (the curve's one-token cost), averaged over the last chunks, and
-    sizes the next chunk to cost no more than the running rows' last measured verify step:
-    ``T = (target - c0) / r``, a multiple of 16 in ``[PREFILL_CHUNK_MIN, PREFILL_CHUNK_MAX]``,
-    at most twice the largest chunk measured so far or the curve's chunk (one lucky measurement
-    of small chunks must not stall the streams with a huge one; a prompt's short last piece must
-    not hold the next prompt's chunks small). Before the first measured chunk it is
-    :func:`prefill_chunk` of the curve.
+    The cost curve is measured once, over a short cache, for a single row, but a chunk late in a
+    4,000-token prompt attends over everything before it, and the machine's load changes. So the
+    pacer predicts a prefill forward of ``N`` tokens over ``span`` cache columns from the last
+    chunks it timed::
+
+        seconds = c0 + N * (a + b * span)
+
+    ``c0``: the curve's one-token cost (a forward's fixed cost; at most the cheapest forward
+    timed); ``a`` (seconds per token) and ``b``
+    (per token and attended column: attention) fitted by least squares to the per-token cost of
+    the last ``WINDOW`` forwards, newer ones weighted more. A chunk may cost ``SHARE`` of the
+    reference step: a slow average of the running rows' verify forwards. The average keeps a
+    batch that shrank for a moment (its streams' next requests waiting behind a chunk) from
+    shrinking the chunks too, which would slow the prefill that would let the batch grow again.
+    A step that also prefills then takes about ``1 + SHARE`` plain steps.
+    A chunk is never more than ``GROWTH`` times the largest one timed (one lucky measurement of
+    small chunks must not stall the streams with a huge one). Before the first timed forward the
+    chunk is :func:`prefill_chunk` of the curve.
     """
 
-    SMOOTH = 0.5  # weight of the newest chunk in the per-token estimate
-    MARGIN = 0.9  # aim a little under the step: the next chunk sees a longer context
+    SHARE = 1.0  # a chunk's share of the reference step (the aim: gaps <= 3x the median)
+    REF_WEIGHT = 0.05  # weight of the newest verify forward in the reference step's average
+    WINDOW = 32  # timed forwards the fit uses
+    AGE = 0.9  # weight of a forward one older in the fit
+    GROWTH = 2  # a chunk is at most this many times the largest forward timed
 
     def __init__(self):
-        self.rate: float | None = None  # seconds per prompt token past the fixed cost
-        self.last = 0  # tokens of the largest measured chunk
+        self.obs: collections.deque = collections.deque(maxlen=self.WINDOW)  # (N, span, seconds)
+        self.ref: float | None = None  # the reference step (seconds)
+        self.largest = 0  # tokens of the largest timed forward
+        self.c0 = 0.0  # the cost curve's one-token forward (seconds)
 
-    def observe(self, tokens: int, seconds: float, cost: CostCurve) -> None:
-        """A chunk forward of ``tokens`` prompt tokens took ``seconds``."""
+    def observe_step(self, seconds: float) -> None:
+        """The running rows' verify forward took ``seconds``."""
+        if seconds and seconds > 0:
+            w = self.REF_WEIGHT
+            self.ref = seconds if self.ref is None else (1 - w) * self.ref + w * seconds
+
+    def observe(self, tokens: int, span: int, seconds: float, cost: CostCurve) -> None:
+        """A prefill forward of ``tokens`` tokens (rows x columns) attending over ``span``
+        columns took ``seconds``."""
         if tokens <= 0 or seconds <= 0:
             return
-        c0 = float(cost.seconds[0])
-        r = max(seconds - c0, 0.05 * seconds) / tokens
-        self.rate = r if self.rate is None else self.SMOOTH * r + (1 - self.SMOOTH) * self.rate
-        self.last = max(self.last, tokens)  # the largest chunk measured
+        self.obs.append((tokens, span, seconds))
+        # the fixed cost: the curve's one-token forward, but never more than a timed forward
+        self.c0 = min(float(cost.seconds[0]), min(o[2] for o in self.obs))
+        self.largest = max(self.largest, tokens)
 
-    def chunk(self, cost: CostCurve, step_tokens: int, step_seconds: float | None) -> int:
-        """Prompt tokens for the next chunk, given the running rows' last verify forward
-        (``step_tokens`` tokens, ``step_seconds`` measured; ``None`` before the first step)."""
-        if self.rate is None or not step_seconds:
-            return prefill_chunk(cost, step_tokens)
-        budget = self.MARGIN * step_seconds - float(cost.seconds[0])
-        T = int(budget / self.rate) // PREFILL_CHUNK_MIN * PREFILL_CHUNK_MIN
-        T = min(T, max(2 * self.last, prefill_chunk(cost, step_tokens)))
-        return max(PREFILL_CHUNK_MIN, min(PREFILL_CHUNK_MAX, T))
+    def coefficients(self) -> tuple[float, float]:
+        """``(a, b)`` of the cost model (see the class doc)."""
+        N, S, secs = (np.array(v, np.float64) for v in zip(*self.obs))
+        r = np.maximum(secs - self.c0, 0.05 * secs) / N  # seconds per token past the fixed cost
+        w = N * self.AGE ** np.arange(len(N))[::-1]  # more tokens, newer: more weight
+        flat = float(np.sum(w * r) / np.sum(w))
+        Sm = float(np.sum(w * S) / np.sum(w))
+        var = float(np.sum(w * (S - Sm) ** 2) / np.sum(w))
+        if var < (0.1 * Sm) ** 2 + 1.0:  # spans too alike to tell attention from the rest
+            return flat, 0.0
+        b = float(np.sum(w * (S - Sm) * (r - flat)) / np.sum(w) / var)
+        a = flat - b * Sm
+        if b < 0:
+            return flat, 0.0
+        if a < 0:
+            return 0.0, float(np.sum(w * r * S) / np.sum(w * S * S))
+        return a, b
+
+    def fits(self, steps: float = 1.0) -> Callable[[int, int], bool] | None:
+        """``fits(tokens, span)``: whether such a forward costs no more than ``SHARE x steps``
+        reference steps (``steps``: how many the caller allows, e.g. the running rows' step
+        scaled to every admitted request); ``None`` before a forward and a step are timed (use
+        the curve)."""
+        if not self.obs or self.ref is None:
+            return None
+        a, b = self.coefficients()
+        budget = self.SHARE * steps * self.ref - self.c0
+        cap = self.GROWTH * self.largest
+        return lambda tokens, span: tokens <= cap and tokens * (a + b * span) <= budget
 
 
 class AcceptanceStats:

@@ -48,7 +48,12 @@ from redraft.infer.accept import (
     seed_uniforms,
     token_logprobs,
 )
-from redraft.infer.budget import PREFILL_CHUNK_MIN, PrefillPacer
+from redraft.infer.budget import (
+    PREFILL_CHUNK_MAX,
+    PREFILL_CHUNK_MIN,
+    PrefillPacer,
+    prefill_chunk,
+)
 from redraft.infer.config import SamplingParams, check_prompt
 from redraft.infer.drafters.base import PAD, DecodeState
 from redraft.infer.processors import RowProcessors
@@ -59,6 +64,9 @@ from redraft.infer.verify import StepInput
 
 if TYPE_CHECKING:  # the decoder imports the engine
     from redraft.infer.decoder import SpeculativeDecoder
+
+MAX_PADDING = 0.5  # prompts share a prefill forward while its padding stays below this share
+IDLE_STEPS = 8  # while nobody decodes, a step's prefill may cost this many reference steps
 
 
 class Engine:
@@ -81,12 +89,11 @@ class Engine:
         self.cache = None  # SlotKVCache, made at the first join, kept for the engine's life
         self.sampling: RowSampling | None = None
         self.steps = 0
-        # the running rows' last verify forward (batch x tree tokens, measured seconds) and the
-        # last prefill chunk's (tokens, clock marks): what the "auto" prefill chunk is paced by
-        self._step_tokens, self._step_secs = 0, None
+        # the running rows' last verify forward (batch x tree tokens) and the last prefill
+        # forward's (tokens, span, clock marks): what the "auto" prefill chunk is paced by
+        self._step_tokens = 0
         self._chunk_marks = None
         self._pacer = PrefillPacer()
-        self._paced = False  # the current prefill chunk's size came from the pacer
         self._next_id = 0
         self._clock = Clock(self.device)
         self._context = getattr(decoder.model.config, "max_position_embeddings", None)
@@ -204,7 +211,7 @@ class Engine:
         credit = dec.feedback(host, before, prop, tree, acc)
         secs = clock.seconds(t0, t1), clock.seconds(t1, t2)  # CUDA events are done: the read synced
         dec.after_step(prop, acc, credit, secs)
-        self._step_secs = secs[1]
+        self._pacer.observe_step(secs[1])
         self.steps += 1
         return events + self._emit(tree, prop, acc, credit, secs, readout.logprobs)
 
@@ -355,31 +362,19 @@ class Engine:
     # ------------------------------------------------------------------ rows joining and leaving
 
     def _retire(self) -> None:
-        """Drop finished and cancelled rows from the batch (cache, state, drafters)."""
+        """Drop finished and cancelled rows from the batch (cache, state, drafters) and from the
+        prefill queue (a parked row's slot is simply free again)."""
+        if any(r.done for r in self.prefilling):
+            self.prefilling = [r for r in self.prefilling if not r.done]
         keep = [i for i, r in enumerate(self.rows) if not r.done]
-        pend = [j for j, r in enumerate(self.prefilling) if not r.done]
-        if len(keep) == len(self.rows) and len(pend) == len(self.prefilling):
-            return
-        # few moves: rows above the new end fill the holes the leaving rows leave; the first
-        # waiting requests (nothing cached yet) take the freed slots before the rows being
-        # prefilled, which then stay where they are (a long prompt's cache is not copied each
-        # time a row leaves, and short requests are not queued behind it)
-        B = len(self.rows)
-        keep = _fill_holes(keep, 0)
-        m = min(B - len(keep), len(self.waiting)) if pend else 0
-        fresh, self.waiting = self.waiting[:m], self.waiting[m:]
-        first = len(keep) + m
-        pend = [p - B for p in _fill_holes([B + j for j in pend], first)]
-        self.prefilling = [self.prefilling[j] for j in pend]
-        lengths = self.cache.host_lengths
-        moved = [lengths[i] for t, i in enumerate(keep) if i != t] + [
-            self.prefilling[t].filled for t, j in enumerate(pend) if B + j != first + t
-        ]
-        self.cache.keep_rows(keep, [None] * m + pend, columns=max(moved, default=0) + 1)
-        if fresh:
-            self._admit(fresh, front=True)
         if len(keep) == len(self.rows):
             return
+        # few moves: rows above the new end fill the holes the leaving rows leave (rows being
+        # prefilled are not in these slots: nothing of theirs moves)
+        keep = _fill_holes(keep, 0)
+        lengths = self.cache.host_lengths
+        moved = [lengths[i] for t, i in enumerate(keep) if i != t]
+        self.cache.keep_rows(keep, columns=max(moved, default=0) + 1)
         self.rows = [self.rows[i] for i in keep]
         self.sampling = self._sampling() if keep else None
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -416,8 +411,8 @@ class Engine:
         )
 
     def _reserve(self, new: list[Row]) -> None:
-        """A cache with room for the running rows, those being prefilled and ``new`` (made once,
-        grown by doubling)."""
+        """A cache with room for the running rows, those being prefilled (and a parked slot
+        each) and ``new`` (made once, grown by doubling)."""
         dec = self.dec
         slack = dec.config.max_nodes + 2 if dec.drafters else 2
         width = max(len(r.prompt) + r.params.max_new_tokens for r in new) + slack + 1
@@ -428,54 +423,101 @@ class Engine:
         if self.cache is None:
             self.cache = self.verifier.new_cache(len(new), width)
         else:
-            self.cache.reserve(self.cache.batch + len(self.prefilling) + len(new), width)
+            self.cache.reserve(self._slots_needed(len(new)), width)
 
-    def _admit(self, new: list[Row], front: bool = False) -> None:
-        """Waiting rows ``new`` join the prefill queue, at its end (the slots after it) or, from
-        :meth:`_retire`, at its front (slots the leaving rows freed)."""
+    def _slots_needed(self, new: int = 0, park: int = 0) -> int:
+        """Slots for the batch, the prefill queue with ``new`` more rows (any of them may join
+        next: their slots follow the batch's) and the parked rows, with ``park`` more."""
+        parked = sum(r.slot is not None for r in self.prefilling)
+        return self.cache.batch + len(self.prefilling) + new + parked + park
+
+    def _admit(self, new: list[Row]) -> None:
+        """Waiting rows ``new`` join the prefill queue (no slot yet: a row gets one when its
+        first piece is written, see :meth:`_prefill_piece`)."""
         self._reserve(new)
         t0 = time.perf_counter()
         for r in new:
             r.t_start = t0
-        if not front and any(r.filled for r in self.prefilling):
-            # prompts part-way through their prefill: the new requests go ahead of them and
-            # their cached columns move behind the new slots (one copy per arrival), so a short
-            # request does not wait for a long prompt's last chunk
-            P, cache = len(self.prefilling), self.cache
-            cache.keep_rows(
-                list(range(cache.batch)),
-                [None] * len(new) + [j if self.prefilling[j].filled else None for j in range(P)],
-                columns=max(r.filled for r in self.prefilling) + 1,
-            )
-            front = True
-        self.prefilling = new + self.prefilling if front else self.prefilling + new
+        self.prefilling += new
+        self._repark()
+
+    def _park(self, row: Row) -> int:
+        """A slot for ``row``, whose prompt is prefilled in several pieces: the highest free one,
+        above every slot the batch and the rows joining it may take (so neither a row leaving
+        nor a request arriving moves a long prompt's cache; it is copied once, when it joins)."""
+        cache = self.cache
+        if cache.reserve(self._slots_needed(park=1), cache.capacity):
+            self._repark()
+        used = {r.slot for r in self.prefilling}
+        row.slot = max(t for t in range(cache.slots) if t not in used)
+        return row.slot
+
+    def _repark(self) -> None:
+        """Parked rows below the slots the batch and the prefill queue may take move up (after
+        the queue grew, or the cache did: rare)."""
+        low = self.cache.batch + len(self.prefilling)
+        for r in self.prefilling:
+            if r.slot is not None and r.slot < low:
+                used = {q.slot for q in self.prefilling}
+                free = max(t for t in range(self.cache.slots) if t not in used)
+                self.cache.move_row(r.slot, free, r.filled)
+                r.slot = free
 
     def _prefill(self) -> list[StreamEvent]:
-        """One prefill chunk: waiting requests take the slots after the active rows and those
+        """Prefill forwards: waiting requests take the slots after the active rows and those
         being prefilled; the first rows of that queue get their next piece of prompt in one
         forward (:meth:`_chunk_rows`); those whose whole prompt is now in the cache sample their
-        first token and join the batch (:meth:`_join`)."""
+        first token and join the batch (:meth:`_join`). One forward when rows decode (it
+        delays them); while nobody decodes, under "auto", forwards of up to
+        ``PREFILL_CHUNK_MAX`` tokens until every waiting prompt is in, except that pieces of
+        long prompts stop after ``IDLE_STEPS`` reference steps (a batch of prompts joins
+        together, but a request that arrives meanwhile is not held back long by a long prompt);
+        with chunking off, every waiting prompt."""
         if self.waiting:
             new, self.waiting = self.waiting, []
             self._admit(new)
-        n, T = self._chunk_rows()
+        fits = self._chunk_limit()
+        chunk = self.dec.config.prefill_chunk
+        off, idle = chunk == 0, chunk == "auto" and not self.rows
+        t0, ref = time.perf_counter(), self._pacer.ref
+        events = self._prefill_piece(fits)
+        while self.prefilling and (off or idle):
+            # (shortest first: once a piece is cut, only long prompts are left)
+            cut = self.prefilling[0].filled > 0
+            if idle and cut and ref is not None and time.perf_counter() - t0 >= IDLE_STEPS * ref:
+                break
+            events += self._prefill_piece(fits)
+        return events
+
+    def _prefill_piece(self, fits) -> list[StreamEvent]:
+        """One prefill forward of the queue's first rows (:meth:`_chunk_rows`), the queue in
+        order of remaining prompt tokens (shortest first: a short request never waits for a
+        long prompt's chunks). Rows that this forward finishes are written straight into the
+        slots after the batch (a row prefilled in earlier pieces is copied there first, once);
+        a piece of a longer prompt goes to that row's parked slot (:meth:`_park`)."""
+        self.prefilling.sort(key=lambda r: (len(r.prompt) - r.filled, r.rid))
+        n, T = self._chunk_rows(fits)
         rows, cache = self.prefilling[:n], self.cache
         t0 = time.perf_counter()
         starts = [r.filled for r in rows]
-        cache.reserve(
-            cache.batch + len(self.prefilling), max(starts) + T + 1
-        )  # padding columns of short pieces
+        cache.reserve(cache.slots, max(starts) + T + 1)  # padding columns of short pieces
+        if starts[0] + T >= len(rows[0].prompt):  # every row taken finishes: they join
+            first = cache.batch
+            for i, r in enumerate(rows):
+                if r.slot is not None:
+                    cache.move_row(r.slot, first + i, r.filled)
+                    r.slot = None
+        else:  # one row, a piece of its prompt
+            first = rows[0].slot if rows[0].slot is not None else self._park(rows[0])
         m0 = self._clock.mark()
         h_last = self.verifier.prefill(
             [r.prompt[r.filled : r.filled + T] for r in rows],
             cache,
-            first_slot=cache.batch,
+            first_slot=first,
             starts=starts,
         )  # [n, H]
-        # read at the next chunk (on CUDA the events are done by then: every step reads back);
-        # only paced chunks: a forward of every waiting prompt while nobody decodes (many rows,
-        # short contexts) says nothing of what one row's chunk of a long prompt costs
-        self._chunk_marks = (n * T, m0, self._clock.mark()) if self._paced else None
+        # timed at the next chunk (on CUDA the events are done by then: every step reads back)
+        self._chunk_marks = (n * T, max(starts) + T, m0, self._clock.mark())
         for r in rows:
             r.filled = min(len(r.prompt), r.filled + T)
         done = sum(
@@ -486,45 +528,80 @@ class Engine:
             r.stats.prefill_time += time.perf_counter() - t0  # the first token's read synced
         return events
 
-    def _chunk_rows(self) -> tuple[int, int]:
+    def _chunk_rows(self, fits) -> tuple[int, int]:
         """``(n, T)``: the first ``n`` rows of the prefill queue get up to ``T`` more prompt
-        tokens each in this step's ``[n, T]`` forward, which holds at most ``chunk`` tokens
-        (:meth:`_chunk_size`). ``T`` is the longest remaining prompt of the rows taken, cut to
-        the chunk, so either one row gets a piece of a longer prompt or every row taken is
-        finished by this chunk (the rows that join are always the queue's first)."""
-        chunk = self._chunk_size()
+        tokens each in an ``[n, T]`` forward that ``fits(n * T, span)`` allows (``span``: the
+        columns it attends over) and that pads at most ``MAX_PADDING`` of its real tokens (the
+        queue is shortest first). Either one row gets a piece of a longer prompt (under "auto"
+        a multiple of ``PREFILL_CHUNK_MIN`` when it is that long: late in a 4,000-token prompt
+        on a CPU a piece of a few tokens already costs a decode step, its attention over the
+        whole prompt) or every row taken is finished by this forward (the rows that join are
+        always the queue's first)."""
         rem = [len(r.prompt) - r.filled for r in self.prefilling]
-        n, T = 1, min(chunk, rem[0])
-        while n < len(rem) and (n + 1) * min(chunk, max(T, rem[n])) <= chunk:
-            T = min(chunk, max(T, rem[n]))
-            n += 1
+        start = [r.filled for r in self.prefilling]
+        T = rem[0]
+        if not fits(T, start[0] + T):
+            lo, hi = 0, T  # fits(lo) (or lo == 0), not fits(hi): the largest T that fits
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid, start[0] + mid) else (lo, mid)
+            if self.dec.config.prefill_chunk == "auto" and lo >= PREFILL_CHUNK_MIN:
+                lo = lo // PREFILL_CHUNK_MIN * PREFILL_CHUNK_MIN  # fewer distinct shapes
+            return 1, max(lo, 1)
+        n, real = 1, T
+        while n < len(rem):
+            T2, real2 = max(T, rem[n]), real + rem[n]
+            if (n + 1) * T2 > (1 + MAX_PADDING) * real2 or not fits(
+                (n + 1) * T2, max(start[: n + 1]) + T2
+            ):
+                break
+            n, T, real = n + 1, T2, real2
         return n, T
 
-    def _chunk_size(self) -> int:
-        """Prompt tokens one prefill forward may hold (``DecoderConfig.prefill_chunk``; "auto":
-        :class:`~redraft.infer.budget.PrefillPacer`: no more than the running rows' last verify
-        forward, from the measured cost of the previous chunks, or of the cost curve (measured
-        now if no step has yet) before the first)."""
-        self._paced = False
+    def _chunk_limit(self):
+        """``fits(tokens, span)``: whether a prefill forward of ``tokens`` (rows x columns)
+        attending over ``span`` columns may run in this step (``DecoderConfig.prefill_chunk``:
+        0: always; a number: up to that many tokens; "auto": up to ``PREFILL_CHUNK_MAX`` while
+        nobody decodes, else what :class:`~redraft.infer.budget.PrefillPacer` predicts to
+        cost no more than its share of the running rows' step, or before it has timed a chunk,
+        what the cost curve (measured now if no step has yet) says)."""
         chunk = self.dec.config.prefill_chunk
         if chunk != "auto":
-            return chunk or 1 << 40  # 0: off, every prompt in one piece
-        if (
-            not self.rows
-        ):  # nobody to stall: every waiting prompt in one forward (a batch joins together)
-            return 1 << 40
+            return (lambda N, S: N <= chunk) if chunk else (lambda N, S: True)
+        if self.dec.cost_curve is not None:
+            self._observe_chunk()
+        if not self.rows:  # nobody to stall: large pieces, but not so large that a request
+            # arriving meanwhile waits long for its turn
+            fits = self._pacer.fits(IDLE_STEPS)
+            if fits is None:
+                return lambda N, S: N <= PREFILL_CHUNK_MAX
+            return lambda N, S: N <= PREFILL_CHUNK_MAX and fits(N, S)
         if all(len(r.prompt) - r.filled <= PREFILL_CHUNK_MIN for r in self.prefilling):
-            return PREFILL_CHUNK_MIN  # whatever the cost: no need to measure it
-        if self.dec.cost_curve is None:
-            self.dec.measure_cost()
-        if self._chunk_marks is not None:
-            tokens, m0, m1 = self._chunk_marks
-            if self._clock.cuda:
-                m1.synchronize()  # done already (a step read back since); never an error
-            self._pacer.observe(tokens, self._clock.seconds(m0, m1), self.dec.cost_curve)
-            self._chunk_marks = None
-        self._paced = True
-        return self._pacer.chunk(self.dec.cost_curve, self._step_tokens, self._step_secs)
+            return lambda N, S: N <= PREFILL_CHUNK_MIN  # whatever the cost: no need to measure it
+        curve = self.dec.cost_curve
+        if curve is None:
+            curve = self.dec.measure_cost()
+        # the reference step scaled to every admitted request: while the streams' next
+        # requests wait here the batch is small and its step cheap, and chunks paced by that
+        # step would keep it small (the prefill falls behind the requests arriving)
+        B, admitted = len(self.rows), len(self.rows) + len(self.prefilling)
+        per_row = max(1, self._step_tokens // B)
+        c = curve(torch.tensor([admitted * per_row, B * per_row]))
+        fits = self._pacer.fits(min(max(float(c[0] / c[1]), 1.0), admitted / B))
+        if fits is None:
+            cap = prefill_chunk(curve, self._step_tokens)
+            return lambda N, S: N <= cap
+        return fits
+
+    def _observe_chunk(self) -> None:
+        """Give the pacer the last prefill forward's measured time."""
+        if self._chunk_marks is None:
+            return
+        tokens, span, m0, m1 = self._chunk_marks
+        if self._clock.cuda:
+            m1.synchronize()  # done already (a step read back since); never an error
+        self._pacer.observe(tokens, span, self._clock.seconds(m0, m1), self.dec.cost_curve)
+        self._chunk_marks = None
 
     def _join(self, new: list[Row], h_last: torch.Tensor) -> list[StreamEvent]:
         """Rows ``new`` (the first of the prefill queue, their prompts all in the cache, in the

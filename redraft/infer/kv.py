@@ -194,27 +194,28 @@ class SlotKVCache(Cache):
         idx = torch.tensor([rows, src, dst], dtype=torch.long).to(self.kv.device, non_blocking=True)
         self.kv[:, :, idx[0], :, idx[2]] = self.kv[:, :, idx[0], :, idx[1]]
 
-    def keep_rows(
-        self, keep: list[int], pending: list[int] = (), columns: int | None = None
-    ) -> None:
+    def keep_rows(self, keep: list[int], columns: int | None = None) -> None:
         """Rows ``keep`` (indices of active rows, in their new order) stay, in slots
-        0..len-1; rows being prefilled (slots after the batch; ``pending``: their indices counted
-        from the first slot after it, in their new order; ``None``: a slot for a new row, nothing
-        to copy) follow them, the others are dropped.
+        0..len-1; the others are dropped. Slots past the batch (rows being prefilled) are left
+        as they are.
 
         Only rows whose slot changes are copied, and only their first ``columns`` columns (what
         any moved row holds; default: the whole capacity): a row leaving a batch of long rows
         must not copy every row's whole cache (gigabytes on a CPU after a long prompt joined).
         The caller picks orders that move few rows (``Engine._retire``)."""
-        slots = list(keep) + [None if j is None else self.batch + j for j in pending]
-        dst = [t for t, s in enumerate(slots) if s is not None and s != t]
+        dst = [t for t, s in enumerate(keep) if s != t]
         if dst:
-            src = torch.tensor([slots[t] for t in dst], dtype=torch.long).to(self.kv.device)
+            src = torch.tensor([keep[t] for t in dst], dtype=torch.long).to(self.kv.device)
             c = self.capacity if columns is None else min(int(columns), self.capacity)
             # the right side is gathered into a new tensor first: overlapping moves are safe
             self.kv[:, :, dst, :, :c] = self.kv[:, :, src, :, :c]
         self.host_lengths = [self.host_lengths[i] for i in keep] if self.host_lengths else []
         self.batch = len(keep)
+
+    def move_row(self, src: int, dst: int, columns: int) -> None:
+        """Copy slot ``src``'s first ``columns`` columns to slot ``dst`` (every layer)."""
+        if src != dst and columns > 0:
+            self.kv[:, :, dst, :, :columns] = self.kv[:, :, src, :, :columns]
 
     def add_rows(self, n: int) -> None:
         """``n`` empty rows after the active ones (the caller fills them)."""

@@ -40,6 +40,7 @@ class Row:
     seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     length: int = 0  # valid entries of seq (prompt + output so far)
     filled: int = 0  # prompt tokens in the cache while the row is being prefilled (chunked prefill)
+    slot: int | None = None  # its cache slot while its prompt is prefilled in several pieces
     logprobs: list = field(default_factory=list)  # TokenLogprob per kept token, when asked for
     done: bool = False
     t_start: float = 0.0

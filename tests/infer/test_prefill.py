@@ -17,7 +17,8 @@ from redraft.infer.config import DecoderConfig
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter
 from redraft.infer.drafters.redrafter import ReDrafterDrafter
-from redraft.infer.engine import _fill_holes
+from redraft.infer.engine import Engine, _fill_holes
+from redraft.infer.rows import Row
 from redraft.infer.verify import Verifier
 
 CURVE = CostCurve([1, 8, 64], [1.0, 1.2, 2.0])
@@ -137,28 +138,53 @@ def test_prefill_chunk_setting_is_checked():
             DecoderConfig(prefill_chunk=bad)
 
 
-def test_the_pacer_sizes_chunks_from_their_measured_cost():
-    curve = CostCurve([1, 64], [0.010, 0.074])  # 9 ms base, 1 ms per token
+def test_the_pacer_predicts_a_chunks_cost_from_its_tokens_and_span():
+    curve = CostCurve([1, 64], [0.010, 0.074])  # a forward's fixed cost: 10 ms
     pacer = PrefillPacer()
-    # nothing measured yet: the cost curve's chunk
-    assert pacer.chunk(curve, 48, 0.058) == prefill_chunk(curve, 48) == 48
-    # a 48-token chunk took 0.106 s: 2 ms per token past the 10 ms base (a long context)
-    pacer.observe(48, 0.106, curve)
-    assert pacer.rate == pytest.approx(0.002)
-    # the running step takes 0.1 s: (0.9 * 0.1 - 0.010) / 0.002 = 40 -> 32 (a multiple of 16)
-    assert pacer.chunk(curve, 48, 0.100) == 32
-    # a much cheaper chunk later (the machine got quieter): the estimate follows, averaged,
-    # and the next chunk is at most twice the largest measured one (48 tokens)
-    pacer.observe(32, 0.010 + 32 * 0.0002, curve)
-    assert pacer.rate == pytest.approx(0.5 * 0.0002 + 0.5 * 0.002)
-    assert pacer.chunk(curve, 48, 1.0) == 96
-    # a prompt's short last piece does not hold the next chunks small
-    pacer.observe(5, 0.010 + 5 * 0.0011, curve)
-    assert pacer.last == 48 and pacer.chunk(curve, 48, 1.0) == 96
-    # never below the minimum, never above the maximum
-    assert pacer.chunk(curve, 48, 0.001) == PREFILL_CHUNK_MIN
-    pacer.last = 1 << 20
-    assert pacer.chunk(curve, 48, 1e6) == PREFILL_CHUNK_MAX
+    assert pacer.fits() is None  # nothing timed yet: the engine uses the cost curve
+    # forwards that cost 1 ms per token plus 1 us per token and attended column (attention)
+    for N, span in ((48, 100), (32, 2000), (64, 1000)):
+        pacer.observe(N, span, 0.010 + N * (0.001 + 1e-6 * span), curve)
+    assert pacer.fits() is None  # ... and no verify step yet
+    a, b = pacer.coefficients()
+    assert a == pytest.approx(0.001) and b == pytest.approx(1e-6)
+    pacer.observe_step(0.1)
+    assert pacer.fits()(90, 0) and not pacer.fits()(91, 0)  # a chunk may cost one step, 0.1 s
+    fits = pacer.fits(0.8)  # or 0.8 steps: 70 ms past the fixed cost
+    assert fits(70, 0) and not fits(71, 0)
+    assert fits(17, 3000) and not fits(18, 3000)  # 4 ms per token over 3,000 columns
+    assert not fits(129, 0)  # never more than twice the largest forward timed (64 tokens)
+    # the reference step is a slow average: one slow step (a busy moment) moves it a little
+    pacer.observe_step(1.0)
+    assert pacer.ref == pytest.approx(0.95 * 0.1 + 0.05 * 1.0)
+    # per-token costs that fall with the span say nothing about attention: a flat rate
+    flat = PrefillPacer()
+    flat.observe(10, 100, 0.010 + 10 * 0.003, curve)
+    flat.observe(10, 2000, 0.010 + 10 * 0.001, curve)
+    assert flat.coefficients()[1] == 0.0
+    assert flat.coefficients()[0] == pytest.approx((0.9 * 0.003 + 0.001) / 1.9)  # newer weighs more
+
+    # the pacer drives the engine's pieces: one row's piece is the largest that fits, cut to
+    # a multiple of 16; rows finished by one forward share it while their padding stays small
+    class _Eng:
+        dec = SpeculativeDecoder.__new__(SpeculativeDecoder)
+
+    _Eng.dec.config = DecoderConfig()
+    eng = _Eng()
+    eng.prefilling = [_row(400, filled=0)]
+    assert Engine._chunk_rows(eng, fits) == (1, 64)  # 65 fits -> 64
+    eng.prefilling = [_row(4000, filled=2800)]  # late in a long prompt: attention costs more
+    assert Engine._chunk_rows(eng, fits) == (1, 16)  # 18 fit -> 16
+    eng.prefilling = [_row(4000, filled=3900)]  # under 16 fit: exactly what fits
+    assert Engine._chunk_rows(eng, fits) == (1, 14)
+    eng.prefilling = [_row(20), _row(30), _row(31), _row(60)]
+    assert Engine._chunk_rows(eng, fits) == (2, 30)  # 3 x 31 > 80 ms; 3 x 60 too padded
+
+
+def _row(n, filled=0):
+    r = Row(0, list(range(n)), SamplingParams.checked(), None, None)
+    r.filled = filled
+    return r
 
 
 def test_rows_leaving_move_one_row_each_and_outputs_stay_exact(tiny_target, tiny_tables, tiny_head):
@@ -204,7 +230,7 @@ def test_keep_rows_copies_only_moved_rows_and_their_columns(tiny_target):
     )  # unmoved rows: untouched
 
 
-def test_a_short_request_takes_a_leaving_rows_slot_ahead_of_a_long_prefill(tiny_target):
+def test_a_short_request_goes_ahead_of_a_long_prefill_and_nothing_of_it_moves(tiny_target):
     V = tiny_target.vocab_size
     dec = SpeculativeDecoder(tiny_target, [], budget=0, prefill_chunk=8)
     eng = dec.engine()
@@ -213,15 +239,18 @@ def test_a_short_request_takes_a_leaving_rows_slot_ahead_of_a_long_prefill(tiny_
     eng.step()  # a and b join (6 prompt tokens: one chunk)
     long = [(5 * j + 2) % V for j in range(40)]
     c = eng.add(long, SamplingParams.checked(max_new_tokens=3))
-    eng.step()  # a's last token; c's first chunk, in the slot after the batch
+    eng.step()  # a's last token; c's first chunk, in a parked slot above the batch
     assert eng.prefilling[0].rid == c and eng.prefilling[0].filled == 8
+    slot = eng.prefilling[0].slot
+    assert slot >= eng.cache.batch + len(eng.prefilling)
     assert [(r.rid, r.done) for r in eng.rows] == [(a, True), (b, False)]
-    kv_c = eng.cache.kv[:, :, 2, :, :8].clone()
+    kv_c = eng.cache.kv[:, :, slot, :, :8].clone()
+    assert kv_c.abs().sum() > 0
     d = eng.add([7, 8], SamplingParams.checked(max_new_tokens=2))
-    evs = eng.step()  # a leaves: d takes its slot, c stays in slot 2 (nothing copied) ...
-    assert [r.rid for r in eng.rows] == [b, d]  # ... and d joins in this step's chunk
-    assert eng.prefilling[0].rid == c and eng.prefilling[0].filled == 8
-    assert torch.equal(eng.cache.kv[:, :, 2, :, :8], kv_c)
+    evs = eng.step()  # a leaves; d (2 tokens left) goes ahead of c (32 left) and joins
+    assert [r.rid for r in eng.rows] == [b, d]
+    assert eng.prefilling[0].rid == c and eng.prefilling[0].filled == 8  # c waited
+    assert eng.prefilling[0].slot == slot and torch.equal(eng.cache.kv[:, :, slot, :, :8], kv_c)
     assert d in {ev.index for ev in evs}
     out = {ev.index: ev.generation.tokens for ev in evs if ev.done}
     while eng.has_work:
@@ -230,3 +259,60 @@ def test_a_short_request_takes_a_leaving_rows_slot_ahead_of_a_long_prefill(tiny_
                 out[ev.index] = ev.generation.tokens
     for rid, p, m in ((b, [4, 5, 6], 30), (c, long, 3), (d, [7, 8], 2)):
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
+
+
+def test_parked_rows_move_up_when_the_queue_grows_into_their_slots(tiny_target):
+    """Many requests arrive while a long prompt is parked: the slots they may join into would
+    reach its slot, so it moves up (its cached columns with it), and every output is exact."""
+    V = tiny_target.vocab_size
+    dec = SpeculativeDecoder(tiny_target, [], budget=0, prefill_chunk=6)
+    eng = dec.engine()
+    long = [(3 * j + 1) % V for j in range(30)]
+    ids = {eng.add([1, 2], SamplingParams.checked(max_new_tokens=20)): ([1, 2], 20)}
+    eng.step()
+    ids[eng.add(long, SamplingParams.checked(max_new_tokens=4))] = (long, 4)
+    eng.step()  # the long prompt's first piece, parked
+    first = eng.prefilling[0].slot
+    shorts = [[(7 * i + j) % V for j in range(3)] for i in range(6)]
+    for p in shorts:
+        ids[eng.add(p, SamplingParams.checked(max_new_tokens=5))] = (p, 5)
+    eng.step()
+    parked = [r for r in eng.prefilling if r.slot is not None]
+    assert parked and parked[0].slot > first  # moved up, above the queue's slots
+    assert parked[0].slot >= eng.cache.batch + len(eng.prefilling)
+    out = {}
+    while eng.has_work:
+        for ev in eng.step():
+            if ev.done:
+                out[ev.index] = ev.generation.tokens
+    for rid, (p, m) in ids.items():
+        assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
+
+
+def test_prompts_joining_together_prefill_in_forwards_of_similar_lengths(tiny_target):
+    """Nobody decodes: every waiting prompt is prefilled before the first step, shortest first,
+    in forwards whose padding stays under MAX_PADDING (not one forward padded to the longest)."""
+    V = tiny_target.vocab_size
+    lengths = [12, 30, 70, 3, 5, 11, 4, 33]
+    prompts = [[(3 * i + 5 * j + 1) % V for j in range(n)] for i, n in enumerate(lengths)]
+    dec = SpeculativeDecoder(tiny_target, [], budget=0)
+    eng = dec.engine()
+    forwards = []
+    prefill = eng.verifier.prefill
+
+    def spy(pieces, *a, **k):
+        forwards.append(sorted(len(p) for p in pieces))
+        return prefill(pieces, *a, **k)
+
+    eng.verifier.prefill = spy
+    ids = [eng.add(p, SamplingParams.checked(max_new_tokens=4)) for p in prompts]
+    eng.step()
+    assert len(eng.rows) == len(prompts) and not eng.prefilling  # all joined in the first step
+    assert forwards == [[3, 4, 5], [11, 12], [30, 33], [70]]  # sorted, padding <= 50%
+    out = {}
+    while eng.has_work:
+        for ev in eng.step():
+            if ev.done:
+                out[ev.index] = ev.generation.tokens
+    for rid, p in zip(ids, prompts):
+        assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=4)[0].tokens
