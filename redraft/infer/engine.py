@@ -549,7 +549,9 @@ class Engine:
                 lo = lo // PREFILL_CHUNK_MIN * PREFILL_CHUNK_MIN  # fewer distinct shapes
             return 1, max(lo, 1)
         n, real = 1, T
-        while n < len(rem):
+        # only fresh prompts share a forward: a prompt's last piece attends over its earlier
+        # ones, and every row of a forward attends over its longest span
+        while n < len(rem) and start[0] == start[n] == 0:
             T2, real2 = max(T, rem[n]), real + rem[n]
             if (n + 1) * T2 > (1 + MAX_PADDING) * real2 or not fits(
                 (n + 1) * T2, max(start[: n + 1]) + T2

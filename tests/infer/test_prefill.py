@@ -178,7 +178,9 @@ def test_the_pacer_predicts_a_chunks_cost_from_its_tokens_and_span():
     eng.prefilling = [_row(4000, filled=3900)]  # under 16 fit: exactly what fits
     assert Engine._chunk_rows(eng, fits) == (1, 14)
     eng.prefilling = [_row(20), _row(30), _row(31), _row(60)]
-    assert Engine._chunk_rows(eng, fits) == (2, 30)  # 3 x 31 > 80 ms; 3 x 60 too padded
+    assert Engine._chunk_rows(eng, fits) == (2, 30)  # 3 x 31 > 70 ms; 3 x 60 too padded
+    eng.prefilling = [_row(40, filled=30), _row(12)]  # a last piece goes alone
+    assert Engine._chunk_rows(eng, fits) == (1, 10)
 
 
 def _row(n, filled=0):
