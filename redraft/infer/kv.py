@@ -113,6 +113,7 @@ class SlotKVCache(Cache):
         self.lengths = torch.zeros(0, dtype=torch.long, device=device)
         self.window = (0, 0)  # slots the current forward runs over
         self.span = 0  # columns the current forward attends over
+        self.high = 0  # columns any forward has attended over (written ones among them)
         self.fed = 0  # tokens per row the current forward writes
         self.write_index: torch.Tensor | None = None  # [B, 1, n, 1] columns the forward writes
         self.generation = (
@@ -151,7 +152,8 @@ class SlotKVCache(Cache):
         new = self.kv.new_zeros(
             (*self.kv.shape[:2], new_slots, self.kv.shape[3], new_cap, self.kv.shape[5])
         )
-        new[:, :, : self.slots, :, : self.capacity] = self.kv
+        c = min(self.high, self.capacity)  # columns any forward wrote: the rest are zeros
+        new[:, :, : self.slots, :, :c] = self.kv[:, :, :, :, :c]
         self.kv = new
         self.generation += 1
         return True
@@ -167,6 +169,7 @@ class SlotKVCache(Cache):
             :, None, :, None
         ]
         self.span = span
+        self.high = max(self.high, span)
         self.fed = n
 
     def attention_bias(

@@ -318,3 +318,17 @@ def test_prompts_joining_together_prefill_in_forwards_of_similar_lengths(tiny_ta
                 out[ev.index] = ev.generation.tokens
     for rid, p in zip(ids, prompts):
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=4)[0].tokens
+
+
+def test_a_growing_cache_keeps_what_forwards_wrote(tiny_target):
+    """Growing copies only the columns forwards have written (``high``), all slots; the new
+    room is zeros."""
+    v = Verifier(tiny_target)
+    cache = v.new_cache(2, 16)
+    v.prefill([[1, 2, 3, 4, 5], [6, 7]], cache, first_slot=0)
+    assert cache.high == 5
+    before = cache.kv[:, :, :2, :, :5].clone()
+    assert cache.reserve(4, 40)
+    assert cache.kv.shape[2] == 4 and cache.kv.shape[4] == 40
+    assert torch.equal(cache.kv[:, :, :2, :, :5], before)
+    assert not cache.kv[:, :, :, :, 5:].any() and not cache.kv[:, :, 2:].any()
