@@ -78,7 +78,8 @@ class SlotKVCache(Cache):
     ``kv [layers, 2, slots, kv_heads, capacity, head_dim]`` is allocated once (it grows by
     doubling only when a request needs more rows or columns than it has, which drops the
     captured graphs over it). The batch's active rows are slots ``0 .. B-1`` (rows leaving are
-    compacted in place, rows joining are prefilled straight into the next free slots); row ``b``
+    compacted in place, rows joining are prefilled straight into the next free slots, rows
+    prefilled in pieces wait in parked slots above those); row ``b``
     holds ``lengths[b]`` tokens at columns ``0 .. lengths[b]-1``.
 
     A forward of ``n`` tokens per row writes row b's tokens at columns ``lengths[b] ..
