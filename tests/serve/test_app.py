@@ -5,6 +5,7 @@ faults that stay with their request, metrics. Outputs are known exactly from ``f
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -418,6 +419,7 @@ def test_loadtest_against_two_servers(fake_server, tmp_path, capsys):
     assert all(r["identical"] for r in rows) and rows[0]["ratio"] == 1.0
     assert rows[0]["tree_nodes_per_step"] is None and rows[0]["mean_accepted_length"] == 2.0
     assert rows[0]["ttft_p50_ms"] > 0 and rows[2]["itl_p50_ms"] > 0
+    assert math.isnan(rows[0]["prefill_p50_ms"])  # the fake stats have no prefill time: no crash
     md = (tmp_path / "t.md").read_text()
     assert md.count("\n") == 6
     out, err = capsys.readouterr()
