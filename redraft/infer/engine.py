@@ -94,6 +94,7 @@ class Engine:
         self._step_tokens = 0
         self._chunk_marks = None
         self._pacer = PrefillPacer()
+        self._oldest_turn = False  # the next prefill piece goes to the oldest request
         self._next_id = 0
         self._clock = Clock(self.device)
         self._context = getattr(decoder.model.config, "max_position_embeddings", None)
@@ -491,11 +492,17 @@ class Engine:
 
     def _prefill_piece(self, fits) -> list[StreamEvent]:
         """One prefill forward of the queue's first rows (:meth:`_chunk_rows`), the queue in
-        order of remaining prompt tokens (shortest first: a short request never waits for a
-        long prompt's chunks). Rows that this forward finishes are written straight into the
-        slots after the batch (a row prefilled in earlier pieces is copied there first, once);
-        a piece of a longer prompt goes to that row's parked slot (:meth:`_park`)."""
+        order of remaining prompt tokens (shortest first: a short request does not wait for a
+        long prompt's pieces), except that while rows decode every other piece goes to the
+        oldest request (a long prompt is not starved by a stream of short ones). Rows that this
+        forward finishes are written straight into the slots after the batch (a row prefilled in
+        earlier pieces is copied there first, once); a piece of a longer prompt goes to that
+        row's parked slot (:meth:`_park`)."""
         self.prefilling.sort(key=lambda r: (len(r.prompt) - r.filled, r.rid))
+        if self._oldest_turn and self.rows:  # every other piece: the oldest request's
+            oldest = min(range(len(self.prefilling)), key=lambda i: self.prefilling[i].rid)
+            self.prefilling.insert(0, self.prefilling.pop(oldest))
+        self._oldest_turn = not self._oldest_turn
         n, T = self._chunk_rows(fits)
         rows, cache = self.prefilling[:n], self.cache
         t0 = time.perf_counter()

@@ -332,3 +332,34 @@ def test_a_growing_cache_keeps_what_forwards_wrote(tiny_target):
     assert cache.kv.shape[2] == 4 and cache.kv.shape[4] == 40
     assert torch.equal(cache.kv[:, :, :2, :, :5], before)
     assert not cache.kv[:, :, :, :, 5:].any() and not cache.kv[:, :, 2:].any()
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(tiny_target):
+    """Shortest first, but every other piece goes to the oldest request: a short request arriving
+    every step cannot hold a long prompt back for ever, and every output stays exact."""
+    V = tiny_target.vocab_size
+    dec = SpeculativeDecoder(tiny_target, [], budget=0, prefill_chunk=4)
+    eng = dec.engine()
+    ids = {eng.add([1, 2, 3], SamplingParams.checked(max_new_tokens=40)): ([1, 2, 3], 40)}
+    eng.step()
+    long = [(3 * j + 1) % V for j in range(24)]
+    rid = eng.add(long, SamplingParams.checked(max_new_tokens=3))
+    ids[rid] = (long, 3)
+    first, out = None, {}
+    for step in range(60):
+        p = [(5 * step + j) % V for j in range(3)]
+        ids[eng.add(p, SamplingParams.checked(max_new_tokens=2))] = (p, 2)
+        for ev in eng.step():
+            if ev.index == rid and first is None:
+                first = step
+            if ev.done:
+                out[ev.index] = ev.generation.tokens
+        if first is not None:
+            break
+    assert first is not None and first <= 2 * 24 // 4  # a piece every other step at least
+    while eng.has_work:
+        for ev in eng.step():
+            if ev.done:
+                out[ev.index] = ev.generation.tokens
+    for r, (p, m) in ids.items():
+        assert out[r] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
