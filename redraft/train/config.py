@@ -151,6 +151,14 @@ class TrainConfig(Settings):
         choices=("ce", "kd", "ce+kd"),
     )
     kd_weight: float = _f(1.0, "Weight of the KL term in 'ce+kd'.", range=Range(0))
+    kd_positions: str = _f(
+        "assistant",
+        "Where the KL term of 'kd'/'ce+kd' counts: 'assistant' (the assistant tokens, as the "
+        "cross-entropy) or 'all' (every token of the record, prompts too: the teacher there is "
+        "the target's own next-token distribution; the cross-entropy stays on assistant tokens). "
+        "Held-out metrics are always on assistant tokens.",
+        choices=("assistant", "all"),
+    )
     kd_top_k: int = _f(
         8,
         "KD teacher: the target's top-k next tokens, renormalised over those in the draft "
