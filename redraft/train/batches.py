@@ -35,6 +35,8 @@ class Batch:
         topk_ids, topk_logits: ``[B, T, k]`` the target's top-k next-token ids / logits when
             cached, else None.
         lengths: ``[B]`` real tokens per row (``kd_positions: all`` counts those), or None.
+        kd_rows: ``[B]`` bool, rows whose KL term counts on every real token whatever
+            ``kd_positions`` says (``--kd-features`` records: :mod:`redraft.train.kdmix`), or None.
     """
 
     ids: torch.Tensor
@@ -45,6 +47,7 @@ class Batch:
     topk_ids: torch.Tensor | None = None
     topk_logits: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    kd_rows: torch.Tensor | None = None
 
 
 def load_datasets(cfg, tokenizer, env, train: bool = True):

@@ -161,8 +161,9 @@ def batch_teacher(
 def kd_positions_mask(batch: Batch, cfg: TrainConfig, kd_w: float) -> torch.Tensor | None:
     """``[B, T]`` the tokens the KD term learns besides the assistant ones: every real token with
     ``kd_positions: all`` (the teacher there is the target's own next-token distribution for
-    that context, prompts included), else None (the KD term follows the loss mask)."""
-    if not kd_w or cfg.kd_positions != "all":
+    that context, prompts included) and on ``batch.kd_rows`` (KD-only records), else None (the
+    KD term follows the loss mask)."""
+    if not kd_w or (cfg.kd_positions != "all" and batch.kd_rows is None):
         return None
     if batch.lengths is None:
         raise ConfigError(
@@ -171,7 +172,10 @@ def kd_positions_mask(batch: Batch, cfg: TrainConfig, kd_w: float) -> torch.Tens
             "redraft.train.features.",
             param="kd_positions",
         )
-    return real_token_mask(batch.ids, batch.lengths)
+    real = real_token_mask(batch.ids, batch.lengths)  # [B, T]
+    if cfg.kd_positions == "all":
+        return real
+    return real & batch.kd_rows[:, None]
 
 
 def batch_loss(
