@@ -49,6 +49,7 @@ class KDOnlyMix:
                 f"target is {describe(record)}; cache them with this run's target "
                 f"(redraft-cache-features --target ...)."
             )
+
         def layout(r: FeatureRecords) -> str:
             return (
                 f"width {r.hidden_size}, layers {list(r.hidden_layers) or 'last'}, "

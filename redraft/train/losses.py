@@ -70,7 +70,8 @@ def make_windows(
     kd_w = None
     if kd_mask is not None:
         kd_w = _windows_of(kd_mask.to(torch.bool), n, fill=False)[..., 1:] | m_w  # [B, T, n]
-    b, t = (m_w if kd_w is None else kd_w).any(-1).nonzero(as_tuple=True)  # [P] with something to learn
+    learn = m_w if kd_w is None else kd_w
+    b, t = learn.any(-1).nonzero(as_tuple=True)  # [P] positions with something to learn
     w = ids_w[b, t]  # [P, n+1]
     return Windows(
         batch_idx=b,
@@ -84,9 +85,10 @@ def make_windows(
 
 def real_token_mask(input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` 1 on each row's first ``lengths[b]`` tokens (the real ones), 0 on padding."""
-    return torch.arange(input_ids.shape[1], device=input_ids.device) < lengths.to(
-        input_ids.device
-    )[:, None]
+    return (
+        torch.arange(input_ids.shape[1], device=input_ids.device)
+        < lengths.to(input_ids.device)[:, None]
+    )
 
 
 def target_next_positions(win: Windows, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -219,7 +219,13 @@ def batch_loss(
             logits = forward(ctx, win.tokens)  # [P, n, Vd]: every position, every step, one pass
         teacher = None if t_ids is None else dense_teacher(t_ids, t_probs, logits.shape[-1])
         loss, stats = drafter_loss(
-            logits, targets_d, win.valid, teacher, ce_weight=ce_w, kd_weight=kd_w, kd_valid=win.kd_valid
+            logits,
+            targets_d,
+            win.valid,
+            teacher,
+            ce_weight=ce_w,
+            kd_weight=kd_w,
+            kd_valid=win.kd_valid,
         )
         return loss, stats, logits, win, targets_d
     with head_autocast(ids.device, precision):

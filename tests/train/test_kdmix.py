@@ -64,7 +64,9 @@ def test_kd_only_rows_lose_their_labels_and_learn_kd_on_every_token(
     model.attach_target(tiny_target)
 
     def loss(batch, **over):
-        cfg = _cfg(tmp_path, tiny_target_dir, chat_file, num_steps=3, draft_vocab_size="none", **over)
+        cfg = _cfg(
+            tmp_path, tiny_target_dir, chat_file, num_steps=3, draft_vocab_size="none", **over
+        )
         return float(batch_loss(model, model, None, batch, cfg, "fp32")[0])
 
     # a KD-only row under ce+kd / assistant = that record under kd / all: KD on every token
@@ -80,7 +82,9 @@ def test_kd_only_rows_lose_their_labels_and_learn_kd_on_every_token(
 def test_a_run_with_kd_features_trains_on_both(
     tmp_path, cached, tiny_target, tiny_target_dir, chat_file, tiny_data
 ):
-    cfg = _cfg(tmp_path, tiny_target_dir, chat_file, features=cached, kd_features=cached, loss="ce+kd")
+    cfg = _cfg(
+        tmp_path, tiny_target_dir, chat_file, features=cached, kd_features=cached, loss="ce+kd"
+    )
     out = train(cfg, target=tiny_target, eval_dataset=tiny_data[1])
     n = len(FeatureRecords(cached))
     # one epoch over both sources: 2n records, micro batch 2 x accumulation 2
