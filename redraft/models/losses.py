@@ -53,35 +53,43 @@ def drafter_loss(
     target_logprobs: torch.Tensor | None = None,
     ce_weight: float = 1.0,
     kd_weight: float = 0.0,
+    kd_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Mean over steps of the masked per-step loss, from dense logits.
 
     Args:
         logits: ``[P, n, Vd]`` drafter logits.
         targets_draft: ``[P, n]`` targets as draft ids (``-1`` = outside the draft vocabulary).
-        valid: ``[P, n]`` bool mask of assistant targets.
+        valid: ``[P, n]`` bool mask of assistant targets (the cross-entropy's positions).
         target_logprobs: ``[P, n, Vd]`` the target's log-probabilities (for the KD term), or None.
         ce_weight, kd_weight: weights of cross-entropy and KL(target || drafter).
+        kd_valid: ``[P, n]`` bool mask of the KL term's positions (a superset of ``valid``, e.g.
+            every real token: ``kd_positions: all``); None = ``valid``. Each term is its own
+            mean over the steps of its per-step means.
 
     Returns:
-        ``(loss, stats)``: a scalar, and ``stats["step_loss"]`` ``[n]`` (detached, per step),
-        ``stats["step_count"]`` ``[n]`` valid targets per step.
+        ``(loss, stats)``: a scalar, and ``stats["step_loss"]`` ``[n]`` (detached, per step: the
+        step's mean CE plus its mean KL, weighted), ``stats["step_count"]`` ``[n]`` valid targets
+        per step.
     """
     P, n, V = logits.shape
     logp = logits.float().log_softmax(-1)  # [P, n, Vd]
-    per_tok = logits.new_zeros(P, n, dtype=torch.float32)
+    kd_mask = valid if kd_valid is None else kd_valid
+    weight, count = step_weights(valid)
+    kd_weights, kd_count = (weight, count) if kd_valid is None else step_weights(kd_valid)
+    loss = logits.new_zeros((), dtype=torch.float32)
+    step_loss = logits.new_zeros(n, dtype=torch.float32)
     if ce_weight:
         ce_valid = valid & (targets_draft >= 0)  # out-of-vocab targets cannot be learned: skipped
         tgt = torch.where(ce_valid, targets_draft, 0)
-        nll = -logp.gather(-1, tgt[..., None]).squeeze(-1)  # [P, n]
-        per_tok = per_tok + ce_weight * nll * ce_valid
+        nll = -logp.gather(-1, tgt[..., None]).squeeze(-1) * ce_valid  # [P, n]
+        loss = loss + ce_weight * (nll * weight).sum()
+        step_loss = step_loss + ce_weight * nll.sum(0) / count.clamp(min=1)
     if kd_weight and target_logprobs is not None:
         tp = target_logprobs.float()
-        kl = (tp.exp() * (tp - logp)).sum(-1)  # [P, n]  KL(p_target || p_draft)
-        per_tok = per_tok + kd_weight * kl * valid
-    weight, count = step_weights(valid)
-    loss = (per_tok * weight).sum()  # 0 (with a graph) when nothing is valid
-    step_loss = (per_tok * valid).sum(0) / count.clamp(min=1)
+        kl = (tp.exp() * (tp - logp)).sum(-1) * kd_mask  # [P, n]  KL(p_target || p_draft)
+        loss = loss + kd_weight * (kl * kd_weights).sum()
+        step_loss = step_loss + kd_weight * kl.sum(0) / kd_count.clamp(min=1)
     return loss, {"step_loss": step_loss.detach(), "step_count": count.detach()}
 
 
@@ -186,6 +194,7 @@ def fused_drafter_loss(
     ce_weight: float = 1.0,
     kd_weight: float = 0.0,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    kd_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """:func:`drafter_loss` of ``logits = features @ weight.T`` without holding the logits.
 
@@ -196,6 +205,7 @@ def fused_drafter_loss(
         teacher_ids, teacher_probs: ``[P, n, k]`` the KD teacher (:func:`sparse_teacher`), or None.
         ce_weight, kd_weight: weights of the two terms.
         chunk_rows: rows of logits computed at once.
+        kd_valid: the KL term's positions, as in :func:`drafter_loss`.
 
     Returns:
         ``(loss, stats)`` as :func:`drafter_loss`, and ``stats["top1"]`` ``[P, n]`` bool: the
@@ -206,11 +216,13 @@ def fused_drafter_loss(
     ce_valid = valid & (targets_draft >= 0)
     w_ce = (weights * ce_valid * ce_weight).reshape(-1)
     use_kd = bool(kd_weight) and teacher_ids is not None
-    w_kd = (weights * kd_weight).reshape(-1) if use_kd else torch.zeros_like(w_ce)
+    kd_weights = weights if kd_valid is None else step_weights(kd_valid)[0]
+    w_kd = (kd_weights * kd_weight).reshape(-1) if use_kd else torch.zeros_like(w_ce)
     if use_kd:
+        k = teacher_ids.shape[-1]  # explicit: P may be 0 (a batch with nothing to learn)
         t_ids, t_probs = (
-            teacher_ids.reshape(P * n, -1).long(),
-            teacher_probs.reshape(P * n, -1).float(),
+            teacher_ids.reshape(P * n, k).long(),
+            teacher_probs.reshape(P * n, k).float(),
         )
     else:
         t_ids = torch.zeros(P * n, 0, dtype=torch.long, device=features.device)
@@ -219,8 +231,10 @@ def fused_drafter_loss(
     loss, per_tok, top1 = _FusedLinearDrafterLoss.apply(
         features.reshape(P * n, D), weight, targets, w_ce, w_kd, t_ids, t_probs, chunk_rows
     )
-    # per_tok is weighted by step; unweight it per step for the meter's per-step loss
-    per_step = (per_tok.view(P, n).sum(0) / weights.sum(0).clamp(min=1e-30)) * (count > 0)
+    # per_tok is weighted by step (1 / (count_i * steps)); times the number of steps that have a
+    # position it is the step's mean CE plus its mean KL (kd_valid covers valid: its steps)
+    has = count > 0 if not use_kd or kd_valid is None else kd_valid.any(0)
+    per_step = per_tok.view(P, n).sum(0) * has.sum() * has
     return loss, {
         "step_loss": per_step.detach(),
         "step_count": count.detach(),

@@ -34,6 +34,9 @@ class Batch:
         hidden: ``[B, T, H]`` the target's last hidden states when cached, else None.
         topk_ids, topk_logits: ``[B, T, k]`` the target's top-k next-token ids / logits when
             cached, else None.
+        lengths: ``[B]`` real tokens per row (``kd_positions: all`` counts those), or None.
+        kd_rows: ``[B]`` bool, rows whose KL term counts on every real token whatever
+            ``kd_positions`` says (``--kd-features`` records: :mod:`redraft.train.kdmix`), or None.
     """
 
     ids: torch.Tensor
@@ -43,6 +46,8 @@ class Batch:
     hidden: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_logits: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+    kd_rows: torch.Tensor | None = None
 
 
 def load_datasets(cfg, tokenizer, env, train: bool = True):
@@ -210,6 +215,7 @@ class TokenRecords:
             mask.to(device),
             tokens=int(self.lengths[idx].sum()),
             loss_tokens=int(mask[:, 2:].sum()),
+            lengths=torch.as_tensor(self.lengths[idx], dtype=torch.long).to(device),
         )
 
     def token_arrays(self) -> tuple[np.ndarray, np.ndarray]:

@@ -137,6 +137,14 @@ class TrainConfig(Settings):
         "redraft-cache-features (no target forward per step); they must match --target, "
         "--data, --max-length and the other data settings.",
     )
+    kd_features: str | None = _f(
+        None,
+        "Extra cached target features (redraft-cache-features over other text, e.g. plain "
+        "ShareGPT records: a forward pass, far cheaper than generating self-distilled replies), "
+        "mixed into the training records and trained with the KL term only, on every token: "
+        "the target's own next-token distribution over that text. Needs --features (the main "
+        "records) and --loss kd or ce+kd.",
+    )
     init_head: str = _f(
         "random",
         "'random' (paper) or 'target': the output layer starts as the target's LM head "
@@ -151,6 +159,14 @@ class TrainConfig(Settings):
         choices=("ce", "kd", "ce+kd"),
     )
     kd_weight: float = _f(1.0, "Weight of the KL term in 'ce+kd'.", range=Range(0))
+    kd_positions: str = _f(
+        "assistant",
+        "Where the KL term of 'kd'/'ce+kd' counts: 'assistant' (the assistant tokens, as the "
+        "cross-entropy) or 'all' (every token of the record, prompts too: the teacher there is "
+        "the target's own next-token distribution; the cross-entropy stays on assistant tokens). "
+        "Held-out metrics are always on assistant tokens.",
+        choices=("assistant", "all"),
+    )
     kd_top_k: int = _f(
         8,
         "KD teacher: the target's top-k next tokens, renormalised over those in the draft "
@@ -322,6 +338,12 @@ class TrainConfig(Settings):
                 param="activation",
             )
         parse_report_to(self.report_to)
+        if self.kd_features and (not self.features or self.loss == "ce"):
+            raise ConfigError(
+                f"--kd-features {self.kd_features} needs --features (the main records, cached) "
+                f"and --loss kd or ce+kd (here: features {self.features!r}, loss {self.loss!r}).",
+                param="kd_features",
+            )
         if self.feature_layers is not None and self.head_features != "multi":
             raise ConfigError(
                 f"--feature-layers {self.feature_layers} needs --head-features multi (a 'last' "

@@ -287,6 +287,7 @@ class FeatureRecords:
             hidden=hidden.to(**to),
             topk_ids=torch.from_numpy(tk_ids).to(**to) if self.load_topk else None,
             topk_logits=torch.from_numpy(tk_val).to(**to) if self.load_topk else None,
+            lengths=torch.from_numpy(self.lengths[idx].copy()).to(**to),
         )
 
     def token_arrays(self) -> tuple[np.ndarray, np.ndarray]:

@@ -28,6 +28,8 @@ class Windows:
         tokens: ``[P, n]`` target ids fed to the drafter, ``ids[t+1 .. t+n]``.
         targets: ``[P, n]`` target ids to predict, ``ids[t+2 .. t+n+1]``.
         valid: ``[P, n]`` bool, the target is an assistant token inside the sequence.
+        kd_valid: ``[P, n]`` bool, the target is a KD position (:func:`make_windows`'s
+            ``kd_mask``), or None: the KD term counts where ``valid`` does.
     """
 
     batch_idx: torch.Tensor
@@ -35,6 +37,7 @@ class Windows:
     tokens: torch.Tensor
     targets: torch.Tensor
     valid: torch.Tensor
+    kd_valid: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.batch_idx.numel())
@@ -47,19 +50,28 @@ def _windows_of(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
     return padded.unfold(1, n + 1, 1)[:, :T]  # [B, T, n+1] (a view, no copy)
 
 
-def make_windows(input_ids: torch.Tensor, loss_mask: torch.Tensor, n: int) -> Windows:
-    """All teacher-forcing windows of a batch that have at least one assistant target.
+def make_windows(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, n: int, kd_mask: torch.Tensor | None = None
+) -> Windows:
+    """All teacher-forcing windows of a batch that have at least one assistant target (or, with
+    ``kd_mask``, at least one KD target).
 
     Args:
         input_ids: ``[B, T]`` token ids (right padded).
         loss_mask: ``[B, T]`` 1 on assistant tokens, 0 elsewhere and on padding.
         n: the horizon (drafter steps).
+        kd_mask: ``[B, T]`` 1 on the tokens the KD term learns (``kd_positions: all``: every real
+            token, 0 on padding), or None (the KD term follows ``loss_mask``).
     """
     ids_w = _windows_of(input_ids, n)  # [B, T, n+1]: ids[t+1 .. t+n+1]
     m_w = _windows_of(loss_mask.to(torch.bool), n, fill=False)[
         ..., 1:
     ]  # [B, T, n]: mask of the targets
-    b, t = m_w.any(-1).nonzero(as_tuple=True)  # [P] positions with something to learn
+    kd_w = None
+    if kd_mask is not None:
+        kd_w = _windows_of(kd_mask.to(torch.bool), n, fill=False)[..., 1:] | m_w  # [B, T, n]
+    learn = m_w if kd_w is None else kd_w
+    b, t = learn.any(-1).nonzero(as_tuple=True)  # [P] positions with something to learn
     w = ids_w[b, t]  # [P, n+1]
     return Windows(
         batch_idx=b,
@@ -67,6 +79,15 @@ def make_windows(input_ids: torch.Tensor, loss_mask: torch.Tensor, n: int) -> Wi
         tokens=w[:, :n].contiguous(),
         targets=w[:, 1:].contiguous(),
         valid=m_w[b, t],
+        kd_valid=None if kd_w is None else kd_w[b, t],
+    )
+
+
+def real_token_mask(input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` 1 on each row's first ``lengths[b]`` tokens (the real ones), 0 on padding."""
+    return (
+        torch.arange(input_ids.shape[1], device=input_ids.device)
+        < lengths.to(input_ids.device)[:, None]
     )
 
 

@@ -2,7 +2,8 @@
 
 hidden   = target_hidden(target, ids)              [B, T, F]  (or cached: batch.hidden; F = H, or
                                                    k*H for a multi-layer head's k layers)
-windows  = make_windows(ids, mask, n)              P positions x n steps (losses.py)
+windows  = make_windows(ids, mask, n[, kd_mask])   P positions x n steps (losses.py; kd_mask: every
+                                                   real token with ``kd_positions: all``)
 feats    = head features(hidden[windows], tokens)  [P, n, S+H] every position, every step, one pass
 teacher  = the target's top-k at each target       [P, n, k]  (only for the KD loss)
 loss     = fused_drafter_loss(feats, O, targets, valid, teacher)
@@ -22,7 +23,13 @@ from redraft.models.losses import fused_drafter_loss, sparse_teacher
 from redraft.models.redrafter import ReDrafter
 from redraft.train.batches import Batch, collate, sequence_lengths
 from redraft.train.config import TrainConfig
-from redraft.train.losses import EvalAccumulator, drafter_loss, make_windows, target_next_positions
+from redraft.train.losses import (
+    EvalAccumulator,
+    drafter_loss,
+    make_windows,
+    real_token_mask,
+    target_next_positions,
+)
 from redraft.train.precision import autocast, head_autocast
 
 
@@ -151,6 +158,26 @@ def batch_teacher(
     return model.to_draft_ids(ids[b, j].long()), vals[b, j].float()
 
 
+def kd_positions_mask(batch: Batch, cfg: TrainConfig, kd_w: float) -> torch.Tensor | None:
+    """``[B, T]`` the tokens the KD term learns besides the assistant ones: every real token with
+    ``kd_positions: all`` (the teacher there is the target's own next-token distribution for
+    that context, prompts included) and on ``batch.kd_rows`` (KD-only records), else None (the
+    KD term follows the loss mask)."""
+    if not kd_w or (cfg.kd_positions != "all" and batch.kd_rows is None):
+        return None
+    if batch.lengths is None:
+        raise ConfigError(
+            "kd_positions: all needs each row's real length (Batch.lengths); this record source "
+            "gives none. Use kd_positions: assistant, or a source from redraft.train.batches / "
+            "redraft.train.features.",
+            param="kd_positions",
+        )
+    real = real_token_mask(batch.ids, batch.lengths)  # [B, T]
+    if cfg.kd_positions == "all":
+        return real
+    return real & batch.kd_rows[:, None]
+
+
 def batch_loss(
     model: ReDrafter,
     forward,
@@ -176,11 +203,11 @@ def batch_loss(
         hidden = batch.hidden if hidden_dtype is None else batch.hidden.to(hidden_dtype)
     else:
         hidden = target_hidden(target, ids, precision, model.config.hidden_layers)  # [B, T, F]
-    win = make_windows(ids, mask, cfg.num_steps)
+    ce_w, kd_w = loss_weights(cfg)
+    win = make_windows(ids, mask, cfg.num_steps, kd_mask=kd_positions_mask(batch, cfg, kd_w))
     # [P, F], a normal tensor (indexing leaves inference mode); the head projects F to H
     ctx = hidden[win.batch_idx, win.pos_idx]
     targets_d = model.to_draft_ids(win.targets)
-    ce_w, kd_w = loss_weights(cfg)
     t_ids = t_probs = None
     if kd_w:
         b, j = target_next_positions(win, ids.shape[1])
@@ -192,7 +219,13 @@ def batch_loss(
             logits = forward(ctx, win.tokens)  # [P, n, Vd]: every position, every step, one pass
         teacher = None if t_ids is None else dense_teacher(t_ids, t_probs, logits.shape[-1])
         loss, stats = drafter_loss(
-            logits, targets_d, win.valid, teacher, ce_weight=ce_w, kd_weight=kd_w
+            logits,
+            targets_d,
+            win.valid,
+            teacher,
+            ce_weight=ce_w,
+            kd_weight=kd_w,
+            kd_valid=win.kd_valid,
         )
         return loss, stats, logits, win, targets_d
     with head_autocast(ids.device, precision):
@@ -211,6 +244,7 @@ def batch_loss(
                 t_probs,
                 ce_weight=ce_w,
                 kd_weight=kd_w,
+                kd_valid=win.kd_valid,
             )
     return loss, stats, None, win, targets_d
 

@@ -153,6 +153,8 @@ def _setup_run(cfg: TrainConfig, resume: bool, overwrite: bool) -> _Run:
         from redraft.train.features import read_features_meta
 
         read_features_meta(cfg.features)  # exists and is finished
+        if cfg.kd_features:
+            read_features_meta(cfg.kd_features)
     env = setup_distributed(cfg)
     precision = resolve_precision(cfg, env.device)
     loss_impl = resolve_loss_impl(cfg, env.device)
@@ -209,6 +211,14 @@ def _load_records(run: _Run, train_dataset, eval_dataset) -> None:
         env.say(
             f"redraft-train: training from the features cached in {cfg.features} (no target forward)"
         )
+        if cfg.kd_features:
+            from redraft.train.kdmix import KDOnlyMix
+
+            records = KDOnlyMix(records, cfg.kd_features, run.record)
+            env.say(
+                f"redraft-train: + {len(records) - records.n_main} KD-only records "
+                f"({records.kd_tokens} tokens) from {cfg.kd_features} (the KL term on every token)"
+            )
         if eval_dataset is None:
             data_cfg = distilled_data(cfg, target, record, env, train=False)
             _, eval_dataset = load_datasets(data_cfg, target.tokenizer, env, train=False)

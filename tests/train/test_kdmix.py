@@ -1,0 +1,98 @@
+"""``--kd-features``: KD-only cached records mixed into the training records."""
+
+import numpy as np
+import pytest
+import torch
+
+from redraft.errors import ConfigError
+from redraft.models.redrafter import ReDrafter, ReDrafterConfig
+from redraft.train.config import make_config
+from redraft.train.features import FeatureRecords, cache_features
+from redraft.train.fingerprint import target_record
+from redraft.train.kdmix import KDOnlyMix
+from redraft.train.step import batch_loss
+from redraft.train.trainer import train
+
+
+def _cfg(tmp_path, tiny_target_dir, chat_file, name="run", **over):
+    base = {
+        "output_dir": str(tmp_path / name),
+        "report_to": "none",
+        "target": str(tiny_target_dir),
+        "data": f"sharegpt:{chat_file}",
+    }
+    base.update({k: str(v) for k, v in over.items()})
+    return make_config("tiny", base)
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory, tiny_target, tiny_target_dir, chat_file, tiny_data):
+    """Features of the tiny chats (float32, k = the vocabulary): used as both sources."""
+    path = tmp_path_factory.mktemp("kdmix") / "f"
+    cfg = _cfg(path.parent, tiny_target_dir, chat_file)
+    cache_features(
+        cfg,
+        path,
+        target=tiny_target,
+        dataset=tiny_data[0],
+        top_k=tiny_target.vocab_size,
+        hidden_dtype="float32",
+        progress=False,
+    )
+    return path
+
+
+def test_kd_only_rows_lose_their_labels_and_learn_kd_on_every_token(
+    tmp_path, cached, tiny_target, tiny_target_dir, chat_file
+):
+    main = FeatureRecords(cached, load_topk=True)
+    mix = KDOnlyMix(main, cached, target_record(tiny_target))
+    n = len(main)
+    assert len(mix) == 2 * n and mix.lengths[n + 3] == main.lengths[3]
+    b = mix.batch(np.array([n + 3, 5]), "cpu")  # a KD-only row and a main row: main first
+    one, three = main.batch(np.array([5]), "cpu"), main.batch(np.array([3]), "cpu")
+    assert b.kd_rows.tolist() == [False, True]
+    assert torch.equal(b.mask[0, : one.mask.shape[1]], one.mask[0])
+    assert b.mask[1].sum() == 0 and three.mask.sum() > 0  # no cross-entropy on its labels
+    L = int(main.lengths[3])
+    assert torch.equal(b.ids[1, :L], three.ids[0]) and (b.ids[1, L:] == 0).all()
+    assert torch.equal(b.hidden[1, :L], three.hidden[0])
+    assert torch.equal(b.topk_logits[1, :L], three.topk_logits[0])
+
+    torch.manual_seed(0)
+    model = ReDrafter(ReDrafterConfig.for_target(tiny_target, num_layers=1, num_steps=3))
+    model.attach_target(tiny_target)
+
+    def loss(batch, **over):
+        cfg = _cfg(
+            tmp_path, tiny_target_dir, chat_file, num_steps=3, draft_vocab_size="none", **over
+        )
+        return float(batch_loss(model, model, None, batch, cfg, "fp32")[0])
+
+    # a KD-only row under ce+kd / assistant = that record under kd / all: KD on every token
+    kd_only = mix.batch(np.array([n + 3]), "cpu")
+    expect = loss(three, loss="kd", kd_positions="all")
+    assert loss(kd_only, loss="ce+kd", kd_positions="assistant") == pytest.approx(expect, rel=1e-6)
+    assert abs(loss(three, loss="kd", kd_positions="assistant") - expect) > 1e-3
+    # a main row is untouched by the mix
+    m = mix.batch(np.array([3]), "cpu")
+    assert loss(m, loss="ce+kd") == pytest.approx(loss(three, loss="ce+kd"), rel=1e-6)
+
+
+def test_a_run_with_kd_features_trains_on_both(
+    tmp_path, cached, tiny_target, tiny_target_dir, chat_file, tiny_data
+):
+    cfg = _cfg(
+        tmp_path, tiny_target_dir, chat_file, features=cached, kd_features=cached, loss="ce+kd"
+    )
+    out = train(cfg, target=tiny_target, eval_dataset=tiny_data[1])
+    n = len(FeatureRecords(cached))
+    # one epoch over both sources: 2n records, micro batch 2 x accumulation 2
+    assert out["features"] and out["global_step"] == 2 * n // 4
+
+
+def test_kd_features_needs_features_and_a_kd_loss(tmp_path, tiny_target_dir, chat_file):
+    with pytest.raises(ConfigError, match="--kd-features .* needs --features"):
+        _cfg(tmp_path, tiny_target_dir, chat_file, kd_features="x", loss="ce+kd")
+    with pytest.raises(ConfigError, match="--kd-features .* needs --features"):
+        _cfg(tmp_path, tiny_target_dir, chat_file, kd_features="x", features="y", loss="ce")
