@@ -80,6 +80,7 @@ def run(dec, ids: list, long_ids: list, args) -> None:
     for s in range(args.streams):
         owner[eng.add(ids[s % len(ids)], params)] = s
     long_rid, t_join, t_done = None, None, None
+    long_filled = 0
     last_tok: dict[int, float] = {}  # request id -> time of its last token event
     gaps = []  # (time, gap seconds)
     steps = []
@@ -99,6 +100,10 @@ def run(dec, ids: list, long_ids: list, args) -> None:
         parts = timers.take()
         if "prefill" in parts and eng._chunk_marks is not None:
             parts["tokens"] = eng._chunk_marks[0] / 1e3  # printed x 1e3 below
+            long_row = [r for r in eng.prefilling if r.rid == long_rid]
+            if long_row and long_row[0].filled != long_filled:
+                parts["long_piece"] = 1
+                long_filled = long_row[0].filled
         steps.append((t1 - t0, t0 - t_start, eng.batch_size, pre, parts))
         for ev in events:
             if ev.index == long_rid:
@@ -126,6 +131,13 @@ def run(dec, ids: list, long_ids: list, args) -> None:
         f"p99 / p50 before = {p99d / p50b:.2f}"
     )
     during_steps = [s for s in steps if t_join - t_start <= s[1] <= t_done - t_start]
+    pieces = [s[4]["tokens"] * 1e3 for s in during_steps if s[4].get("long_piece")]
+    if pieces:
+        print(
+            f"the long prompt: {len(pieces)} pieces in {len(during_steps)} steps, tokens per "
+            f"piece p10 / p50 / p90 {np.percentile(pieces, 10):.0f} / {np.median(pieces):.0f} / "
+            f"{np.percentile(pieces, 90):.0f}"
+        )
     for name, sel in (
         ("with a prefill", [s for s in during_steps if "prefill" in s[4]]),
         ("without", [s for s in during_steps if "prefill" not in s[4]]),

@@ -203,25 +203,25 @@ class PrefillPacer:
         seconds = c0 + N * (a + b * span)
 
     ``c0``: the curve's one-token cost (a forward's fixed cost; at most the cheapest forward
-    timed); ``a`` (seconds per token) and ``b``
-    (per token and attended column: attention) fitted by least squares to the per-token cost of
-    the last ``WINDOW`` forwards, newer ones weighted more. A chunk may cost ``SHARE`` of the
-    reference step: a slow average of the running rows' verify forwards. The average keeps a
+    timed); ``a`` (seconds per token) and ``b`` (per token and attended column: attention) fitted
+    by least squares to the per-token cost of the last ``WINDOW`` forwards, newer ones weighted
+    more. A chunk may cost ``share`` reference steps (``DecoderConfig.prefill_share``), the
+    reference step being a slow average of the running rows' verify forwards. The average keeps a
     batch that shrank for a moment (its streams' next requests waiting behind a chunk) from
     shrinking the chunks too, which would slow the prefill that would let the batch grow again.
-    A step that also prefills then takes about ``1 + SHARE`` plain steps.
+    A step that also prefills then takes about ``1 + share`` plain steps.
     A chunk is never more than ``GROWTH`` times the largest one timed (one lucky measurement of
     small chunks must not stall the streams with a huge one). Before the first timed forward the
     chunk is :func:`prefill_chunk` of the curve.
     """
 
-    SHARE = 1.0  # a chunk's share of the reference step (the aim: gaps <= 3x the median)
     REF_WEIGHT = 0.05  # weight of the newest verify forward in the reference step's average
     WINDOW = 32  # timed forwards the fit uses
     AGE = 0.9  # weight of a forward one older in the fit
     GROWTH = 2  # a chunk is at most this many times the largest forward timed
 
-    def __init__(self):
+    def __init__(self, share: float = 1.0):
+        self.share = share  # reference steps a piece may cost (DecoderConfig.prefill_share)
         self.obs: collections.deque = collections.deque(maxlen=self.WINDOW)  # (N, span, seconds)
         self.ref: float | None = None  # the reference step (seconds)
         self.largest = 0  # tokens of the largest timed forward
@@ -262,14 +262,14 @@ class PrefillPacer:
         return a, b
 
     def fits(self, steps: float = 1.0) -> Callable[[int, int], bool] | None:
-        """``fits(tokens, span)``: whether such a forward costs no more than ``SHARE x steps``
+        """``fits(tokens, span)``: whether such a forward costs no more than ``share x steps``
         reference steps (``steps``: how many the caller allows, e.g. the running rows' step
         scaled to every admitted request); ``None`` before a forward and a step are timed (use
         the curve)."""
         if not self.obs or self.ref is None:
             return None
         a, b = self.coefficients()
-        budget = self.SHARE * steps * self.ref - self.c0
+        budget = self.share * steps * self.ref - self.c0
         cap = self.GROWTH * self.largest
         return lambda tokens, span: tokens <= cap and tokens * (a + b * span) <= budget
 

@@ -98,11 +98,19 @@ class DecoderConfig(Settings):
     prefill_chunk: Any = _f(
         "auto",
         "Prompt tokens prefilled per step while other requests decode (chunked prefill: "
-        "a long prompt joins over several steps, each one chunk's forward beside the running "
-        "rows' step): 'auto' (from the measured verify-cost curve: the largest chunk, a "
-        "multiple of 16 in [16, 2048], whose forward costs no more than the running rows' "
-        "last verify forward; while no row decodes, every waiting prompt in one forward), a "
-        "number of tokens, or 0 (off: every prompt in one forward).",
+        "a long prompt joins over several steps, each one piece's forward beside the running "
+        "rows' step, shortest prompt first): 'auto' (each piece predicted from the measured "
+        "cost of the pieces before it to cost at most --prefill-share decode steps; while no "
+        "row decodes, every waiting prompt at once), a number of tokens, or 0 (off: every "
+        "prompt in one forward).",
+    )
+    prefill_share: float = _f(
+        1.0,
+        "With prefill_chunk 'auto': decode steps one prefill piece may cost while rows decode. "
+        "Higher: a long prompt's first token sooner, the running streams' gaps longer (a "
+        "step with a piece takes about 1 + this many steps; vLLM's max_num_batched_tokens "
+        "trades the same two).",
+        range=Range(0, 100, lo_open=True),
     )
     # ---- drafters (load_decoder / make_drafters)
     redrafter_width: Any = _f(

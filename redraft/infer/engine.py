@@ -93,7 +93,7 @@ class Engine:
         # forward's (tokens, span, clock marks): what the "auto" prefill chunk is paced by
         self._step_tokens = 0
         self._chunk_marks = None
-        self._pacer = PrefillPacer()
+        self._pacer = PrefillPacer(decoder.config.prefill_share)
         self._oldest_turn = False  # the next prefill piece goes to the oldest request
         self._next_id = 0
         self._clock = Clock(self.device)

@@ -109,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     ModelSettings.add_arguments(m, only=MODEL_FLAGS, shown=MODEL_SHOWN)
     DecoderConfig.add_arguments(
         m,
-        only=("acceptance", "prefill_chunk"),
+        only=("acceptance", "prefill_chunk", "prefill_share"),
         shown={
             "prefill_chunk": "the preset's, else 'auto'",
+            "prefill_share": "the preset's, else 1.0",
             "acceptance": "the preset's, except that 'greedy' or none becomes 'rejection': lossless sampling for "
             "requests with temperature > 0, and temperature-0 requests are still exactly greedy",
         },
@@ -146,10 +147,9 @@ def load(args):
         preset = read_preset(args.preset).get("acceptance") if args.preset else None
         acceptance = "rejection" if preset in (None, "greedy") else preset
     overrides["acceptance"] = acceptance
-    if getattr(args, "prefill_chunk", None) is not None:
-        overrides["prefill_chunk"] = args.prefill_chunk
-    if args.prefill_chunk is not None:
-        overrides["prefill_chunk"] = args.prefill_chunk
+    for key in ("prefill_chunk", "prefill_share"):
+        if getattr(args, key, None) is not None:
+            overrides[key] = getattr(args, key)
     if not args.speculation:  # plain decoding: no artifacts, no context matcher, no tree
         overrides.update(drafters=[], ngrams=[], context=False, budget=0)
     if args.preset:

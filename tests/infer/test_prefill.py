@@ -363,3 +363,20 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(tiny_target):
                 out[ev.index] = ev.generation.tokens
     for r, (p, m) in ids.items():
         assert out[r] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
+
+
+def test_prefill_share_sets_what_a_piece_may_cost(tiny_target):
+    curve = CostCurve([1, 64], [0.010, 0.074])
+    pacers = [
+        SpeculativeDecoder(tiny_target, [], budget=0, prefill_share=s).engine()._pacer
+        for s in (1.0, 2.5)
+    ]
+    for p in pacers:
+        p.observe(32, 0, 0.010 + 32 * 0.001, curve)
+        p.observe_step(0.1)
+    # 1 step: 90 ms past the fixed cost (90 tokens, at most twice the 32 timed); 2.5: 240 ms
+    assert pacers[0].fits()(64, 0) and not pacers[0].fits()(91, 0)
+    pacers[1].largest = 1000
+    assert pacers[1].fits()(240, 0) and not pacers[1].fits()(241, 0)
+    with pytest.raises(ConfigError, match="prefill_share"):
+        DecoderConfig(prefill_share=0)
