@@ -41,6 +41,8 @@ def redraft_stats(generation) -> dict:
         getattr(s, "tree_nodes", None) is not None
     ):  # draft nodes verified per step: the per-row budget used
         out["tree_nodes_per_step"] = round(s.tree_nodes / max(s.verify_steps, 1), 2)
+    if getattr(s, "prefill_time", None) is not None:  # of the time to first token: prefill forwards
+        out["prefill_time_s"] = round(s.prefill_time, 4)
     return out
 
 
