@@ -149,7 +149,7 @@ def load(args):
     overrides["acceptance"] = acceptance
     for key in ("prefill_chunk", "prefill_share"):
         if getattr(args, key, None) is not None:
-            overrides[key] = getattr(args, key)
+            overrides[key] = DecoderConfig.coerce(key, getattr(args, key))
     if not args.speculation:  # plain decoding: no artifacts, no context matcher, no tree
         overrides.update(drafters=[], ngrams=[], context=False, budget=0)
     if args.preset:

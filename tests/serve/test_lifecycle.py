@@ -164,3 +164,14 @@ def test_cli_rejects_bad_arguments_before_loading(argv, msg):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
+
+
+def test_cli_prefill_flags_reach_the_decoder(tiny_target_dir):
+    from redraft.serve.cli import build_parser, load
+
+    args = build_parser().parse_args(
+        ["--target", str(tiny_target_dir), "--prefill-share", "2.5", "--prefill-chunk", "64"]
+    )
+    dec = load(args)
+    assert dec.config.prefill_share == 2.5 and dec.config.prefill_chunk == 64
+    assert dec.engine()._pacer.share == 2.5
