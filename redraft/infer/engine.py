@@ -413,18 +413,26 @@ class Engine:
 
     def _reserve(self, new: list[Row]) -> None:
         """A cache with room for the running rows, those being prefilled (and a parked slot
-        each) and ``new`` (made once, grown by doubling)."""
+        each) and ``new`` (made once, grown by doubling). The columns ``new`` will need are
+        made in the background (:meth:`~redraft.infer.kv.SlotKVCache.prepare`): a prompt takes
+        them when a piece or its joining needs them (:meth:`_prefill_piece`)."""
+        width = self._width(new)
+        if self.cache is None:
+            self.cache = self.verifier.new_cache(len(new) + 1, width)  # + 1: a parked slot
+            return
+        # rows now (parking one of them then grows nothing), then the columns in the background
+        self.cache.reserve(self._slots_needed(len(new), park=1), self.cache.capacity)
+        self.cache.prepare(self.cache.slots, width)
+
+    def _width(self, rows: list[Row]) -> int:
+        """Columns ``rows`` need to decode to their end (and the running rows theirs)."""
         dec = self.dec
         slack = dec.config.max_nodes + 2 if dec.drafters else 2
-        width = max(len(r.prompt) + r.params.max_new_tokens for r in new) + slack + 1
-        width = max(
+        width = max(len(r.prompt) + r.params.max_new_tokens for r in rows) + slack + 1
+        return max(
             [width]
             + [r.length + r.params.max_new_tokens - len(r.tokens) + slack + 1 for r in self.rows]
         )
-        if self.cache is None:
-            self.cache = self.verifier.new_cache(len(new), width)
-        else:
-            self.cache.reserve(self._slots_needed(len(new)), width)
 
     def _slots_needed(self, new: int = 0, park: int = 0) -> int:
         """Slots for the batch, the prefill queue with ``new`` more rows (any of them may join
@@ -507,14 +515,15 @@ class Engine:
         rows, cache = self.prefilling[:n], self.cache
         t0 = time.perf_counter()
         starts = [r.filled for r in rows]
-        cache.reserve(cache.slots, max(starts) + T + 1)  # padding columns of short pieces
         if starts[0] + T >= len(rows[0].prompt):  # every row taken finishes: they join
+            cache.reserve(cache.slots, max(max(starts) + T + 1, self._width(rows)))
             first = cache.batch
             for i, r in enumerate(rows):
                 if r.slot is not None:
                     cache.move_row(r.slot, first + i, r.filled)
                     r.slot = None
-        else:  # one row, a piece of its prompt
+        else:  # one row, a piece of its prompt: the columns it writes now
+            cache.reserve(cache.slots, max(starts) + T + 1)
             first = rows[0].slot if rows[0].slot is not None else self._park(rows[0])
         m0 = self._clock.mark()
         h_last = self.verifier.prefill(

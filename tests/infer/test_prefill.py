@@ -380,3 +380,29 @@ def test_prefill_share_sets_what_a_piece_may_cost(tiny_target):
     assert pacers[1].fits()(240, 0) and not pacers[1].fits()(241, 0)
     with pytest.raises(ConfigError, match="prefill_share"):
         DecoderConfig(prefill_share=0)
+
+
+def test_a_long_prompt_grows_the_cache_from_a_buffer_made_in_the_background(tiny_target):
+    """Admitting a long prompt starts its bigger cache in a worker thread; the prompt's pieces
+    take it when they reach past the old capacity (no step zeroes gigabytes), and every output
+    stays exact."""
+    V = tiny_target.vocab_size
+    dec = SpeculativeDecoder(tiny_target, [], budget=0, prefill_chunk=8)
+    eng = dec.engine()
+    short = [1, 2, 3]
+    ids = {eng.add(short, SamplingParams.checked(max_new_tokens=60)): (short, 60)}
+    eng.step()
+    cap = eng.cache.capacity
+    long = [(7 * j + 3) % V for j in range(3 * cap)]
+    ids[eng.add(long, SamplingParams.checked(max_new_tokens=3))] = (long, 3)
+    eng.step()  # admitted, first piece written
+    assert eng.cache.capacity == cap and eng.cache._next is not None
+    prepared = eng.cache._next[1].result()
+    out = {}
+    while eng.has_work:
+        for ev in eng.step():
+            if ev.done:
+                out[ev.index] = ev.generation.tokens
+    assert eng.cache.kv is prepared or eng.cache.capacity > prepared.shape[4]
+    for rid, (p, m) in ids.items():
+        assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
