@@ -109,11 +109,7 @@ def test_cancelling_a_row_being_prefilled_keeps_the_others(tiny_target):
     eng.step()  # the first 5-token prompt is half in
     eng.step()
     eng.cancel(ids[1])  # 41 tokens, still being prefilled behind it
-    out = {}
-    while eng.has_work:
-        for ev in eng.step():
-            if ev.done:
-                out[ev.index] = ev.generation.tokens
+    out = _drain(eng)
     assert set(out) == {ids[0], ids[2]}
     assert out[ids[0]] == ref[0] and out[ids[2]] == ref[2]
 
@@ -181,6 +177,16 @@ def test_the_pacer_predicts_a_chunks_cost_from_its_tokens_and_span():
     assert Engine._chunk_rows(eng, fits) == (2, 30)  # 3 x 31 > 70 ms; 3 x 60 too padded
     eng.prefilling = [_row(40, filled=30), _row(12)]  # a last piece goes alone
     assert Engine._chunk_rows(eng, fits) == (1, 10)
+
+
+def _drain(eng, out=None) -> dict:
+    """Step ``eng`` until it has no work; ``{request id: output tokens}`` of those that finish."""
+    out = {} if out is None else out
+    while eng.has_work:
+        for ev in eng.step():
+            if ev.done:
+                out[ev.index] = ev.generation.tokens
+    return out
 
 
 def _row(n, filled=0):
@@ -255,10 +261,7 @@ def test_a_short_request_goes_ahead_of_a_long_prefill_and_nothing_of_it_moves(ti
     assert eng.prefilling[0].slot == slot and torch.equal(eng.cache.kv[:, :, slot, :, :8], kv_c)
     assert d in {ev.index for ev in evs}
     out = {ev.index: ev.generation.tokens for ev in evs if ev.done}
-    while eng.has_work:
-        for ev in eng.step():
-            if ev.done:
-                out[ev.index] = ev.generation.tokens
+    _drain(eng, out)
     for rid, p, m in ((b, [4, 5, 6], 30), (c, long, 3), (d, [7, 8], 2)):
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
 
@@ -282,11 +285,7 @@ def test_parked_rows_move_up_when_the_queue_grows_into_their_slots(tiny_target):
     parked = [r for r in eng.prefilling if r.slot is not None]
     assert parked and parked[0].slot > first  # moved up, above the queue's slots
     assert parked[0].slot >= eng.cache.batch + len(eng.prefilling)
-    out = {}
-    while eng.has_work:
-        for ev in eng.step():
-            if ev.done:
-                out[ev.index] = ev.generation.tokens
+    out = _drain(eng)
     for rid, (p, m) in ids.items():
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
 
@@ -311,11 +310,7 @@ def test_prompts_joining_together_prefill_in_forwards_of_similar_lengths(tiny_ta
     eng.step()
     assert len(eng.rows) == len(prompts) and not eng.prefilling  # all joined in the first step
     assert forwards == [[3, 4, 5], [11, 12], [30, 33], [70]]  # sorted, padding <= 50%
-    out = {}
-    while eng.has_work:
-        for ev in eng.step():
-            if ev.done:
-                out[ev.index] = ev.generation.tokens
+    out = _drain(eng)
     for rid, p in zip(ids, prompts):
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=4)[0].tokens
 
@@ -357,10 +352,7 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(tiny_target):
         if first is not None:
             break
     assert first is not None and first <= 2 * 24 // 4  # a piece every other step at least
-    while eng.has_work:
-        for ev in eng.step():
-            if ev.done:
-                out[ev.index] = ev.generation.tokens
+    _drain(eng, out)
     for r, (p, m) in ids.items():
         assert out[r] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
 
@@ -398,11 +390,7 @@ def test_a_long_prompt_grows_the_cache_from_a_buffer_made_in_the_background(tiny
     eng.step()  # admitted, first piece written
     assert eng.cache.capacity == cap and eng.cache._next is not None
     prepared = eng.cache._next[1].result()
-    out = {}
-    while eng.has_work:
-        for ev in eng.step():
-            if ev.done:
-                out[ev.index] = ev.generation.tokens
+    out = _drain(eng)
     assert eng.cache.kv is prepared or eng.cache.capacity > prepared.shape[4]
     for rid, (p, m) in ids.items():
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens

@@ -3,26 +3,15 @@
 import numpy as np
 import pytest
 import torch
+from test_features import _cfg  # the same tiny run config
 
 from redraft.errors import ConfigError
 from redraft.models.redrafter import ReDrafter, ReDrafterConfig
-from redraft.train.config import make_config
 from redraft.train.features import FeatureRecords, cache_features
 from redraft.train.fingerprint import target_record
 from redraft.train.kdmix import KDOnlyMix
 from redraft.train.step import batch_loss
 from redraft.train.trainer import train
-
-
-def _cfg(tmp_path, tiny_target_dir, chat_file, name="run", **over):
-    base = {
-        "output_dir": str(tmp_path / name),
-        "report_to": "none",
-        "target": str(tiny_target_dir),
-        "data": f"sharegpt:{chat_file}",
-    }
-    base.update({k: str(v) for k, v in over.items()})
-    return make_config("tiny", base)
 
 
 @pytest.fixture(scope="module")
