@@ -394,3 +394,22 @@ def test_a_long_prompt_grows_the_cache_from_a_buffer_made_in_the_background(tiny
     assert eng.cache.kv is prepared or eng.cache.capacity > prepared.shape[4]
     for rid, (p, m) in ids.items():
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
+
+
+def test_a_burst_of_waiting_requests_gets_bigger_pieces(tiny_target):
+    """Pieces may cost one reference step (scaled by the curve to the admitted requests), or, in
+    a burst of more requests waiting than decoding, one step per waiting request per decoding row
+    (at most IDLE_STEPS)."""
+    from redraft.infer.engine import IDLE_STEPS
+
+    flat = CostCurve([1, 4096], [1.0, 1.0])  # a flat curve: scaling alone gives 1 step
+    dec = SpeculativeDecoder(tiny_target, [], budget=0, cost_curve=flat)
+    eng = dec.engine()
+    asked = []
+    eng._pacer.fits = lambda steps=1.0: asked.append(steps) or (lambda N, S: True)
+    eng._step_tokens = 2
+    for B, P in ((8, 2), (2, 8), (1, 15)):
+        eng.rows = [_row(5) for _ in range(B)]
+        eng.prefilling = [_row(100) for _ in range(P)]
+        eng._chunk_limit()
+    assert asked == [1.0, 4.0, IDLE_STEPS]
