@@ -49,7 +49,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from redraft.infer.budget import CostCurve, measure_cost_curve
+from redraft.infer.budget import CostCurve, curve_np, measure_cost_curve
 
 ROW_SIZES = (1, 2, 4, 8, 16, 32, 64)  # rows at which the head's steps are timed
 MAX_WIDTH = 16  # the widest beam search "auto" considers
@@ -87,19 +87,6 @@ class BeamCost:
     def from_ms(cls, first, ext) -> BeamCost:
         """From two ``CostCurve.from_ms`` specs (``"rows:ms,rows:ms"`` or dicts)."""
         return cls(CostCurve.from_ms(first), CostCurve.from_ms(ext))
-
-
-def curve_np(curve: CostCurve, n) -> np.ndarray:
-    """``curve(n)`` in numpy for any float ``n`` (``CostCurve.__call__``: piecewise linear,
-    linear past the last point, never below the first point's cost)."""
-    x, y = curve.sizes.numpy(), curve.seconds.numpy()
-    n = np.asarray(n, np.float64)
-    if len(x) == 1:
-        return np.full_like(n, y[0])
-    out = np.interp(n, x, y)
-    slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
-    out = np.where(n > x[-1], y[-1] + (n - x[-1]) * slope, out)
-    return np.maximum(out, y[0])
 
 
 @torch.no_grad()

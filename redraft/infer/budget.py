@@ -133,6 +133,19 @@ def best_budget(
     return k.expand(B)
 
 
+def curve_np(curve: CostCurve, n) -> np.ndarray:
+    """``curve(n)`` in numpy for any float ``n`` (``CostCurve.__call__``: piecewise linear,
+    linear past the last point, never below the first point's cost)."""
+    x, y = curve.sizes.numpy(), curve.seconds.numpy()
+    n = np.asarray(n, np.float64)
+    if len(x) == 1:
+        return np.full_like(n, y[0])
+    out = np.interp(n, x, y)
+    slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+    out = np.where(n > x[-1], y[-1] + (n - x[-1]) * slope, out)
+    return np.maximum(out, y[0])
+
+
 class BatchCost:
     """Verify cost of a batch, ``c(B rows, n tokens each)``, from forwards measured at a few
     batch sizes (``by_batch``: B -> a :class:`CostCurve` over tokens per row; B = 1 is the
@@ -149,19 +162,17 @@ class BatchCost:
 
     def __call__(self, B: int, n) -> np.ndarray:
         """Seconds of a forward of ``B`` rows x ``n`` tokens per row (``n``: int or array)."""
-        n = np.asarray(n, dtype=np.float64)
         bs = self.batches
         if B >= bs[-1]:
-            return self.curves[bs[-1]](torch.as_tensor(n)).numpy() * (B / bs[-1])
+            return curve_np(self.curves[bs[-1]], n) * (B / bs[-1])
         if B <= bs[0]:
-            return self.curves[bs[0]](torch.as_tensor(n)).numpy()
+            return curve_np(self.curves[bs[0]], n)
         hi = next(b for b in bs if b >= B)
         lo = max(b for b in bs if b <= B)
-        c_lo = self.curves[lo](torch.as_tensor(n)).numpy()
+        c_lo = curve_np(self.curves[lo], n)
         if hi == lo:
             return c_lo
-        c_hi = self.curves[hi](torch.as_tensor(n)).numpy()
-        return c_lo + (B - lo) / (hi - lo) * (c_hi - c_lo)
+        return c_lo + (B - lo) / (hi - lo) * (curve_np(self.curves[hi], n) - c_lo)
 
     def to_dict(self) -> dict:
         return {str(b): c.to_dict() for b, c in self.curves.items()}

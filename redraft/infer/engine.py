@@ -52,6 +52,7 @@ from redraft.infer.budget import (
     PREFILL_CHUNK_MAX,
     PREFILL_CHUNK_MIN,
     PrefillPacer,
+    curve_np,
     prefill_chunk,
 )
 from redraft.infer.config import SamplingParams, check_prompt
@@ -457,9 +458,13 @@ class Engine:
         cache = self.cache
         if cache.reserve(self._slots_needed(park=1), cache.capacity):
             self._repark()
-        used = {r.slot for r in self.prefilling}
-        row.slot = max(t for t in range(cache.slots) if t not in used)
+        row.slot = self._free_slot()
         return row.slot
+
+    def _free_slot(self) -> int:
+        """The highest slot no parked row holds."""
+        used = {r.slot for r in self.prefilling}
+        return max(t for t in range(self.cache.slots) if t not in used)
 
     def _repark(self) -> None:
         """Parked rows below the slots the batch and the prefill queue may take move up (after
@@ -467,17 +472,16 @@ class Engine:
         low = self.cache.batch + len(self.prefilling)
         for r in self.prefilling:
             if r.slot is not None and r.slot < low:
-                used = {q.slot for q in self.prefilling}
-                free = max(t for t in range(self.cache.slots) if t not in used)
+                free = self._free_slot()
                 self.cache.move_row(r.slot, free, r.filled)
                 r.slot = free
 
     def _prefill(self) -> list[StreamEvent]:
-        """Prefill forwards: waiting requests take the slots after the active rows and those
-        being prefilled; the first rows of that queue get their next piece of prompt in one
-        forward (:meth:`_chunk_rows`); those whose whole prompt is now in the cache sample their
-        first token and join the batch (:meth:`_join`). One forward when rows decode (it
-        delays them); while nobody decodes, under "auto", forwards of up to
+        """Prefill forwards: waiting requests join the prefill queue; its first rows get their
+        next piece of prompt in one forward (:meth:`_prefill_piece`); those whose whole prompt
+        is now in the cache sample their first token and join the batch (:meth:`_join`). One
+        forward when rows decode (it delays them); while nobody decodes, under "auto", forwards
+        of up to
         ``PREFILL_CHUNK_MAX`` tokens until every waiting prompt is in, except that pieces of
         long prompts stop after ``IDLE_STEPS`` reference steps (a batch of prompts joins
         together, but a request that arrives meanwhile is not held back long by a long prompt);
@@ -604,7 +608,7 @@ class Engine:
         # step would keep it small (the prefill falls behind the requests arriving)
         B, admitted = len(self.rows), len(self.rows) + len(self.prefilling)
         per_row = max(1, self._step_tokens // B)
-        c = curve(torch.tensor([admitted * per_row, B * per_row]))
+        c = curve_np(curve, [admitted * per_row, B * per_row])
         steps = min(max(float(c[0] / c[1]), 1.0), admitted / B)
         # more requests waiting than decoding (a burst): stalling the few rows for a bigger
         # piece lets the many start sooner (one round of 16 streams: TTFT 2.7-4 s, of which

@@ -236,11 +236,7 @@ class Verifier:
                 lengths, N, cache.capacity if static else min(cache.capacity, cache.physical + N)
             )
             bias = cache.attention_bias(step.anc.bool(), self.dtype)
-            groups = (
-                row_groups(cache.host_lengths, N, self.device)
-                if self._grouped and not static
-                else None
-            )
+            groups = row_groups(cache.host_lengths, N, self.device) if self._grouped else None
             with grouped(groups):
                 return self._model(
                     step.tokens.clamp_min(0), lengths[:, None] + step.depth, bias, cache
