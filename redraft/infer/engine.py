@@ -611,8 +611,8 @@ class Engine:
         c = curve_np(curve, [admitted * per_row, B * per_row])
         steps = min(max(float(c[0] / c[1]), 1.0), admitted / B)
         # more requests waiting than decoding (a burst): stalling the few rows for a bigger
-        # piece lets the many start sooner (one round of 16 streams: TTFT 2.7-4 s, of which
-        # 0.15-0.28 s prefilling, with pieces of one step)
+        # piece lets the many start sooner (one round of 16 streams: TTFT 2.7-4.1 s, of which
+        # 0.15-0.25 s prefilling, with pieces of one step)
         steps = max(steps, min(len(self.prefilling) / B, IDLE_STEPS))
         fits = self._pacer.fits(steps)
         if fits is None:
