@@ -72,6 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency", default=",".join(map(str, LEVELS)), help="comma-separated stream counts"
     )
     p.add_argument("--rounds", type=int, default=2, help="requests each stream sends per level")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of every level; run r measures the servers in an order rotated by r (so "
+        "none always goes first), and with 2 or more a summary table gives each level's ratio "
+        "to the reference as the mean and range over the runs (one round of a level is mostly "
+        "arrival timing: its ratio moves by tens of percent between runs of one code)",
+    )
+    p.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="LABEL=ARGS",
+        help="with --spawn: one more server, 'redraft-serve ARGS', labelled LABEL (repeatable), "
+        "e.g. --also 'on-old=--target default --no-burst-plain' to compare two settings of 'on' "
+        "in the same run",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument(
         "--dataset",
@@ -308,9 +326,10 @@ def summarize(wall: float, results: list) -> dict:
 
 
 def markdown(table: list[dict]) -> str:
+    runs = max(row.get("run", 1) for row in table) > 1
     head = (
-        "| streams | server | output tok/s | x ref | TTFT p50 / p99 (ms) | prefill p50 (ms) "
-        "| ITL p50 / p99 (ms) | TPOT (ms) "
+        f"| streams |{' run |' if runs else ''} server | output tok/s | x ref | TTFT p50 / p99 (ms) "
+        "| prefill p50 (ms) | ITL p50 / p99 (ms) | TPOT (ms) "
         "| tokens/call | accepted len | nodes/row/step | identical |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -319,8 +338,9 @@ def markdown(table: list[dict]) -> str:
         return "-" if x is None else fmt.format(x)
 
     for row in table:
+        run = f" {row['run']} |" if runs else ""
         lines.append(
-            f"| {row['concurrency']} | {row['label']} | {row['tokens_per_s']:.1f} | {row['ratio']:.2f} "
+            f"| {row['concurrency']} |{run} {row['label']} | {row['tokens_per_s']:.1f} | {row['ratio']:.2f} "
             f"| {row['ttft_p50_ms']:.0f} / {row['ttft_p99_ms']:.0f} | {row['prefill_p50_ms']:.0f} "
             f"| {row['itl_p50_ms']:.0f} / {row['itl_p99_ms']:.0f} "
             f"| {row['tpot_mean_ms']:.1f} | {f(row['tokens_per_call'], '{:.2f}')} "
@@ -328,6 +348,60 @@ def markdown(table: list[dict]) -> str:
             f"| {'yes' if row['identical'] else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def summary_markdown(table: list[dict]) -> str:
+    """Per level and server over the runs: tokens/s and the ratio to the reference (mean and
+    range), TTFT p50 and TPOT (means), and whether every run's outputs were identical."""
+    import numpy as np
+
+    head = (
+        "| streams | server | runs | output tok/s (mean) | x ref: mean [min, max] "
+        "| TTFT p50 (ms, mean) | TPOT (ms, mean) | identical |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    keys = list(dict.fromkeys((row["concurrency"], row["label"]) for row in table))
+    for c, label in keys:
+        rows = [r for r in table if (r["concurrency"], r["label"]) == (c, label)]
+        ratio = [r["ratio"] for r in rows]
+        lines.append(
+            f"| {c} | {label} | {len(rows)} | {np.mean([r['tokens_per_s'] for r in rows]):.1f} "
+            f"| {np.mean(ratio):.2f} [{min(ratio):.2f}, {max(ratio):.2f}] "
+            f"| {np.mean([r['ttft_p50_ms'] for r in rows]):.0f} "
+            f"| {np.mean([r['tpot_mean_ms'] for r in rows]):.1f} "
+            f"| {'yes' if all(r['identical'] for r in rows) else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def measure_levels(args, servers: list, prompts: list, levels: list, headers: dict) -> list:
+    """Every level ``--repeat`` times over every server (run r in an order rotated by r); rows
+    carry the ratio of tokens/s to the first server's in the same run."""
+    table = []
+    for c in levels:
+        for run in range(args.repeat):
+            k = run % len(servers)
+            got = {}
+            for label, url in servers[k:] + servers[:k]:
+                wall, results = asyncio.run(
+                    run_level(url, prompts, c, args.rounds, args.max_tokens, args.timeout, headers)
+                )
+                got[label] = (summarize(wall, results), [r["text"] for r in results])
+            ref, ref_texts = got[servers[0][0]]
+            for label, _ in servers:
+                figures, texts = got[label]
+                row = {"concurrency": c, "run": run + 1, "label": label, **figures}
+                row["ratio"] = row["tokens_per_s"] / ref["tokens_per_s"]
+                row["identical"] = texts == ref_texts
+                table.append(row)
+                print(
+                    f"streams {c:>2} run {run + 1} {label:>4}: {row['tokens_per_s']:7.1f} tok/s "
+                    f"({row['ratio']:.2f}x), TTFT p50 {row['ttft_p50_ms']:.0f} ms, ITL p50 "
+                    f"{row['itl_p50_ms']:.0f} ms, identical {row['identical']}",
+                    file=sys.stderr,
+                    flush=True,
+                )  # progress: stdout holds the table alone
+    return table
 
 
 # ---------------------------------------------------------------------------------- servers
@@ -376,11 +450,15 @@ def main(argv=None) -> int:
     if bool(args.urls) == bool(args.spawn):
         print("loadtest: give server URLs or --spawn ARGS (one of them).", file=sys.stderr)
         return 2
-    if min(levels) < 1 or args.rounds < 1 or args.max_tokens < 1:
+    if min(levels) < 1 or args.rounds < 1 or args.max_tokens < 1 or args.repeat < 1:
         print(
-            "loadtest: --concurrency levels, --rounds and --max-tokens must be >= 1.",
+            "loadtest: --concurrency levels, --rounds, --repeat and --max-tokens must be >= 1.",
             file=sys.stderr,
         )
+        return 2
+    also = [a.partition("=") for a in args.also]
+    if also and not args.spawn or any(not label or not eq for label, eq, _ in also):
+        print("loadtest: --also takes LABEL=ARGS, with --spawn.", file=sys.stderr)
         return 2
     key = args.api_key or os.environ.get("REDRAFT_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -395,7 +473,7 @@ def main(argv=None) -> int:
                 )
             else:
                 runs = (("off", args.spawn + " --no-speculation"), ("on", args.spawn))
-            for label, line in runs:
+            for label, line in (*runs, *((label, line) for label, _, line in also)):
                 proc, url = spawn(line, key)
                 procs.append(proc)
                 servers.append((label, url))
@@ -412,26 +490,10 @@ def main(argv=None) -> int:
         prompts = load_prompts(args.dataset, args.prompts)
         if args.scenario == "long-join":
             return long_join(args, servers, prompts, levels[0], headers)
-        table = []
-        for c in levels:
-            ref = None
-            for label, url in servers:
-                wall, results = asyncio.run(
-                    run_level(url, prompts, c, args.rounds, args.max_tokens, args.timeout, headers)
-                )
-                row = {"concurrency": c, "label": label, **summarize(wall, results)}
-                texts = [r["text"] for r in results]
-                ref = ref or (row, texts)
-                row["ratio"] = row["tokens_per_s"] / ref[0]["tokens_per_s"]
-                row["identical"] = texts == ref[1]
-                table.append(row)
-                print(
-                    f"streams {c:>2} {label:>4}: {row['tokens_per_s']:7.1f} tok/s ({row['ratio']:.2f}x), TTFT p50 "
-                    f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.0f} ms, identical {row['identical']}",
-                    file=sys.stderr,
-                    flush=True,
-                )  # progress: stdout holds the table alone
+        table = measure_levels(args, servers, prompts, levels, headers)
         md = markdown(table)
+        if args.repeat > 1:
+            md += "\n" + summary_markdown(table)
         print(md, end="")
         if args.markdown:
             Path(args.markdown).write_text(md)

@@ -413,3 +413,40 @@ def test_a_burst_of_waiting_requests_gets_bigger_pieces(tiny_target):
         eng.prefilling = [_row(100) for _ in range(P)]
         eng._chunk_limit()
     assert asked == [1.0, 4.0, IDLE_STEPS]
+
+
+@pytest.mark.parametrize("burst_plain", [True, False])
+def test_steps_are_plain_while_a_burst_waits_for_its_prefill(tiny_target, burst_plain):
+    """With ``burst_plain``, a step drafts nothing while at least as many requests wait for
+    their prefill as rows decode; it drafts again once they have joined. Outputs are exact."""
+    V = tiny_target.vocab_size
+    dec = SpeculativeDecoder(
+        tiny_target,
+        [ContextNGramDrafter(V)],
+        cost_curve=CURVE,
+        prefill_chunk=4,
+        guard=False,
+        burst_plain=burst_plain,
+    )
+    eng = dec.engine()
+    seen, propose = [], dec.propose
+
+    def spy(host, state, speculate=True):
+        queued = len(eng.prefilling) + len(eng.waiting)
+        seen.append((speculate, queued >= len(eng.rows)))
+        return propose(host, state, speculate)
+
+    dec.propose = spy
+    short = [1, 2, 3, 1, 2, 3]
+    longs = [[(5 * j + 3 * i + 2) % V for j in range(22)] for i in range(3)]
+    ids = {eng.add(short, SamplingParams.checked(max_new_tokens=40)): short}
+    eng.step()  # nobody decodes: the short prompt joins at once
+    for p in longs:  # three 22-token prompts in pieces of 4 behind one decoding row
+        ids[eng.add(p, SamplingParams.checked(max_new_tokens=12))] = p
+    out = _drain(eng)
+    bursts = [spec for spec, burst in seen if burst]
+    assert bursts and len(bursts) < len(seen)  # both kinds of step happened
+    assert all(spec != burst_plain for spec in bursts)
+    assert all(spec for spec, burst in seen if not burst)
+    for rid, p in ids.items():
+        assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=len(out[rid]))[0].tokens

@@ -425,3 +425,29 @@ def test_loadtest_against_two_servers(fake_server, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == md  # stdout: the table once, each row once; the progress lines went to stderr
     assert err.count("streams  3") == 2 and "| 3 | b |" not in err
+
+
+def test_loadtest_repeats_levels_and_summarises_the_ratios(fake_server, tmp_path, capsys):
+    """``--repeat 2``: every level twice over both servers, each run's ratio against the first
+    server's figure of that run, and a summary row per level and server (mean and range)."""
+    from redraft.serve import loadtest
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(2)))
+    url_a, _, _ = fake_server(step_delay=0.005)
+    url_b, _, _ = fake_server(step_delay=0.04)  # 8x slower steps
+    out = tmp_path / "load.json"
+    argv = [url_a, url_b, "--labels", "a,b", "--concurrency", "2", "--rounds", "1"]
+    argv += ["--max-tokens", "6", "--dataset", str(prompts), "--prompts", "2", "--repeat", "2"]
+    assert loadtest.main(argv + ["--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["run"], r["label"]) for r in rows] == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    for a, b in (rows[:2], rows[2:]):
+        assert a["ratio"] == 1.0 and b["ratio"] == b["tokens_per_s"] / a["tokens_per_s"] < 0.7
+    table = capsys.readouterr().out
+    ratios = [rows[1]["ratio"], rows[3]["ratio"]]
+    line = next(ln for ln in table.splitlines() if ln.startswith("| 2 | b | 2 |"))
+    mean, lo, hi = sum(ratios) / 2, min(ratios), max(ratios)
+    assert f"| {mean:.2f} [{lo:.2f}, {hi:.2f}] |" in line and line.endswith("| yes |")
+    assert "| 2 | 1 | a |" in table and "| 2 | 2 | b |" in table  # the per-run rows
+    assert loadtest.main(argv[:2] + ["--also", "x=--target default"]) == 2  # --also needs --spawn
