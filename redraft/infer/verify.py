@@ -154,10 +154,18 @@ class Verifier:
         head_dtype = torch.float32 if fp32_logits else head.weight.dtype
         self._head_b = None if head.bias is None else head.bias.detach().to(head_dtype)
         self._head_packed, self._packs = None, {}
+        # the rows (tokens) from which the packed kernels run: measured on this CPU at 1-2 rows
+        self.packed_rows = self.head_packed_rows = (cpu.MIN_PACKED_ROWS, cpu.MAX_PACKED_ROWS)
         if cpu_pack and head.weight.device.type == "cpu":
             self._head_wt, self._head_packed = cpu.head_weights(head, head_dtype)  # [H, V]
             if target.dtype == torch.float32:
                 self._packs = cpu.pack_linears(self.base)
+            hi = cpu.MAX_PACKED_ROWS
+            self.packed_rows = (cpu.packed_from(self._packs), hi)
+            self.head_packed_rows = (
+                cpu.head_packed_from(head, self._head_wt, self._head_packed),
+                hi,
+            )
         else:
             self._head_wt = head.weight.detach().to(head_dtype).T  # [H, V] view
         self.forward_seconds = 0.0  # wall time inside forwards (synchronised), when `timing`
@@ -205,14 +213,15 @@ class Verifier:
             hidden = hidden[..., -self._head_wt.shape[0] :]
         h = hidden.to(self._head_wt.dtype)
         rows = h.numel() // h.shape[-1]
-        if self._head_packed is not None and cpu.MIN_PACKED_ROWS <= rows <= cpu.MAX_PACKED_ROWS:
+        lo, hi = self.head_packed_rows
+        if self._head_packed is not None and lo <= rows <= hi:
             return cpu.packed_linear(h, self._head_packed, self._head_b)
         out = h @ self._head_wt
         return out if self._head_b is None else out + self._head_b
 
     def _model(self, ids, positions, bias, cache) -> torch.Tensor:
         extra = {"output_hidden_states": True} if self.hidden_layers else {}
-        with self._attention, cpu.use_packed(self._packs):
+        with self._attention, cpu.use_packed(self._packs, self.packed_rows):
             out = self.base(
                 input_ids=ids,
                 attention_mask=bias,

@@ -5,10 +5,13 @@ that do not fit in cache, PyTorch's default CPU GEMM is poor at small ``n``: on 
 Xeon of this project one 576x1536 layer costs 0.28 ms for 1 token but 0.65 ms for 8 (a
 memory-bound read turns into a badly blocked compute). oneDNN's prepacked weight layout
 (``torch.ops.mkldnn._reorder_linear_weight``, what TorchInductor's CPU freezing pass uses)
-brings 8 tokens down to 0.41 ms, while it is slower for 1 token (0.34 ms). So
-:func:`pack_linears` keeps the original weight for forwards of 1-2 tokens (plain decoding and
-the baseline are untouched) and makes a packed copy, which :func:`use_packed` puts in use for
-forwards of several tokens. The model itself is never modified outside that block.
+brings 8 tokens down to 0.41 ms, while it is slower for 1 token (0.34 ms). On an AMD EPYC
+(avx512, no AMX) it is the other way round at 1-2 tokens: the default 2-row GEMM costs about
+twice the 1-row one, and the packed kernel wins from 1 token. So :func:`pack_linears` makes a
+packed copy of each weight, :func:`packed_from` / :func:`head_packed_from` measure from how
+many tokens it is faster on this CPU (1, 2 or 3), and :func:`use_packed` puts it in use for
+those forwards (plain decoding and the baseline included: one code path for both). The model
+itself is never modified outside that block.
 
 Cost: one extra copy of every packed weight (float32 only). The outputs differ from the
 unpacked kernel by float32 rounding (about 1e-5 relative), the same order as the difference
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import weakref
 
 import torch
@@ -30,8 +34,10 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 _ATTR = "_redraft_packed"
-# forwards of MIN..MAX rows use the packed weight: at 2 rows the default (memory-bound) kernel
-# is still faster, above 128 (prefill) it is as fast
+# forwards of MIN..MAX rows use the packed weight by default: on the Xeon the default
+# (memory-bound) kernel is still faster at 1-2 rows, above 128 (prefill) it is as fast. Which
+# kernel is faster at 1 and 2 rows depends on the CPU: the verifier measures it
+# (redraft.infer.verify.packed_rows_from)
 MIN_PACKED_ROWS, MAX_PACKED_ROWS = 3, 128
 # weights smaller than this stay in cache, where the default kernel is fine and oneDNN's fixed
 # cost per call dominates (a hidden-32 test model ran its forward several times slower packed)
@@ -118,14 +124,69 @@ def head_weights(
     return wt, packed
 
 
-def _packed_forward(layer: torch.nn.Linear, packed: torch.Tensor):
+def packed_from(packs: dict, max_bytes: int = 256 << 20, repeats: int = 3) -> int:
+    """The fewest rows from which the packed weights of ``packs`` run faster than the default
+    kernels on this CPU: 1, 2, or :data:`MIN_PACKED_ROWS` when packing loses at 2 rows.
+
+    Why measured: on the Xeon the default kernel wins at 1-2 rows (the module doc); on an AMD
+    EPYC (avx512, no AMX) its 2-row GEMM costs about twice its 1-row one while the packed
+    kernel costs about the same for 1 to 4 rows, which made a 2-token verify forward cost 1.6x
+    a plain step (docs/infer.md, "CPU kernels"). Timed over the layers of ``packs`` in order,
+    up to ``max_bytes`` of weights (a real forward reads its weights from memory, not from
+    cache); made once per layer set and thread count (~0.3 s for the default target)."""
+    if not packs:
+        return MIN_PACKED_ROWS
+    calls, total = [], 0
+    for layer, packed in packs.items():
+        if total >= max_bytes:
+            break
+        w, b = layer.weight, layer.bias
+        calls.append(
+            (
+                w.shape[1],
+                lambda x, w=w, b=b: F.linear(x, w, b),
+                lambda x, p=packed, b=b: packed_linear(x, p, b),
+            )
+        )
+        total += w.numel() * w.element_size()
+    key = ("packed_from", torch.get_num_threads(), len(calls))
+    return _derived(next(iter(packs)), key, lambda: _fastest_from(calls, repeats))
+
+
+def head_packed_from(head: torch.nn.Module, wt: torch.Tensor, packed, repeats: int = 3) -> int:
+    """As :func:`packed_from`, for the LM head of :func:`head_weights` (``x @ wt`` or the
+    packed copy)."""
+    if packed is None:
+        return MIN_PACKED_ROWS
+    calls = [(wt.shape[0], lambda x: x @ wt, lambda x: packed_linear(x, packed, None))]
+    key = ("head_packed_from", wt.dtype, torch.get_num_threads())
+    return _derived(head, key, lambda: _fastest_from(calls, repeats))
+
+
+def _fastest_from(calls: list, repeats: int, clock=time.perf_counter) -> int:
+    """``calls``: ``(in_features, default(x), packed(x))`` run in order, as a forward would;
+    on 1 and 2 rows, both ways, the fastest of ``repeats`` after one warm-up round."""
+    best = {}
+    with torch.no_grad():
+        for rep in range(repeats + 1):
+            for n in (1, 2):
+                xs = {k: torch.randn(n, k) for k, _, _ in calls}
+                for packed_too in (False, True):
+                    t0 = clock()
+                    for k, default, packed in calls:
+                        (packed if packed_too else default)(xs[k])
+                    dt = clock() - t0
+                    if rep:
+                        best[n, packed_too] = min(best.get((n, packed_too), dt), dt)
+    if best[2, True] >= best[2, False]:
+        return MIN_PACKED_ROWS
+    return 1 if best[1, True] < best[1, False] else 2
+
+
+def _packed_forward(layer: torch.nn.Linear, packed: torch.Tensor, lo: int, hi: int):
     def forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
-        if (
-            MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS
-            and x.dtype == torch.float32
-            and not x.requires_grad
-        ):
+        if lo <= rows <= hi and x.dtype == torch.float32 and not x.requires_grad:
             return packed_linear(x, packed, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
@@ -133,15 +194,15 @@ def _packed_forward(layer: torch.nn.Linear, packed: torch.Tensor):
 
 
 @contextlib.contextmanager
-def use_packed(packs: dict):
-    """Within the block, the layers of ``packs`` (from :func:`pack_linears`) run multi-token
-    inputs with their packed weights; on exit they are exactly as before. Not thread-safe for
-    two users of one model at the same time."""
+def use_packed(packs: dict, rows: tuple[int, int] = (MIN_PACKED_ROWS, MAX_PACKED_ROWS)):
+    """Within the block, the layers of ``packs`` (from :func:`pack_linears`) run inputs of
+    ``rows[0]`` to ``rows[1]`` rows (tokens) with their packed weights; on exit they are exactly
+    as before. Not thread-safe for two users of one model at the same time."""
     saved = {
         layer: layer.__dict__.get("forward") for layer in packs
     }  # instance-level forwards (hooks)
     for layer, packed in packs.items():
-        layer.forward = _packed_forward(layer, packed)
+        layer.forward = _packed_forward(layer, packed, *rows)
     try:
         yield
     finally:

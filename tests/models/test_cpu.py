@@ -70,3 +70,36 @@ def test_head_weights_are_shared_and_remade_when_the_weight_changes():
         cpu.head_weights(head, torch.bfloat16)[1] is None
         and cpu.head_weights(head, torch.bfloat16)[0].dtype == torch.bfloat16
     )
+
+
+def test_packing_starts_at_the_fewest_rows_where_it_is_measured_to_win():
+    """``_fastest_from`` times 1 and 2 rows both ways (a fake clock: each call adds its cost)."""
+    now = [0.0]
+
+    def cost(table):  # rows -> seconds
+        def call(x):
+            now[0] += table[x.shape[0]]
+
+        return call
+
+    def pick(default, packed):
+        calls = [(4, cost(default), cost(packed))] * 3
+        return cpu._fastest_from(calls, repeats=2, clock=lambda: now[0])
+
+    assert pick({1: 1.0, 2: 2.0}, {1: 1.2, 2: 1.2}) == 2  # the EPYC: the 2-row GEMM is slow
+    assert pick({1: 1.0, 2: 2.0}, {1: 0.9, 2: 1.0}) == 1
+    assert pick({1: 1.0, 2: 1.1}, {1: 1.3, 2: 1.4}) == cpu.MIN_PACKED_ROWS  # the Xeon
+    assert pick({1: 1.0, 2: 1.1}, {1: 0.5, 2: 1.4}) == cpu.MIN_PACKED_ROWS  # ranges start low
+
+
+@torch.no_grad()
+def test_use_packed_takes_the_rows_it_is_given():
+    m = _model()
+    packs = cpu.pack_linears(m, min_weight=0)
+    assert cpu.packed_from(packs) in (1, 2, cpu.MIN_PACKED_ROWS)
+    x = torch.randn(1, 48)
+    bad = {layer: cpu.pack_weight(layer.weight * 2) for layer in packs}
+    with cpu.use_packed(bad):  # one row: the default kernel
+        torch.testing.assert_close(m(x), _model()(x), atol=0, rtol=0)
+    with cpu.use_packed(bad, rows=(1, 128)):  # from one row: the packed weights
+        assert not torch.allclose(m(x), _model()(x), atol=1e-3)
