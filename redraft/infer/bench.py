@@ -99,7 +99,11 @@ def _decode_tables(bench: dict, cfg, device) -> int:
     runners = {m: Runner(m, ctx, REGISTRY[m]) for m in methods}
     report = {
         "config": {**bench, "decoder": cfg.to_dict()},
-        "device": device_name(ctx.target.device),
+        "device": ", ".join(
+            filter(
+                None, [device_name(ctx.target.device), runners["greedy"].decoder.verifier.kernels]
+            )
+        ),
         "torch": torch.__version__,
         "cost_curve_ms": cost_curve(runners, bench),
         "complete": False,

@@ -85,14 +85,6 @@ class DecoderConfig(Settings):
         "steps per batch size and run plain steps where speculation is slower (re-tried "
         "after growing waits): speculation never makes a loaded batch slower for long.",
     )
-    burst_plain: bool = _f(
-        True,
-        "Decode steps are plain (no drafts) while at least as many requests wait for their "
-        "prefill as rows decode (a burst, such as a server's first seconds): the waiting "
-        "prompts then join as fast as without speculation, and speculation resumes once they "
-        "have (vLLM's speculative disable_by_batch_size serves the same end). The output is "
-        "the same either way.",
-    )
     cpu_pack: bool = _f(
         True,
         "On CPU, faster weight layouts for multi-token verify forwards (oneDNN-packed float32 "

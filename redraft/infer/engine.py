@@ -191,8 +191,7 @@ class Engine:
         dec, clock = self.dec, self._clock
         t0 = clock.mark()
         host = self._host_state()
-        speculate = not self._burst() and dec.guard.speculate(len(self.rows))
-        prop = dec.propose(host, self.state, speculate)
+        prop = dec.propose(host, self.state, dec.guard.speculate(len(self.rows)))
         tree = dec.build_tree(prop, host, self.verifier)
         step_in = self._upload(tree)
         self._step_tokens = step_in.packed.shape[0] * step_in.size
@@ -219,16 +218,6 @@ class Engine:
         return events + self._emit(tree, prop, acc, credit, secs, readout.logprobs)
 
     # ------------------------------------------------------------------ step pieces
-
-    def _burst(self) -> bool:
-        """Whether this step decodes plain because of a burst (``DecoderConfig.burst_plain``):
-        at least as many requests wait for their prefill as rows decode. A speculative step
-        then costs the waiting prompts' first tokens more than it saves the few running rows:
-        the pacer sizes prefill pieces by the running step, and the guard's timings of a batch
-        that grows every step say little. The guard is not consulted (its runs stay as they
-        are)."""
-        queued = len(self.prefilling) + len(self.waiting)
-        return self.dec.config.burst_plain and queued > 0 and queued >= len(self.rows)
 
     def _host_state(self) -> HostState:
         rows = self.rows

@@ -166,6 +166,7 @@ class Verifier:
                 cpu.head_packed_from(head, self._head_wt, self._head_packed),
                 hi,
             )
+            log.info("CPU kernels: %s", self.kernels or "the default ones")
         else:
             self._head_wt = head.weight.detach().to(head_dtype).T  # [H, V] view
         self.forward_seconds = 0.0  # wall time inside forwards (synchronised), when `timing`
@@ -181,6 +182,16 @@ class Verifier:
         self._attention = _sdpa_backends(self.device)
         # CPU: rows of very different lengths attend in two groups (grouped_attention)
         self._grouped = not static and use_grouped_attention(self.model)
+
+    @property
+    def kernels(self) -> str:
+        """Which packed CPU kernels the forwards use, from how many tokens ("" for none)."""
+        parts = []
+        if self._packs:
+            parts.append(f"float32 linears packed from {self.packed_rows[0]} tokens")
+        if self._head_packed is not None:
+            parts.append(f"LM head packed from {self.head_packed_rows[0]}")
+        return ", ".join(parts)
 
     # ------------------------------------------------------------------ shapes
 

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="LABEL=ARGS",
         help="with --spawn: one more server, 'redraft-serve ARGS', labelled LABEL (repeatable), "
-        "e.g. --also 'on-old=--target default --no-burst-plain' to compare two settings of 'on' "
+        "e.g. --also 'on-share2=--target default --prefill-share 2' to compare two settings of 'on' "
         "in the same run",
     )
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")

@@ -493,11 +493,7 @@ def test_rows_joining_mid_batch_draft_as_alone(tiny_target, tiny_prompts):
     def make():  # M2 = the target with tau 6 > ln V: chains of max_len, M1 corrected mid-chain
         return Recorded(early_exit_model(model, 1), model, max_len=6, m1_max=2, tau_init=6.0)
 
-    # burst_plain off: a step while b waits would be plain, and a's drafts would differ from
-    # its drafts alone (the output would not)
-    dec = SpeculativeDecoder(
-        tiny_target, [make()], acceptance="rejection", budget=16, burst_plain=False
-    )
+    dec = SpeculativeDecoder(tiny_target, [make()], acceptance="rejection", budget=16)
     ids = [dec.encode(p)[0] for p in tiny_prompts]
     greedy = SamplingParams.checked(max_new_tokens=16)
     eng = dec.engine()

@@ -171,10 +171,7 @@ def test_cli_prefill_flags_reach_the_decoder(tiny_target_dir):
 
     args = build_parser().parse_args(
         ["--target", str(tiny_target_dir), "--prefill-share", "2.5", "--prefill-chunk", "64"]
-        + ["--no-burst-plain"]
     )
     dec = load(args)
     assert dec.config.prefill_share == 2.5 and dec.config.prefill_chunk == 64
     assert dec.engine()._pacer.share == 2.5
-    assert dec.config.burst_plain is False
-    assert load(build_parser().parse_args(["--target", str(tiny_target_dir)])).config.burst_plain
