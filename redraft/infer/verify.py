@@ -188,9 +188,10 @@ class Verifier:
         """Which packed CPU kernels the forwards use, from how many tokens ("" for none)."""
         parts = []
         if self._packs:
-            parts.append(f"float32 linears packed from {self.packed_rows[0]} tokens")
+            n = self.packed_rows[0]
+            parts.append(f"float32 linears packed from {n} token{'s' if n > 1 else ''}")
         if self._head_packed is not None:
-            parts.append(f"LM head packed from {self.head_packed_rows[0]}")
+            parts.append(f"LM head from {self.head_packed_rows[0]}")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ shapes
