@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 _ATTR = "_redraft_packed"
 # forwards of MIN..MAX rows use the packed weight by default: on the Xeon the default
 # (memory-bound) kernel is still faster at 1-2 rows, above 128 (prefill) it is as fast. Which
-# kernel is faster at 1 and 2 rows depends on the CPU: the verifier measures it
-# (redraft.infer.verify.packed_rows_from)
+# kernel is faster at 1 and 2 rows depends on the CPU: the verifier measures it (packed_from,
+# head_packed_from below)
 MIN_PACKED_ROWS, MAX_PACKED_ROWS = 3, 128
 # weights smaller than this stay in cache, where the default kernel is fine and oneDNN's fixed
 # cost per call dominates (a hidden-32 test model ran its forward several times slower packed)
