@@ -133,7 +133,7 @@ def packed_from(packs: dict, max_bytes: int = 256 << 20, repeats: int = 3) -> in
     kernel costs about the same for 1 to 4 rows, which made a 2-token verify forward cost 1.6x
     a plain step (docs/infer.md, "CPU kernels"). Timed over the layers of ``packs`` in order,
     up to ``max_bytes`` of weights (a real forward reads its weights from memory, not from
-    cache); made once per layer set and thread count (~0.3 s for the default target)."""
+    cache); made once per layer set and thread count (~0.5 s for the default target)."""
     if not packs:
         return MIN_PACKED_ROWS
     calls, total = [], 0

@@ -96,10 +96,24 @@ def test_packing_starts_at_the_fewest_rows_where_it_is_measured_to_win():
 def test_use_packed_takes_the_rows_it_is_given():
     m = _model()
     packs = cpu.pack_linears(m, min_weight=0)
-    assert cpu.packed_from(packs) in (1, 2, cpu.MIN_PACKED_ROWS)
     x = torch.randn(1, 48)
     bad = {layer: cpu.pack_weight(layer.weight * 2) for layer in packs}
     with cpu.use_packed(bad):  # one row: the default kernel
         torch.testing.assert_close(m(x), _model()(x), atol=0, rtol=0)
     with cpu.use_packed(bad, rows=(1, 128)):  # from one row: the packed weights
         assert not torch.allclose(m(x), _model()(x), atol=1e-3)
+
+
+def test_the_packing_threshold_is_measured_once_per_layer_set(monkeypatch):
+    """``packed_from`` times the layers once and remembers the answer (until a weight changes);
+    with nothing packed it is the default threshold, untimed."""
+    timed = []
+    monkeypatch.setattr(cpu, "_fastest_from", lambda calls, repeats: timed.append(calls) or 2)
+    m = _model()
+    packs = cpu.pack_linears(m, min_weight=0)
+    assert cpu.packed_from({}) == cpu.MIN_PACKED_ROWS and timed == []
+    assert cpu.packed_from(packs) == 2 and cpu.packed_from(packs) == 2
+    assert len(timed) == 1 and len(timed[0]) == 2  # both layers, in forward order
+    with torch.no_grad():
+        m[0].weight.mul_(1.0)  # an in-place update: the answer is measured again
+    assert cpu.packed_from(packs) == 2 and len(timed) == 2
