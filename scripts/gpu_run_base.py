@@ -65,8 +65,10 @@ STEP_LIMITS = {
     "cost-curves": 180,
     "overhead": 120,
     "predict": 30,
-    "quick/cost-curves": 90,
-    "quick/overhead": 90,
+    # quick, measured on the H200 (2026-11-26): 20 s, 28 s, -, 50 s
+    "quick/cost-curves": 60,
+    "quick/overhead": 75,
+    "quick/profile": 45,
     "quick/ngrams": 150,
     "train-default": 200,
     "train-dummy": 240,

@@ -162,6 +162,7 @@ class Stages:
         p = self.profile
         self.cost_curves(st, [p.quick_dummy])
         self.overhead(st)
+        self.verify_profile(st)
         self.build_ngrams(st)
         self.bench(
             st,
@@ -189,6 +190,32 @@ class Stages:
             argv += ["--target", t]
         self.run_step(st, "cost-curves", argv)
         st.results["cost"] = read_json(cost)
+
+    def verify_profile(self, st: StageRun) -> None:
+        """Eager and graph-replayed verify forwards of the target, the kernels they launch and
+        the slowest ones (``scripts/gpu_profile.py``): why a 2-token verify costs what it does."""
+        out, md = (self.results / st.name / f"profile.{x}" for x in ("json", "md"))
+        self.run_step(
+            st,
+            "profile",
+            self.py(
+                SCRIPTS / "gpu_profile.py",
+                "--target",
+                self.profile.target,
+                "--device",
+                self.profile.device,
+                "--dtype",
+                "bfloat16",
+                "--out",
+                out,
+                "--markdown",
+                md,
+            ),
+        )
+        res = read_json(out)
+        if res:
+            st.results["profile"] = res
+            st.md += ["## verify profile", "", md.read_text() if md.is_file() else "", ""]
 
     def overhead(self, st: StageRun) -> None:
         """Host work per decode step (drafting, tree, acceptance, commit) measured with a tiny

@@ -179,6 +179,11 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
         and "| method | batch | " + " | ".join(row_keys) + " |" in quick_md
     )
     assert "| ngrammys | 1 | " in quick_md
+    # the verify profile: eager forwards of every size, the ops they run, the slowest ones
+    prof = q["profile"]
+    assert list(prof["sizes"]) == ["1", "2", "16", "32"] and prof["top"]
+    assert all(r["eager_ms"] > 0 and r["kernels"] > 0 for r in prof["sizes"].values())
+    assert "| 16 | " in quick_md and "graph replay ms" in quick_md
     table = q["bench-bfloat16"]["results"]
     assert set(table) == {"chat", "code"} and all(
         set(ds) == {"greedy", "hf-prompt-lookup", "ngrammys", "mix"} for ds in table.values()
@@ -190,6 +195,7 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     assert [x["name"] for x in res["quick"]["steps"]] == [
         "cost-curves",
         "overhead",
+        "profile",
         "ngrams",
         "bench-bfloat16",
         "predict",
@@ -314,6 +320,7 @@ def test_every_gpu_step_has_its_own_limit_within_a_call():
     for stage, step in (
         ("quick", "cost-curves"),
         ("quick", "overhead"),
+        ("quick", "profile"),
         ("quick", "ngrams"),
         ("b", "pytest"),
         ("c", "overhead"),
@@ -321,7 +328,10 @@ def test_every_gpu_step_has_its_own_limit_within_a_call():
     ):
         assert 0 < p.step_limit(stage, step) < p.budget_s
     # quick: everything but the decode table bounded, and they leave it most of the call
-    quick = sum(p.step_limit("quick", s) for s in ("cost-curves", "overhead", "ngrams", "predict"))
+    quick = sum(
+        p.step_limit("quick", s)
+        for s in ("cost-curves", "overhead", "profile", "ngrams", "predict")
+    )
     assert p.budget_s - quick >= 180
 
 

@@ -76,6 +76,7 @@ class _Agg:
     identical: int = 0
     hf: bool = False
     error: str | None = None
+    graphs: dict | None = None  # the decoder's Verifier.graph_stats since the timed prompts began
 
     def add(self, dt: float, toks: list, ref, st) -> None:
         self.times.append(dt)
@@ -91,6 +92,7 @@ class _Agg:
         s.drafter_accepted.update(st.drafter_accepted)
         s.draft_time += st.draft_time
         s.verify_time += st.verify_time
+        s.prefill_time += st.prefill_time
         s.tree_nodes += st.tree_nodes
 
 
@@ -126,6 +128,11 @@ def run_dataset(
     if bench["warmup"]:
         for name, r in runners.items():
             _guarded(name, agg[name], "in its warm-up", lambda r=r: r.run(prompts[0][:32]))
+    for name, r in runners.items():  # count the graphs of the timed prompts only
+        if r.decoder is not None:
+            r.decoder.verifier.graph_stats = agg[name].graphs = dict.fromkeys(
+                r.decoder.verifier.graph_stats, 0
+            )
     for i, ids in enumerate(tqdm(prompts, desc=f"bench {label}", unit="prompt")):
         ref = None
         for name, r in runners.items():
@@ -178,11 +185,18 @@ def summarise(agg: dict) -> dict:
             "time_s": round(sum(a.times), 2),
             "draft_time_s": round(s.draft_time, 2),
             "verify_time_s": round(s.verify_time, 2),
+            "prefill_time_s": round(s.prefill_time, 2),
+            # the rest of the wall time: acceptance, the cache commit, bookkeeping, captures
+            "other_time_s": None
+            if a.hf
+            else round(sum(a.times) - s.draft_time - s.verify_time - s.prefill_time, 2),
             "tree_nodes_per_step": round(s.tree_nodes / steps, 2) if steps else 0.0,
             "accepted_hist": {int(k): v for k, v in sorted(Counter(s.accepted_hist).items())},
             "drafter_share": {k: round(v, 3) for k, v in s.drafter_share().items()},
             "prompts": n,
         }
+        if a.graphs is not None:
+            res[name]["graphs"] = {k: round(v, 3) for k, v in a.graphs.items()}
         if a.error:
             res[name]["error"] = a.error
     return res
@@ -217,8 +231,36 @@ def markdown(results: dict, bench: dict, device: str, skipped: dict | None = Non
             lines.append(
                 f"| {name} | {tau} | {mal} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | {same} |"
             )
-        lines.append("")
+        lines += ["", *time_split(res), ""]
     return "\n".join(lines)
+
+
+def time_split(res: dict) -> list[str]:
+    """Where each method's wall time went (seconds over the dataset's prompts): prefill
+    forwards, drafting (with the tree and its upload), the verify forward and the rule's pick
+    (on a GPU: device time between events), the rest (acceptance, the cache commit, bookkeeping,
+    graph captures), and how the static verifies ran (replayed graphs, eager forwards,
+    captures and their seconds; empty where shapes are dynamic, as on a CPU)."""
+    rows = [
+        "| method | time s | prefill | draft | verify | other | steps | replays / eager / captures (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, r in res.items():
+        if r.get("other_time_s") is None:
+            continue
+        g = r.get("graphs") or {}
+        graphs = (
+            f"{g['replays']} / {g['eager']} / {g['captures']} ({g['capture_s']:.2f})"
+            + (f", {g['failed']} failed" if g.get("failed") else "")
+            if g.get("replays") or g.get("eager")
+            else "-"
+        )
+        steps = sum(r["accepted_hist"].values())
+        rows.append(
+            f"| {name} | {r['time_s']:.2f} | {r['prefill_time_s']:.2f} | {r['draft_time_s']:.2f} "
+            f"| {r['verify_time_s']:.2f} | {r['other_time_s']:.2f} | {steps} | {graphs} |"
+        )
+    return rows
 
 
 def cpu_name() -> str:

@@ -179,6 +179,9 @@ class Verifier:
         self.hidden_layers: tuple[int, ...] = ()
         self._last_key = None  # the previous verify's shape key (capture on a repeat)
         self._warned = False
+        # how the static verifies ran (``redraft-bench`` reports them: on a GPU a capture costs
+        # a few eager forwards, and an eager static forward far more than a replay)
+        self.graph_stats = {"captures": 0, "capture_s": 0.0, "failed": 0, "replays": 0, "eager": 0}
         self._attention = _sdpa_backends(self.device)
         # CPU: rows of very different lengths attend in two groups (grouped_attention)
         self._grouped = not static and use_grouped_attention(self.model)
@@ -315,8 +318,10 @@ class Verifier:
         if entry is None and self.graphs and repeat and key not in graphs.eager:
             entry = self._capture(key, step, cache, graphs)
         if entry is None:
+            self.graph_stats["eager"] += 1
             with _Timer(self) if self.timing else contextlib.nullcontext():
                 return self._tree_forward(step, cache, static=True)
+        self.graph_stats["replays"] += 1
         entry["step"].packed.copy_(step.packed)
         with _Timer(self) if self.timing else contextlib.nullcontext():
             entry["graph"].replay()
@@ -327,6 +332,7 @@ class Verifier:
         the shape stays eager) if the capture fails for any reason."""
         static = StepInput(step.packed.clone(), step.size)
         timing, self.timing = self.timing, False  # no synchronising inside a capture
+        t0 = time.perf_counter()
         try:
             if graphs.pool is None and self.device.type == "cuda":
                 graphs.pool = torch.cuda.graph_pool_handle()
@@ -334,6 +340,7 @@ class Verifier:
                 lambda: self._tree_forward(static, cache, static=True), self.device, graphs.pool
             )
         except Exception as exc:  # noqa: BLE001 - any capture failure must leave decoding intact
+            self.graph_stats["failed"] += 1
             graphs.eager.add(key)
             graphs.pool = (
                 None  # a failed capture may leave its pool unusable: the next one starts anew
@@ -354,6 +361,9 @@ class Verifier:
             return None
         finally:
             self.timing = timing
+        self.sync()  # (a capture is rare: its whole cost, the warm-up forwards included)
+        self.graph_stats["captures"] += 1
+        self.graph_stats["capture_s"] += time.perf_counter() - t0
         entry = graphs.entries[key] = {"step": static, "graph": graph, "out": out}
         return entry
 

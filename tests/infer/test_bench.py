@@ -131,9 +131,16 @@ def test_a_run_writes_json_markdown_and_a_report(capsys, tiny_target_dir, tmp_pa
             (sum(k * v for k, v in hist.items()) + steps) / steps, abs=1e-3
         )
         assert len(r[name]["acceptance_per_position"]) == max(hist)
+        # where the time went: the parts add up to the wall time (rounded to 10 ms each)
+        parts = [r[name][k] for k in ("prefill_time_s", "draft_time_s", "verify_time_s")]
+        assert parts[0] > 0 and parts[2] > 0
+        assert sum(parts) + r[name]["other_time_s"] == pytest.approx(r[name]["time_s"], abs=0.03)
+        assert r[name]["graphs"]["replays"] == r[name]["graphs"]["eager"] == 0  # CPU: dynamic
     assert r["greedy"]["mean_accepted_length"] == 1.0 and r["greedy"]["speedup_vs_ar"] == 1.0
     assert res["cost_curve_ms"]["given"] is True and res["config"]["decoder"]["budget"] == "auto"
     assert "| mix |" in md.read_text()
+    split = [ln for ln in md.read_text().splitlines() if ln.startswith("| mix | ") and " - |" in ln]
+    assert len(split) == 1  # the time-split row (no graph column on a CPU)
     index = (rep / "index.md").read_text()
     for png in (
         "speedup.png",

@@ -110,9 +110,15 @@ def test_replayed_graphs_give_plain_greedy_and_are_reused_across_requests(
     assert [g.tokens for g in out] == [g.tokens for g in ref]
     assert captures and sum(g.replays for g in captures) > 0
     n = len(captures)
+    stats = dec.verifier.graph_stats  # what redraft-bench reports
+    assert stats["captures"] == n and stats["failed"] == 0 and stats["capture_s"] > 0
+    assert stats["replays"] == sum(g.replays for g in captures)
+    steps = sum(g.stats.verify_steps for g in out)
+    assert stats["eager"] > 0 and stats["replays"] + stats["eager"] <= steps  # rows share steps
     again = dec.generate(tiny_prompts, max_new_tokens=30)  # the same engine, cache and graphs
     assert [g.tokens for g in again] == [g.tokens for g in ref]
     assert len(captures) == n  # nothing captured twice
+    assert stats["captures"] == n and stats["replays"] == sum(g.replays for g in captures)
 
 
 def test_a_failing_capture_warns_once_and_decoding_goes_on_eagerly(
@@ -136,6 +142,8 @@ def test_a_failing_capture_warns_once_and_decoding_goes_on_eagerly(
     assert len(warnings) == 1 and "eagerly" in warnings[0].getMessage()
     eng = dec._engine
     assert attempts and len(eng.cache.graph_set.eager) == len(attempts)  # each shape tried once
+    stats = dec.verifier.graph_stats
+    assert stats["failed"] == len(attempts) and stats["captures"] == stats["replays"] == 0
 
 
 def test_growing_the_cache_drops_its_graphs_and_their_pool(tiny_target, tiny_tables, tiny_prompts):
