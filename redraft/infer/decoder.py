@@ -409,9 +409,16 @@ class SpeculativeDecoder:
             )
             self._last_values = values  # kept, not sorted: the guard rarely reads it
             budget, size = k, None
-            if verifier.static:
-                size = verifier.tree_size(1 + min(k, P * L), limit=1 + cfg.max_nodes)
+            if k > 0:  # (a larger tree that measured cheaper is filled up to its size)
+                size = verifier.tree_size(
+                    1 + min(k, P * L),
+                    limit=1 + cfg.max_nodes,
+                    curve=self.cost_curve if B == 1 else None,
+                )
                 budget = size - 1
+                size = size if verifier.static else None
+            elif verifier.static:
+                size = verifier.tree_size(1)
         return build_tree_np(prop.paths, prop.values, budget, root=host.last, size=size)
 
     def _cost_table(self) -> np.ndarray:

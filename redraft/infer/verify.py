@@ -34,6 +34,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from redraft.infer.budget import SIZES, BatchCost, CostCurve, measure_cost_curve
@@ -179,6 +180,7 @@ class Verifier:
         self.hidden_layers: tuple[int, ...] = ()
         self._last_key = None  # the previous verify's shape key (capture on a repeat)
         self._warned = False
+        self._padded: tuple = (None, {})  # (curve, tree_size's choices under it)
         # how the static verifies ran (``redraft-bench`` reports them: on a GPU a capture costs
         # a few eager forwards, and an eager static forward far more than a replay)
         self.graph_stats = {"captures": 0, "capture_s": 0.0, "failed": 0, "replays": 0, "eager": 0}
@@ -199,15 +201,41 @@ class Verifier:
 
     # ------------------------------------------------------------------ shapes
 
-    def tree_size(self, nodes: int, limit: int | None = None) -> int:
+    def tree_size(
+        self, nodes: int, limit: int | None = None, curve: CostCurve | None = None
+    ) -> int:
         """Packed tree size for ``nodes`` nodes (root included): the next static size, but not
         above ``limit`` (the largest static size that fits, else ``limit``); ``nodes`` itself
-        when shapes are dynamic."""
-        if not self.static:
-            return nodes
-        size = next((s for s in STATIC_SIZES if s >= nodes), nodes)
-        if limit is not None and size > limit:
-            size = max((s for s in STATIC_SIZES if s <= limit), default=limit)
+        when shapes are dynamic. With a one-row cost ``curve``, a larger size that measured at
+        least 5% cheaper (``curve.raw``: a kernel slow at this shape, or a noisy measurement)
+        is taken instead: the tree is filled up to it with more candidates, so it costs less
+        and verifies more (the curve's envelope already prices this size at that cost)."""
+        size = nodes
+        if self.static:
+            size = next((s for s in STATIC_SIZES if s >= nodes), nodes)
+            if limit is not None and size > limit:
+                size = max((s for s in STATIC_SIZES if s <= limit), default=limit)
+        if curve is None:
+            return size
+        if curve is not self._padded[0]:  # every step asks: remembered per size and curve
+            self._padded = (curve, {})
+        memo = self._padded[1]
+        if (size, limit) not in memo:
+            memo[size, limit] = self._cheapest(curve, size, limit)
+        return memo[size, limit]
+
+    def _cheapest(self, curve: CostCurve, size: int, limit: int | None) -> int:
+        sizes, raw = curve.sizes.tolist(), curve.raw.tolist()  # (no tensor op: host work only)
+        cands = [
+            (c, int(m))
+            for m, c in zip(sizes, raw)
+            if m > size and (limit is None or m <= limit) and (not self.static or m in STATIC_SIZES)
+        ]
+        if cands:
+            here = float(np.interp(size, sizes, raw))
+            cheapest = min(cands)
+            if cheapest[0] < 0.95 * here:
+                return cheapest[1]
         return size
 
     def new_cache(self, slots: int, capacity: int) -> SlotKVCache:

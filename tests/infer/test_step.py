@@ -206,3 +206,70 @@ def test_a_redrafter_step_costs_its_beam_search_and_auto_adds_no_ops(overhead_se
     assert step_ops(2, 3)[0][0] == per[3]  # width does not add ops
     for total, length in step_ops("auto", "auto"):
         assert total == per[1] + (length - 1) * (per[3] - per[1]) // 2
+
+
+def test_the_cost_curve_is_the_envelope_from_the_right_and_keeps_what_was_measured(monkeypatch):
+    """A size measured dearer than a larger one (a noisy run, or a kernel slow at 2 rows) does
+    not price every size after it: c(n) = min over m >= n of the measured times."""
+    from redraft.infer import budget
+
+    cost = {1: 1.0, 2: 3.0, 4: 1.2, 8: 1.1, 16: 1.5}  # seconds per forward of n tokens
+    clock = {"t": 0.0}
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: clock["t"])
+
+    def forward(n):
+        clock["t"] += cost[n]
+
+    curve = budget.measure_cost_curve(forward, sizes=list(cost), repeats=2)
+    assert curve.seconds.tolist() == pytest.approx([1.0, 1.1, 1.1, 1.1, 1.5])
+    assert curve.raw.tolist() == pytest.approx(list(cost.values()))
+    again = CostCurve.from_ms(curve.to_dict())  # the JSON keeps both
+    assert again.raw.tolist() == pytest.approx(list(cost.values()))
+    assert again.seconds.tolist() == pytest.approx([1.0, 1.1, 1.1, 1.1, 1.5])
+    plain = CostCurve([1, 8], [1.0, 2.0])
+    assert "raw_ms" not in plain.to_dict() and plain.raw.tolist() == [1.0, 2.0]
+
+
+def test_a_tree_is_padded_to_a_larger_size_that_measured_cheaper(tiny_target):
+    from redraft.infer.verify import Verifier
+
+    curve = CostCurve([1, 2, 4, 8, 16], [1.0, 1.1, 1.1, 1.1, 1.5], raw=[1.0, 3.0, 1.2, 1.1, 1.5])
+    static = Verifier(tiny_target, static=True)
+    assert static.tree_size(2) == 2  # no curve: the next static size
+    assert static.tree_size(2, limit=65, curve=curve) == 8  # 1.1 s against 3.0 s
+    assert static.tree_size(3, limit=65, curve=curve) == 8  # (pads to 4 first: 1.1 < 1.2 * 0.95)
+    assert static.tree_size(2, limit=4, curve=curve) == 4  # the limit holds
+    assert static.tree_size(8, limit=65, curve=curve) == 8  # nothing larger is cheaper
+    assert static.tree_size(2, limit=65, curve=CostCurve([1, 8], [1.0, 2.0])) == 2
+    dynamic = Verifier(tiny_target, static=False)
+    assert dynamic.tree_size(3, limit=65, curve=curve) == 8  # interpolated 2.1 s at 3 tokens
+    assert dynamic.tree_size(9, limit=65, curve=curve) == 9
+    assert dynamic.tree_size(2, limit=65) == 2
+
+
+def test_padded_trees_keep_plain_greedy_and_skip_the_dear_sizes(
+    tiny_target, tiny_tables, tiny_prompts
+):
+    """Decoding with a curve whose 2- and 4-token forwards measured dear: no verify of those
+    sizes runs (a drafter of one 3-token row proposes at most 3 nodes: trees of 2-4 are filled
+    up to 8, with padding), and the output is plain greedy's."""
+    V = tiny_target.vocab_size
+    curve = CostCurve(
+        [1, 2, 4, 8, 16, 32, 64],
+        [1.0, 1.05, 1.05, 1.05, 3.0, 5.0, 9.0],
+        raw=[1.0, 3.0, 3.0, 1.05, 3.0, 5.0, 9.0],
+    )
+    captures = []
+    dec = SpeculativeDecoder(
+        tiny_target,
+        [NGrammysDrafter(tiny_tables, V, k=1, w=3)],
+        cost_curve=curve,
+        static_verify=True,
+    )
+    dec.verifier.graphs, dec.verifier.capture = True, fake_capture(captures)
+    sizes, verify = [], dec.verifier.verify
+    dec.verifier.verify = lambda step, cache: sizes.append(step.size) or verify(step, cache)
+    for p in tiny_prompts:
+        ref = plain_greedy(tiny_target, [p], max_new_tokens=30)
+        assert [g.tokens for g in dec.generate([p], max_new_tokens=30)] == [ref[0].tokens]
+    assert 8 in sizes and not {2, 4} & set(sizes)
