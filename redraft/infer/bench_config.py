@@ -57,8 +57,9 @@ class BenchSettings(ModelSettings):
     cost_curve_ms: str | None = setting(
         None,
         "Verify cost curve to use instead of measuring one, 'tokens:ms,...' "
-        "(e.g. '1:63,8:116,16:146,64:245'); use it when the machine is too busy to "
-        "measure.",
+        "(e.g. '1:63,8:116,16:146,64:245'), or a JSON file: an earlier run's --out "
+        '(its measured curve, raw times included) or {"sizes": [...], "ms": [...]}; '
+        "use it when the machine is too busy to measure, or to compare code on one curve.",
         flag="--cost-curve",
         metavar="COST_CURVE",
     )
@@ -94,10 +95,11 @@ class BenchSettings(ModelSettings):
 
             try:
                 CostCurve.from_ms(self.cost_curve_ms)
-            except (ValueError, TypeError):
+            except (ValueError, TypeError, KeyError, OSError):
                 raise ConfigError(
                     f"cost curve {self.cost_curve_ms!r}: write 'tokens:ms,...', e.g. "
-                    f"'1:63,8:116,16:146,64:245'.",
+                    f"'1:63,8:116,16:146,64:245', or name a JSON file holding one (a "
+                    f'redraft-bench --out file, or {{"sizes": [...], "ms": [...]}}).',
                     param="cost_curve_ms",
                 ) from None
 

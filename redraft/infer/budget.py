@@ -76,7 +76,15 @@ class CostCurve:
 
     @classmethod
     def from_ms(cls, spec) -> CostCurve:
-        """From ``{"sizes": [...], "ms": [...]}`` or ``"tokens:ms,tokens:ms,..."``."""
+        """From ``{"sizes": [...], "ms": [...]}`` (``"raw_ms"`` optional), ``"tokens:ms,..."``,
+        or the path of a JSON file holding such a dict, or a ``redraft-bench --out`` file (its
+        ``cost_curve_ms``)."""
+        if isinstance(spec, str) and spec.endswith(".json"):
+            import json
+            from pathlib import Path
+
+            spec = json.loads(Path(spec).read_text())
+            spec = spec.get("cost_curve_ms", spec)
         if isinstance(spec, dict):
             raw = spec.get("raw_ms")
             return cls(

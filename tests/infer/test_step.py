@@ -230,6 +230,30 @@ def test_the_cost_curve_is_the_envelope_from_the_right_and_keeps_what_was_measur
     assert "raw_ms" not in plain.to_dict() and plain.raw.tolist() == [1.0, 2.0]
 
 
+def test_a_cost_curve_is_read_from_a_bench_json_with_its_raw_times(tmp_path):
+    import json
+
+    out = tmp_path / "bench.json"  # what redraft-bench --out writes
+    out.write_text(
+        json.dumps(
+            {
+                "cost_curve_ms": {
+                    "sizes": [1, 2, 4],
+                    "ms": [50, 50, 51],
+                    "raw_ms": [50, 59, 51],
+                    "given": False,
+                }
+            }
+        )
+    )
+    curve = CostCurve.from_ms(str(out))
+    assert curve.seconds.tolist() == pytest.approx([0.050, 0.050, 0.051])
+    assert curve.raw.tolist() == pytest.approx([0.050, 0.059, 0.051])
+    bare = tmp_path / "curve.json"
+    bare.write_text(json.dumps({"sizes": [1, 8], "ms": [10, 20]}))
+    assert CostCurve.from_ms(str(bare)).seconds.tolist() == pytest.approx([0.010, 0.020])
+
+
 def test_a_tree_is_padded_to_a_larger_size_that_measured_cheaper(tiny_target):
     from redraft.infer.verify import Verifier
 
