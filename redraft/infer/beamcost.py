@@ -108,9 +108,15 @@ def measure_beam_cost(
     sync = torch.cuda.synchronize if context.device.type == "cuda" else None
     sizes = [n for n in ROW_SIZES if n <= max_rows] or [1]
     first = measure_cost_curve(
-        lambda n: search(context.expand(n, -1), last.expand(n), 1, 1), sizes, repeats, sync
+        lambda n: search(context.expand(n, -1), last.expand(n), 1, 1),
+        sizes,
+        repeats,
+        sync,
+        padded=False,
     )
-    full = measure_cost_curve(lambda n: search(context, last, n, 1 + steps), sizes, repeats, sync)
+    full = measure_cost_curve(
+        lambda n: search(context, last, n, 1 + steps), sizes, repeats, sync, padded=False
+    )
     f1 = float(first.seconds[0])
     ext = (full.seconds - f1).clamp(min=1e-7) / steps  # [sizes]
     return BeamCost(first, CostCurve(sizes, ext.cummax(dim=0).values.tolist()))

@@ -102,7 +102,9 @@ class CostCurve:
 
 
 @torch.no_grad()
-def measure_cost_curve(forward, sizes=SIZES, repeats: int = 3, sync=None) -> CostCurve:
+def measure_cost_curve(
+    forward, sizes=SIZES, repeats: int = 3, sync=None, padded: bool = True
+) -> CostCurve:
     """Time ``forward(n)`` (one verify forward of n tokens) for each n; the fastest of ``repeats``
     (other processes only ever add time, so the minimum is the device's own cost).
 
@@ -113,7 +115,9 @@ def measure_cost_curve(forward, sizes=SIZES, repeats: int = 3, sync=None) -> Cos
     larger one (a noisy measurement, or a kernel that is slow at that shape) never prices the
     sizes around it. (The envelope from the left, ``max over m <= n``, did: on the first H200
     run a 2-token forward measured at 2x a one-token one priced every tree up to 65 tokens at
-    that, while trees of ~32 nodes verified in 5.2 ms against greedy's 4.1 ms.)
+    that, while trees of ~32 nodes verified in 5.2 ms against greedy's 4.1 ms.) With
+    ``padded=False`` (work that cannot be padded, like a beam search) the envelope is taken
+    from the left, ``max over m <= n``.
 
     ``forward`` runs the target on n tokens over a cache of realistic length and returns nothing;
     ``sync`` (e.g. ``torch.cuda.synchronize``) is called before reading the clock.
@@ -130,7 +134,10 @@ def measure_cost_curve(forward, sizes=SIZES, repeats: int = 3, sync=None) -> Cos
             sync()
             ts.append(time.perf_counter() - t0)
         secs.append(min(ts))
-    env = torch.tensor(secs, dtype=torch.float64).flip(0).cummin(dim=0).values.flip(0).tolist()
+    t = torch.tensor(secs, dtype=torch.float64)
+    if not padded:  # work that cannot be padded to a cheaper size (a beam search): max over m <= n
+        return CostCurve(sizes, t.cummax(dim=0).values.tolist(), raw=secs)
+    env = t.flip(0).cummin(dim=0).values.flip(0).tolist()
     return CostCurve(sizes, env, raw=secs)
 
 

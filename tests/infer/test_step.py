@@ -228,6 +228,9 @@ def test_the_cost_curve_is_the_envelope_from_the_right_and_keeps_what_was_measur
     assert again.seconds.tolist() == pytest.approx([1.0, 1.1, 1.1, 1.1, 1.5])
     plain = CostCurve([1, 8], [1.0, 2.0])
     assert "raw_ms" not in plain.to_dict() and plain.raw.tolist() == [1.0, 2.0]
+    # work that cannot be padded (a beam search): the envelope from the left, as before
+    beam = budget.measure_cost_curve(forward, sizes=list(cost), repeats=2, padded=False)
+    assert beam.seconds.tolist() == pytest.approx([1.0, 3.0, 3.0, 3.0, 3.0])
 
 
 def test_a_cost_curve_is_read_from_a_bench_json_with_its_raw_times(tmp_path):
