@@ -38,12 +38,16 @@ class CostCurve:
     point with the slope of the last segment (flat when only one point is known).
 
     ``raw``: what each size cost as measured, when that differs from ``seconds`` (a measured
-    curve's ``seconds`` are its monotone envelope, :func:`measure_cost_curve`)."""
+    curve's ``seconds`` are its monotone envelope, :func:`measure_cost_curve`).
+    ``prefill_c0``: the fixed cost of an eager prefill forward (seconds), where verifies replay
+    CUDA graphs and prefills do not, so ``seconds[0]`` is not it (``None``: the same).
+    """
 
-    def __init__(self, sizes, seconds, raw=None):
+    def __init__(self, sizes, seconds, raw=None, prefill_c0: float | None = None):
         self.sizes = torch.tensor(list(sizes), dtype=torch.float64)
         self.seconds = torch.tensor(list(seconds), dtype=torch.float64)
         self.raw = self.seconds if raw is None else torch.tensor(list(raw), dtype=torch.float64)
+        self.prefill_c0 = prefill_c0
         self._tables: dict = {}
 
     def __call__(self, n: torch.Tensor) -> torch.Tensor:
@@ -72,6 +76,8 @@ class CostCurve:
         }
         if not torch.equal(self.raw, self.seconds):
             out["raw_ms"] = [round(s * 1e3, 3) for s in self.raw.tolist()]
+        if self.prefill_c0 is not None:
+            out["prefill_ms"] = round(self.prefill_c0 * 1e3, 3)
         return out
 
     @classmethod
@@ -86,11 +92,12 @@ class CostCurve:
             spec = json.loads(Path(spec).read_text())
             spec = spec.get("cost_curve_ms", spec)
         if isinstance(spec, dict):
-            raw = spec.get("raw_ms")
+            raw, pre = spec.get("raw_ms"), spec.get("prefill_ms")
             return cls(
                 spec["sizes"],
                 [m / 1e3 for m in spec["ms"]],
                 None if raw is None else [m / 1e3 for m in raw],
+                None if pre is None else pre / 1e3,
             )
         pts = [tuple(float(x) for x in kv.split(":")) for kv in str(spec).split(",")]
         return cls([int(n) for n, _ in pts], [ms / 1e3 for _, ms in pts])
@@ -285,8 +292,12 @@ class PrefillPacer:
         if tokens <= 0 or seconds <= 0:
             return
         self.obs.append((tokens, span, seconds))
-        # the fixed cost: the curve's one-token forward, but never more than a timed forward
-        self.c0 = min(float(cost.seconds[0]), min(o[2] for o in self.obs))
+        # the fixed cost: an eager prefill forward's (the curve's one-token forward unless its
+        # verifies replay graphs: on the H200 an eager forward of the default target cost far
+        # more than its 3.8 ms replay, and that difference read as a per-token cost made the
+        # pieces small), but never more than a timed forward
+        fixed = cost.seconds[0] if cost.prefill_c0 is None else cost.prefill_c0
+        self.c0 = min(float(fixed), min(o[2] for o in self.obs))
         self.largest = max(self.largest, tokens)
 
     def coefficients(self) -> tuple[float, float]:

@@ -411,7 +411,17 @@ class Verifier:
         def fwd(n):
             self.logits(self.verify(chain_step([context], n, self.device), cache))
 
-        return measure_cost_curve(fwd, sizes, sync=self.sync)
+        curve = measure_cost_curve(fwd, sizes, sync=self.sync)
+        if self.graphs:  # prefills run eagerly: their fixed cost is not a replay's
+            secs = []
+            for _ in range(3):
+                self.sync()
+                t0 = time.perf_counter()
+                self.logits(self.prefill([[0]], cache, starts=[context]))
+                self.sync()
+                secs.append(time.perf_counter() - t0)
+            curve.prefill_c0 = min(secs)
+        return curve
 
 
 def measure_batch_cost(

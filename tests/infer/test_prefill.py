@@ -179,6 +179,45 @@ def test_the_pacer_predicts_a_chunks_cost_from_its_tokens_and_span():
     assert Engine._chunk_rows(eng, fits) == (1, 10)
 
 
+def test_the_pacer_takes_an_eager_prefills_fixed_cost_where_verifies_replay_graphs():
+    """On a GPU the curve's one-token verify is a graph replay (3.8 ms for the default target
+    on the H200) while prefill pieces run eagerly, with a larger fixed cost: read as a per-token
+    cost, that difference made every piece small."""
+    replayed = CostCurve([1, 64], [0.004, 0.005], prefill_c0=0.012)
+    assert CostCurve.from_ms(replayed.to_dict()).prefill_c0 == pytest.approx(0.012)
+    pieces = ((32, 100, 0.0136), (64, 200, 0.0152))  # eager: 12 ms + 50 us per token
+    for curve, a in ((replayed, 50e-6), (CostCurve([1, 64], [0.004, 0.005]), None)):
+        pacer = PrefillPacer()
+        for N, span, secs in pieces:
+            pacer.observe(N, span, secs, curve)
+        got = pacer.coefficients()[0]
+        if a is not None:
+            assert pacer.c0 == pytest.approx(0.012) and got == pytest.approx(a, rel=0.05)
+        else:  # the replay's 4 ms as the fixed cost: several times the per-token cost
+            assert pacer.c0 == pytest.approx(0.004) and got > 3 * 50e-6
+
+
+def test_a_graph_verifier_measures_an_eager_prefills_fixed_cost(tiny_target):
+    from redraft.infer.verify import Verifier
+
+    eager = Verifier(tiny_target, static=True)
+    assert eager.measure_cost(max_nodes=4, context=16).prefill_c0 is None  # CPU: no graphs
+    graphs = Verifier(tiny_target, static=True, graphs=True, capture=_replaying_capture)
+    curve = graphs.measure_cost(max_nodes=4, context=16)
+    assert curve.prefill_c0 is not None and curve.prefill_c0 > 0
+    assert "prefill_ms" in curve.to_dict()
+
+
+def _replaying_capture(fn, device, pool):
+    out = fn()
+
+    class G:
+        def replay(self):
+            out.copy_(fn())
+
+    return G(), out
+
+
 def _drain(eng, out=None) -> dict:
     """Step ``eng`` until it has no work; ``{request id: output tokens}`` of those that finish."""
     out = {} if out is None else out
