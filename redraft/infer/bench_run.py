@@ -201,11 +201,11 @@ def summarise(agg: dict) -> dict:
             "time_s": round(sum(a.times), 2),
             "draft_time_s": round(s.draft_time, 2),
             "verify_time_s": round(s.verify_time, 2),
-            "prefill_time_s": round(s.prefill_time, 2),
+            "prefill_time_s": round(s.prefill_time, 4),
             # the rest of the wall time: acceptance, the cache commit, bookkeeping, captures
             "other_time_s": None
             if a.hf
-            else round(sum(a.times) - s.draft_time - s.verify_time - s.prefill_time, 2),
+            else round(sum(a.times) - s.draft_time - s.verify_time - s.prefill_time, 4),
             "tree_nodes_per_step": round(s.tree_nodes / steps, 2) if steps else 0.0,
             "accepted_hist": {int(k): v for k, v in sorted(Counter(s.accepted_hist).items())},
             "drafter_share": {k: round(v, 3) for k, v in s.drafter_share().items()},
