@@ -50,10 +50,14 @@ class Runner:
             return g.tokens, g.stats
         import torch
 
+        from redraft.infer.verify import sdpa_backends
+
         target = self.ctx.target
         x = torch.tensor([ids], device=target.device)
         eos = target.eos_token_ids
-        with torch.no_grad(), _hf_attention(target.device):
+        # on CUDA no cuDNN attention, like redraft's own forwards (it plans anew for every shape:
+        # ~30 ms a call on the first H100 run), so the hf-* baselines are not slowed by it
+        with torch.no_grad(), sdpa_backends(target.device, flash=True):
             out = target.model.generate(
                 x,
                 attention_mask=torch.ones_like(x),
@@ -64,22 +68,6 @@ class Runner:
                 **self.hf_kwargs,
             )
         return out[0, len(ids) :].tolist(), None
-
-
-def _hf_attention(device):
-    """The attention kernels Hugging Face's ``generate`` may use here: on CUDA flash,
-    memory-efficient and math, never cuDNN's, which plans anew for every shape (~30 ms a call
-    of a new shape on the first H100 run; redraft's own forwards avoid it too, docs/infer.md
-    "Attention backend"), so the hf-* baselines are not slowed by a backend nobody would pick."""
-    import contextlib
-
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(
-        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    )
 
 
 @dataclass

@@ -184,7 +184,7 @@ class Verifier:
         # how the static verifies ran (``redraft-bench`` reports them: on a GPU a capture costs
         # a few eager forwards, and an eager static forward far more than a replay)
         self.graph_stats = {"captures": 0, "capture_s": 0.0, "failed": 0, "replays": 0, "eager": 0}
-        self._attention = _sdpa_backends(self.device)
+        self._attention = sdpa_backends(self.device)
         # CPU: rows of very different lengths attend in two groups (grouped_attention)
         self._grouped = not static and use_grouped_attention(self.model)
 
@@ -413,14 +413,12 @@ class Verifier:
 
         curve = measure_cost_curve(fwd, sizes, sync=self.sync)
         if self.graphs:  # prefills run eagerly: their fixed cost is not a replay's
-            secs = []
-            for _ in range(3):
-                self.sync()
-                t0 = time.perf_counter()
-                self.logits(self.prefill([[0]], cache, starts=[context]))
-                self.sync()
-                secs.append(time.perf_counter() - t0)
-            curve.prefill_c0 = min(secs)
+            one = measure_cost_curve(
+                lambda _: self.logits(self.prefill([[0]], cache, starts=[context])),
+                [1],
+                sync=self.sync,
+            )
+            curve.prefill_c0 = float(one.raw[0])
         return curve
 
 
@@ -460,14 +458,17 @@ def chain_step(lengths: list[int], n: int, device, token: int = 0) -> StepInput:
     return StepInput(packed.to(device), n)
 
 
-def _sdpa_backends(device):
+def sdpa_backends(device, flash: bool = False):
     """The attention kernels the forwards may use: on CUDA the memory-efficient kernel (it takes
-    an explicit mask) and the math fallback, never cuDNN's plan-per-shape path (module doc)."""
+    an explicit mask) and the math fallback, never cuDNN's plan-per-shape path (module doc);
+    ``flash`` adds FlashAttention (for callers without a tree mask: ``redraft-bench``'s
+    Hugging Face baselines). Reusable across ``with`` blocks."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return _Reusable(lambda: sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
+    kinds = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return _Reusable(lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION] * flash + kinds))
 
 
 class _Reusable:
