@@ -74,6 +74,10 @@ STEP_LIMITS = {
     "quick/ngrams": 150,
     "train-default": 200,
     "train-dummy": 240,
+    # stage e: the target's own replies made first (the engine, bf16, batch 64; resumable, so a
+    # step stopped at its limit keeps every reply written), then training on them
+    "e/distill-heldout": 90,
+    "e/distill-train": 200,
     "head-shards": 60,
     "head-join": 60,
 }
@@ -105,6 +109,12 @@ class Profile:
     speed_steps: int = 60
     dummy_speed_steps: int = 20
     full_steps: int | None = None  # None: the recipe's epochs, bounded by time
+    # stage e's self-distilled data, made as steps of their own (time-bounded) instead of inside
+    # redraft-train (whose time budget counts training only): on a 135M target distilling is ~10x
+    # slower per token than training, so the time goes to the replies
+    distill_args: tuple = ("--max-new-tokens", "512", "--max-turns", "1", "--batch-size", "64")
+    distill_limit: int = 50000  # conversations asked for; the step's time limit ends it sooner
+    distill_heldout: int = 100
     num_proc: int = 16
     budget_s: float = 540.0  # one stage
     run_budget_s: float = 570.0  # the whole invocation: the device tool kills a command at 600 s
@@ -142,6 +152,9 @@ class Profile:
             speed_steps=2,
             dummy_speed_steps=2,
             full_steps=4,
+            distill_args=("--max-new-tokens", "8", "--max-turns", "1", "--batch-size", "4"),
+            distill_limit=8,
+            distill_heldout=4,
             num_proc=1,
             budget_s=1200.0,
             run_budget_s=7200.0,

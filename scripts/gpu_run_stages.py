@@ -372,6 +372,51 @@ class Stages:
     def head_dir(self) -> Path:
         return self.runs / "e-default"
 
+    def distill_e(self, st: StageRun, resume: bool) -> Path:
+        """Stage e's training data: the target's greedy replies to default-chat prompts, made by
+        ``redraft-distill-data`` on the engine under its own time limit (a stopped step keeps every
+        reply it wrote; the next call appends). A resumed training run keeps the data it started on."""
+        p, data = self.profile, self.runs / "e-distilled"
+        data.mkdir(parents=True, exist_ok=True)
+        for split, limit in (("heldout", p.distill_heldout), ("train", p.distill_limit)):
+            done = data / f"{split}.done"
+            if resume or done.is_file():
+                continue
+            step = self.run_step(
+                st,
+                f"distill-{split}",
+                self.py(
+                    "-m",
+                    "redraft.entry",  # the engine, not Hugging Face generate
+                    "redraft-distill-data",
+                    "--target",
+                    p.target,
+                    "--device",
+                    p.device,
+                    "--dtype",
+                    "bfloat16" if p.device == "cuda" else "float32",
+                    "--data",
+                    "default-chat",
+                    "--split",
+                    split,
+                    "--limit",
+                    limit,
+                    "--output",
+                    data / f"{split}.jsonl",
+                    "--no-progress",
+                    *p.distill_args,
+                ),
+                min_s=30,
+                reserve_s=240,
+                grace_s=15,
+            )
+            if step.status == "ok":
+                done.write_text("")
+            lines = data / f"{split}.jsonl"
+            n = sum(1 for _ in lines.open()) if lines.is_file() else 0
+            st.results[f"distilled_{split}"] = {"conversations": n, "seconds": step.seconds}
+        return data
+
     def stage_e(self, st: StageRun) -> None:
         out, p = self.head_dir(), self.profile
         m = read_json(out / "metrics.json") or {}
@@ -389,8 +434,14 @@ class Stages:
             )
         else:
             resume = any(out.glob("training_state/*/redraft_state.json"))
+            data = self.distill_e(st, resume)
             extra = [
                 *p.train_overrides,
+                "--data",
+                f"sharegpt:{data / 'train.jsonl'}",
+                "--eval-data",
+                f"sharegpt:{data / 'heldout.jsonl'}",
+                "--no-self-distill",
                 "--eval-every",
                 "0",
                 "--save-every",
@@ -422,6 +473,18 @@ class Stages:
             )
             m = read_json(out / "metrics.json") or {}
         st.results["train"] = m
+        made = [(k, v) for k, v in st.results.items() if k.startswith("distilled_")]
+        if made:
+            st.md += [
+                "## self-distilled data (this call)",
+                "",
+                "| split | conversations | seconds |",
+            ]
+            st.md += ["|---|---:|---:|"] + [
+                f"| {k.removeprefix('distilled_')} | {v['conversations']} | {v['seconds']:.0f} |"
+                for k, v in made
+            ]
+            st.md += [""]
         if m:
             top1 = " ".join(f"{x:.3f}" for x in m.get("eval_top1", []))
             st.md += [

@@ -222,6 +222,15 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     assert d["status"] == "completed" and d["world_size"] == 1 and d["train_tokens_per_s"] > 0
     # e: a finished head with its held-out tau_est, back in shards; e2: its decode table
     e = res["e"]["results"]["train"]
+    # its data: the target's own replies, made by steps of their own before training
+    assert [x["name"] for x in res["e"]["steps"]][:3] == [
+        "distill-heldout",
+        "distill-train",
+        "train",
+    ]
+    made = res["e"]["results"]
+    assert made["distilled_heldout"]["conversations"] == 4
+    assert made["distilled_train"]["conversations"] == 8
     assert e["status"] == "completed" and e["global_step"] == 4 and e["eval_tau_est"] >= 1.0
     shards = res["e"]["results"]["head_shards"]
     assert "redrafter" in res["e2"]["results"]["bench-bf16-head"]["results"]["chat"]
