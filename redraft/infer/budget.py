@@ -326,7 +326,11 @@ class PrefillPacer:
         if not self.obs or self.ref is None:
             return None
         a, b = self.coefficients()
-        budget = self.share * steps * self.ref - self.c0
+        # a forward's fixed cost is paid whatever its size: when it alone exceeds the share (an
+        # eager prefill of 34 ms against 3.5 ms graph replays, H200 2026-11-27), pieces that fit
+        # "nothing" became one token each and a 300-token prompt took 2.5 s; then a piece may
+        # add as much work as the fixed cost (at least half its time does prefill)
+        budget = max(self.share * steps * self.ref - self.c0, self.c0)
         cap = self.GROWTH * self.largest
         return lambda tokens, span: tokens <= cap and tokens * (a + b * span) <= budget
 

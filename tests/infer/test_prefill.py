@@ -197,6 +197,27 @@ def test_the_pacer_takes_an_eager_prefills_fixed_cost_where_verifies_replay_grap
             assert pacer.c0 == pytest.approx(0.004) and got > 3 * 50e-6
 
 
+def test_a_fixed_cost_above_the_share_still_lets_pieces_amortise_it():
+    """The H200 (2026-11-27): eager prefill forwards cost 34 ms fixed, the decode steps 3.5-4 ms
+    replays, so 8 reference steps (the idle allowance) were less than the fixed cost alone:
+    every piece fit nothing and was cut to one token (2.5 s to prefill a chat prompt)."""
+    curve = CostCurve([1, 64], [0.0035, 0.0045], prefill_c0=0.034)
+    pacer = PrefillPacer()
+    pacer.observe(32, 100, 0.034 + 32 * 50e-6, curve)
+    pacer.observe(64, 200, 0.034 + 64 * 50e-6, curve)
+    pacer.observe_step(0.004)
+    fits = pacer.fits(8)  # 32 ms allowed < the 34 ms fixed cost
+    # up to 34 ms of per-token work (680 tokens at 50 us), bounded by twice the largest timed
+    assert fits(128, 200) and not fits(129, 200)
+    pacer.observe(512, 600, 0.034 + 512 * 50e-6, curve)
+    fits = pacer.fits(8)
+    assert fits(660, 700) and not fits(700, 700)
+    # a share above the fixed cost: the share less the fixed cost, as before
+    pacer.ref = 0.010  # 80 ms allowed: 46 ms past the fixed cost, 920 tokens
+    fits = pacer.fits(8)
+    assert fits(900, 700) and not fits(925, 700)
+
+
 def test_a_graph_verifier_measures_an_eager_prefills_fixed_cost(tiny_target):
     from redraft.infer.verify import Verifier
 
