@@ -348,6 +348,8 @@ def distill(
     counts["seconds"] = round(time.perf_counter() - t0, 2)
     counts["generator"] = gen.name
     result = dict(counts)
+    if hasattr(gen, "stats"):  # redraft's engine: where its time went
+        result["engine"] = gen.stats()
     result["source"] = stats.summary()
     return result
 
@@ -568,6 +570,8 @@ def _run(args) -> int:
         f"{result['seconds']} s with {result['generator']}); source: {result['source']}",
         file=sys.stderr,
     )
+    if "engine" in result:
+        print(f"engine: {result['engine']}", file=sys.stderr)
     ended = {k: v for k, v in result.items() if k in ENDED_EARLY}
     if ended:
         print(f"ended early or skipped: {ended}", file=sys.stderr)

@@ -90,6 +90,9 @@ class Engine:
         self.cache = None  # SlotKVCache, made at the first join, kept for the engine's life
         self.sampling: RowSampling | None = None
         self.steps = 0
+        # wall time of the steps' prefill part (its first tokens' read syncs it) and of the
+        # whole steps, prefill forwards and the rows decoded, summed (distillation reports them)
+        self.totals = {"prefill_s": 0.0, "step_s": 0.0, "prefills": 0, "row_steps": 0}
         # the running rows' last verify forward (batch x tree tokens) and the last prefill
         # forward's (tokens, span, clock marks): what the "auto" prefill chunk is paced by
         self._step_tokens = 0
@@ -183,10 +186,15 @@ class Engine:
         """Retire finished rows, prefill one chunk of the waiting prompts (those it completes
         join), then one draft/verify step for all rows; returns the events of this step (text
         deltas, finished requests)."""
+        tot, s0 = self.totals, time.perf_counter()
         self._retire()
-        events = self._prefill() if self.waiting or self.prefilling else []
+        events = []
+        if self.waiting or self.prefilling:
+            events = self._prefill()
+            tot["prefill_s"] += time.perf_counter() - s0
         self._retire()
         if not self.rows:
+            tot["step_s"] += time.perf_counter() - s0
             return events
         dec, clock = self.dec, self._clock
         t0 = clock.mark()
@@ -215,7 +223,10 @@ class Engine:
         dec.after_step(prop, acc, credit, secs)
         self._pacer.observe_step(secs[1])
         self.steps += 1
-        return events + self._emit(tree, prop, acc, credit, secs, readout.logprobs)
+        tot["row_steps"] += len(tree.tokens)
+        events += self._emit(tree, prop, acc, credit, secs, readout.logprobs)
+        tot["step_s"] += time.perf_counter() - s0
+        return events
 
     # ------------------------------------------------------------------ step pieces
 
@@ -530,6 +541,7 @@ class Engine:
             cache.reserve(cache.slots, max(starts) + T + 1)
             first = rows[0].slot if rows[0].slot is not None else self._park(rows[0])
         m0 = self._clock.mark()
+        self.totals["prefills"] += 1
         h_last = self.verifier.prefill(
             [r.prompt[r.filled : r.filled + T] for r in rows],
             cache,

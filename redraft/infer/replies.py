@@ -61,6 +61,25 @@ class EngineReplies:
         )
         self.keys: dict[int, int] = {}  # engine request id -> the caller's key
 
+    def stats(self) -> dict:
+        """Where the time went so far: steps, the mean batch, prefill forwards and their
+        seconds, decode seconds, the verifier's graph counts (``redraft-distill-data`` prints
+        them: on a GPU they say whether a step ran as a graph replay or eagerly)."""
+        eng, tot = self.engine, self.engine.totals
+        g = self.decoder.verifier.graph_stats
+        return {
+            "steps": eng.steps,
+            "row_steps": tot["row_steps"],
+            "mean_batch": round(tot["row_steps"] / max(eng.steps, 1), 1),
+            "prefills": tot["prefills"],
+            "prefill_s": round(tot["prefill_s"], 4),
+            "decode_s": round(tot["step_s"] - tot["prefill_s"], 4),
+            "ms_per_decode_step": round(
+                1e3 * (tot["step_s"] - tot["prefill_s"]) / max(eng.steps, 1), 2
+            ),
+            "graphs": {k: round(v, 2) if isinstance(v, float) else v for k, v in g.items()},
+        }
+
     def submit(self, key: int, prompt: list[int]) -> None:
         params = self.params
         if self.settings.temperature > 0:  # its own seed: the reply does not depend on the batch

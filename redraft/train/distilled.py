@@ -105,6 +105,8 @@ def ensure_split(
         f"redraft-train: {res.get('written', 0)} conversations, {res.get('new_tokens', 0)} new tokens in "
         f"{dt:.0f} s ({res.get('new_tokens', 0) / max(dt, 1e-9):.0f} tokens/s, {res['generator']})"
     )
+    if "engine" in res:
+        say(f"redraft-train: engine {res['engine']}")
     path.with_name(path.name + DONE_SUFFIX).write_text(
         json.dumps(
             {

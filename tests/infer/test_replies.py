@@ -90,6 +90,14 @@ def test_distilled_records_are_the_same_from_both_generators(tiny_target, tmp_pa
     by_id = lambda p: {r["id"]: r for r in map(json.loads, p.read_text().splitlines())}  # noqa: E731
     assert by_id(hf) == by_id(eng) and len(by_id(hf)) == len(CHATS)
     assert a["new_tokens"] == b["new_tokens"] > 0
+    # the engine says where its time went: a row's reply is its prefill's token, then one per
+    # decode step (a stop token is made, not kept); every prompt (a turn) prefilled, <= 2 rows
+    e = b["engine"]
+    turns = sum(c["from"] == "human" for r in CHATS for c in r["conversations"])
+    assert "engine" not in a and len(CHATS) // 2 <= e["prefills"] <= turns  # 2 rows may share one
+    assert b["new_tokens"] - turns <= e["row_steps"] <= b["new_tokens"] + turns
+    assert 1.0 <= e["mean_batch"] <= 2.0 and e["steps"] >= e["row_steps"] / 2
+    assert e["prefill_s"] > 0 and e["decode_s"] > 0
 
 
 def test_multi_turn_conversations_continue_alike_from_both_generators(tiny_target, prompts):
