@@ -413,13 +413,20 @@ class Verifier:
 
         curve = measure_cost_curve(fwd, sizes, sync=self.sync)
         if self.graphs:  # prefills run eagerly: their fixed cost is not a replay's
-            one = measure_cost_curve(
-                lambda _: self.logits(self.prefill([[0]], cache, starts=[context])),
-                [1],
-                sync=self.sync,
-            )
-            curve.prefill_c0 = float(one.raw[0])
+            curve.prefill_c0 = self.prefill_fixed_cost(cache, context)
         return curve
+
+    @torch.no_grad()
+    def prefill_fixed_cost(self, cache: SlotKVCache | None = None, context: int = 0) -> float:
+        """Seconds of an eager one-token prefill forward (its logits included) over ``context``
+        cached tokens of ``cache`` (default: a scratch one-row cache): what any prefill forward
+        costs before its tokens."""
+        if cache is None:
+            cache = self.new_cache(1, context + 2)
+        one = measure_cost_curve(
+            lambda _: self.logits(self.prefill([[0]], cache, starts=[context])), [1], sync=self.sync
+        )
+        return float(one.raw[0])
 
 
 def measure_batch_cost(

@@ -204,3 +204,36 @@ def test_redraft_train_self_distills_with_the_generator_use_replies_sets(tiny_ta
     made = [m for m in said if "new tokens in" in m]
     assert len(made) == 2 and all(m.endswith(", engine)") for m in made), said
     assert out.data.endswith("train.jsonl") and (tmp_path / "distilled" / "train.jsonl").is_file()
+
+
+def test_replies_that_wait_to_join_together_are_the_same_and_pay_fewer_prefills(tiny_target):
+    """``join_group``: poll returns once that many replies ended, so their next prompts share a
+    prefill forward (on a GPU each eager prefill costs a fixed 34 ms); the replies do not change."""
+    tok = tiny_target.tokenizer
+    texts = [f"{w} number {i}" for i, w in enumerate(["alpha", "beta", "gamma", "delta"] * 4)]
+    ps = [_prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts]
+    free = run_all(HFReplies(tiny_target, ReplySettings(10, (), batch_size=8)), ps)
+    stop = next(t for toks, _ in free for t in toks[2:7])  # replies of different lengths
+    settings = ReplySettings(10, (stop,), batch_size=8)
+    hf = run_all(HFReplies(tiny_target, settings), ps)
+    prefills = {}
+    for k in (1, 4):
+        gen = EngineReplies(tiny_target, settings)
+        gen.join_group = k
+        assert run_all(gen, ps) == hf
+        prefills[k] = gen.stats()["prefills"]
+    assert prefills[4] < prefills[1]
+
+
+def test_the_join_group_follows_the_measured_costs(tiny_target):
+    """sqrt(2 x rate x flying x c0 / step), at most a quarter of the batch, 1 before it is measured."""
+    gen = EngineReplies(tiny_target, ReplySettings(10, (), batch_size=64))
+    assert gen.group(64) == 1  # nothing measured yet
+    gen.engine.steps, gen._finished, gen._c0 = 100, 20, 0.034
+    gen.engine.totals.update(step_s=0.5 + 0.2, prefill_s=0.2)  # 5 ms per decode step
+    assert gen.group(64) == round((2 * 0.2 * 64 * 0.034 / 0.005) ** 0.5)  # 13
+    gen._c0 = 0.5  # dear prefills: capped at a quarter of the batch
+    assert gen.group(64) == 16
+    gen._c0 = 0.0001  # a CPU-like case: a forward's fixed cost far below a step's
+    assert gen.group(64) == 1
+    assert gen.group(4) == 1  # a small batch never waits
