@@ -181,8 +181,26 @@ def test_overhead_benchmark_reports_every_method_and_batch(capsys, tmp_path):
             assert (
                 1 <= r["steps"] <= 6
             )  # at most one step per new token, fewer when drafts are accepted
+            assert r["captures"] == r["captures_in_ops"] == 0  # no CUDA graphs on a CPU
     assert res["greedy"]["batch_1"]["steps"] == 5  # plain decoding: one token per step
     assert "host ms/step" in stdout
+
+
+def test_overhead_rows_count_the_graph_captures_inside_their_timing(tmp_path):
+    """A capture in a timed decode is host time and ops of its step: the row says how many."""
+    from redraft.infer.overhead import _prompts, make_method, measure, tiny_setup
+
+    target, tables = tiny_setup(tmp_path)
+    dec = make_method("greedy", target, tables)
+    v = dec.verifier
+    v.static, v.graphs = True, True
+    v.capture = lambda fn, device, pool: (type("G", (), {"replay": lambda self: fn()})(), fn())
+    prompts = _prompts(target, 1)
+    first = measure(dec, prompts, 6)
+    again = measure(dec, prompts, 6)
+    assert first["captures"] >= 1  # the first plain step's shape, seen twice in a row
+    assert first["captures"] + again["captures"] == v.graph_stats["captures"]
+    assert v.graph_stats["replays"] > 0
 
 
 def test_overhead_methods_time_speculative_steps_only(tmp_path):
