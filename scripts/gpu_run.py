@@ -97,6 +97,8 @@ class Runner(Stages):
             self.profile.prompts = args.prompts
         if args.budget_s:
             self.profile.budget_s = args.budget_s
+        if getattr(args, "distill_s", None) is not None:
+            self.profile.step_s["e/distill-train"] = args.distill_s
         self.prefix = self.work / "prefix"
         self.results = self.work / "results"
         self.runs = self.work / "runs"
@@ -568,6 +570,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget-s",
         type=float,
         help="seconds one stage may take (default 540: a run's 10 minutes less setup)",
+    )
+    p.add_argument(
+        "--distill-s",
+        type=float,
+        help="stage e: seconds the train split's distillation may take in this call (default "
+        "200; 0: train on what earlier calls distilled); the replies are kept between calls",
     )
     p.add_argument(
         "--dry-run",

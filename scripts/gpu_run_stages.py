@@ -380,7 +380,7 @@ class Stages:
         data.mkdir(parents=True, exist_ok=True)
         for split, limit in (("heldout", p.distill_heldout), ("train", p.distill_limit)):
             done = data / f"{split}.done"
-            if resume or done.is_file():
+            if resume or done.is_file() or p.step_limit(st.name, f"distill-{split}") == 0:
                 continue
             step = self.run_step(
                 st,

@@ -342,6 +342,34 @@ def test_every_gpu_step_has_its_own_limit_within_a_call():
         for s in ("cost-curves", "overhead", "profile", "ngrams", "predict")
     )
     assert p.budget_s - quick >= 180
+    # stage e's distillation: 200 s by default, --distill-s sets it (0: none in this call)
+    assert p.step_limit("e", "distill-train") == 200 and p.step_limit("e", "distill-heldout") == 90
+    for given in ("0", "420"):
+        args = gpu_run.build_parser().parse_args(["--distill-s", given])
+        assert gpu_run.Runner(args).profile.step_limit("e", "distill-train") == float(given)
+
+
+def test_stage_e_with_distill_s_0_trains_on_the_replies_already_made(tmp_path):
+    """The next call of a session that distilled for a whole call: no distilling, straight to
+    training on the files the earlier call wrote."""
+    gpu_run = _load_script("gpu_run")
+    args = gpu_run.build_parser().parse_args(
+        [
+            "--dry-run",
+            "--distill-s",
+            "0",
+            "--work",
+            str(tmp_path / "w"),
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    r = gpu_run.Runner(args)
+    r.profile.step_s["e/distill-heldout"] = 0
+    r.stage_t0 = time.time()
+    st = gpu_run.StageRun("e", "a test stage")
+    data = r.distill_e(st, resume=False)
+    assert st.steps == [] and data == r.runs / "e-distilled"
 
 
 def _load_script(name):
