@@ -6,7 +6,7 @@ import torch
 from redraft.infer import SamplingParams
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter
-from redraft.infer.grouped_attention import NAME, grouped, grouped_sdpa, row_groups
+from redraft.infer.grouped_attention import NAME, grouped, grouped_sdpa, packed_sdpa, row_groups
 
 
 def test_row_groups_split_only_where_it_saves_reads():
@@ -45,6 +45,39 @@ def test_grouped_sdpa_equals_one_call_over_the_whole_span():
         out, _ = grouped_sdpa(module, q, k, v, mask, scaling=d**-0.5)
     assert out.shape == (B, n, H, d)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_query_heads_attend_as_repeated_keys_do_and_the_mask_is_repeated_once(
+    monkeypatch,
+):
+    """transformers copies the keys and values per query head (``repeat_kv``) for more than one
+    query token; packed_sdpa packs the query heads of a key/value head into its rows instead."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(1)
+    module = _Attn()
+    for B, n, span in ((2, 5, 40), (1, 17, 300), (3, 2, 9)):
+        q = torch.randn(B, 4, n, 8, generator=g).transpose(1, 2).contiguous().transpose(1, 2)
+        k, v = torch.randn(2, B, 2, span, 8, generator=g)
+        mask = torch.zeros(B, 1, n, span)
+        mask[..., span - 3 :] = float("-inf")
+        mask[0, 0, 0, :2] = float("-inf")  # rows differ: a mask row per query token
+        ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+        out, _ = packed_sdpa(module, q, k, v, mask, scaling=0.3)
+        assert out.shape == ref.shape == (B, n, 4, 8) and out.is_contiguous()
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    # inside one verifier forward (grouped()), every layer reuses the first layer's repeated mask
+    calls = []
+    orig_repeat = torch.Tensor.repeat
+    monkeypatch.setattr(
+        torch.Tensor, "repeat", lambda self, *a: calls.append(a) or orig_repeat(self, *a)
+    )
+    with grouped(None):
+        for _ in range(3):  # three layers
+            packed_sdpa(module, q, k, v, mask, scaling=0.3)
+    assert len(calls) == 1
+    packed_sdpa(module, q, k, v, mask, scaling=0.3)  # outside a forward: made per call
+    assert len(calls) == 2
 
 
 def test_a_long_row_among_short_ones_decodes_exactly(tiny_target):
