@@ -33,7 +33,6 @@ _GROUPS: contextvars.ContextVar = contextvars.ContextVar("redraft_row_groups", d
 # the current forward's masks with their rows repeated per query head of a key/value head
 # (one dict per verifier forward, set by :func:`grouped`: every layer reuses the first's)
 _PACKED_MASKS: contextvars.ContextVar = contextvars.ContextVar("redraft_packed", default=None)
-PACK_GQA = True  # False: transformers' sdpa as it is (kept for A/B runs)
 
 
 def row_groups(lengths: list[int], n: int, device) -> tuple | None:
@@ -107,8 +106,7 @@ def packed_sdpa(module, query, key, value, attention_mask, **kwargs):
     g = getattr(module, "num_key_value_groups", 1)
     n = query.shape[2]
     if (
-        not PACK_GQA
-        or g == 1
+        g == 1
         or n == 1  # transformers packs this case itself
         or attention_mask is None
         or attention_mask.dim() != 4

@@ -66,11 +66,13 @@ class EngineReplies:
         self.join_group: int | None = None
         self._c0: float | None = None  # an eager one-token prefill forward (seconds)
         self._finished = 0
+        self._group = 1  # what the last poll waited for
 
     def stats(self) -> dict:
         """Where the time went so far: steps, the mean batch, prefill forwards and their
-        seconds, decode seconds, the verifier's graph counts (``redraft-distill-data`` prints
-        them: on a GPU they say whether a step ran as a graph replay or eagerly)."""
+        seconds, decode seconds, the last poll's join group, the verifier's graph counts
+        (``redraft-distill-data`` prints them: on a GPU they say whether a step ran as a graph
+        replay or eagerly)."""
         eng, tot = self.engine, self.engine.totals
         g = self.decoder.verifier.graph_stats
         return {
@@ -83,7 +85,7 @@ class EngineReplies:
             "ms_per_decode_step": round(
                 1e3 * (tot["step_s"] - tot["prefill_s"]) / max(eng.steps, 1), 2
             ),
-            "join_group": self.group(len(self.keys) or self.settings.batch_size),
+            "join_group": self._group,
             "graphs": {k: round(v, 2) if isinstance(v, float) else v for k, v in g.items()},
         }
 
@@ -121,7 +123,7 @@ class EngineReplies:
         flight; ``(key, tokens, stopped)`` per reply (a ``Reply``), ``tokens`` without the stop
         id that ended it."""
         done = []
-        want = self.group(len(self.keys))
+        want = self._group = self.group(len(self.keys))
         while self.engine.has_work and len(done) < want:
             for ev in self.engine.step():
                 if not ev.done:
