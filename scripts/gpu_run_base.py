@@ -70,7 +70,8 @@ STEP_LIMITS = {
     # quick, measured on the H200 (2026-11-26): 20 s, 28 s, -, 50 s
     "quick/cost-curves": 60,
     "quick/overhead": 75,
-    "quick/profile": 45,
+    "quick/profile": 60,  # 44.5 s on the H200 (2026-11-27)
+    "quick/engine-profile": 75,
     "quick/ngrams": 150,
     "train-default": 200,
     "train-dummy": 240,
@@ -125,6 +126,8 @@ class Profile:
     quick_dummy: str = "dummy:llama-8b"
     quick_prompts: int = 10
     quick_methods: str = QUICK_METHODS
+    # stage quick's engine profile (scripts/engine_profile.py): the verify grid and engine run
+    engine_profile_args: tuple = ()
 
     def step_limit(self, stage: str, step: str) -> float | None:
         return self.step_s.get(f"{stage}/{step}", self.step_s.get(step))
@@ -142,6 +145,22 @@ class Profile:
             head_methods="greedy,redrafter,mix",
             pytest_paths=("tests/cuda",),
             cost_context=16,
+            engine_profile_args=(
+                "--batches",
+                "1,4",
+                "--capacities",
+                "64,128",
+                "--context",
+                "16",
+                "--batch",
+                "4",
+                "--prompt-tokens",
+                "8",
+                "--max-new-tokens",
+                "16",
+                "--steps",
+                "4",
+            ),
             overhead_tokens=8,
             overhead_batches="1",
             recipe="tiny",

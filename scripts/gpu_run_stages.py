@@ -11,6 +11,9 @@ from pathlib import Path
 
 from gpu_run_base import NGRAM_METHODS, REPO, SCRIPTS, StageRun, Step, free_port, read_json
 
+# stage e's trainer: start-up (~1.5 min) and the final eval + save (~2 min), besides its steps
+TRAIN_RESERVE_S = 210
+
 
 class Stages:
     """The stages (``stage_<name>``) and the steps they share."""
@@ -163,6 +166,7 @@ class Stages:
         self.cost_curves(st, [p.quick_dummy])
         self.overhead(st)
         self.verify_profile(st)
+        self.engine_profile(st)
         self.build_ngrams(st)
         self.bench(
             st,
@@ -216,6 +220,34 @@ class Stages:
         if res:
             st.results["profile"] = res
             st.md += ["## verify profile", "", md.read_text() if md.is_file() else "", ""]
+
+    def engine_profile(self, st: StageRun) -> None:
+        """The one-token verify by batch and cache capacity, and an engine run at batch 64 split
+        into forward and host time (``scripts/engine_profile.py``): why distillation's engine
+        step cost 22 ms on the H200 at a mean batch of 41 rows."""
+        out, md = (self.results / st.name / f"engine.{x}" for x in ("json", "md"))
+        self.run_step(
+            st,
+            "engine-profile",
+            self.py(
+                SCRIPTS / "engine_profile.py",
+                "--target",
+                self.profile.target,
+                "--device",
+                self.profile.device,
+                "--dtype",
+                "bfloat16",
+                "--out",
+                out,
+                "--markdown",
+                md,
+                *self.profile.engine_profile_args,
+            ),
+        )
+        res = read_json(out)
+        if res:
+            st.results["engine"] = res
+            st.md += ["## engine profile", "", md.read_text() if md.is_file() else "", ""]
 
     def overhead(self, st: StageRun) -> None:
         """Host work per decode step (drafting, tree, acceptance, commit) measured with a tiny
@@ -407,7 +439,9 @@ class Stages:
                     *p.distill_args,
                 ),
                 min_s=30,
-                reserve_s=240,
+                # training needs its start-up and final eval + save (210 s, see below) and at
+                # least a minute of steps: with less left it would not run at all
+                reserve_s=TRAIN_RESERVE_S + 90,
                 grace_s=15,
             )
             if step.status == "ok":
@@ -460,7 +494,7 @@ class Stages:
                     ],
                     default=0.0,
                 )
-                mine = (self.deadline() - time.time() - 210) / 60
+                mine = (self.deadline() - time.time() - TRAIN_RESERVE_S) / 60
                 if mine < 1:
                     st.steps.append(
                         Step("train", [], None, 0.0, "no-time", "less than a minute of budget left")

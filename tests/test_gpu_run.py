@@ -184,6 +184,19 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     assert list(prof["sizes"]) == ["1", "2", "16", "32"] and prof["top"]
     assert all(r["eager_ms"] > 0 and r["kernels"] > 0 for r in prof["sizes"].values())
     assert "| 16 | " in quick_md and "graph replay ms" in quick_md
+    # the engine profile: the verify grid (every batch x capacity) and the engine's time split
+    eng = q["engine"]
+    assert {(r["batch"], r["capacity"]) for r in eng["grid"]} == {
+        (1, 64),
+        (4, 64),
+        (1, 128),
+        (4, 128),
+    }
+    assert all(r["ms"] > 0 for r in eng["grid"])
+    e = eng["engine"]
+    assert e["steps"] == 4 and e["mean_batch"] == 4.0 and e["forward_ms_per_step"] > 0
+    assert abs(e["ms_per_step"] - e["forward_ms_per_step"] - e["host_ms_per_step"]) < 0.01
+    assert "| B \\ C | 64 | 128 |" in quick_md and "host ms" in quick_md
     table = q["bench-bfloat16"]["results"]
     assert set(table) == {"chat", "code"} and all(
         set(ds) == {"greedy", "hf-prompt-lookup", "ngrammys", "mix"} for ds in table.values()
@@ -196,6 +209,7 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
         "cost-curves",
         "overhead",
         "profile",
+        "engine-profile",
         "ngrams",
         "bench-bfloat16",
         "predict",

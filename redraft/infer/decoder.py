@@ -227,10 +227,12 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ decoding
 
-    def engine(self) -> Engine:
+    def engine(self, text: bool = True) -> Engine:
         """A step-level :class:`~redraft.infer.engine.Engine` (continuous batching) over this
-        decoder: ``add`` requests, ``step`` until ``has_work`` is false, ``cancel`` any time."""
-        return Engine(self)
+        decoder: ``add`` requests, ``step`` until ``has_work`` is false, ``cancel`` any time.
+        ``text=False``: events and generations carry token ids only (their text is empty; no
+        stop strings), which saves the per-step detokenisation of every row."""
+        return Engine(self, text=text)
 
     @torch.no_grad()
     def stream(

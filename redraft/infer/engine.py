@@ -60,7 +60,7 @@ from redraft.infer.drafters.base import PAD, DecodeState
 from redraft.infer.processors import RowProcessors
 from redraft.infer.rows import Clock, HostState, Row, StepReadout, sampling_params_of
 from redraft.infer.stats import Generation, StreamEvent
-from redraft.infer.text import TextStream
+from redraft.infer.text import NoText, TextStream
 from redraft.infer.verify import StepInput
 
 if TYPE_CHECKING:  # the decoder imports the engine
@@ -79,8 +79,9 @@ class Engine:
     passes ``add``/``cancel`` in between steps).
     """
 
-    def __init__(self, decoder: SpeculativeDecoder):
+    def __init__(self, decoder: SpeculativeDecoder, text: bool = True):
         self.dec = decoder
+        self.text = text  # False: events carry token ids only (no detokenisation, no stop strings)
         self.verifier = decoder.verifier
         self.device = decoder.target.device
         self.rows: list[Row] = []  # aligned with the cache's active slots
@@ -122,6 +123,12 @@ class Engine:
                 param="temperature",
             )
         check_prompt(prompt, self.dec.target.vocab_size, self._context, params.max_new_tokens)
+        if params.stop and not self.text:
+            raise ConfigError(
+                "stop strings need the text: this engine was made with text=False (token ids "
+                "only); pass stop_token_ids, or use an engine with text=True.",
+                param="stop",
+            )
         V = self.dec.target.vocab_size
         for name, ids in (
             ("logit_bias", [t for t, _ in params.logit_bias]),
@@ -147,7 +154,7 @@ class Engine:
                 list(prompt),
                 params,
                 generator,
-                TextStream(self.dec.target.tokenizer, params.stop),
+                TextStream(self.dec.target.tokenizer, params.stop) if self.text else NoText(),
                 uniforms,
             )
         )

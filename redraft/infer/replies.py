@@ -53,7 +53,7 @@ class EngineReplies:
             acceptance="rejection" if sample else "greedy",
             prefill_chunk=0,
         )
-        self.engine = self.decoder.engine()
+        self.engine = self.decoder.engine(text=False)  # replies are token ids: no detokenising
         self.params = SamplingParams.checked(
             max_new_tokens=settings.max_new_tokens,
             temperature=settings.temperature,

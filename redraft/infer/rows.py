@@ -19,7 +19,7 @@ import torch
 from redraft.errors import ConfigError
 from redraft.infer.config import SamplingParams
 from redraft.infer.stats import RequestStats
-from redraft.infer.text import TextStream
+from redraft.infer.text import NoText, TextStream
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Row:
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator | None
-    text: TextStream
+    text: TextStream | NoText
     uniforms: torch.Tensor | None = (
         None  # a seeded request's own random numbers, one per output token
     )

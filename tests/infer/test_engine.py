@@ -306,3 +306,34 @@ def test_seeded_rows_keep_the_target_distribution(tiny_target, tiny_tables):
     exp_k = torch.cat([exp[keep], exp[~keep].sum()[None]])
     assert chisquare(obs_k, exp_k / exp_k.sum() * obs_k.sum()).pvalue > 1e-3
     assert sum(g.stats.accepted_hist.get(1, 0) for g in out) > 30  # drafts were accepted
+
+
+def test_an_engine_without_text_gives_the_same_tokens_and_refuses_stop_strings(
+    tiny_target, tiny_tables
+):
+    """``text=False`` (distillation's engine): the same tokens, events and finish reasons as
+    with text, empty text, no tokenizer call; stop strings refused (they need the text)."""
+    V = tiny_target.vocab_size
+    dec = SpeculativeDecoder(tiny_target, [NGrammysDrafter(tiny_tables, V)], cost_curve=CURVE)
+    prompts = [dec.encode(t)[0] for t in ("Hello there", "def add(a, b):", "Paris is the")]
+    params = [
+        SamplingParams.checked(max_new_tokens=n, stop_token_ids=[s])
+        for n, s in ((12, 5), (20, 7), (9, 3))
+    ]
+    with_text = run_staggered(dec.engine(), prompts, params, [0, 1, 3])
+    calls = []
+    decode = tiny_target.tokenizer.decode
+    tiny_target.tokenizer.decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
+    try:
+        no_text = run_staggered(dec.engine(text=False), prompts, params, [0, 1, 3])
+    finally:
+        tiny_target.tokenizer.decode = decode
+    assert not calls
+    assert any(g.text for g in with_text.values())
+    for i in range(3):
+        assert no_text[i].tokens == with_text[i].tokens
+        assert no_text[i].finish_reason == with_text[i].finish_reason
+        assert no_text[i].text == ""
+    with pytest.raises(ConfigError, match="stop strings need the text") as e:
+        dec.engine(text=False).add(prompts[0], {"max_new_tokens": 4, "stop": ["x"]})
+    assert e.value.param == "stop"

@@ -1,0 +1,231 @@
+"""Where a batched engine step's time goes on one device: the verify forward by batch and cache
+capacity, and a distillation-like engine run split into forward and host time.
+
+    python scripts/engine_profile.py --target default --device cuda --dtype bfloat16 \
+        --out engine.json --markdown engine.md
+
+Stage quick of ``scripts/gpu-run.sh``. Why it exists: on the H200 (2026-11-27, docs/gpu.md) the
+engine distilled at 22.2 ms per decode step with a mean batch of 40.8 rows, while one row's
+one-token verify replays in 3.45 ms. Two suspects, one part each:
+
+1. **grid**: the one-token verify forward (the decoder's static verify, LM head included) of
+   ``B`` rows, each holding ``--context`` tokens, in a cache of ``C`` columns, for B in
+   ``--batches`` and C in ``--capacities``: a captured graph attends every row over the whole
+   capacity, so if the forward grows with ``B x C`` the capacity is the cost. CUDA: graph
+   replays (and the eager forward of the largest point); CPU: eager forwards.
+2. **engine**: an :class:`~redraft.infer.replies.EngineReplies` (what ``redraft-distill-data``
+   runs) with ``--batch`` random prompts of ``--prompt-tokens`` tokens and no stop id (every row
+   decodes ``--max-new-tokens``): per step, its wall time, the synchronised forward time and
+   the rest (host work: sampling, commit, detokenisation, events), with the cache's shape and
+   the graph counts.
+
+Output JSON: ``{"device", "torch", "target", "dtype", "context", "grid": [{"batch",
+"capacity", "ms", "mode"}], "eager_ms": {...}, "engine": {...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _best_ms(fn, sync, repeats: int) -> float:
+    """The fastest of ``repeats`` synchronised calls, in ms (the decoder's own timing)."""
+    from redraft.infer.budget import measure_cost_curve
+
+    return round(1e3 * float(measure_cost_curve(lambda _: fn(), [1], repeats, sync).raw[0]), 3)
+
+
+def grid(target, batches, capacities, context: int, repeats: int) -> tuple[list, dict]:
+    """One-token verify ms for every ``(batch, capacity)``; and the eager ms of the largest."""
+    import torch
+
+    from redraft.infer.verify import Verifier, chain_step
+
+    ver = Verifier(target, static=True)
+    cuda = ver.device.type == "cuda"
+    rows, eager = [], {}
+    for C in capacities:
+        for B in batches:
+            if C < context + 2:
+                continue
+            cache = ver.new_cache(B, C)
+            with torch.inference_mode():
+                ver.prefill([[0] * context] * B, cache)
+                cache.batch, cache.host_lengths = B, [context] * B
+                step = chain_step([context] * B, 1, ver.device)
+
+                def graph(step=step, cache=cache):
+                    ver.logits(ver.verify(step, cache))
+
+                mode = "eager"
+                if cuda:
+                    ver._last_key = None
+                    for _ in range(2):  # the second call in a row captures
+                        graph()
+                    if (B, 1) in cache.graph_set.entries:
+                        mode = "replay"
+                ms = _best_ms(graph, ver.sync, repeats)
+                if B == max(batches) and C == max(capacities) and cuda:
+
+                    def run_eager(step=step, cache=cache):
+                        ver.logits(ver._tree_forward(step, cache, static=True))
+
+                    eager = {"batch": B, "capacity": C, "ms": _best_ms(run_eager, ver.sync, 2)}
+            rows.append({"batch": B, "capacity": C, "ms": ms, "mode": mode})
+            print(f"grid: {rows[-1]}", flush=True)
+            del cache, step
+            if cuda:
+                torch.cuda.empty_cache()
+    return rows, eager
+
+
+def engine_run(target, batch: int, prompt_tokens: int, max_new: int, steps: int) -> dict:
+    """An engine at ``batch`` rows of random prompts: wall, forward and host ms per step over
+    ``steps`` steady steps (after every row has joined and a few warm-up steps)."""
+    import torch
+
+    from redraft.data.replies import ReplySettings
+    from redraft.infer.replies import EngineReplies
+
+    V = int(target.model.get_output_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(0)
+    gen = EngineReplies(target, ReplySettings(max_new, (), batch_size=batch))
+    for k in range(batch):
+        gen.submit(k, torch.randint(3, V - 1, (prompt_tokens,), generator=g).tolist())
+    eng, ver = gen.engine, gen.decoder.verifier
+    warm = 0
+    while eng.has_work and (eng.prefilling or warm < 8):
+        eng.step()
+        warm += 0 if eng.prefilling else 1
+    before = dict(ver.graph_stats)
+    ver.timing, ver.forward_seconds = True, 0.0
+    t0, n = time.perf_counter(), 0
+    rows = 0
+    while eng.has_work and n < steps:
+        rows += eng.cache.batch
+        eng.step()
+        n += 1
+    wall = time.perf_counter() - t0
+    ver.timing = False
+    fwd = ver.forward_seconds
+    return {
+        "steps": n,
+        "mean_batch": round(rows / max(n, 1), 1),
+        "capacity": int(eng.cache.capacity),
+        "slots": int(eng.cache.slots),
+        "ms_per_step": round(1e3 * wall / max(n, 1), 3),
+        "forward_ms_per_step": round(1e3 * fwd / max(n, 1), 3),
+        "host_ms_per_step": round(1e3 * (wall - fwd) / max(n, 1), 3),
+        "graphs": {
+            k: ver.graph_stats[k] - before.get(k, 0) for k in ("replays", "eager", "captures")
+        },
+    }
+
+
+def markdown(rep: dict) -> list[str]:
+    caps = sorted({r["capacity"] for r in rep["grid"]})
+    bats = sorted({r["batch"] for r in rep["grid"]})
+    cell = {(r["batch"], r["capacity"]): r for r in rep["grid"]}
+    mode = next((r["mode"] for r in rep["grid"]), "-")
+    lines = [
+        f"one-token verify of {rep['target']} ({rep['dtype']}) on {rep['device']}: B rows of "
+        f"{rep['context']} cached tokens in a cache of C columns, ms ({mode}, fastest of the "
+        "repeats, synchronised)",
+        "",
+        "| B \\ C | " + " | ".join(str(c) for c in caps) + " |",
+        "|---:|" + "---:|" * len(caps),
+    ]
+    for b in bats:
+        vals = [f"{cell[(b, c)]['ms']:.3f}" if (b, c) in cell else "-" for c in caps]
+        lines.append(f"| {b} | " + " | ".join(vals) + " |")
+    if rep.get("eager_ms"):
+        e = rep["eager_ms"]
+        lines += ["", f"eager forward at B={e['batch']}, C={e['capacity']}: {e['ms']:.3f} ms"]
+    if rep.get("engine"):
+        e = rep["engine"]
+        lines += [
+            "",
+            "engine (EngineReplies, greedy, no stop id), per steady step:",
+            "",
+            "| mean batch | capacity | slots | steps | ms per step | forward ms | host ms | "
+            "replays / eager / captures |",
+            "|---:|---:|---:|---:|---:|---:|---:|---|",
+            f"| {e['mean_batch']} | {e['capacity']} | {e['slots']} | {e['steps']} | "
+            f"{e['ms_per_step']:.3f} | {e['forward_ms_per_step']:.3f} | "
+            f"{e['host_ms_per_step']:.3f} | {e['graphs']['replays']} / {e['graphs']['eager']} / "
+            f"{e['graphs']['captures']} |",
+        ]
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="engine_profile.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--target", default="default", help="target spec")
+    p.add_argument("--device", default=None, help="torch device (cuda when available)")
+    p.add_argument("--dtype", default="bfloat16", help="target dtype")
+    p.add_argument("--context", type=int, default=400, help="tokens each grid row holds")
+    p.add_argument("--batches", default="1,8,64", help="grid batch sizes, comma list")
+    p.add_argument("--capacities", default="1024,4096,8192", help="grid cache columns, comma list")
+    p.add_argument("--repeats", type=int, default=5, help="forwards timed per point (fastest kept)")
+    p.add_argument("--batch", type=int, default=64, help="engine part: rows in flight")
+    p.add_argument("--prompt-tokens", type=int, default=200, help="engine part: prompt length")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="engine part: reply length")
+    p.add_argument(
+        "--steps", type=int, default=40, help="engine part: steady steps timed (0: skip)"
+    )
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--markdown", default=None, help="Markdown tables to write")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from redraft.errors import RedraftError
+    from redraft.models import load_target
+    from redraft.utils import atomic_write_text, resolve_device
+
+    try:
+        device = resolve_device(args.device)
+        batches = [int(s) for s in args.batches.split(",")]
+        capacities = [int(s) for s in args.capacities.split(",")]
+    except (RedraftError, ValueError) as exc:
+        print(f"engine_profile.py: error: {exc}", file=sys.stderr)
+        return 2
+    target = load_target(args.target, dtype=args.dtype, device=device)
+    rep = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "target": args.target,
+        "dtype": args.dtype,
+        "context": args.context,
+        "grid": [],
+        "eager_ms": {},
+        "engine": {},
+    }
+
+    def write():  # after each part: a stopped run keeps what it measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out, json.dumps(rep, indent=1))
+        if args.markdown:
+            atomic_write_text(args.markdown, "\n".join(markdown(rep)) + "\n")
+
+    rep["grid"], rep["eager_ms"] = grid(target, batches, capacities, args.context, args.repeats)
+    write()
+    if args.steps:
+        rep["engine"] = engine_run(
+            target, args.batch, args.prompt_tokens, args.max_new_tokens, args.steps
+        )
+        print(f"engine: {rep['engine']}", flush=True)
+        write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
