@@ -19,8 +19,12 @@ one-token verify replays in 3.45 ms. Two suspects, one part each:
    the rest (host work: sampling, commit, detokenisation, events), with the cache's shape and
    the graph counts.
 
+Both parts also run with ``span_buckets`` (``redraft.infer.verify.Verifier.static_span``: a
+captured verify attends over the power-of-two span holding the longest row, not the capacity):
+the grid for the largest batch, the engine a second time.
+
 Output JSON: ``{"device", "torch", "target", "dtype", "context", "grid": [{"batch",
-"capacity", "ms", "mode"}], "eager_ms": {...}, "engine": {...}}``.
+"capacity", "span", "buckets", "ms", "mode"}], "eager_ms": {...}, "engine": [{...}, ...]}``.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ def _best_ms(fn, sync, repeats: int) -> float:
 
 
 def grid(target, batches, capacities, context: int, repeats: int) -> tuple[list, dict]:
-    """One-token verify ms for every ``(batch, capacity)``; and the eager ms of the largest."""
+    """One-token verify ms for every ``(batch, capacity)`` attending over the whole capacity,
+    and for the largest batch with ``span_buckets`` (the span that holds the rows); and the
+    eager ms of the largest point."""
     import torch
 
     from redraft.infer.verify import Verifier, chain_step
@@ -48,44 +54,59 @@ def grid(target, batches, capacities, context: int, repeats: int) -> tuple[list,
     ver = Verifier(target, static=True)
     cuda = ver.device.type == "cuda"
     rows, eager = [], {}
-    for C in capacities:
-        for B in batches:
-            if C < context + 2:
-                continue
-            cache = ver.new_cache(B, C)
-            with torch.inference_mode():
-                ver.prefill([[0] * context] * B, cache)
-                cache.batch, cache.host_lengths = B, [context] * B
-                step = chain_step([context] * B, 1, ver.device)
+    points = [(B, C, False) for C in capacities for B in batches]
+    points += [(max(batches), C, True) for C in capacities]
+    for B, C, buckets in points:
+        ver.span_buckets = buckets
+        if C < context + 2:
+            continue
+        cache = ver.new_cache(B, C)
+        with torch.inference_mode():
+            ver.prefill([[0] * context] * B, cache)
+            cache.batch, cache.host_lengths = B, [context] * B
+            step = chain_step([context] * B, 1, ver.device)
 
-                def graph(step=step, cache=cache):
-                    ver.logits(ver.verify(step, cache))
+            def graph(step=step, cache=cache):
+                ver.logits(ver.verify(step, cache))
 
-                mode = "eager"
-                if cuda:
-                    ver._last_key = None
-                    for _ in range(2):  # the second call in a row captures
-                        graph()
-                    if (B, 1) in cache.graph_set.entries:
-                        mode = "replay"
-                ms = _best_ms(graph, ver.sync, repeats)
-                if B == max(batches) and C == max(capacities) and cuda:
-
-                    def run_eager(step=step, cache=cache):
-                        ver.logits(ver._tree_forward(step, cache, static=True))
-
-                    eager = {"batch": B, "capacity": C, "ms": _best_ms(run_eager, ver.sync, 2)}
-            rows.append({"batch": B, "capacity": C, "ms": ms, "mode": mode})
-            print(f"grid: {rows[-1]}", flush=True)
-            del cache, step
+            mode = "eager"
             if cuda:
-                torch.cuda.empty_cache()
+                ver._last_key = None
+                for _ in range(2):  # the second call in a row captures
+                    graph()
+                if any(k[:2] == (B, 1) for k in cache.graph_set.entries):
+                    mode = "replay"
+            ms = _best_ms(graph, ver.sync, repeats)
+            if B == max(batches) and C == max(capacities) and cuda and not buckets:
+
+                def run_eager(step=step, cache=cache):
+                    ver.logits(ver._tree_forward(step, cache, static=True))
+
+                eager = {"batch": B, "capacity": C, "ms": _best_ms(run_eager, ver.sync, 2)}
+        span = ver.static_span(cache, 1)
+        rows.append(
+            {"batch": B, "capacity": C, "span": span, "buckets": buckets, "ms": ms, "mode": mode}
+        )
+        print(f"grid: {rows[-1]}", flush=True)
+        del cache, step
+        if cuda:
+            torch.cuda.empty_cache()
     return rows, eager
 
 
-def engine_run(target, batch: int, prompt_tokens: int, max_new: int, steps: int) -> dict:
+def engine_run(
+    target,
+    batch: int,
+    prompt_tokens: int,
+    max_new: int,
+    steps: int,
+    buckets: bool = False,
+    grow_to: int = 0,
+) -> dict:
     """An engine at ``batch`` rows of random prompts: wall, forward and host ms per step over
-    ``steps`` steady steps (after every row has joined and a few warm-up steps)."""
+    ``steps`` steady steps (after every row has joined and a few warm-up steps); ``buckets``:
+    its verifier's ``span_buckets``; ``grow_to``: a prompt of that many tokens passes through
+    first (its cache columns stay)."""
     import torch
 
     from redraft.data.replies import ReplySettings
@@ -94,9 +115,17 @@ def engine_run(target, batch: int, prompt_tokens: int, max_new: int, steps: int)
     V = int(target.model.get_output_embeddings().weight.shape[0])
     g = torch.Generator().manual_seed(0)
     gen = EngineReplies(target, ReplySettings(max_new, (), batch_size=batch))
+    if grow_to:  # one long request first, one token long: the cache keeps its columns (as a
+        # distillation's cache keeps those of its longest prompt so far)
+        gen.engine.add(
+            torch.randint(3, V - 1, (grow_to,), generator=g).tolist(), {"max_new_tokens": 1}
+        )
+        while gen.engine.has_work:
+            gen.engine.step()
     for k in range(batch):
         gen.submit(k, torch.randint(3, V - 1, (prompt_tokens,), generator=g).tolist())
     eng, ver = gen.engine, gen.decoder.verifier
+    ver.span_buckets = buckets
     warm = 0
     while eng.has_work and (eng.prefilling or warm < 8):
         eng.step()
@@ -113,6 +142,7 @@ def engine_run(target, batch: int, prompt_tokens: int, max_new: int, steps: int)
     ver.timing = False
     fwd = ver.forward_seconds
     return {
+        "span_buckets": buckets,
         "steps": n,
         "mean_batch": round(rows / max(n, 1), 1),
         "capacity": int(eng.cache.capacity),
@@ -127,9 +157,10 @@ def engine_run(target, batch: int, prompt_tokens: int, max_new: int, steps: int)
 
 
 def markdown(rep: dict) -> list[str]:
-    caps = sorted({r["capacity"] for r in rep["grid"]})
-    bats = sorted({r["batch"] for r in rep["grid"]})
-    cell = {(r["batch"], r["capacity"]): r for r in rep["grid"]}
+    whole = [r for r in rep["grid"] if not r["buckets"]]
+    caps = sorted({r["capacity"] for r in whole})
+    bats = sorted({r["batch"] for r in whole})
+    cell = {(r["batch"], r["capacity"]): r for r in whole}
     mode = next((r["mode"] for r in rep["grid"]), "-")
     lines = [
         f"one-token verify of {rep['target']} ({rep['dtype']}) on {rep['device']}: B rows of "
@@ -142,23 +173,33 @@ def markdown(rep: dict) -> list[str]:
     for b in bats:
         vals = [f"{cell[(b, c)]['ms']:.3f}" if (b, c) in cell else "-" for c in caps]
         lines.append(f"| {b} | " + " | ".join(vals) + " |")
+    bucketed = {r["capacity"]: r for r in rep["grid"] if r["buckets"]}
+    if bucketed:
+        b = next(iter(bucketed.values()))["batch"]
+        vals = [
+            f"{bucketed[c]['ms']:.3f} (span {bucketed[c]['span']})" if c in bucketed else "-"
+            for c in caps
+        ]
+        lines.append(f"| {b}, span_buckets | " + " | ".join(vals) + " |")
     if rep.get("eager_ms"):
         e = rep["eager_ms"]
         lines += ["", f"eager forward at B={e['batch']}, C={e['capacity']}: {e['ms']:.3f} ms"]
     if rep.get("engine"):
-        e = rep["engine"]
         lines += [
             "",
             "engine (EngineReplies, greedy, no stop id), per steady step:",
             "",
-            "| mean batch | capacity | slots | steps | ms per step | forward ms | host ms | "
-            "replays / eager / captures |",
-            "|---:|---:|---:|---:|---:|---:|---:|---|",
-            f"| {e['mean_batch']} | {e['capacity']} | {e['slots']} | {e['steps']} | "
-            f"{e['ms_per_step']:.3f} | {e['forward_ms_per_step']:.3f} | "
-            f"{e['host_ms_per_step']:.3f} | {e['graphs']['replays']} / {e['graphs']['eager']} / "
-            f"{e['graphs']['captures']} |",
+            "| span_buckets | mean batch | capacity | slots | steps | ms per step | forward ms | "
+            "host ms | replays / eager / captures |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
+        for e in rep["engine"]:
+            lines.append(
+                f"| {'on' if e['span_buckets'] else 'off'} | {e['mean_batch']} | "
+                f"{e['capacity']} | {e['slots']} | {e['steps']} | {e['ms_per_step']:.3f} | "
+                f"{e['forward_ms_per_step']:.3f} | {e['host_ms_per_step']:.3f} | "
+                f"{e['graphs']['replays']} / {e['graphs']['eager']} / {e['graphs']['captures']} |"
+            )
     return lines
 
 
@@ -180,6 +221,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=512, help="engine part: reply length")
     p.add_argument(
         "--steps", type=int, default=40, help="engine part: steady steps timed (0: skip)"
+    )
+    p.add_argument(
+        "--grow-to",
+        type=int,
+        default=4000,
+        help="engine part: a prompt of this many tokens (one new token) passes through first, "
+        "so the cache has the columns a distillation's longest prompt gives it (0: none)",
     )
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--markdown", default=None, help="Markdown tables to write")
@@ -207,7 +255,7 @@ def main(argv=None) -> int:
         "context": args.context,
         "grid": [],
         "eager_ms": {},
-        "engine": {},
+        "engine": [],
     }
 
     def write():  # after each part: a stopped run keeps what it measured
@@ -218,11 +266,19 @@ def main(argv=None) -> int:
 
     rep["grid"], rep["eager_ms"] = grid(target, batches, capacities, args.context, args.repeats)
     write()
-    if args.steps:
-        rep["engine"] = engine_run(
-            target, args.batch, args.prompt_tokens, args.max_new_tokens, args.steps
+    for buckets in (False, True) if args.steps else ():
+        rep["engine"].append(
+            engine_run(
+                target,
+                args.batch,
+                args.prompt_tokens,
+                args.max_new_tokens,
+                args.steps,
+                buckets,
+                args.grow_to,
+            )
         )
-        print(f"engine: {rep['engine']}", flush=True)
+        print(f"engine: {rep['engine'][-1]}", flush=True)
         write()
     return 0
 

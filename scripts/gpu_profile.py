@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                 ver._last_key = None
                 for _ in range(2):  # the second call in a row captures
                     graph()
-                if (1, n) in cache.graph_set.entries:
+                if any(k[:2] == (1, n) for k in cache.graph_set.entries):
                     row["replay_ms"] = _best_ms(graph, ver.sync, args.repeats)
             ks = _kernels(eager, cuda)
             row["kernels"] = len(ks)

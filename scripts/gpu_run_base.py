@@ -67,12 +67,12 @@ STEP_LIMITS = {
     "cost-curves": 180,
     "overhead": 120,
     "predict": 30,
-    # quick, measured on the H200 (2026-11-26): 20 s, 28 s, -, 50 s
+    # quick, measured on the H200 (2026-11-27): 19.9 s, 27.0 s, 44.5 s, -, 26.2 s
     "quick/cost-curves": 60,
     "quick/overhead": 75,
-    "quick/profile": 60,  # 44.5 s on the H200 (2026-11-27)
-    "quick/engine-profile": 75,
-    "quick/ngrams": 150,
+    "quick/profile": 60,
+    "quick/engine-profile": 60,
+    "quick/ngrams": 90,
     "train-default": 200,
     "train-dummy": 240,
     # stage e: the target's own replies made first (the engine, bf16, batch 64; resumable, so a
@@ -145,21 +145,9 @@ class Profile:
             head_methods="greedy,redrafter,mix",
             pytest_paths=("tests/cuda",),
             cost_context=16,
-            engine_profile_args=(
-                "--batches",
-                "1,4",
-                "--capacities",
-                "64,128",
-                "--context",
-                "16",
-                "--batch",
-                "4",
-                "--prompt-tokens",
-                "8",
-                "--max-new-tokens",
-                "16",
-                "--steps",
-                "4",
+            engine_profile_args=tuple(
+                "--batches 1,4 --capacities 64,128 --context 16 --batch 4 --prompt-tokens 8 "
+                "--max-new-tokens 16 --steps 4 --grow-to 40".split()
             ),
             overhead_tokens=8,
             overhead_batches="1",

@@ -95,6 +95,13 @@ class DecoderConfig(Settings):
         "Pad verify trees to a few fixed sizes and capture the forward in a CUDA graph: "
         "'auto' (on for CUDA, off on CPU), true or false.",
     )
+    span_buckets: bool = _f(
+        False,
+        "With static_verify: a captured verify attends over the shortest power-of-two span "
+        "(at least 256 columns) that holds the longest row, one graph per span, instead of "
+        "the cache's whole capacity (fewer keys read when a cache grown for long prompts "
+        "holds short rows; more captures).",
+    )
     prefill_chunk: Any = _f(
         "auto",
         "Prompt tokens prefilled per step while other requests decode (chunked prefill: "

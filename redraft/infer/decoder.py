@@ -126,7 +126,11 @@ class SpeculativeDecoder:
         dev = target.device
         static = cfg.static_verify if cfg.static_verify != "auto" else dev.type == "cuda"
         self.verifier = Verifier(
-            target, fp32_logits=cfg.fp32_logits, cpu_pack=cfg.cpu_pack, static=static
+            target,
+            fp32_logits=cfg.fp32_logits,
+            cpu_pack=cfg.cpu_pack,
+            static=static,
+            span_buckets=cfg.span_buckets,
         )
         self.verifier.hidden_layers = lower_hidden_layers(self.drafters)
         self.cost_curve = cost_curve

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 # tree sizes (root included) a static verify pads to: one captured graph each
 STATIC_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIN_SPAN = 256  # the shortest span a bucketed static verify attends over (span_buckets)
 
 
 @dataclass
@@ -135,6 +136,9 @@ class Verifier:
             capture on CUDA).
         graphs: capture static verifies in CUDA graphs (default: ``static`` on CUDA).
         capture: the capture function (``cuda_capture``); tests inject their own.
+        span_buckets: with ``static``, attend over the shortest power-of-two span (at least
+            :data:`MIN_SPAN` columns) holding the longest row instead of the whole capacity
+            (:meth:`static_span`; one graph per span).
     """
 
     def __init__(
@@ -145,8 +149,10 @@ class Verifier:
         static: bool = False,
         graphs: bool | None = None,
         capture=None,
+        span_buckets: bool = False,
     ):
         self.target = target
+        self.span_buckets = span_buckets
         self.model = target.model
         self.base = getattr(self.model, self.model.base_model_prefix)
         self.device, self.dtype = target.device, target.dtype
@@ -279,14 +285,31 @@ class Verifier:
             )
         return out.last_hidden_state  # [B, n, H] after the final norm
 
-    def _tree_forward(self, step: StepInput, cache: SlotKVCache, static: bool) -> torch.Tensor:
-        """The verify forward, everything derived from ``step`` inside it (one graph on CUDA)."""
+    def static_span(self, cache: SlotKVCache, n: int) -> int:
+        """Columns a static verify of ``n`` tokens per row attends over: the whole capacity, or
+        with :attr:`span_buckets` the shortest power of two (>= :data:`MIN_SPAN`) that holds the
+        longest row's cache and tree. A graph captured at a span serves every step whose rows
+        fit it: the columns past a row's length are masked whatever the span."""
+        if not self.span_buckets:
+            return cache.capacity
+        need, span = cache.physical + n, MIN_SPAN
+        while span < need:
+            span *= 2
+        return min(span, cache.capacity)
+
+    def _tree_forward(
+        self, step: StepInput, cache: SlotKVCache, static: bool, span: int | None = None
+    ) -> torch.Tensor:
+        """The verify forward, everything derived from ``step`` inside it (one graph on CUDA).
+        ``span``: the columns a static forward attends over (default :meth:`static_span`)."""
         with not_counted():
             N = step.size
             lengths = step.lengths
-            cache.begin(
-                lengths, N, cache.capacity if static else min(cache.capacity, cache.physical + N)
-            )
+            if static:
+                span = span or self.static_span(cache, N)
+            else:
+                span = min(cache.capacity, cache.physical + N)
+            cache.begin(lengths, N, span)
             bias = cache.attention_bias(step.anc.bool(), self.dtype)
             groups = row_groups(cache.host_lengths, N, self.device) if self._grouped else None
             with grouped(groups):
@@ -336,7 +359,8 @@ class Verifier:
         if not self.static:
             with _Timer(self) if self.timing else contextlib.nullcontext():
                 return self._tree_forward(step, cache, static=False)
-        key = (cache.batch, step.size)
+        span = self.static_span(cache, step.size)
+        key = (cache.batch, step.size, span)
         graphs: GraphSet = cache.graph_set
         if graphs.generation != cache.generation:  # the buffer moved: its graphs are stale
             graphs.clear()
@@ -348,7 +372,7 @@ class Verifier:
         if entry is None:
             self.graph_stats["eager"] += 1
             with _Timer(self) if self.timing else contextlib.nullcontext():
-                return self._tree_forward(step, cache, static=True)
+                return self._tree_forward(step, cache, static=True, span=span)
         self.graph_stats["replays"] += 1
         entry["step"].packed.copy_(step.packed)
         with _Timer(self) if self.timing else contextlib.nullcontext():
@@ -365,7 +389,9 @@ class Verifier:
             if graphs.pool is None and self.device.type == "cuda":
                 graphs.pool = torch.cuda.graph_pool_handle()
             graph, out = self.capture(
-                lambda: self._tree_forward(static, cache, static=True), self.device, graphs.pool
+                lambda: self._tree_forward(static, cache, static=True, span=key[2]),
+                self.device,
+                graphs.pool,
             )
         except Exception as exc:  # noqa: BLE001 - any capture failure must leave decoding intact
             self.graph_stats["failed"] += 1

@@ -17,6 +17,7 @@ from redraft.infer.budget import CostCurve
 from redraft.infer.config import SamplingParams
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter
+from redraft.infer.kv import SlotKVCache
 from redraft.infer.opcount import OpCounter
 
 CURVE = CostCurve([1, 8, 64], [1.0, 1.1, 1.5])
@@ -300,3 +301,67 @@ def test_padded_trees_keep_plain_greedy_and_skip_the_dear_sizes(
         ref = plain_greedy(tiny_target, [p], max_new_tokens=30)
         assert [g.tokens for g in dec.generate([p], max_new_tokens=30)] == [ref[0].tokens]
     assert 8 in sizes and not {2, 4} & set(sizes)
+
+
+def test_span_buckets_attend_over_the_longest_rows_bucket_and_keep_plain_greedy(
+    tiny_target, tiny_tables, tiny_prompts
+):
+    """With ``span_buckets`` a captured verify attends over the shortest power-of-two span
+    (>= 256) holding the longest row, not the whole capacity: a cache grown for a long request
+    serves short rows with short spans, a graph per span, and the output is plain greedy's."""
+    from redraft.infer.verify import MIN_SPAN
+
+    captures = []
+    dec = SpeculativeDecoder(
+        tiny_target,
+        [NGrammysDrafter(tiny_tables, tiny_target.vocab_size)],
+        budget=8,
+        cost_curve=CURVE,
+        static_verify=True,
+        span_buckets=True,
+    )
+    dec.verifier.graphs, dec.verifier.capture = True, fake_capture(captures)
+    spans = []
+    begin = SlotKVCache.begin
+
+    def spy(cache, lengths, n, span, rows=None):
+        if rows is None:  # a verify forward (prefills pass their rows)
+            spans.append((span, cache.capacity, cache.physical + n))
+        return begin(cache, lengths, n, span, rows)
+
+    SlotKVCache.begin = spy
+    try:
+        eng = dec.engine()
+        long_prompt = dec.encode(tiny_prompts[1])[0] * 40  # a cache of > 1,000 columns
+        eng.add(long_prompt[:700], SamplingParams.checked(max_new_tokens=400))
+        short = [dec.encode(p)[0] for p in tiny_prompts]
+        for p in short:
+            eng.add(p, SamplingParams.checked(max_new_tokens=30))
+        out = {}
+        while eng.has_work:
+            for ev in eng.step():
+                if ev.done:
+                    out[ev.index] = ev.generation
+        capacity = eng.cache.capacity
+        for p in short:  # the same cache, grown for the long request, now holds short rows only
+            eng.add(p, SamplingParams.checked(max_new_tokens=30))
+        while eng.has_work:
+            for ev in eng.step():
+                if ev.done:
+                    out[ev.index] = ev.generation
+    finally:
+        SlotKVCache.begin = begin
+    ref = plain_greedy(tiny_target, [long_prompt[:700]], max_new_tokens=400)
+    ref += plain_greedy(tiny_target, short, max_new_tokens=30)
+    ref += plain_greedy(tiny_target, short, max_new_tokens=30)
+    assert [out[i].tokens for i in range(2 * len(short) + 1)] == [g.tokens for g in ref]
+    assert eng.cache.capacity == capacity >= 1024
+    assert spans and all(need <= span <= cap for span, cap, need in spans)
+    assert all(
+        span == cap or (span >= MIN_SPAN and span & (span - 1) == 0) for span, cap, _ in spans
+    )
+    assert min(s for s, _, _ in spans) < max(c for _, c, _ in spans)  # shorter than capacity
+    assert sum(g.replays for g in captures) > 0
+    # a graph per span: the long request's and the short rows' (the last ones at 256 columns)
+    assert len({k[2] for k in eng.cache.graph_set.entries}) >= 2
+    assert spans[-1][0] == MIN_SPAN
