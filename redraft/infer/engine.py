@@ -433,15 +433,26 @@ class Engine:
     def _reserve(self, new: list[Row]) -> None:
         """A cache with room for the running rows, those being prefilled (and a parked slot
         each) and ``new`` (made once, grown by doubling). The columns ``new`` will need are
-        made in the background (:meth:`~redraft.infer.kv.SlotKVCache.prepare`): a prompt takes
-        them when a piece or its joining needs them (:meth:`_prefill_piece`)."""
+        added when a piece or its joining needs them (:meth:`_prefill_piece`; on a CPU a grown
+        buffer's pages are zeroed only as they are touched: :func:`~redraft.infer.kv.zeroed`)."""
         width = self._width(new)
         if self.cache is None:
             self.cache = self.verifier.new_cache(len(new) + 1, width)  # + 1: a parked slot
             return
-        # rows now (parking one of them then grows nothing), then the columns in the background
-        self.cache.reserve(self._slots_needed(len(new), park=1), self.cache.capacity)
-        self.cache.prepare(self.cache.slots, width)
+        # rows now (parking one of them then grows nothing); columns when a piece needs them
+        self.cache.reserve(
+            self._slots_needed(len(new), park=1), self.cache.capacity, self._used_columns()
+        )
+
+    def _used_columns(self) -> dict[int, int]:
+        """Slot -> columns holding data, between steps: each batch row's cached tokens and each
+        parked row's pieces so far (a growing cache copies only these)."""
+        c = self.cache
+        used = dict(enumerate(c.host_lengths[: c.batch]))
+        for r in self.prefilling:
+            if r.slot is not None:
+                used[r.slot] = r.filled
+        return used
 
     def _width(self, rows: list[Row]) -> int:
         """Columns ``rows`` need to decode to their end (and the running rows theirs)."""
@@ -474,7 +485,7 @@ class Engine:
         above every slot the batch and the rows joining it may take (so neither a row leaving
         nor a request arriving moves a long prompt's cache; it is copied once, when it joins)."""
         cache = self.cache
-        if cache.reserve(self._slots_needed(park=1), cache.capacity):
+        if cache.reserve(self._slots_needed(park=1), cache.capacity, self._used_columns()):
             self._repark()
         row.slot = self._free_slot()
         return row.slot
@@ -538,14 +549,16 @@ class Engine:
         t0 = time.perf_counter()
         starts = [r.filled for r in rows]
         if starts[0] + T >= len(rows[0].prompt):  # every row taken finishes: they join
-            cache.reserve(cache.slots, max(max(starts) + T + 1, self._width(rows)))
+            cache.reserve(
+                cache.slots, max(max(starts) + T + 1, self._width(rows)), self._used_columns()
+            )
             first = cache.batch
             for i, r in enumerate(rows):
                 if r.slot is not None:
                     cache.move_row(r.slot, first + i, r.filled)
                     r.slot = None
         else:  # one row, a piece of its prompt: the columns it writes now
-            cache.reserve(cache.slots, max(starts) + T + 1)
+            cache.reserve(cache.slots, max(starts) + T + 1, self._used_columns())
             first = rows[0].slot if rows[0].slot is not None else self._park(rows[0])
         m0 = self._clock.mark()
         self.totals["prefills"] += 1

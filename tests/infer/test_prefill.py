@@ -434,10 +434,9 @@ def test_prefill_share_sets_what_a_piece_may_cost(tiny_target):
         DecoderConfig(prefill_share=0)
 
 
-def test_a_long_prompt_grows_the_cache_from_a_buffer_made_in_the_background(tiny_target):
-    """Admitting a long prompt starts its bigger cache in a worker thread; the prompt's pieces
-    take it when they reach past the old capacity (no step zeroes gigabytes), and every output
-    stays exact."""
+def test_a_long_prompt_grows_the_cache_when_its_pieces_need_the_columns(tiny_target):
+    """Admitting a long prompt adds no columns yet; its pieces grow the cache when they reach
+    past the old capacity, and every output stays exact."""
     V = tiny_target.vocab_size
     dec = SpeculativeDecoder(tiny_target, [], budget=0, prefill_chunk=8)
     eng = dec.engine()
@@ -448,12 +447,39 @@ def test_a_long_prompt_grows_the_cache_from_a_buffer_made_in_the_background(tiny
     long = [(7 * j + 3) % V for j in range(3 * cap)]
     ids[eng.add(long, SamplingParams.checked(max_new_tokens=3))] = (long, 3)
     eng.step()  # admitted, first piece written
-    assert eng.cache.capacity == cap and eng.cache._next is not None
-    prepared = eng.cache._next[1].result()
+    assert eng.cache.capacity == cap
     out = _drain(eng)
-    assert eng.cache.kv is prepared or eng.cache.capacity > prepared.shape[4]
+    assert eng.cache.capacity >= 3 * cap
     for rid, (p, m) in ids.items():
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
+
+
+def test_a_cpu_cache_buffer_is_zero_and_takes_memory_only_where_written():
+    """:func:`~redraft.infer.kv.zeroed`: zeros everywhere, writable, the same shape and dtype as
+    ``torch.zeros``; pages never written are never resident (an anonymous map)."""
+    import os
+
+    from redraft.infer.kv import zeroed
+
+    def resident_mib():  # this process's resident memory now (Linux)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    t = zeroed((2, 3, 5), torch.float32, "cpu")
+    assert t.shape == (2, 3, 5) and t.dtype == torch.float32 and not t.any()
+    t[1, 2] = 7.0
+    assert t.sum() == 35.0 and t[0].abs().sum() == 0
+    assert zeroed((0, 4), torch.bfloat16, "cpu").shape == (0, 4)
+    before = resident_mib()
+    big = zeroed((64, 1024, 1024), torch.float32, "cpu")  # 256 MiB
+    big[0, 0, :8] = 1.0  # one page touched
+    lazy = resident_mib() - before
+    assert float(big[0, 0].sum()) == 8.0
+    del big
+    before = resident_mib()
+    full = torch.zeros((64, 1024, 1024))  # the measure sees a buffer written at once
+    eager = resident_mib() - before
+    assert eager > 200 and lazy < 32 and full.shape == (64, 1024, 1024)
 
 
 def test_a_burst_of_waiting_requests_gets_bigger_pieces(tiny_target):
@@ -473,3 +499,27 @@ def test_a_burst_of_waiting_requests_gets_bigger_pieces(tiny_target):
         eng.prefilling = [_row(100) for _ in range(P)]
         eng._chunk_limit()
     assert asked == [1.0, 4.0, IDLE_STEPS]
+
+
+def test_a_growing_cache_copies_the_columns_its_rows_use(tiny_target):
+    """``reserve(..., used)`` copies each listed slot's first columns and nothing else (the
+    engine lists its rows' lengths and its parked rows' pieces); without ``used``, every slot up
+    to the columns any forward wrote."""
+    from redraft.infer.kv import SlotKVCache
+
+    cfg = tiny_target.model.config
+    cache = SlotKVCache(cfg, 3, 16, torch.float32, "cpu")
+    cache.kv.copy_(torch.randn_like(cache.kv))
+    cache.high = 16
+    old = cache.kv.clone()
+    assert cache.reserve(5, 40, used={0: 4, 2: 9})
+    assert cache.kv.shape[2] >= 5 and cache.kv.shape[4] >= 40
+    assert torch.equal(cache.kv[:, :, 0, :, :4], old[:, :, 0, :, :4])
+    assert torch.equal(cache.kv[:, :, 2, :, :9], old[:, :, 2, :, :9])
+    assert not cache.kv[:, :, 0, :, 4:].any() and not cache.kv[:, :, 1].any()
+    assert not cache.kv[:, :, 2, :, 9:].any()
+    cache.kv.copy_(torch.randn_like(cache.kv))
+    cache.high, old = 7, cache.kv.clone()
+    assert cache.reserve(cache.slots + 1, cache.capacity)
+    assert torch.equal(cache.kv[:, :, : old.shape[2], :, :7], old[:, :, :, :, :7])
+    assert not cache.kv[:, :, :, :, 7:].any()
