@@ -35,12 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _best_ms(fn, sync, repeats: int) -> float:
-    """The fastest of ``repeats`` synchronised calls, in ms (the decoder's own timing)."""
-    from redraft.infer.budget import measure_cost_curve
-
-    return round(1e3 * float(measure_cost_curve(lambda _: fn(), [1], repeats, sync).raw[0]), 3)
+from gpu_profile import _best_ms  # the same timing (scripts/ is the script's path)
 
 
 def grid(target, batches, capacities, context: int, repeats: int) -> tuple[list, dict]:

@@ -198,39 +198,31 @@ class Stages:
     def verify_profile(self, st: StageRun) -> None:
         """Eager and graph-replayed verify forwards of the target, the kernels they launch and
         the slowest ones (``scripts/gpu_profile.py``): why a 2-token verify costs what it does."""
-        out, md = (self.results / st.name / f"profile.{x}" for x in ("json", "md"))
-        self.run_step(
-            st,
-            "profile",
-            self.py(
-                SCRIPTS / "gpu_profile.py",
-                "--target",
-                self.profile.target,
-                "--device",
-                self.profile.device,
-                "--dtype",
-                "bfloat16",
-                "--out",
-                out,
-                "--markdown",
-                md,
-            ),
-        )
-        res = read_json(out)
-        if res:
-            st.results["profile"] = res
-            st.md += ["## verify profile", "", md.read_text() if md.is_file() else "", ""]
+        self.profile_step(st, "profile", "gpu_profile.py", "profile", "verify profile")
 
     def engine_profile(self, st: StageRun) -> None:
         """The one-token verify by batch and cache capacity, and an engine run at batch 64 split
         into forward and host time (``scripts/engine_profile.py``): why distillation's engine
         step cost 22 ms on the H200 at a mean batch of 41 rows."""
-        out, md = (self.results / st.name / f"engine.{x}" for x in ("json", "md"))
-        self.run_step(
+        self.profile_step(
             st,
             "engine-profile",
+            "engine_profile.py",
+            "engine",
+            "engine profile",
+            self.profile.engine_profile_args,
+        )
+
+    def profile_step(self, st: StageRun, step: str, script: str, stem: str, title: str, extra=()):
+        """Run a profiling script on the target (bf16) writing ``<stem>.json`` and ``.md``; its
+        result goes into the stage's results under ``stem`` and its tables into the stage's
+        Markdown under ``title``."""
+        out, md = (self.results / st.name / f"{stem}.{x}" for x in ("json", "md"))
+        self.run_step(
+            st,
+            step,
             self.py(
-                SCRIPTS / "engine_profile.py",
+                SCRIPTS / script,
                 "--target",
                 self.profile.target,
                 "--device",
@@ -241,13 +233,13 @@ class Stages:
                 out,
                 "--markdown",
                 md,
-                *self.profile.engine_profile_args,
+                *extra,
             ),
         )
         res = read_json(out)
         if res:
-            st.results["engine"] = res
-            st.md += ["## engine profile", "", md.read_text() if md.is_file() else "", ""]
+            st.results[stem] = res
+            st.md += [f"## {title}", "", md.read_text() if md.is_file() else "", ""]
 
     def overhead(self, st: StageRun) -> None:
         """Host work per decode step (drafting, tree, acceptance, commit) measured with a tiny
