@@ -80,6 +80,12 @@ class ServeSettings(Settings):
         30.0, "Seconds in-flight requests get to finish after SIGTERM.", range=Range(0)
     )
     warmup: bool = setting(True, "Run a short generation before accepting requests.")
+    threads: int | None = setting(
+        None,
+        "Torch CPU threads of the decoding (default: torch's, one per core). On a small CPU "
+        "the server's event loop and the clients share the cores with them.",
+        range=Range(1),
+    )
     log_level: str = setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
 
     def check(self) -> None:
@@ -184,6 +190,10 @@ def serve(args) -> int:
         return 2
     from redraft.serve.app import create_app
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     decoder = load(args)
     name = args.served_model_name or str(getattr(decoder.target, "spec", "") or "default")
     app = create_app(

@@ -156,6 +156,7 @@ def test_cli_busy_port_is_one_line_exit_2():
         (["--max-batch", "0"], "--max-batch"),
         (["--port", "70000"], "--port"),
         (["--grace", "-1"], "--grace"),
+        (["--threads", "0"], "--threads"),
     ],
 )
 def test_cli_rejects_bad_arguments_before_loading(argv, msg):
