@@ -184,6 +184,9 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     assert list(prof["sizes"]) == ["1", "2", "16", "32"] and prof["top"]
     assert all(r["eager_ms"] > 0 and r["kernels"] > 0 for r in prof["sizes"].values())
     assert "| 16 | " in quick_md and "graph replay ms" in quick_md
+    # the RMSNorm check: transformers' module against F.rms_norm, the same output
+    assert all(prof["norm"][k]["kernels"] > 0 for k in ("module", "F.rms_norm"))
+    assert prof["norm"]["max_abs_diff"] < 1e-5 and "RMSNorm of the largest size" in quick_md
     # the engine profile: the verify grid (every batch x capacity over the whole capacity, the
     # largest batch with span buckets too) and the engine's time split, without and with them
     eng = q["engine"]
