@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shlex
 import signal
@@ -200,6 +201,37 @@ async def run_level(
     return wall, results
 
 
+async def step_buckets(client, url: str) -> dict[float, float]:
+    """The server's cumulative ``redraft_step_seconds`` histogram, ``{upper bound: count}``
+    (empty if it has none: another server, or /metrics unreachable)."""
+    import httpx
+
+    try:
+        r = await client.get(url + "/metrics", timeout=10)
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in r.text.splitlines():
+        if line.startswith('redraft_step_seconds_bucket{le="'):
+            le = line.split('"')[1]
+            out[math.inf if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def bucket_quantile(before: dict, after: dict, q: float) -> float:
+    """The ``q`` quantile (ms) of the observations between two scrapes of one histogram: the
+    upper bound of the bucket where the count passes ``q`` (steps of 25%: see
+    ``redraft.serve.metrics.STEP_BUCKETS``); NaN without observations."""
+    les = sorted(after)
+    total = after[les[-1]] - before.get(les[-1], 0) if les else 0
+    if total <= 0:
+        return float("nan")
+    for le in les:
+        if after[le] - before.get(le, 0) >= q * total:
+            return 1e3 * le
+    return float("nan")
+
+
 async def run_long_join(
     url: str,
     prompts: list,
@@ -229,14 +261,18 @@ async def run_long_join(
                 )
                 i += concurrency
 
+        scrapes = [await step_buckets(client, url)]  # the server's step times: start, join, end
+
         async def joiner():
             await asyncio.sleep(join_after)
+            scrapes.append(await step_buckets(client, url))
             try:
                 return await one_request(client, url, long_prompt, 8, timeout)
             finally:
                 done.set()
 
         *_, long = await asyncio.gather(*(worker(k) for k in range(concurrency)), joiner())
+        scrapes.append(await step_buckets(client, url))
     t_join, t_done = long["t0"], long["end"]
     before = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:]) if b < t_join]
     during = [
@@ -256,6 +292,10 @@ async def run_long_join(
         "itl_p50_during_ms": p(during, 50),
         "itl_p99_during_ms": p(during, 99),
         "gaps_during": len(during),
+        # the server's own step times (its /metrics histogram), to set the client's gaps against
+        "step_p50_before_ms": bucket_quantile(scrapes[0], scrapes[1], 0.5),
+        "step_p50_during_ms": bucket_quantile(scrapes[1], scrapes[2], 0.5),
+        "step_p99_during_ms": bucket_quantile(scrapes[1], scrapes[2], 0.99),
     }
     row["p99_over_median"] = row["itl_p99_during_ms"] / row["itl_p50_before_ms"]
     return row
@@ -264,7 +304,7 @@ async def run_long_join(
 def long_join_markdown(table: list[dict]) -> str:
     head = (
         "| server | prompt tokens | long TTFT (s) | ITL p50 before (ms) | ITL p50 / p99 during (ms) "
-        "| p99 during / p50 before | gaps during |"
+        "| p99 during / p50 before | gaps during | server step p50 before, p50 / p99 during (ms) |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in table:
@@ -272,7 +312,8 @@ def long_join_markdown(table: list[dict]) -> str:
             f"| {r['label']} | {r['prompt_tokens']} | {r['long_ttft_ms'] / 1e3:.1f} "
             f"| {r['itl_p50_before_ms']:.0f} "
             f"| {r['itl_p50_during_ms']:.0f} / {r['itl_p99_during_ms']:.0f} | {r['p99_over_median']:.2f} "
-            f"| {r['gaps_during']} |"
+            f"| {r['gaps_during']} | {r['step_p50_before_ms']:.0f}, {r['step_p50_during_ms']:.0f} "
+            f"/ {r['step_p99_during_ms']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 

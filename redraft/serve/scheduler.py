@@ -275,6 +275,7 @@ class Scheduler:
 
     def _step(self, engine):
         """One engine step; returns the engine to go on with (a new one after a failed step)."""
+        t0 = time.perf_counter()
         try:
             events = engine.step()
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving others
@@ -309,7 +310,7 @@ class Scheduler:
                         ttft = None if job.first_token is None else job.first_token - job.arrived
                         self.metrics.finished(ev.generation, ttft, secs)
         if self.metrics is not None:
-            self.metrics.step(tokens, getattr(engine, "kv_usage", None))
+            self.metrics.step(tokens, getattr(engine, "kv_usage", None), time.perf_counter() - t0)
         self._post(out)
         return engine
 

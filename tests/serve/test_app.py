@@ -363,8 +363,10 @@ def test_metrics_count_requests_and_tokens(fake_server):
         "redraft_batch_size",
         "redraft_target_calls_total",
         "redraft_time_to_first_token_seconds_bucket",
+        "redraft_step_seconds_bucket",
     ):
         assert name in text
+    assert "redraft_step_seconds_count 0.0" not in text  # every step observed
 
 
 # ---------------------------------------------------------------------------------- load benchmark

@@ -44,6 +44,19 @@ def test_long_join_scenario_reports_the_gaps_around_the_join(fake_server, tmp_pa
     assert row["itl_p50_before_ms"] > 0 and row["long_ttft_ms"] > 0 and row["gaps_during"] > 0
     assert row["p99_over_median"] == row["itl_p99_during_ms"] / row["itl_p50_before_ms"]
     assert (tmp_path / "t.md").read_text().count("\n") == 3
+    # the server's own step times from its /metrics histogram (the fake's steps take 10 ms)
+    for key in ("step_p50_before_ms", "step_p50_during_ms", "step_p99_during_ms"):
+        assert 10 <= row[key] < 60, (key, row[key])
+
+
+def test_a_quantile_between_two_scrapes_is_the_bucket_it_falls_in():
+    before = {0.01: 5.0, 0.02: 5.0, 0.04: 5.0, float("inf"): 5.0}
+    after = {0.01: 15.0, 0.02: 105.0, 0.04: 106.0, float("inf"): 106.0}  # 10, 90, 1 new
+    assert loadtest.bucket_quantile(before, after, 0.05) == 10.0
+    assert loadtest.bucket_quantile(before, after, 0.5) == 20.0
+    assert loadtest.bucket_quantile(before, after, 0.995) == 40.0
+    nan = loadtest.bucket_quantile(after, after, 0.5)
+    assert nan != nan and loadtest.bucket_quantile({}, {}, 0.5) != 0
 
 
 def test_the_long_prompt_has_about_the_tokens_asked_for():
