@@ -33,7 +33,9 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -325,23 +327,34 @@ def distill(
     )
     bar.set_description(f"distilling ({gen.name})")
     ordered = itertools.chain.from_iterable(_length_sorted_batches(todo(), batch_size, sort_window))
-    with open(output, "a", encoding="utf-8") as f:
-        for r in distill_stream(
-            gen,
-            target.tokenizer,
-            ordered,
-            capacity=batch_size,
-            max_prompt_tokens=_prompt_limit(target, max_prompt_tokens, max_new_tokens),
-            counts=counts,
-            max_turns=max_turns,
-        ):
-            if r is not None:
-                _write_reply(f, r, made_with)
-                done.add(r.id)
-                counts["written"] += 1
-            bar.update(1)
-            rate = counts["new_tokens"] / max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix_str(f"{rate:,.1f} tok/s", refresh=False)
+    try:
+        with open(output, "a", encoding="utf-8") as f:
+            for r in distill_stream(
+                gen,
+                target.tokenizer,
+                ordered,
+                capacity=batch_size,
+                max_prompt_tokens=_prompt_limit(target, max_prompt_tokens, max_new_tokens),
+                counts=counts,
+                max_turns=max_turns,
+            ):
+                if r is not None:
+                    _write_reply(f, r, made_with)
+                    done.add(r.id)
+                    counts["written"] += 1
+                bar.update(1)
+                rate = counts["new_tokens"] / max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix_str(f"{rate:,.1f} tok/s", refresh=False)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM at a time limit (the CLI): say what was made
+        bar.close()
+        logger.warning(
+            "interrupted after %d conversations written (%d new tokens in %.1f s)%s",
+            counts["written"],
+            counts["new_tokens"],
+            time.perf_counter() - t0,
+            f"; engine: {gen.stats()}" if hasattr(gen, "stats") else "",
+        )
+        raise
     bar.close()
     if not counts["conversations_read"]:
         _no_conversation(spec, output, existed, counts, stats)
@@ -527,12 +540,23 @@ def check_args(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return run_cli(
-        PROG,
-        lambda: _run(args),
-        interrupted="the conversations written so far are kept (run the same command again "
-        "to resume).",
-    )
+    # a time limit's SIGTERM ends it as Ctrl-C does: what was made is said, and kept
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    try:
+        return run_cli(
+            PROG,
+            lambda: _run(args),
+            interrupted="the conversations written so far are kept (run the same command "
+            "again to resume).",
+        )
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _run(args) -> int:

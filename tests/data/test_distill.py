@@ -212,3 +212,45 @@ def test_sampled_distillation_is_seeded(tiny_target_dir, tmp_path):
         return [m["value"] for r in lines(path) for m in r["conversations"] if m["from"] == "gpt"]
 
     assert replies(a) != replies(c)  # sampling at temperature 1 is not greedy
+
+
+def test_sigterm_ends_a_distillation_as_ctrl_c_does_and_says_what_the_engine_made(
+    tiny_target_dir, tmp_path
+):
+    """A time limit's SIGTERM (scripts/gpu-run.sh stops steps so): exit 130, every reply written
+    so far kept whole, and one line with what was made and the engine's time split."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    convs = [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"from": "human", "value": f"question number {i}"},
+                {"from": "gpt", "value": "answer"},
+            ],
+        }
+        for i in range(400)
+    ]
+    data = f"sharegpt:{write_jsonl(tmp_path / 'src.jsonl', convs)}"
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "redraft.entry", "redraft-distill-data", "--target"]
+    cmd += [str(tiny_target_dir), "--data", data, "--output", str(out), "--no-progress"]
+    cmd += ["--max-new-tokens", "48", "--batch-size", "2", "--max-turns", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    t0 = time.monotonic()
+    while not (out.is_file() and out.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() - t0 < 120
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130, err
+    assert "interrupted after" in err and "engine: {'steps'" in err and "Traceback" not in err
+    assert "written so far are kept" in err
+    kept = lines(out)  # every line whole
+    assert 2 <= len(kept) < 400
+    assert all(r["conversations"][-1]["from"] == "gpt" for r in kept)
