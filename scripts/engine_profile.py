@@ -107,7 +107,7 @@ def engine_run(
     from redraft.data.replies import ReplySettings
     from redraft.infer.replies import EngineReplies
 
-    V = int(target.model.get_output_embeddings().weight.shape[0])
+    V = target.vocab_size
     g = torch.Generator().manual_seed(0)
     gen = EngineReplies(target, ReplySettings(max_new, (), batch_size=batch))
     if grow_to:  # one long request first, one token long: the cache keeps its columns (as a

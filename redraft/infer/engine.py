@@ -441,7 +441,7 @@ class Engine:
             return
         # rows now (parking one of them then grows nothing); columns when a piece needs them
         self.cache.reserve(
-            self._slots_needed(len(new), park=1), self.cache.capacity, self._used_columns()
+            self._slots_needed(len(new), park=1), self.cache.capacity, self._used_columns
         )
 
     def _used_columns(self) -> dict[int, int]:
@@ -485,7 +485,7 @@ class Engine:
         above every slot the batch and the rows joining it may take (so neither a row leaving
         nor a request arriving moves a long prompt's cache; it is copied once, when it joins)."""
         cache = self.cache
-        if cache.reserve(self._slots_needed(park=1), cache.capacity, self._used_columns()):
+        if cache.reserve(self._slots_needed(park=1), cache.capacity, self._used_columns):
             self._repark()
         row.slot = self._free_slot()
         return row.slot
@@ -550,7 +550,7 @@ class Engine:
         starts = [r.filled for r in rows]
         if starts[0] + T >= len(rows[0].prompt):  # every row taken finishes: they join
             cache.reserve(
-                cache.slots, max(max(starts) + T + 1, self._width(rows)), self._used_columns()
+                cache.slots, max(max(starts) + T + 1, self._width(rows)), self._used_columns
             )
             first = cache.batch
             for i, r in enumerate(rows):
@@ -558,7 +558,7 @@ class Engine:
                     cache.move_row(r.slot, first + i, r.filled)
                     r.slot = None
         else:  # one row, a piece of its prompt: the columns it writes now
-            cache.reserve(cache.slots, max(starts) + T + 1, self._used_columns())
+            cache.reserve(cache.slots, max(starts) + T + 1, self._used_columns)
             first = rows[0].slot if rows[0].slot is not None else self._park(rows[0])
         m0 = self._clock.mark()
         self.totals["prefills"] += 1

@@ -7,7 +7,7 @@ took 2.3x longer (scripts in docs/serve.md). Here the rows are split in two grou
 each attended over its own longest row, one SDPA call per group; masked columns carry no
 weight, so the output is what one call over the whole span gives.
 
-Only CPU forwards use it (a captured CUDA graph attends over the whole capacity by design):
+Only CPU forwards use it (a captured CUDA graph attends over one fixed span by design):
 :class:`~redraft.infer.verify.Verifier` switches a CPU target from ``sdpa`` to this function
 (registered with transformers' ``AttentionInterface``), which is plain ``sdpa`` unless the
 verifier set the groups of the current forward (:func:`grouped`). Every call, grouped or not,

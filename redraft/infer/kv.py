@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -168,11 +169,14 @@ class SlotKVCache(Cache):
         new_cap = max(capacity, self.capacity * 2 if capacity > self.capacity else self.capacity)
         return (*self.kv.shape[:2], new_slots, self.kv.shape[3], new_cap, self.kv.shape[5])
 
-    def reserve(self, slots: int, capacity: int, used: dict[int, int] | None = None) -> bool:
+    def reserve(
+        self, slots: int, capacity: int, used: Callable[[], dict[int, int]] | None = None
+    ) -> bool:
         """Make room for ``slots`` rows of ``capacity`` columns (a new buffer: on a CPU its pages
         are zeroed as they are first touched, see :func:`zeroed`); returns whether the buffer
-        moved. ``used``: slot -> columns that hold data (the engine knows its rows' lengths):
-        only those are copied; default: every slot's columns any forward wrote. After a long
+        moved. ``used()``: slot -> columns that hold data (the engine knows its rows' lengths),
+        asked only when the buffer grows: only those are copied; default: every slot's columns
+        any forward wrote. After a long
         prompt joined, the default copies every slot up to its length (3 GB and 5.8 s on the
         2-core EPYC for 17 slots of the default target in float32, touching every page)."""
         if slots <= self.slots and capacity <= self.capacity:
@@ -182,7 +186,7 @@ class SlotKVCache(Cache):
             c = min(self.high, self.capacity)  # columns any forward wrote: the rest are zeros
             new[:, :, : self.slots, :, :c] = self.kv[:, :, :, :, :c]
         else:
-            for slot, c in used.items():
+            for slot, c in used().items():
                 if c > 0:
                     new[:, :, slot, :, :c] = self.kv[:, :, slot, :, :c]
         self.kv = new

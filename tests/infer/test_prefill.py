@@ -512,7 +512,7 @@ def test_a_growing_cache_copies_the_columns_its_rows_use(tiny_target):
     cache.kv.copy_(torch.randn_like(cache.kv))
     cache.high = 16
     old = cache.kv.clone()
-    assert cache.reserve(5, 40, used={0: 4, 2: 9})
+    assert cache.reserve(5, 40, used=lambda: {0: 4, 2: 9})
     assert cache.kv.shape[2] >= 5 and cache.kv.shape[4] >= 40
     assert torch.equal(cache.kv[:, :, 0, :, :4], old[:, :, 0, :, :4])
     assert torch.equal(cache.kv[:, :, 2, :, :9], old[:, :, 2, :, :9])
