@@ -21,10 +21,15 @@ one-token verify replays in 3.45 ms. Two suspects, one part each:
 
 Both parts also run with ``span_buckets`` (``redraft.infer.verify.Verifier.static_span``: a
 captured verify attends over the power-of-two span holding the longest row, not the capacity):
-the grid for the largest batch, the engine a second time.
+the grid for the largest batch, the engine a second time. And the grid's largest batch verifies
+a ``--tree``-token chain per row at every capacity twice: with redraft's attention (the query
+heads of a key/value head packed into its rows, ``redraft.infer.grouped_attention``) and with
+transformers' ``sdpa``, which for a masked forward of more than one token copies the keys and
+values once per query head (``repeat_kv``) in every layer: what packing saves on this device.
 
 Output JSON: ``{"device", "torch", "target", "dtype", "context", "grid": [{"batch",
-"capacity", "span", "buckets", "ms", "mode"}], "eager_ms": {...}, "engine": [{...}, ...]}``.
+"capacity", "span", "buckets", "tree", "attention", "ms", "mode"}], "eager_ms": {...},
+"engine": [{...}, ...]}``.
 """
 
 from __future__ import annotations
@@ -38,28 +43,40 @@ from pathlib import Path
 from gpu_profile import _best_ms  # the same timing (scripts/ is the script's path)
 
 
-def grid(target, batches, capacities, context: int, repeats: int) -> tuple[list, dict]:
+def grid(
+    target, batches, capacities, context: int, repeats: int, tree: int = 0
+) -> tuple[list, dict]:
     """One-token verify ms for every ``(batch, capacity)`` attending over the whole capacity,
-    and for the largest batch with ``span_buckets`` (the span that holds the rows); and the
-    eager ms of the largest point."""
+    and for the largest batch with ``span_buckets`` (the span that holds the rows); with
+    ``tree``, a ``tree``-token chain per row for the largest batch at every capacity, with the
+    query heads packed (redraft's attention) and with transformers' own ``sdpa`` (which copies
+    the keys and values per query head for more than one query token); and the eager ms of the
+    largest point."""
     import torch
 
+    from redraft.infer.grouped_attention import NAME
     from redraft.infer.verify import Verifier, chain_step
 
     ver = Verifier(target, static=True)
     cuda = ver.device.type == "cuda"
     rows, eager = [], {}
-    points = [(B, C, False) for C in capacities for B in batches]
-    points += [(max(batches), C, True) for C in capacities]
-    for B, C, buckets in points:
+    top = max(batches)
+    # (batch, capacity, span_buckets, tree tokens, attention implementation)
+    points = [(B, C, False, 1, NAME) for C in capacities for B in batches]
+    points += [(top, C, True, 1, NAME) for C in capacities]
+    if tree > 1:
+        points += [(top, C, False, tree, impl) for C in capacities for impl in (NAME, "sdpa")]
+    for B, C, buckets, n, impl in points:
         ver.span_buckets = buckets
-        if C < context + 2:
+        if C < context + n + 1:
             continue
+        if target.model.config._attn_implementation != impl:
+            target.model.set_attn_implementation(impl)
         cache = ver.new_cache(B, C)
         with torch.inference_mode():
             ver.prefill([[0] * context] * B, cache)
             cache.batch, cache.host_lengths = B, [context] * B
-            step = chain_step([context] * B, 1, ver.device)
+            step = chain_step([context] * B, n, ver.device)
 
             def graph(step=step, cache=cache):
                 ver.logits(ver.verify(step, cache))
@@ -69,23 +86,33 @@ def grid(target, batches, capacities, context: int, repeats: int) -> tuple[list,
                 ver._last_key = None
                 for _ in range(2):  # the second call in a row captures
                     graph()
-                if any(k[:2] == (B, 1) for k in cache.graph_set.entries):
+                if any(k[:2] == (B, n) for k in cache.graph_set.entries):
                     mode = "replay"
             ms = _best_ms(graph, ver.sync, repeats)
-            if B == max(batches) and C == max(capacities) and cuda and not buckets:
+            if B == top and C == max(capacities) and cuda and not buckets and n == 1:
 
                 def run_eager(step=step, cache=cache):
                     ver.logits(ver._tree_forward(step, cache, static=True))
 
                 eager = {"batch": B, "capacity": C, "ms": _best_ms(run_eager, ver.sync, 2)}
-        span = ver.static_span(cache, 1)
+        span = ver.static_span(cache, n)
         rows.append(
-            {"batch": B, "capacity": C, "span": span, "buckets": buckets, "ms": ms, "mode": mode}
+            {
+                "batch": B,
+                "capacity": C,
+                "span": span,
+                "buckets": buckets,
+                "tree": n,
+                "attention": "packed" if impl == NAME else impl,
+                "ms": ms,
+                "mode": mode,
+            }
         )
         print(f"grid: {rows[-1]}", flush=True)
         del cache, step
         if cuda:
             torch.cuda.empty_cache()
+    target.model.set_attn_implementation(NAME)
     return rows, eager
 
 
@@ -152,7 +179,8 @@ def engine_run(
 
 
 def markdown(rep: dict) -> list[str]:
-    whole = [r for r in rep["grid"] if not r["buckets"]]
+    one = [r for r in rep["grid"] if r.get("tree", 1) == 1]
+    whole = [r for r in one if not r["buckets"]]
     caps = sorted({r["capacity"] for r in whole})
     bats = sorted({r["batch"] for r in whole})
     cell = {(r["batch"], r["capacity"]): r for r in whole}
@@ -168,7 +196,7 @@ def markdown(rep: dict) -> list[str]:
     for b in bats:
         vals = [f"{cell[(b, c)]['ms']:.3f}" if (b, c) in cell else "-" for c in caps]
         lines.append(f"| {b} | " + " | ".join(vals) + " |")
-    bucketed = {r["capacity"]: r for r in rep["grid"] if r["buckets"]}
+    bucketed = {r["capacity"]: r for r in one if r["buckets"]}
     if bucketed:
         b = next(iter(bucketed.values()))["batch"]
         vals = [
@@ -176,6 +204,20 @@ def markdown(rep: dict) -> list[str]:
             for c in caps
         ]
         lines.append(f"| {b}, span_buckets | " + " | ".join(vals) + " |")
+    trees = [r for r in rep["grid"] if r.get("tree", 1) > 1]
+    if trees:
+        cell = {(r["attention"], r["capacity"]): r["ms"] for r in trees}
+        lines += [
+            "",
+            f"{trees[0]['tree']}-token chain per row, {trees[0]['batch']} rows, ms by attention "
+            "(packed: redraft's; sdpa: transformers' copy of the keys and values per query head)",
+            "",
+            "| attention \\ C | " + " | ".join(str(c) for c in caps) + " |",
+            "|---|" + "---:|" * len(caps),
+        ]
+        for impl in ("packed", "sdpa"):
+            vals = [f"{cell[(impl, c)]:.3f}" if (impl, c) in cell else "-" for c in caps]
+            lines.append(f"| {impl} | " + " | ".join(vals) + " |")
     if rep.get("eager_ms"):
         e = rep["eager_ms"]
         lines += ["", f"eager forward at B={e['batch']}, C={e['capacity']}: {e['ms']:.3f} ms"]
@@ -210,6 +252,12 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=400, help="tokens each grid row holds")
     p.add_argument("--batches", default="1,8,64", help="grid batch sizes, comma list")
     p.add_argument("--capacities", default="1024,4096,8192", help="grid cache columns, comma list")
+    p.add_argument(
+        "--tree",
+        type=int,
+        default=16,
+        help="grid: tokens per row of the tree points (largest batch, packed vs sdpa; 0: none)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="forwards timed per point (fastest kept)")
     p.add_argument("--batch", type=int, default=64, help="engine part: rows in flight")
     p.add_argument("--prompt-tokens", type=int, default=200, help="engine part: prompt length")
@@ -259,7 +307,9 @@ def main(argv=None) -> int:
         if args.markdown:
             atomic_write_text(args.markdown, "\n".join(markdown(rep)) + "\n")
 
-    rep["grid"], rep["eager_ms"] = grid(target, batches, capacities, args.context, args.repeats)
+    rep["grid"], rep["eager_ms"] = grid(
+        target, batches, capacities, args.context, args.repeats, args.tree
+    )
     write()
     for buckets in (False, True) if args.steps else ():
         rep["engine"].append(

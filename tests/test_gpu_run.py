@@ -190,13 +190,21 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     # the engine profile: the verify grid (every batch x capacity over the whole capacity, the
     # largest batch with span buckets too) and the engine's time split, without and with them
     eng = q["engine"]
-    assert {(r["batch"], r["capacity"], r["buckets"]) for r in eng["grid"]} == {
-        (1, 64, False),
-        (4, 64, False),
-        (1, 128, False),
-        (4, 128, False),
-        (4, 64, True),
-        (4, 128, True),
+    grid = {
+        (r["batch"], r["capacity"], r["buckets"], r["tree"], r["attention"]) for r in eng["grid"]
+    }
+    assert grid == {
+        (1, 64, False, 1, "packed"),
+        (4, 64, False, 1, "packed"),
+        (1, 128, False, 1, "packed"),
+        (4, 128, False, 1, "packed"),
+        (4, 64, True, 1, "packed"),
+        (4, 128, True, 1, "packed"),
+        # a 16-token chain per row, redraft's packed attention against transformers' sdpa
+        (4, 64, False, 16, "packed"),
+        (4, 64, False, 16, "sdpa"),
+        (4, 128, False, 16, "packed"),
+        (4, 128, False, 16, "sdpa"),
     }
     assert all(r["ms"] > 0 for r in eng["grid"])
     assert [e["span_buckets"] for e in eng["engine"]] == [False, True]
@@ -204,6 +212,7 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
         assert e["steps"] == 4 and e["mean_batch"] == 4.0 and e["forward_ms_per_step"] > 0
         assert abs(e["ms_per_step"] - e["forward_ms_per_step"] - e["host_ms_per_step"]) < 0.01
     assert "| B \\ C | 64 | 128 |" in quick_md and "| 4, span_buckets | " in quick_md
+    assert "| packed | " in quick_md and "| sdpa | " in quick_md
     table = q["bench-bfloat16"]["results"]
     assert set(table) == {"chat", "code"} and all(
         set(ds) == {"greedy", "hf-prompt-lookup", "ngrammys", "mix"} for ds in table.values()

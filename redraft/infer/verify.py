@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from redraft.infer.budget import SIZES, BatchCost, CostCurve, measure_cost_curve
-from redraft.infer.grouped_attention import grouped, row_groups, use_grouped_attention
+from redraft.infer.grouped_attention import grouped, row_groups, use_packed_attention
 from redraft.infer.kv import SlotKVCache
 from redraft.infer.opcount import not_counted
 from redraft.models import cpu
@@ -191,8 +191,10 @@ class Verifier:
         # a few eager forwards, and an eager static forward far more than a replay)
         self.graph_stats = {"captures": 0, "capture_s": 0.0, "failed": 0, "replays": 0, "eager": 0}
         self._attention = sdpa_backends(self.device)
-        # CPU: rows of very different lengths attend in two groups (grouped_attention)
-        self._grouped = not static and use_grouped_attention(self.model)
+        # every device: the query heads of a key/value head attend packed (no per-head copy of
+        # the cache); CPU eager forwards: rows of very different lengths attend in two groups
+        packed = use_packed_attention(self.model)
+        self._grouped = packed and not static and self.device.type == "cpu"
 
     @property
     def kernels(self) -> str:

@@ -46,3 +46,31 @@ def test_graphs_are_captured_and_replayed(cuda_target, tiny_prompts):
     for _ in range(6):
         eng.step()
     assert eng.cache is not None and len(eng.cache.graph_set) >= 1
+
+
+def test_the_beam_search_is_replayed_from_graphs_and_decodes_as_eager(cuda_target, tiny_prompts):
+    """On CUDA the ReDrafter beam search is captured per (rows, width, length) and replayed:
+    its drafts equal the eager search's for new inputs, and decoding stays plain greedy."""
+    import torch
+
+    from redraft.infer.drafters.redrafter import ReDrafterDrafter, beam_search
+    from redraft.models.redrafter import ReDrafter, ReDrafterConfig
+
+    torch.manual_seed(0)
+    head = ReDrafter(ReDrafterConfig.for_target(cuda_target, num_layers=1)).eval()
+    head = head.attach_target(cuda_target).to("cuda")
+    dr = ReDrafterDrafter(head, width=4, length=3)
+    assert dr.graphs.enabled
+    H, V = head.config.hidden_size, cuda_target.vocab_size
+    for _ in range(4):
+        ctx = torch.randn(3, H, device="cuda")
+        last = torch.randint(0, V, (3,), device="cuda")
+        both = dr.search(ctx, last, 4, 3).clone()
+        tokens, logp, _ = beam_search(dr.head, ctx, last, 4, 3)
+        assert both[..., :3].long().tolist() == tokens.tolist()
+    assert dr.graphs.stats["captures"] == 1 and dr.graphs.stats["replays"] == 3
+    ref = plain_greedy(cuda_target, tiny_prompts, max_new_tokens=24)
+    dec = SpeculativeDecoder(cuda_target, [dr], budget=12, static_verify=True)
+    out = dec.generate(tiny_prompts, max_new_tokens=24)
+    assert [o.tokens for o in out] == [r.tokens for r in ref]
+    assert dr.graphs.stats["failed"] == 0 and dr.graphs.stats["replays"] > 3

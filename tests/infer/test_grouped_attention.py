@@ -96,3 +96,26 @@ def test_a_long_row_among_short_ones_decodes_exactly(tiny_target):
                 out[ids[ev.index]] = ev.generation.tokens
     for i, p in enumerate(prompts):
         assert out[i] == plain_greedy(tiny_target, [p], max_new_tokens=12)[0].tokens
+
+
+def test_a_static_verifier_packs_the_query_heads_too(tiny_target_dir):
+    """The CUDA path (a static verify, captured in a graph there) attends packed as well, not
+    through transformers' per-head copy of the cache; its tree hidden states are those of
+    plain ``sdpa`` (the same attention), and it never splits rows in groups (one fixed span)."""
+    from redraft.infer.verify import Verifier, chain_step
+    from redraft.models import load_target
+
+    target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")  # switched below
+    assert target.model.config.num_attention_heads > target.model.config.num_key_value_heads
+    outs = {}
+    for impl in ("sdpa", NAME):
+        ver = Verifier(target, static=True)
+        assert target.model.config._attn_implementation == NAME and not ver._grouped
+        if impl == "sdpa":  # the reference: transformers' own attention (repeat_kv for n > 1)
+            target.model.set_attn_implementation("sdpa")
+        cache = ver.new_cache(3, 64)
+        with torch.inference_mode():
+            ver.prefill([[5, 6, 7, 8], [9, 10], [11, 12, 13]], cache)
+            cache.batch, cache.host_lengths = 3, [4, 2, 3]
+            outs[impl] = ver.verify(chain_step([4, 2, 3], 5, ver.device), cache).clone()
+    torch.testing.assert_close(outs[NAME], outs["sdpa"], rtol=1e-5, atol=1e-5)

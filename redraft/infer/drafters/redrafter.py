@@ -31,6 +31,7 @@ from redraft.infer.beamcost import (
 )
 from redraft.infer.config import FIELDS
 from redraft.infer.drafters.base import DecodeState, Draft, Drafter
+from redraft.infer.graphs import ShapeGraphs
 
 
 @torch.no_grad()
@@ -119,6 +120,10 @@ class ReDrafterDrafter(Drafter):
             multiply bf16 natively).
         beam_cost: a :class:`~redraft.infer.beamcost.BeamCost` to use instead of measuring one
             at the first planned step (only with an ``"auto"`` width or length).
+        graphs: replay the beam search from a CUDA graph per (rows, width, length)
+            (:class:`~redraft.infer.graphs.ShapeGraphs`; default: the head is on CUDA). Eager,
+            its ~190 kernel launches a step cost ~3 ms of host time on an H200.
+        capture: the capture function (tests inject their own).
 
     "auto" needs the decoder's measurements: :class:`~redraft.infer.decoder.SpeculativeDecoder`
     calls :meth:`bind` with itself. Until it has a verify-cost curve (after its first step) the
@@ -136,8 +141,14 @@ class ReDrafterDrafter(Drafter):
         name: str = "redrafter",
         dtype="auto",
         beam_cost=None,
+        graphs: bool | None = None,
+        capture=None,
     ):
         self.head, self.name = head.to(draft_dtype(head, dtype)), name
+        device = next(self.head.parameters()).device
+        self.graphs = ShapeGraphs(
+            self._search, device, capture, graphs, name="ReDrafter beam search"
+        )
         horizon = int(head.config.num_steps)  # the head's training horizon
         self.auto_width, self.auto_length = width == "auto", length == "auto"
         self.width = START_WIDTH if self.auto_width else int(width)
@@ -182,14 +193,23 @@ class ReDrafterDrafter(Drafter):
         self._steps += 1
         self.plans[(self.width, self.length)] += 1
         context = self.context(state.hidden)  # [B, H] (a multi head projects its layers)
-        tokens, logp, _ = beam_search(self.head, context, state.last, self.width, self.length)
-        # one read of tokens and log-probs together (the decoder reads device drafts anyway); ids
-        # < 2**53 and float32 log-probs are exact in float64
-        both = torch.cat([tokens.double(), logp.double()], dim=-1).cpu()  # [B, W, 2L]
+        both = self.search(context, state.last, self.width, self.length).cpu()  # [B, W, 2L]
         tokens, logp = both[..., : self.length].long(), both[..., self.length :].float()
         if not self.auto:  # statistics by rank (the decoder's default)
             return Draft(tokens=tokens, logp=logp)
         return Draft(tokens=tokens, logp=logp, group=torch.from_numpy(self._groups(tokens.numpy())))
+
+    def search(self, context: torch.Tensor, last: torch.Tensor, width: int, length: int):
+        """The beam search of ``context [B, H]``, ``last [B]`` as one ``[B, W, 2L]`` float64
+        tensor, the beams' target ids then their tokens' log-probs (one read to the host for
+        both; ids < 2**53 and float32 log-probs are exact in float64). On CUDA it is replayed
+        from a graph per shape (:attr:`graphs`): the tensor is valid until the next search."""
+        key = (context.shape[0], width, length, context.dtype, last.dtype)
+        return self.graphs(key, context, last)
+
+    def _search(self, key, context: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        tokens, logp, _ = beam_search(self.head, context, last, key[1], key[2])
+        return torch.cat([tokens.double(), logp.double()], dim=-1)
 
     def _groups(self, tokens: np.ndarray) -> np.ndarray:
         """``[B, W]`` the beams' statistics groups (rank bucket x split depth,
@@ -211,8 +231,8 @@ class ReDrafterDrafter(Drafter):
             return False
         if self.beam_cost is None:
             vd = self.head.config.draft_vocab_size or self.head.config.vocab_size
-            self.beam_cost = measure_beam_cost(
-                lambda c, y, w, n: beam_search(self.head, c, y, w, n),
+            self.beam_cost = measure_beam_cost(  # as decoding runs it (replayed on CUDA)
+                self.search,
                 self.context(state.hidden[:1]),
                 state.last[:1],
                 max_rows=min(vd, max(self.widths) * 4),

@@ -1,0 +1,112 @@
+"""A device function captured in a CUDA graph per input shape and replayed (drafting on CUDA).
+
+A ReDrafter beam search is ~190 small kernels per step (5 head steps, top-k, gathers); launched
+one by one from Python that is ~3 ms of host time a step on an H200 (docs/gpu.md, stage e2),
+more than the verify it feeds. Its shapes are fixed by ``(rows, width, length)`` and it reads
+nothing back to the host, so one graph per shape replays it as a single launch. The verify's
+own graphs (:class:`~redraft.infer.verify.GraphSet`) are tied to a KV cache's buffer; these
+depend only on the function's weights and their static input buffers.
+
+The policy is the verifier's: a shape is captured the second call in a row it is used (a
+server's batch changes often; a shape used once never pays a capture), every capture shares one
+memory pool, and **a capture that fails never changes the result**: it is logged once, the
+shape runs eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class ShapeGraphs:
+    """``fn(key, *inputs)`` (tensors in, a tensor out), captured per ``key`` and replayed.
+
+    Args:
+        fn: the function; ``key`` (hashable) fixes everything about its work except the values
+            of ``inputs`` (their shapes included). It must not read device values back to the
+            host (a capture refuses).
+        device: where ``fn`` runs; graphs only on CUDA unless ``enabled`` says otherwise.
+        capture: ``capture(fn, device, pool) -> (graph, out)`` (default
+            :func:`redraft.infer.verify.cuda_capture`); tests inject their own.
+        enabled: capture at all (default: ``device`` is CUDA).
+        name: what the log calls it.
+
+    The returned tensor of a replay is the graph's output buffer: valid until the next call.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        device,
+        capture=None,
+        enabled: bool | None = None,
+        name: str = "function",
+    ):
+        from redraft.infer.verify import cuda_capture
+
+        self.fn, self.device, self.name = fn, torch.device(device), name
+        self.enabled = self.device.type == "cuda" if enabled is None else enabled
+        self.capture = capture or cuda_capture
+        self.entries: dict = {}  # key -> {"graph", "inputs", "out"}
+        self.eager: set = set()  # keys whose capture failed
+        self.pool = None
+        self.stats = {"captures": 0, "capture_s": 0.0, "failed": 0, "replays": 0, "eager": 0}
+        self._last_key, self._warned = None, False
+
+    def __call__(self, key, *inputs: torch.Tensor) -> torch.Tensor:
+        repeat, self._last_key = key == self._last_key, key
+        entry = self.entries.get(key)
+        if entry is None and self.enabled and repeat and key not in self.eager:
+            entry = self._capture(key, inputs)
+        if entry is None:
+            self.stats["eager"] += 1
+            return self.fn(key, *inputs)
+        for buf, x in zip(entry["inputs"], inputs, strict=True):
+            buf.copy_(x)
+        entry["graph"].replay()
+        self.stats["replays"] += 1
+        return entry["out"]
+
+    def _capture(self, key, inputs) -> dict | None:
+        static = [x.clone() for x in inputs]
+        t0 = time.perf_counter()
+        try:
+            if self.pool is None and self.device.type == "cuda":
+                self.pool = torch.cuda.graph_pool_handle()
+            graph, out = self.capture(lambda: self.fn(key, *static), self.device, self.pool)
+        except Exception as exc:  # noqa: BLE001 - a failed capture must leave the result intact
+            self.stats["failed"] += 1
+            self.eager.add(key)
+            self.pool = None  # a failed capture may leave its pool unusable
+            if self.device.type == "cuda":
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize(self.device)
+            if not self._warned:
+                log.warning(
+                    "CUDA graph capture of the %s failed for shape %s (%s: %s); this shape runs "
+                    "eagerly from now on (the result is unchanged).",
+                    self.name,
+                    key,
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                )
+                self._warned = True
+            return None
+        self.stats["captures"] += 1
+        self.stats["capture_s"] += time.perf_counter() - t0
+        entry = {"graph": graph, "inputs": static, "out": out}
+        self.entries[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        """Drop every graph and the pool (e.g. the function's weights moved)."""
+        self.entries.clear()
+        self.eager.clear()
+        self.pool, self._last_key = None, None
