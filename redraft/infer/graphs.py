@@ -25,6 +25,22 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def after_failed_capture(device, what: str, exc: Exception, warned: bool) -> None:
+    """What follows a failed capture: the device synchronised (a capture's error can surface
+    asynchronously) and, unless the caller ``warned`` already, one warning naming ``what``."""
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize(device)
+    if not warned:
+        log.warning(
+            "CUDA graph capture of %s failed (%s: %s); this shape runs eagerly from now on (the "
+            "output is unchanged).",
+            what,
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
+
+
 class ShapeGraphs:
     """``fn(key, *inputs)`` (tensors in, a tensor out), captured per ``key`` and replayed.
 
@@ -85,19 +101,8 @@ class ShapeGraphs:
             self.stats["failed"] += 1
             self.eager.add(key)
             self.pool = None  # a failed capture may leave its pool unusable
-            if self.device.type == "cuda":
-                with contextlib.suppress(Exception):
-                    torch.cuda.synchronize(self.device)
-            if not self._warned:
-                log.warning(
-                    "CUDA graph capture of the %s failed for shape %s (%s: %s); this shape runs "
-                    "eagerly from now on (the result is unchanged).",
-                    self.name,
-                    key,
-                    type(exc).__name__,
-                    str(exc).splitlines()[0] if str(exc) else "",
-                )
-                self._warned = True
+            after_failed_capture(self.device, f"the {self.name} of shape {key}", exc, self._warned)
+            self._warned = True
             return None
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - t0

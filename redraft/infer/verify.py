@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from redraft.infer.budget import SIZES, BatchCost, CostCurve, measure_cost_curve
+from redraft.infer.graphs import after_failed_capture
 from redraft.infer.grouped_attention import grouped, row_groups, use_packed_attention
 from redraft.infer.kv import SlotKVCache
 from redraft.infer.opcount import not_counted
@@ -398,22 +399,10 @@ class Verifier:
         except Exception as exc:  # noqa: BLE001 - any capture failure must leave decoding intact
             self.graph_stats["failed"] += 1
             graphs.eager.add(key)
-            graphs.pool = (
-                None  # a failed capture may leave its pool unusable: the next one starts anew
-            )
-            if self.device.type == "cuda":
-                with contextlib.suppress(Exception):
-                    torch.cuda.synchronize(self.device)
-            if not self._warned:
-                log.warning(
-                    "CUDA graph capture of the verify forward failed for batch %d, tree size %d "
-                    "(%s: %s); this shape runs eagerly from now on (the output is unchanged).",
-                    key[0],
-                    key[1],
-                    type(exc).__name__,
-                    str(exc).splitlines()[0] if str(exc) else "",
-                )
-                self._warned = True
+            graphs.pool = None  # a failed capture may leave its pool unusable: start anew
+            what = f"the verify forward for batch {key[0]}, tree size {key[1]}"
+            after_failed_capture(self.device, what, exc, self._warned)
+            self._warned = True
             return None
         finally:
             self.timing = timing
