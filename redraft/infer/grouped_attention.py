@@ -105,12 +105,19 @@ def packed_sdpa(module, query, key, value, attention_mask, **kwargs):
     or a prefill piece it copies the keys and values ``g`` times per layer (``repeat_kv``):
     for SmolLM2-135M (9 heads, 3 key/value heads) over 4,000 cached tokens in float32, 18 MB
     per layer, 550 MB per forward. Each query row meets the same keys, values and mask row as
-    before, so the output is the same attention."""
+    before, so the output is the same attention. Pieces of more than ``2 H d / g`` tokens (384
+    for SmolLM2-135M, 2,048 for Llama-3-8B) are not packed: their repeated mask would be larger
+    than the copies it saves."""
     g = getattr(module, "num_key_value_groups", 1)
-    n = query.shape[2]
+    B, H, n, d = query.shape
     if (
         g == 1
         or n == 1  # transformers packs this case itself
+        # the repeated mask ([B, 1, g n, S], held for the whole forward) may not outgrow the
+        # keys and values that repeat_kv copies per layer ([B, H, S, d] each): a long prefill
+        # piece (n in the thousands: an 8B target's 32k-token prompt would need a 8.6 GB mask)
+        # takes transformers' path, whose copies are freed layer by layer
+        or g * n > 2 * H * d
         or attention_mask is None
         or attention_mask.dim() != 4
         or attention_mask.shape[1] != 1
@@ -118,7 +125,6 @@ def packed_sdpa(module, query, key, value, attention_mask, **kwargs):
         or kwargs.get("softcap") is not None
     ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    B, H, _, d = query.shape
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(B, H // g, g * n, d),
         key,

@@ -119,3 +119,27 @@ def test_a_static_verifier_packs_the_query_heads_too(tiny_target_dir):
             cache.batch, cache.host_lengths = 3, [4, 2, 3]
             outs[impl] = ver.verify(chain_step([4, 2, 3], 5, ver.device), cache).clone()
     torch.testing.assert_close(outs[NAME], outs["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_piece_is_not_packed_its_repeated_mask_would_outgrow_the_copies(monkeypatch):
+    """Packing holds a ``[B, 1, g n, S]`` mask for the whole forward; beyond ``g n > 2 H d``
+    (here 2 x 4 x 8 = 64: pieces of more than 32 tokens) that is more than the keys and values
+    repeat_kv copies per layer, so such a piece takes transformers' path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module, g = _Attn(), torch.Generator().manual_seed(2)
+    repeats = []
+    orig_repeat = torch.Tensor.repeat
+    monkeypatch.setattr(
+        torch.Tensor, "repeat", lambda self, *a: repeats.append(a) or orig_repeat(self, *a)
+    )
+    for n, packed in ((32, True), (33, False)):
+        q = torch.randn(1, 4, n, 8, generator=g)
+        k, v = torch.randn(2, 1, 2, 60, 8, generator=g)
+        mask = torch.zeros(1, 1, n, 60)
+        mask[..., 50:] = float("-inf")
+        repeats.clear()
+        out, _ = packed_sdpa(module, q, k, v, mask, scaling=0.3)
+        assert bool(repeats) == packed, n
+        ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
