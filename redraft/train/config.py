@@ -167,14 +167,6 @@ class TrainConfig(Settings):
         "Held-out metrics are always on assistant tokens.",
         choices=("assistant", "all"),
     )
-    feature_weight: float = _f(
-        0.0,
-        "Weight of a feature-regression term (EAGLE's): at draft step i the x half of the "
-        "output layer's input (its last H values) learns the target's own hidden state that "
-        "predicts the same token (smooth L1), a dense 576-value signal per position besides the "
-        "token losses. 0: off. Needs a fused or liger loss (--loss-impl fused/auto).",
-        range=Range(0),
-    )
     kd_top_k: int = _f(
         8,
         "KD teacher: the target's top-k next tokens, renormalised over those in the draft "

@@ -215,12 +215,6 @@ def batch_loss(
             *batch_teacher(model, target, batch, hidden, b, j, cfg, precision)
         )
     if impl == "dense":
-        if cfg.feature_weight:
-            raise ConfigError(
-                "feature_weight needs the fused or liger loss (it reads the output layer's "
-                "input); use --loss-impl fused (ZeRO-3 runs only the dense loss).",
-                param="feature_weight",
-            )
         with head_autocast(ids.device, precision):
             logits = forward(ctx, win.tokens)  # [P, n, Vd]: every position, every step, one pass
         teacher = None if t_ids is None else dense_teacher(t_ids, t_probs, logits.shape[-1])
@@ -252,26 +246,7 @@ def batch_loss(
                 kd_weight=kd_w,
                 kd_valid=win.kd_valid,
             )
-    if cfg.feature_weight:
-        f_loss = feature_loss(feats, last_hidden(target, hidden), win, ids.shape[1])
-        loss = loss + cfg.feature_weight * f_loss
-        stats = {**stats, "feature_loss": f_loss.detach()}
     return loss, stats, None, win, targets_d
-
-
-def feature_loss(feats: torch.Tensor, hidden: torch.Tensor, win, seq_len: int) -> torch.Tensor:
-    """EAGLE's feature regression: smooth L1 between the last ``H`` values of the output layer's
-    input at draft step i (``feats [P, n, S+H]``) and the target's last hidden state that
-    predicts the same token (``hidden [B, T, H]`` at ``t+1+i``), averaged over the positions the
-    token losses learn (``win.kd_valid`` or ``win.valid``). With ``init_head: target`` the output
-    layer's x half starts as the target's LM head, so the head starts as "predict the target's
-    next hidden state, read it with the target's head"."""
-    b, j = target_next_positions(win, seq_len)
-    want = hidden[b, j].float()  # [P, n, H]
-    got = feats[..., -want.shape[-1] :].float()
-    per = torch.nn.functional.smooth_l1_loss(got, want, reduction="none").mean(-1)  # [P, n]
-    valid = (win.valid if win.kd_valid is None else win.kd_valid).to(per.dtype)
-    return (per * valid).sum() / valid.sum().clamp(min=1)
 
 
 def dense_teacher(t_ids: torch.Tensor, t_probs: torch.Tensor, vocab: int) -> torch.Tensor:
