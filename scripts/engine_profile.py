@@ -21,7 +21,8 @@ one-token verify replays in 3.45 ms. Two suspects, one part each:
 
 Both parts also run with ``span_buckets`` (``redraft.infer.verify.Verifier.static_span``: a
 captured verify attends over the power-of-two span holding the longest row, not the capacity):
-the grid for the largest batch, the engine a second time. And the grid's largest batch verifies
+the grid for the largest batch, the engine a second time; the engine runs a third time
+speculating, as ``redraft-distill-data`` does by default since 2026-11-27. And the grid's largest batch verifies
 a ``--tree``-token chain per row at every capacity twice: with redraft's attention (the query
 heads of a key/value head packed into its rows, ``redraft.infer.grouped_attention``) and with
 transformers' ``sdpa``, which for a masked forward of more than one token copies the keys and
@@ -124,11 +125,14 @@ def engine_run(
     steps: int,
     buckets: bool = False,
     grow_to: int = 0,
+    speculate: bool = False,
 ) -> dict:
     """An engine at ``batch`` rows of random prompts: wall, forward and host ms per step over
     ``steps`` steady steps (after every row has joined and a few warm-up steps); ``buckets``:
     its verifier's ``span_buckets``; ``grow_to``: a prompt of that many tokens passes through
-    first (its cache columns stay)."""
+    first (its cache columns stay); ``speculate``: the engine drafts as ``redraft-distill-data``
+    does by default (``ReplySettings.speculate``; random prompts give prompt lookup little to
+    find, so this times the drafting and guard overhead more than their gain)."""
     import torch
 
     from redraft.data.replies import ReplySettings
@@ -136,7 +140,7 @@ def engine_run(
 
     V = target.vocab_size
     g = torch.Generator().manual_seed(0)
-    gen = EngineReplies(target, ReplySettings(max_new, (), batch_size=batch))
+    gen = EngineReplies(target, ReplySettings(max_new, (), batch_size=batch, speculate=speculate))
     if grow_to:  # one long request first, one token long: the cache keeps its columns (as a
         # distillation's cache keeps those of its longest prompt so far)
         gen.engine.add(
@@ -165,6 +169,7 @@ def engine_run(
     fwd = ver.forward_seconds
     return {
         "span_buckets": buckets,
+        "speculate": speculate,
         "steps": n,
         "mean_batch": round(rows / max(n, 1), 1),
         "capacity": int(eng.cache.capacity),
@@ -226,13 +231,14 @@ def markdown(rep: dict) -> list[str]:
             "",
             "engine (EngineReplies, greedy, no stop id), per steady step:",
             "",
-            "| span_buckets | mean batch | capacity | slots | steps | ms per step | forward ms | "
-            "host ms | replays / eager / captures |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| span_buckets | speculate | mean batch | capacity | slots | steps | ms per step | "
+            "forward ms | host ms | replays / eager / captures |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for e in rep["engine"]:
             lines.append(
-                f"| {'on' if e['span_buckets'] else 'off'} | {e['mean_batch']} | "
+                f"| {'on' if e['span_buckets'] else 'off'} | "
+                f"{'on' if e.get('speculate') else 'off'} | {e['mean_batch']} | "
                 f"{e['capacity']} | {e['slots']} | {e['steps']} | {e['ms_per_step']:.3f} | "
                 f"{e['forward_ms_per_step']:.3f} | {e['host_ms_per_step']:.3f} | "
                 f"{e['graphs']['replays']} / {e['graphs']['eager']} / {e['graphs']['captures']} |"
@@ -311,7 +317,7 @@ def main(argv=None) -> int:
         target, batches, capacities, args.context, args.repeats, args.tree
     )
     write()
-    for buckets in (False, True) if args.steps else ():
+    for buckets, speculate in ((False, False), (True, False), (False, True)) if args.steps else ():
         rep["engine"].append(
             engine_run(
                 target,
@@ -321,6 +327,7 @@ def main(argv=None) -> int:
                 args.steps,
                 buckets,
                 args.grow_to,
+                speculate,
             )
         )
         print(f"engine: {rep['engine'][-1]}", flush=True)

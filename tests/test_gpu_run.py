@@ -207,7 +207,11 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
         (4, 128, False, 16, "sdpa"),
     }
     assert all(r["ms"] > 0 for r in eng["grid"])
-    assert [e["span_buckets"] for e in eng["engine"]] == [False, True]
+    assert [(e["span_buckets"], e["speculate"]) for e in eng["engine"]] == [
+        (False, False),
+        (True, False),
+        (False, True),
+    ]
     for e in eng["engine"]:
         assert e["steps"] == 4 and e["mean_batch"] == 4.0 and e["forward_ms_per_step"] > 0
         assert abs(e["ms_per_step"] - e["forward_ms_per_step"] - e["host_ms_per_step"]) < 0.01

@@ -40,6 +40,8 @@ class ReplySettings:
         top_p: nucleus threshold, in (0, 1].
         seed: the run's seed (a generator that seeds per request derives its seeds from it).
         batch_size: prompts in flight at most (the caller never submits more).
+        speculate: a generator that can draft (redraft's engine) may speculate; the replies are
+            the same tokens (greedy) or follow the same distribution (sampling) either way.
     """
 
     max_new_tokens: int
@@ -48,6 +50,7 @@ class ReplySettings:
     top_p: float = 1.0
     seed: int = 0
     batch_size: int = 8
+    speculate: bool = True
 
 
 class Reply(NamedTuple):

@@ -1,8 +1,9 @@
 """Distillation replies from redraft's own engine: continuous batching, the target's dtype.
 
 :class:`EngineReplies` is a ``redraft.data.replies.ReplyGenerator`` (``submit`` prompts,
-``poll`` finished replies) over an :class:`~redraft.infer.engine.Engine` with no drafters, i.e.
-plain autoregressive decoding with redraft's slot KV cache (and, on CUDA, its captured verify
+``poll`` finished replies) over an :class:`~redraft.infer.engine.Engine` that speculates with
+the context n-gram drafter where it pays (``ReplySettings.speculate``; else plain
+autoregressive decoding) with redraft's slot KV cache (and, on CUDA, its captured verify
 graphs). Unlike one ``model.generate`` per batch, a reply that ends frees its row at once and
 the distiller's next prompt joins at the next step, so the batch stays full. Greedy replies are
 the same tokens as Hugging Face ``generate`` gives in float32 (``tests/infer/test_replies.py``;
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from redraft.infer.config import SamplingParams
 from redraft.infer.decoder import SpeculativeDecoder, row_seed
+from redraft.infer.drafters.ngram import ContextNGramDrafter
 
 if TYPE_CHECKING:  # the protocol's types; infer does not import data at run time
     from redraft.data.replies import ReplySettings
@@ -41,15 +43,20 @@ class EngineReplies:
     def __init__(self, target, settings: ReplySettings):
         self.settings = settings
         sample = settings.temperature > 0
-        # no drafters: every step verifies the root alone (budget 0), the plain-greedy baseline;
-        # sampling needs the lossless rule, which with no draft is plain sampling. Prefill is
-        # not chunked (prefill_chunk 0): chunks keep a server's running rows responsive, but
-        # here only throughput counts, and a prompt in one forward reads the weights once
-        # (measured in docs/train.md, "Who generates, and how fast")
+        # speculate: the context n-gram drafter (prompt lookup: replies repeat their prompts and
+        # themselves; no artifact needed) with the cost-aware budget and the speculation guard,
+        # which runs plain steps at the batch sizes where drafting does not pay (2-core CPU,
+        # float32: 1.19x at batch 16, 0.98x at batch 64; docs/train.md). Greedy replies are the
+        # same tokens; sampling uses the lossless rule (with no draft, plain sampling). Without
+        # it every step verifies the root alone (budget 0). Prefill is not chunked
+        # (prefill_chunk 0): chunks keep a server's running rows responsive, but here only
+        # throughput counts, and a prompt in one forward reads the weights once (measured in
+        # docs/train.md, "Who generates, and how fast")
+        speculate = getattr(settings, "speculate", True)
         self.decoder = SpeculativeDecoder(
             target,
-            [],
-            budget=0,
+            [ContextNGramDrafter(target.vocab_size)] if speculate else [],
+            budget="auto" if speculate else 0,
             acceptance="rejection" if sample else "greedy",
             prefill_chunk=0,
         )
@@ -66,6 +73,7 @@ class EngineReplies:
         self.join_group: int | None = None
         self._c0: float | None = None  # an eager one-token prefill forward (seconds)
         self._finished = 0
+        self._new_tokens = 0  # tokens of the finished replies (stop ids included)
         self._group = 1  # what the last poll waited for
 
     def stats(self) -> dict:
@@ -84,6 +92,12 @@ class EngineReplies:
             "decode_s": round(tot["step_s"] - tot["prefill_s"], 4),
             "ms_per_decode_step": round(
                 1e3 * (tot["step_s"] - tot["prefill_s"]) / max(eng.steps, 1), 2
+            ),
+            "new_tokens": self._new_tokens,
+            # decode tokens per row and step (a reply's first token comes from its prefill):
+            # 1.0 on plain steps, more where drafts were accepted
+            "tokens_per_row_step": round(
+                (self._new_tokens - self._finished) / max(tot["row_steps"], 1), 3
             ),
             "join_group": self._group,
             "graphs": {k: round(v, 2) if isinstance(v, float) else v for k, v in g.items()},
@@ -129,6 +143,7 @@ class EngineReplies:
                 if not ev.done:
                     continue
                 g = ev.generation
+                self._new_tokens += len(g.tokens)
                 stopped = g.finish_reason in ("eos", "stop")  # "length": ran into max_new_tokens
                 toks = list(g.tokens[:-1] if stopped else g.tokens)
                 done.append((self.keys.pop(ev.index), toks, stopped))

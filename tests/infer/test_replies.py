@@ -237,3 +237,30 @@ def test_the_join_group_follows_the_measured_costs(tiny_target):
     gen._c0 = 0.0001  # a CPU-like case: a forward's fixed cost far below a step's
     assert gen.group(64) == 1
     assert gen.group(4) == 1  # a small batch never waits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculating_replies_are_the_plain_ones_in_fewer_steps(tiny_target, prompts, temperature):
+    """``ReplySettings.speculate`` (the default): the engine drafts with the context n-gram
+    drafter; greedy replies are the same tokens and seeded sampled ones the same draws, while a
+    row's step makes more than one token where the drafts were accepted (the tiny random
+    model's replies loop, so prompt lookup finds them)."""
+    out, stats = {}, {}
+    for speculate in (False, True):
+        s = ReplySettings(
+            40,
+            tuple(tiny_target.eos_token_ids),
+            temperature=temperature,
+            seed=5,
+            batch_size=1,
+            speculate=speculate,
+        )
+        gen = EngineReplies(tiny_target, s)
+        assert bool(gen.decoder.drafters) == speculate
+        out[speculate] = run_all(gen, prompts)
+        stats[speculate] = gen.stats()
+    assert out[True] == out[False]
+    assert stats[False]["tokens_per_row_step"] == 1.0
+    if temperature == 0:
+        assert stats[True]["tokens_per_row_step"] > 1.2
+        assert stats[True]["row_steps"] < stats[False]["row_steps"]
