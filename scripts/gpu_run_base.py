@@ -67,12 +67,14 @@ STEP_LIMITS = {
     "cost-curves": 180,
     "overhead": 120,
     "predict": 30,
-    # quick, measured on the H200 (2026-11-27): 19.9 s, 27.0 s, 44.5 s, -, 26.2 s
-    "quick/cost-curves": 60,
-    "quick/overhead": 75,
+    # quick, measured on the H200 (2026-11-27): 19.9 s, 27.0 s, 44.5 s, -, 26.2 s; the engine
+    # profile (not run yet) has 18 grid points and three engine runs, each after a 4,000-token
+    # prompt: its JSON is written after each part, so a cut run keeps what it measured
+    "quick/cost-curves": 45,
+    "quick/overhead": 60,
     "quick/profile": 60,
-    "quick/engine-profile": 60,
-    "quick/ngrams": 90,
+    "quick/engine-profile": 90,
+    "quick/ngrams": 60,
     "train-default": 200,
     "train-dummy": 240,
     # stage e: the target's own replies made first (the engine, bf16, batch 64; resumable, so a

@@ -25,6 +25,21 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def cuda_capture(fn, device, pool):
+    """Capture ``fn()`` (over static input buffers) in a CUDA graph: PyTorch's recipe, warm-up on
+    a side stream then capture. Returns ``(graph, output)``."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 def after_failed_capture(device, what: str, exc: Exception, warned: bool) -> None:
     """What follows a failed capture: the device synchronised (a capture's error can surface
     asynchronously) and, unless the caller ``warned`` already, one warning naming ``what``."""
@@ -50,7 +65,7 @@ class ShapeGraphs:
             host (a capture refuses).
         device: where ``fn`` runs; graphs only on CUDA unless ``enabled`` says otherwise.
         capture: ``capture(fn, device, pool) -> (graph, out)`` (default
-            :func:`redraft.infer.verify.cuda_capture`); tests inject their own.
+            :func:`cuda_capture`); tests inject their own.
         enabled: capture at all (default: ``device`` is CUDA).
         name: what the log calls it.
 
@@ -65,8 +80,6 @@ class ShapeGraphs:
         enabled: bool | None = None,
         name: str = "function",
     ):
-        from redraft.infer.verify import cuda_capture
-
         self.fn, self.device, self.name = fn, torch.device(device), name
         self.enabled = self.device.type == "cuda" if enabled is None else enabled
         self.capture = capture or cuda_capture

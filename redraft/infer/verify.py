@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from redraft.infer.budget import SIZES, BatchCost, CostCurve, measure_cost_curve
-from redraft.infer.graphs import after_failed_capture
+from redraft.infer.graphs import after_failed_capture, cuda_capture
 from redraft.infer.grouped_attention import grouped, row_groups, use_packed_attention
 from redraft.infer.kv import SlotKVCache
 from redraft.infer.opcount import not_counted
@@ -107,21 +107,6 @@ class GraphSet:
         the handle of a pool whose graphs were all freed trips the CUDA caching allocator)."""
         self.entries.clear()
         self.pool = None
-
-
-def cuda_capture(fn, device, pool):
-    """Capture ``fn()`` (over static input buffers) in a CUDA graph: PyTorch's recipe, warm-up on
-    a side stream then capture. Returns ``(graph, output)``."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-    return graph, out
 
 
 class Verifier:
