@@ -46,7 +46,7 @@ class EngineReplies:
         # speculate: the context n-gram drafter (prompt lookup: replies repeat their prompts and
         # themselves; no artifact needed) with the cost-aware budget and the speculation guard,
         # which runs plain steps at the batch sizes where drafting does not pay (2-core CPU,
-        # float32: 1.19x at batch 16, 0.98x at batch 64; docs/train.md). Greedy replies are the
+        # float32: 1.03-1.19x at batch 16, 0.98x at batch 64; docs/train.md). Greedy replies are the
         # same tokens; sampling uses the lossless rule (with no draft, plain sampling). Without
         # it every step verifies the root alone (budget 0). Prefill is not chunked
         # (prefill_chunk 0): chunks keep a server's running rows responsive, but here only
