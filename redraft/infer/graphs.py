@@ -68,6 +68,9 @@ class ShapeGraphs:
             :func:`cuda_capture`); tests inject their own.
         enabled: capture at all (default: ``device`` is CUDA).
         name: what the log calls it.
+        max_graphs: graphs kept at most; the least recently replayed one is dropped for a new
+            one (a server's batch sizes times an "auto" beam's widths and lengths are many
+            shapes over its life; each graph holds its buffers in the pool).
 
     The returned tensor of a replay is the graph's output buffer: valid until the next call.
     """
@@ -79,14 +82,23 @@ class ShapeGraphs:
         capture=None,
         enabled: bool | None = None,
         name: str = "function",
+        max_graphs: int = 256,
     ):
         self.fn, self.device, self.name = fn, torch.device(device), name
         self.enabled = self.device.type == "cuda" if enabled is None else enabled
         self.capture = capture or cuda_capture
-        self.entries: dict = {}  # key -> {"graph", "inputs", "out"}
+        self.max_graphs = max(1, int(max_graphs))
+        self.entries: dict = {}  # key -> {"graph", "inputs", "out"}, least recently used first
         self.eager: set = set()  # keys whose capture failed
         self.pool = None
-        self.stats = {"captures": 0, "capture_s": 0.0, "failed": 0, "replays": 0, "eager": 0}
+        self.stats = {
+            "captures": 0,
+            "capture_s": 0.0,
+            "failed": 0,
+            "replays": 0,
+            "eager": 0,
+            "dropped": 0,
+        }
         self._last_key, self._warned = None, False
 
     def __call__(self, key, *inputs: torch.Tensor) -> torch.Tensor:
@@ -97,6 +109,7 @@ class ShapeGraphs:
         if entry is None:
             self.stats["eager"] += 1
             return self.fn(key, *inputs)
+        self.entries[key] = self.entries.pop(key)  # the most recently used last
         for buf, x in zip(entry["inputs"], inputs, strict=True):
             buf.copy_(x)
         entry["graph"].replay()
@@ -120,6 +133,9 @@ class ShapeGraphs:
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - t0
         entry = {"graph": graph, "inputs": static, "out": out}
+        while len(self.entries) >= self.max_graphs:
+            self.entries.pop(next(iter(self.entries)))  # the least recently used
+            self.stats["dropped"] += 1
         self.entries[key] = entry
         return entry
 

@@ -95,3 +95,14 @@ def test_decoding_with_the_beam_search_replayed_is_plain_greedy(
     for a, b in zip(out[False], out[True]):
         assert a.stats.accepted_hist == b.stats.accepted_hist
         assert a.stats.target_calls == b.stats.target_calls
+
+
+def test_at_most_max_graphs_are_kept_the_least_recently_replayed_dropped():
+    captured = []
+    g = ShapeGraphs(lambda key, x: x + key, "cpu", replaying_capture(captured), True, max_graphs=2)
+    x = torch.zeros(2)
+    for key in (1, 1, 2, 2, 1, 3, 3):  # 1 and 2 captured; 1 replayed again; 3 drops 2
+        assert g(key, x).tolist() == [float(key)] * 2
+    assert list(g.entries) == [1, 3] and g.stats["dropped"] == 1 and len(captured) == 3
+    assert g(2, x).tolist() == [2.0, 2.0] and g.stats["captures"] == 3  # eager again, then ...
+    assert g(2, x).tolist() == [2.0, 2.0] and list(g.entries) == [3, 2]  # ... 1 dropped
