@@ -176,3 +176,27 @@ def test_cli_prefill_flags_reach_the_decoder(tiny_target_dir):
     dec = load(args)
     assert dec.config.prefill_share == 2.5 and dec.config.prefill_chunk == 64
     assert dec.engine()._pacer.share == 2.5
+
+
+def test_the_server_freezes_the_heap_it_loaded_unless_told_not_to():
+    """``gc.freeze`` after loading: the collector's full collections no longer scan the model's
+    and libraries' objects (0.3 s pauses inside decode steps before)."""
+    import gc
+
+    from redraft.serve.cli import build_parser, check_args, freeze_heap
+
+    def parsed(argv):
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        check_args(args, parser)  # fills in the server's defaults
+        return args
+
+    assert parsed([]).gc_freeze is True and parsed(["--no-gc-freeze"]).gc_freeze is False
+    junk = [[i] for i in range(1000)]  # alive now: frozen with the rest
+    try:
+        frozen = freeze_heap()
+        assert frozen == gc.get_freeze_count() > len(junk)
+        assert not any(o is junk for o in gc.get_objects())  # no longer scanned
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0 and any(o is junk for o in gc.get_objects())
