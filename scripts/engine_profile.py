@@ -58,7 +58,7 @@ def grid(
     from redraft.infer.grouped_attention import NAME
     from redraft.infer.verify import Verifier, chain_step
 
-    ver = Verifier(target, static=True)
+    ver = Verifier(target, static=True)  # (switches the target to redraft's attention, NAME)
     cuda = ver.device.type == "cuda"
     rows, eager = [], {}
     top = max(batches)

@@ -52,7 +52,7 @@ class EngineReplies:
         # (prefill_chunk 0): chunks keep a server's running rows responsive, but here only
         # throughput counts, and a prompt in one forward reads the weights once (measured in
         # docs/train.md, "Who generates, and how fast")
-        speculate = getattr(settings, "speculate", True)
+        speculate = settings.speculate
         self.decoder = SpeculativeDecoder(
             target,
             [ContextNGramDrafter(target.vocab_size)] if speculate else [],
