@@ -461,6 +461,20 @@ class Stages:
         else:
             resume = any(out.glob("training_state/*/redraft_state.json"))
             data = self.distill_e(st, resume)
+            if not resume and not (data / "train.jsonl").is_file():
+                st.steps.append(
+                    Step(
+                        "train",
+                        [],
+                        None,
+                        0.0,
+                        "skipped",
+                        "no training replies yet (the train split's distillation did not run): "
+                        "run the stage again with more --budget-s",
+                    )
+                )
+                self.publish(st)
+                return
             extra = [
                 *p.train_overrides,
                 "--data",

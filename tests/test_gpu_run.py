@@ -407,6 +407,14 @@ def test_stage_e_with_distill_s_0_trains_on_the_replies_already_made(tmp_path):
     data = r.distill_e(st, resume=False)
     assert st.steps == [] and data == r.runs / "e-distilled"
 
+    # no train split made yet (here: none in this call): training is skipped with a reason, not
+    # started on a file that is not there (2026-11-27's fourth run: "train: failed")
+    r.stage_t0 = time.time()
+    st = gpu_run.StageRun("e", "a test stage")
+    r.stage_e(st)
+    assert [(s.name, s.status) for s in st.steps] == [("train", "skipped")]
+    assert "train split" in st.steps[0].note
+
 
 def _load_script(name):
     import importlib.util

@@ -130,7 +130,7 @@ class SpeculativeDecoder:
             fp32_logits=cfg.fp32_logits,
             cpu_pack=cfg.cpu_pack,
             static=static,
-            span_buckets=cfg.span_buckets,
+            span_buckets=static if cfg.span_buckets == "auto" else cfg.span_buckets,
         )
         self.verifier.hidden_layers = lower_hidden_layers(self.drafters)
         self.cost_curve = cost_curve

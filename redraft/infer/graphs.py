@@ -7,10 +7,13 @@ nothing back to the host, so one graph per shape replays it as a single launch. 
 own graphs (:class:`~redraft.infer.verify.GraphSet`) are tied to a KV cache's buffer; these
 depend only on the function's weights and their static input buffers.
 
-The policy is the verifier's: a shape is captured the second call in a row it is used (a
-server's batch changes often; a shape used once never pays a capture), every capture shares one
-memory pool, and **a capture that fails never changes the result**: it is logged once, the
-shape runs eagerly from then on.
+:class:`GraphStore` holds the policy both follow: a shape is captured the second call in a row
+it is used, or its :data:`CAPTURE_AFTER`-th use in all (a server's batch changes often, so a
+shape used once never pays a capture; a speculating engine's tree sizes alternate from step to
+step, so "in a row" alone left 147 of 432 steps of a distillation run eager on the H200), every
+capture shares one memory pool, at most ``max_graphs`` graphs are kept (the least recently
+replayed is dropped), and **a capture that fails never changes the result**: it is logged once,
+the shape runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
+
+CAPTURE_AFTER = 3  # uses of a shape (in a row or not) after which it is captured
 
 
 def cuda_capture(fn, device, pool):
@@ -56,6 +62,65 @@ def after_failed_capture(device, what: str, exc: Exception, warned: bool) -> Non
         )
 
 
+class GraphStore:
+    """The graphs captured per shape key, their memory pool and the capture policy.
+
+    :meth:`lookup` says, for a call of ``key``, the graph to replay or whether to capture one
+    now; :meth:`add` keeps a new graph (dropping the least recently replayed past
+    ``max_graphs``), :meth:`failed` marks a shape eager for good.
+    """
+
+    def __init__(self, max_graphs: int = 256):
+        self.max_graphs = max(1, int(max_graphs))
+        self.entries: dict = {}  # key -> entry, least recently used first
+        self.eager: set = set()  # keys whose capture failed
+        self.uses: Counter = Counter()  # calls of keys without a graph
+        self.pool = None
+        self.dropped = 0
+        self._last_key = None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lookup(self, key) -> tuple[dict | None, bool]:
+        """``(entry, capture)``: the graph of ``key`` if there is one (then the most recently
+        used), else ``None`` and whether the policy captures it now."""
+        repeat, self._last_key = key == self._last_key, key
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries[key] = self.entries.pop(key)
+            return entry, False
+        if key in self.eager:
+            return None, False
+        self.uses[key] += 1
+        return None, repeat or self.uses[key] >= CAPTURE_AFTER
+
+    def add(self, key, entry: dict) -> int:
+        """Keep ``entry`` for ``key``; returns how many graphs were dropped to make room."""
+        n = 0
+        while len(self.entries) >= self.max_graphs:
+            self.entries.pop(next(iter(self.entries)))
+            n += 1
+        self.entries[key] = entry
+        self.uses.pop(key, None)
+        self.dropped += n
+        return n
+
+    def failed(self, key) -> None:
+        """``key``'s capture failed: it stays eager; the pool may be unusable, start a new one."""
+        self.eager.add(key)
+        self.pool = None
+
+    def clear(self, forget_failures: bool = True) -> None:
+        """Drop every graph and the pool with them (a later capture starts a new pool: reusing
+        the handle of a pool whose graphs were all freed trips the CUDA caching allocator)."""
+        self.entries.clear()
+        self.uses.clear()
+        self.pool, self._last_key = None, None
+        if forget_failures:
+            self.eager.clear()
+
+
 class ShapeGraphs:
     """``fn(key, *inputs)`` (tensors in, a tensor out), captured per ``key`` and replayed.
 
@@ -87,10 +152,7 @@ class ShapeGraphs:
         self.fn, self.device, self.name = fn, torch.device(device), name
         self.enabled = self.device.type == "cuda" if enabled is None else enabled
         self.capture = capture or cuda_capture
-        self.max_graphs = max(1, int(max_graphs))
-        self.entries: dict = {}  # key -> {"graph", "inputs", "out"}, least recently used first
-        self.eager: set = set()  # keys whose capture failed
-        self.pool = None
+        self.store = GraphStore(max_graphs)  # key -> {"graph", "inputs", "out"}
         self.stats = {
             "captures": 0,
             "capture_s": 0.0,
@@ -99,17 +161,15 @@ class ShapeGraphs:
             "eager": 0,
             "dropped": 0,
         }
-        self._last_key, self._warned = None, False
+        self._warned = False
 
     def __call__(self, key, *inputs: torch.Tensor) -> torch.Tensor:
-        repeat, self._last_key = key == self._last_key, key
-        entry = self.entries.get(key)
-        if entry is None and self.enabled and repeat and key not in self.eager:
+        entry, capture = self.store.lookup(key)
+        if capture and self.enabled:
             entry = self._capture(key, inputs)
         if entry is None:
             self.stats["eager"] += 1
             return self.fn(key, *inputs)
-        self.entries[key] = self.entries.pop(key)  # the most recently used last
         for buf, x in zip(entry["inputs"], inputs, strict=True):
             buf.copy_(x)
         entry["graph"].replay()
@@ -118,29 +178,32 @@ class ShapeGraphs:
 
     def _capture(self, key, inputs) -> dict | None:
         static = [x.clone() for x in inputs]
+        store = self.store
         t0 = time.perf_counter()
         try:
-            if self.pool is None and self.device.type == "cuda":
-                self.pool = torch.cuda.graph_pool_handle()
-            graph, out = self.capture(lambda: self.fn(key, *static), self.device, self.pool)
+            if store.pool is None and self.device.type == "cuda":
+                store.pool = torch.cuda.graph_pool_handle()
+            graph, out = self.capture(lambda: self.fn(key, *static), self.device, store.pool)
         except Exception as exc:  # noqa: BLE001 - a failed capture must leave the result intact
             self.stats["failed"] += 1
-            self.eager.add(key)
-            self.pool = None  # a failed capture may leave its pool unusable
+            store.failed(key)
             after_failed_capture(self.device, f"the {self.name} of shape {key}", exc, self._warned)
             self._warned = True
             return None
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - t0
         entry = {"graph": graph, "inputs": static, "out": out}
-        while len(self.entries) >= self.max_graphs:
-            self.entries.pop(next(iter(self.entries)))  # the least recently used
-            self.stats["dropped"] += 1
-        self.entries[key] = entry
+        self.stats["dropped"] += store.add(key, entry)
         return entry
+
+    @property
+    def entries(self) -> dict:
+        return self.store.entries
+
+    @property
+    def eager(self) -> set:
+        return self.store.eager
 
     def clear(self) -> None:
         """Drop every graph and the pool (e.g. the function's weights moved)."""
-        self.entries.clear()
-        self.eager.clear()
-        self.pool, self._last_key = None, None
+        self.store.clear()

@@ -16,10 +16,11 @@ ops (``redraft.infer.opcount`` counts them).
 Graphs (:class:`GraphSet`) belong to the cache they were captured over (its buffer address is in
 them): one set per :class:`~redraft.infer.kv.SlotKVCache`, with its own memory pool, captured
 once per shape and reused across requests, dropped together (graphs and pool) when the buffer
-grows. A shape is captured the second step in a row it is used (a server's batch changes often);
-the eager forward runs until then. **A capture that fails never changes or stops decoding**: it
-is logged once, that shape stays eager, and the step runs the eager forward (a CPU test injects
-a failing capture).
+grows. A shape is captured the second step in a row it is used or its third use in all
+(:class:`~redraft.infer.graphs.GraphStore`; a server's batch changes often, a speculating
+engine's tree size alternates); the eager forward runs until then. **A capture that fails never
+changes or stops decoding**: it is logged once, that shape stays eager, and the step runs the
+eager forward (a CPU test injects a failing capture).
 
 Attention backend: the mask is an explicit tree mask, so FlashAttention cannot run it; on CUDA
 the forwards run under ``sdpa_kernel([EFFICIENT_ATTENTION, MATH])``. PyTorch's cuDNN SDPA backend
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from redraft.infer.budget import SIZES, BatchCost, CostCurve, measure_cost_curve
-from redraft.infer.graphs import after_failed_capture, cuda_capture
+from redraft.infer.graphs import GraphStore, after_failed_capture, cuda_capture
 from redraft.infer.grouped_attention import grouped, row_groups, use_packed_attention
 from redraft.infer.kv import SlotKVCache
 from redraft.infer.opcount import not_counted
@@ -89,24 +90,19 @@ class StepInput:
         return 1 + 3 * size + size * size
 
 
-class GraphSet:
+class GraphSet(GraphStore):
     """The CUDA graphs captured over one cache buffer and their memory pool (one owner, one
-    lifetime): ``entries[(batch, size)]``, shapes whose capture failed in ``eager``."""
+    lifetime): ``entries[(batch, size, span)]``, shapes whose capture failed in ``eager``, and
+    the buffer generation they were captured over (:class:`~redraft.infer.graphs.GraphStore`:
+    the capture policy and the cap on graphs kept)."""
 
-    def __init__(self):
-        self.entries: dict = {}
-        self.eager: set = set()
-        self.pool = None
+    def __init__(self, max_graphs: int = 256):
+        super().__init__(max_graphs)
         self.generation = -1  # the cache buffer generation the entries were captured over
 
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def clear(self) -> None:
-        """Drop every graph and the pool with them (a later capture starts a new pool: reusing
-        the handle of a pool whose graphs were all freed trips the CUDA caching allocator)."""
-        self.entries.clear()
-        self.pool = None
+    def clear(self, forget_failures: bool = False) -> None:
+        """Drop every graph and the pool; a shape whose capture failed stays eager."""
+        super().clear(forget_failures)
 
 
 class Verifier:
@@ -139,6 +135,7 @@ class Verifier:
     ):
         self.target = target
         self.span_buckets = span_buckets
+        self.max_graphs = 256  # graphs a cache keeps (GraphSet; least recently replayed dropped)
         self.model = target.model
         self.base = getattr(self.model, self.model.base_model_prefix)
         self.device, self.dtype = target.device, target.dtype
@@ -170,12 +167,18 @@ class Verifier:
         # ``[..., (len + 1) * H]`` = [layer a | layer b | ... | last]; () = the last only (set by
         # the decoder before the first forward, for multi-layer ReDrafter heads)
         self.hidden_layers: tuple[int, ...] = ()
-        self._last_key = None  # the previous verify's shape key (capture on a repeat)
         self._warned = False
         self._padded: tuple = (None, {})  # (curve, tree_size's choices under it)
         # how the static verifies ran (``redraft-bench`` reports them: on a GPU a capture costs
         # a few eager forwards, and an eager static forward far more than a replay)
-        self.graph_stats = {"captures": 0, "capture_s": 0.0, "failed": 0, "replays": 0, "eager": 0}
+        self.graph_stats = {
+            "captures": 0,
+            "capture_s": 0.0,
+            "failed": 0,
+            "replays": 0,
+            "eager": 0,
+            "dropped": 0,
+        }
         self._attention = sdpa_backends(self.device)
         # every device: the query heads of a key/value head attend packed (no per-head copy of
         # the cache); CPU eager forwards: rows of very different lengths attend in two groups
@@ -234,7 +237,7 @@ class Verifier:
 
     def new_cache(self, slots: int, capacity: int) -> SlotKVCache:
         cache = SlotKVCache(self.model.config, slots, capacity, self.dtype, self.device)
-        cache.graph_set = GraphSet()
+        cache.graph_set = GraphSet(self.max_graphs)
         return cache
 
     def sync(self) -> None:
@@ -353,9 +356,8 @@ class Verifier:
         if graphs.generation != cache.generation:  # the buffer moved: its graphs are stale
             graphs.clear()
             graphs.generation = cache.generation
-        repeat, self._last_key = key == self._last_key, key
-        entry = graphs.entries.get(key)
-        if entry is None and self.graphs and repeat and key not in graphs.eager:
+        entry, capture = graphs.lookup(key)
+        if capture and self.graphs:
             entry = self._capture(key, step, cache, graphs)
         if entry is None:
             self.graph_stats["eager"] += 1
@@ -383,8 +385,7 @@ class Verifier:
             )
         except Exception as exc:  # noqa: BLE001 - any capture failure must leave decoding intact
             self.graph_stats["failed"] += 1
-            graphs.eager.add(key)
-            graphs.pool = None  # a failed capture may leave its pool unusable: start anew
+            graphs.failed(key)
             what = f"the verify forward for batch {key[0]}, tree size {key[1]}"
             after_failed_capture(self.device, what, exc, self._warned)
             self._warned = True
@@ -394,7 +395,8 @@ class Verifier:
         self.sync()  # (a capture is rare: its whole cost, the warm-up forwards included)
         self.graph_stats["captures"] += 1
         self.graph_stats["capture_s"] += time.perf_counter() - t0
-        entry = graphs.entries[key] = {"step": static, "graph": graph, "out": out}
+        entry = {"step": static, "graph": graph, "out": out}
+        self.graph_stats["dropped"] += graphs.add(key, entry)
         return entry
 
     # ------------------------------------------------------------------ cost

@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 
+from redraft.errors import ConfigError
 from redraft.infer.budget import CostCurve
 from redraft.infer.config import SamplingParams
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
@@ -365,3 +366,45 @@ def test_span_buckets_attend_over_the_longest_rows_bucket_and_keep_plain_greedy(
     # a graph per span: the long request's and the short rows' (the last ones at 256 columns)
     assert len({k[2] for k in eng.cache.graph_set.entries}) >= 2
     assert spans[-1][0] == MIN_SPAN
+
+
+def test_span_buckets_follow_the_static_verify_unless_set(tiny_target):
+    """``span_buckets: auto`` (the default) is on wherever the verify is static (CUDA), off
+    otherwise; an explicit bool wins; anything else is refused naming the setting."""
+    V = tiny_target.vocab_size
+
+    def verifier(**kw):
+        return SpeculativeDecoder(tiny_target, [ContextNGramDrafter(V)], budget=4, **kw).verifier
+
+    assert verifier(static_verify=True).span_buckets is True
+    assert verifier(static_verify=False).span_buckets is False  # CPU's default path too
+    assert verifier().span_buckets is False and verifier().static is False  # auto on a CPU
+    assert verifier(static_verify=True, span_buckets=False).span_buckets is False
+    with pytest.raises(ConfigError, match="span_buckets"):
+        verifier(span_buckets="sometimes")
+
+
+def test_a_caches_graphs_are_capped_the_least_recently_replayed_dropped(
+    tiny_target, tiny_tables, tiny_prompts
+):
+    """A server's batch sizes x tree sizes x spans are many shapes over its life: a cache keeps
+    at most ``max_graphs`` of them, and decoding stays plain greedy's while it drops them."""
+    captures = []
+    dec = _static_decoder(
+        tiny_target,
+        fake_capture(captures),
+        [
+            NGrammysDrafter(tiny_tables, tiny_target.vocab_size),
+            ContextNGramDrafter(tiny_target.vocab_size),
+        ],
+    )
+    dec.verifier.max_graphs = 2
+    ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=40)
+    assert [g.tokens for g in dec.generate(tiny_prompts, max_new_tokens=40)] == [
+        g.tokens for g in ref
+    ]
+    eng = dec._engine
+    graphs = eng.cache.graph_set
+    assert graphs.max_graphs == 2 and len(graphs) == 2
+    # every capture past the second dropped one (the cache never grew: one generation)
+    assert dec.verifier.graph_stats["dropped"] == graphs.dropped == len(captures) - 2 >= 1
