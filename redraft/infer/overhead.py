@@ -16,7 +16,10 @@ on every machine). Methods:
 * ``greedy``: plain decoding (no drafter);
 * ``context-16`` / ``context-64``: the context n-gram drafter, fixed budgets of 16 / 64 nodes;
 * ``ngrammys``: the N-Grammys mix (context matches + model-bigram chains), auto budget;
-* ``mix-aded``: the N-Grammys mix plus ADED's MCTS over a tri-gram table, auto budget.
+* ``mix-aded``: the N-Grammys mix plus ADED's MCTS over a tri-gram table, auto budget;
+* ``redrafter``: a random one-layer ReDrafter head on the tiny target, 4 beams of 4 tokens
+  (its drafts are wrong, so a step is one beam search, one tree of 16 nodes, one token): the
+  beam search's launches (replayed from a CUDA graph there) and the tree built from its beams.
 
 Rows ignore end-of-sequence tokens here so every run decodes exactly ``new_tokens`` tokens.
 """
@@ -30,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-OVERHEAD_METHODS = ("greedy", "context-16", "context-64", "ngrammys", "mix-aded")
+OVERHEAD_METHODS = ("greedy", "context-16", "context-64", "ngrammys", "mix-aded", "redrafter")
 _TEXT = (
     "The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n"
     "Speculative decoding drafts tokens and the target verifies them in one pass. "
@@ -95,6 +98,15 @@ def make_method(name: str, target, tables):
     if name in ("ngrammys", "mix-aded"):
         cfg = cfg.replace(aded=name == "mix-aded")
         return SpeculativeDecoder(target, make_drafters(target, (), [tables], cfg), cfg)
+    if name == "redrafter":
+        from redraft.infer.drafters.redrafter import ReDrafterDrafter
+        from redraft.models.redrafter import ReDrafter, ReDrafterConfig
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            head = ReDrafter(ReDrafterConfig.for_target(target, num_layers=1))
+        head = head.to(target.device).eval().attach_target(target)
+        return SpeculativeDecoder(target, [ReDrafterDrafter(head)], cfg)
     raise ValueError(f"unknown overhead method {name!r}; use one of {OVERHEAD_METHODS}")
 
 

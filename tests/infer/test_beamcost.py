@@ -185,6 +185,30 @@ def test_auto_changes_width_and_length_mid_run_and_output_is_plain_greedy(
     assert dr.beam_cost is not None  # measured once, at the first plan
 
 
+def test_a_settled_plan_is_rechecked_less_often_and_a_change_replans_sooner(
+    tiny_target, tiny_head, tiny_prompts, monkeypatch
+):
+    """A plan costs ~1 ms of numpy: while it keeps choosing the same (W, L) the steps between two
+    plans double up to MAX_REPLAN; a new choice goes back to every REPLAN steps."""
+    import redraft.infer.drafters.redrafter as rd
+
+    choices, planned = iter([(3, 2)] * 5 + [(4, 2)] + [(4, 2)] * 10), []
+    dr = ReDrafterDrafter(tiny_head, width="auto", length="auto")
+
+    def plan(*a, **k):
+        planned.append(dr._steps)
+        return (*next(choices), 1.0)
+
+    monkeypatch.setattr(rd, "plan_beam", plan)
+    dec = SpeculativeDecoder(tiny_target, [dr], cost_curve=FLAT)
+    ref = plain_greedy(tiny_target, tiny_prompts[:1], max_new_tokens=150)
+    out = dec.generate(tiny_prompts[:1], max_new_tokens=150)
+    assert [g.tokens for g in out] == [g.tokens for g in ref]
+    gaps = np.diff(planned).tolist()
+    # plans 1-5 choose (3, 2) (the first changes the default); plan 6 changes to (4, 2)
+    assert gaps[:6] == [4, 8, 16, 32, 32, 4][: len(gaps[:6])] and len(gaps) >= 6, planned
+
+
 def test_auto_plans_from_the_decoders_rates_and_output_is_plain_greedy(
     tiny_target, tiny_head, tiny_prompts
 ):

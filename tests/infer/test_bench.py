@@ -173,7 +173,7 @@ def test_overhead_benchmark_reports_every_method_and_batch(capsys, tmp_path):
     )
     assert code == 0, err
     res = json.loads(out.read_text())["overhead"]
-    assert set(res) == {"greedy", "context-16", "context-64", "ngrammys", "mix-aded"}
+    assert set(res) == {"greedy", "context-16", "context-64", "ngrammys", "mix-aded", "redrafter"}
     for rows in res.values():
         assert set(rows) == {"batch_1", "batch_2"}
         for r in rows.values():
@@ -392,3 +392,21 @@ def test_a_prompt_longer_than_the_context_is_skipped_with_a_note(capsys, tiny_ta
         and last.startswith("redraft-bench: error: dataset")
         and "every prompt (1) is longer" in last
     )
+
+
+def test_the_redrafter_overhead_row_runs_its_beam_search_every_step(tmp_path):
+    """The ``redrafter`` row is a random head's beam search + tree each step: a step proposes
+    beams (the drafter counts its steps) and the output is plain greedy's."""
+    from redraft.infer.decoder import plain_greedy
+    from redraft.infer.overhead import _prompts, make_method, measure, tiny_setup
+
+    target, tables = tiny_setup(tmp_path)
+    dec = make_method("redrafter", target, tables)
+    prompts = _prompts(target, 2)
+    r = measure(dec, prompts, 12)
+    dr = dec.drafters[0]
+    assert dr.name == "redrafter" and dr.auto
+    assert sum(dr.plans.values()) == r["steps"] >= 6  # one beam search per step
+    dec.eos = set(target.eos_token_ids)
+    ref = plain_greedy(target, prompts, max_new_tokens=12)
+    assert [g.tokens for g in dec.generate(prompts, max_new_tokens=12)] == [g.tokens for g in ref]

@@ -130,7 +130,11 @@ class ReDrafterDrafter(Drafter):
     search runs at the default width and the head's horizon.
     """
 
-    REPLAN = 4  # steps between two choices of (W, L) ("auto")
+    REPLAN = 4  # steps between two choices of (W, L) ("auto") while the choice moves
+    # ... doubled after every plan that kept the last one, up to this: a plan is ~1 ms of numpy
+    # (80 candidates), 0.4 ms a step at every 4 steps, as much as the rest of a GPU step's host
+    # work; a settled choice is re-checked every 32 steps, and a change goes back to every 4
+    MAX_REPLAN = 32
     SPLIT_EMA = 0.9  # weight of the past in the split-depth frequencies
 
     def __init__(
@@ -161,6 +165,7 @@ class ReDrafterDrafter(Drafter):
         self.split[:, 0] = 1
         self.plans: Counter = Counter()  # (W, L) -> steps drafted with it
         self._decoder, self._index, self._steps, self._next_plan = None, 0, 0, 0
+        self._every = self.REPLAN  # steps to the next plan (grows while plans keep the choice)
 
     @property
     def auto(self) -> bool:
@@ -188,8 +193,12 @@ class ReDrafterDrafter(Drafter):
         return hidden if hidden.shape[-1] == H else hidden[..., -H:]
 
     def propose(self, state: DecodeState) -> Draft:
-        if self.auto and self._steps >= self._next_plan and self._plan(state):
-            self._next_plan = self._steps + self.REPLAN
+        if self.auto and self._steps >= self._next_plan:
+            before = (self.width, self.length)
+            if self._plan(state):
+                kept = (self.width, self.length) == before
+                self._every = min(2 * self._every, self.MAX_REPLAN) if kept else self.REPLAN
+                self._next_plan = self._steps + self._every
         self._steps += 1
         self.plans[(self.width, self.length)] += 1
         context = self.context(state.hidden)  # [B, H] (a multi head projects its layers)
