@@ -332,12 +332,13 @@ class Stages:
         rows = [
             "## redraft-train tokens/s (deepspeed launcher, 1 process)",
             "",
-            "| target | recipe | precision | ZeRO | steps | tokens | seconds | tokens/s |",
-            "|---|---|---|---:|---:|---:|---:|---:|",
+            "| target | recipe | micro x accum | precision | ZeRO | steps | tokens | seconds | tokens/s |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|",
         ]
         p = self.profile
         runs = {
             "default": ("default", p.target, p.recipe, p.train_overrides, p.speed_steps),
+            "default-m16": ("default-m16", p.target, p.recipe, p.m16_overrides, p.speed_steps),
             "dummy": (
                 p.train_dummy.split(":")[-1],
                 p.train_dummy,
@@ -376,18 +377,24 @@ class Stages:
             cfg = (
                 (out / "run_config.yaml").read_text() if (out / "run_config.yaml").is_file() else ""
             )
-            zero = next(
-                (
-                    ln.split(":")[1].strip()
-                    for ln in cfg.splitlines()
-                    if ln.startswith("zero_stage:")
-                ),
-                "?",
-            )
+
+            def setting(key: str, cfg=cfg) -> str:
+                return next(
+                    (
+                        ln.split(":")[1].strip()
+                        for ln in cfg.splitlines()
+                        if ln.startswith(key + ":")
+                    ),
+                    "?",
+                )
+
+            zero = setting("zero_stage")
+            shape = f"{setting('micro_batch_size')} x {setting('grad_accum')}"
             if m:
                 st.results[f"train-{label}"] = m
                 rows.append(
-                    f"| {target} | {recipe} | {m.get('precision')} | {zero} | {m.get('global_step')} | "
+                    f"| {target} | {recipe} | {shape} | {m.get('precision')} | {zero} | "
+                    f"{m.get('global_step')} | "
                     f"{m.get('train_tokens')} | {m.get('train_time_s', 0):.1f} | "
                     f"{m.get('train_tokens_per_s', 0):.0f} |"
                 )

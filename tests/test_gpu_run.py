@@ -254,6 +254,8 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     # d: the trainer under the deepspeed launcher reports tokens/s
     d = res["d"]["results"]["train-tiny"]
     assert d["status"] == "completed" and d["world_size"] == 1 and d["train_tokens_per_s"] > 0
+    d_md = (tmp_path / "train" / "out" / "d.md").read_text()
+    assert "| micro x accum |" in d_md and "| 2 x 2 |" in d_md  # the tiny recipe, read back
     # e: a finished head with its held-out tau_est, back in shards; e2: its decode table
     e = res["e"]["results"]["train"]
     # its data: the target's own replies, made by steps of their own before training
