@@ -56,7 +56,8 @@ def _kernels(fn, cuda: bool):
 
 def norm_kernels(target, device, n: int, repeats: int) -> dict:
     """The target's first RMSNorm (transformers' module: upcast, square, mean, rsqrt, scale,
-    downcast, weight: ~7 kernels, twice per layer) against ``torch.nn.functional.rms_norm``
+    downcast, weight: ~7 kernels, twice per layer), redraft's fused forward (the one the loaded
+    target runs, ``redraft.models.fused``) and ``torch.nn.functional.rms_norm``
     (one fused kernel where the build has one) on ``n`` tokens: kernels (CUDA) or aten ops
     (CPU), ms, and the largest difference. Whether swapping it would cut a forward's kernels
     (1356 per eager forward of the default target on the H200) without changing its output."""
@@ -68,8 +69,11 @@ def norm_kernels(target, device, n: int, repeats: int) -> dict:
     x = torch.randn(1, n, norm.weight.shape[0], dtype=norm.weight.dtype, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out = {}
+    from redraft.models.fused import fused_rms_norm_forward
+
     fns = {
-        "module": lambda: norm(x),
+        "module": lambda: type(norm).forward(norm, x),  # transformers' own forward
+        "redraft": lambda: fused_rms_norm_forward(norm, x),  # what load_target gives the model
         "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, norm.weight.shape, norm.weight, eps),
     }
     with torch.inference_mode():
@@ -78,7 +82,11 @@ def norm_kernels(target, device, n: int, repeats: int) -> dict:
                 "kernels": len(_kernels(fn, device.type == "cuda")),
                 "ms": _best_ms(fn, sync, repeats),
             }
-        diff = (fns["module"]().float() - fns["F.rms_norm"]().float()).abs().max()
+        ref = fns["module"]()
+        diff = (ref.float() - fns["F.rms_norm"]().float()).abs().max()
+        mine = fns["redraft"]()
+        out["redraft_max_abs_diff"] = float((ref.float() - mine.float()).abs().max())
+        out["redraft_differing"] = float((ref != mine).float().mean())
     out["max_abs_diff"] = float(diff)
     return out
 
@@ -192,6 +200,13 @@ def markdown(rep: dict) -> list[str]:
             f"{unit}, {nm['module']['ms']:.3f} ms; `F.rms_norm` {nm['F.rms_norm']['kernels']}, "
             f"{nm['F.rms_norm']['ms']:.3f} ms; largest difference {nm['max_abs_diff']:.3g}",
         ]
+        if "redraft" in nm:
+            lines[-1] += (
+                f"; redraft's (`weight * F.rms_norm(x)`, what load_target gives the model) "
+                f"{nm['redraft']['kernels']}, {nm['redraft']['ms']:.3f} ms, largest difference "
+                f"{nm['redraft_max_abs_diff']:.3g}, {100 * nm['redraft_differing']:.3f}% of the "
+                f"elements differ"
+            )
     if rep["top"]:
         lines += ["", f"slowest {unit} of the largest size (calls, ms):", ""]
         lines += [f"- `{k}`: {c}, {ms:.3f}" for k, c, ms in rep["top"]]
