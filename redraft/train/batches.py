@@ -37,6 +37,9 @@ class Batch:
         lengths: ``[B]`` real tokens per row (``kd_positions: all`` counts those), or None.
         kd_rows: ``[B]`` bool, rows whose KL term counts on every real token whatever
             ``kd_positions`` says (``--kd-features`` records: :mod:`redraft.train.kdmix`), or None.
+        host: the same batch on the CPU when this one was moved to another device
+            (:meth:`to`): the loss picks its windows there, so a micro step never waits for
+            the device to say how many positions it has (``nonzero`` on CUDA syncs).
     """
 
     ids: torch.Tensor
@@ -48,6 +51,30 @@ class Batch:
     topk_logits: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
     kd_rows: torch.Tensor | None = None
+    host: Batch | None = None
+
+    def to(self, device) -> Batch:
+        """This (CPU) batch on ``device`` (copies issued without waiting), keeping this one as
+        :attr:`host`; itself on the CPU."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return Batch(
+            ids=move(self.ids),
+            mask=move(self.mask),
+            tokens=self.tokens,
+            loss_tokens=self.loss_tokens,
+            hidden=move(self.hidden),
+            topk_ids=move(self.topk_ids),
+            topk_logits=move(self.topk_logits),
+            lengths=move(self.lengths),
+            kd_rows=move(self.kd_rows),
+            host=self,
+        )
 
 
 def load_datasets(cfg, tokenizer, env, train: bool = True):
@@ -211,12 +238,12 @@ class TokenRecords:
         rows = self.ds[[int(i) for i in idx]]
         ids, mask = pad_rows(rows["input_ids"]), pad_rows(rows["loss_mask"])
         return Batch(
-            ids.to(device),
-            mask.to(device),
+            ids,
+            mask,
             tokens=int(self.lengths[idx].sum()),
             loss_tokens=int(mask[:, 2:].sum()),
-            lengths=torch.as_tensor(self.lengths[idx], dtype=torch.long).to(device),
-        )
+            lengths=torch.as_tensor(self.lengths[idx], dtype=torch.long),
+        ).to(device)
 
     def token_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return token_arrays(self.ds)

@@ -278,17 +278,16 @@ class FeatureRecords:
         hidden = torch.from_numpy(hid)
         if self.hidden_dtype == torch.bfloat16:
             hidden = hidden.view(torch.bfloat16)
-        to = dict(device=device, non_blocking=True)
         return Batch(
-            ids=torch.from_numpy(ids).to(**to),
-            mask=torch.from_numpy(mask).to(**to),
+            ids=torch.from_numpy(ids),
+            mask=torch.from_numpy(mask),
             tokens=int(self.lengths[idx].sum()),
             loss_tokens=int(mask[:, 2:].sum()),
-            hidden=hidden.to(**to),
-            topk_ids=torch.from_numpy(tk_ids).to(**to) if self.load_topk else None,
-            topk_logits=torch.from_numpy(tk_val).to(**to) if self.load_topk else None,
-            lengths=torch.from_numpy(self.lengths[idx].copy()).to(**to),
-        )
+            hidden=hidden,
+            topk_ids=torch.from_numpy(tk_ids) if self.load_topk else None,
+            topk_logits=torch.from_numpy(tk_val) if self.load_topk else None,
+            lengths=torch.from_numpy(self.lengths[idx].copy()),
+        ).to(device)
 
     def token_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Flat ``(input_ids, loss_mask)`` of every record (for the draft vocabulary)."""

@@ -75,11 +75,11 @@ class KDOnlyMix:
         idx = np.asarray(idx, dtype=np.int64)
         mine, extra = idx[idx < self.n_main], idx[idx >= self.n_main] - self.n_main
         parts, kd_rows = [], []
-        if len(mine):
-            parts.append(self.main.batch(mine, device))
+        if len(mine):  # put together on the CPU, moved once (no device read for loss_tokens)
+            parts.append(self.main.batch(mine, "cpu"))
             kd_rows.append(torch.zeros(len(mine), dtype=torch.bool))
         if len(extra):
-            b = self.extra.batch(extra, device)
+            b = self.extra.batch(extra, "cpu")
             b.mask.zero_()  # their labels are not the target's words: no cross-entropy
             parts.append(b)
             kd_rows.append(torch.ones(len(extra), dtype=torch.bool))
@@ -93,8 +93,8 @@ class KDOnlyMix:
             topk_ids=_pad_cat([p.topk_ids for p in parts]),
             topk_logits=_pad_cat([p.topk_logits for p in parts]),
             lengths=torch.cat([p.lengths for p in parts]),
-            kd_rows=torch.cat(kd_rows).to(device),
-        )
+            kd_rows=torch.cat(kd_rows),
+        ).to(device)
 
     def token_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """The main records' ``(input_ids, loss_mask)``: the draft vocabulary is the most frequent

@@ -50,8 +50,31 @@ def _windows_of(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
     return padded.unfold(1, n + 1, 1)[:, :T]  # [B, T, n+1] (a view, no copy)
 
 
+def _target_masks(loss_mask: torch.Tensor, n: int, kd_mask: torch.Tensor | None):
+    """``[B, T, n]`` windows of the cross-entropy targets and of the KD targets (or None)."""
+    m_w = _windows_of(loss_mask.to(torch.bool), n, fill=False)[..., 1:]
+    kd_w = None
+    if kd_mask is not None:
+        kd_w = _windows_of(kd_mask.to(torch.bool), n, fill=False)[..., 1:] | m_w
+    return m_w, kd_w
+
+
+def learn_positions(
+    loss_mask: torch.Tensor, n: int, kd_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(b [P], t [P])``: the positions whose window has something to learn (see
+    :func:`make_windows`). ``nonzero`` needs the count on the host: computed from the CPU copy
+    of a batch (``Batch.host``) it costs the device no wait."""
+    m_w, kd_w = _target_masks(loss_mask, n, kd_mask)
+    return (m_w if kd_w is None else kd_w).any(-1).nonzero(as_tuple=True)
+
+
 def make_windows(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, n: int, kd_mask: torch.Tensor | None = None
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    n: int,
+    kd_mask: torch.Tensor | None = None,
+    positions: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Windows:
     """All teacher-forcing windows of a batch that have at least one assistant target (or, with
     ``kd_mask``, at least one KD target).
@@ -62,16 +85,15 @@ def make_windows(
         n: the horizon (drafter steps).
         kd_mask: ``[B, T]`` 1 on the tokens the KD term learns (``kd_positions: all``: every real
             token, 0 on padding), or None (the KD term follows ``loss_mask``).
+        positions: :func:`learn_positions` of the same masks, already on ``input_ids``' device
+            (from the batch's CPU copy), or None: found here (a host sync on CUDA).
     """
     ids_w = _windows_of(input_ids, n)  # [B, T, n+1]: ids[t+1 .. t+n+1]
-    m_w = _windows_of(loss_mask.to(torch.bool), n, fill=False)[
-        ..., 1:
-    ]  # [B, T, n]: mask of the targets
-    kd_w = None
-    if kd_mask is not None:
-        kd_w = _windows_of(kd_mask.to(torch.bool), n, fill=False)[..., 1:] | m_w  # [B, T, n]
-    learn = m_w if kd_w is None else kd_w
-    b, t = learn.any(-1).nonzero(as_tuple=True)  # [P] positions with something to learn
+    m_w, kd_w = _target_masks(loss_mask, n, kd_mask)  # [B, T, n]: masks of the targets
+    if positions is None:
+        learn = m_w if kd_w is None else kd_w
+        positions = learn.any(-1).nonzero(as_tuple=True)  # [P] positions with something to learn
+    b, t = positions
     w = ids_w[b, t]  # [P, n+1]
     return Windows(
         batch_idx=b,

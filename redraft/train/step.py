@@ -26,6 +26,7 @@ from redraft.train.config import TrainConfig
 from redraft.train.losses import (
     EvalAccumulator,
     drafter_loss,
+    learn_positions,
     make_windows,
     real_token_mask,
     target_next_positions,
@@ -158,6 +159,17 @@ def batch_teacher(
     return model.to_draft_ids(ids[b, j].long()), vals[b, j].float()
 
 
+def window_positions(batch: Batch, cfg: TrainConfig, kd_w: float):
+    """The positions :func:`make_windows` keeps, from the batch's CPU copy and uploaded without
+    waiting (``Batch.host``), or None when the batch has no CPU copy (it is on the CPU)."""
+    host = batch.host
+    if host is None:
+        return None
+    b, t = learn_positions(host.mask, cfg.num_steps, kd_positions_mask(host, cfg, kd_w))
+    dev = batch.ids.device
+    return b.to(dev, non_blocking=True), t.to(dev, non_blocking=True)
+
+
 def kd_positions_mask(batch: Batch, cfg: TrainConfig, kd_w: float) -> torch.Tensor | None:
     """``[B, T]`` the tokens the KD term learns besides the assistant ones: every real token with
     ``kd_positions: all`` (the teacher there is the target's own next-token distribution for
@@ -204,7 +216,13 @@ def batch_loss(
     else:
         hidden = target_hidden(target, ids, precision, model.config.hidden_layers)  # [B, T, F]
     ce_w, kd_w = loss_weights(cfg)
-    win = make_windows(ids, mask, cfg.num_steps, kd_mask=kd_positions_mask(batch, cfg, kd_w))
+    win = make_windows(
+        ids,
+        mask,
+        cfg.num_steps,
+        kd_mask=kd_positions_mask(batch, cfg, kd_w),
+        positions=window_positions(batch, cfg, kd_w),
+    )
     # [P, F], a normal tensor (indexing leaves inference mode); the head projects F to H
     ctx = hidden[win.batch_idx, win.pos_idx]
     targets_d = model.to_draft_ids(win.targets)

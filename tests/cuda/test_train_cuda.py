@@ -87,3 +87,42 @@ def test_deepspeed_bf16_step_runs_and_resumes_exactly(
     moved = float((a["lm_head.weight"].float() - init["lm_head.weight"].float()).abs().max())
     assert moved > 1e-3  # training moved the weights: the comparison above is not of two inits
     assert resumed["eval_top1"] == pytest.approx(straight["eval_top1"], abs=0.02)
+
+
+@pytest.mark.parametrize("kd_positions", ["assistant", "all"])
+def test_a_micro_steps_loss_never_waits_for_the_gpu(cuda_target, kd_positions):
+    """batch_loss on a batch moved to the GPU (its CPU copy picks the windows): no operation in it
+    synchronises the host with the device (torch's sync debug mode raises on one), and the loss
+    is the one of the same batch on the CPU path of window picking."""
+    from redraft.models.redrafter import ReDrafter, ReDrafterConfig
+    from redraft.train.batches import Batch
+    from redraft.train.config import make_config
+    from redraft.train.step import batch_loss, target_hidden
+
+    torch.manual_seed(0)
+    V = cuda_target.vocab_size
+    model = ReDrafter(ReDrafterConfig.for_target(cuda_target, num_layers=1, num_steps=3))
+    model = model.attach_target(cuda_target).to(DEVICE)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, V, (2, 24), generator=g)
+    mask = torch.zeros(2, 24, dtype=torch.long)
+    mask[0, 12:20], mask[1, 8:14] = 1, 1
+    lengths = torch.tensor([24, 17])
+    ids[1, 17:] = 0
+    cpu = Batch(ids, mask, tokens=41, loss_tokens=int(mask[:, 2:].sum()), lengths=lengths)
+    hidden = target_hidden(cuda_target, ids.to(DEVICE), "fp32").cpu()  # cached features
+    cpu.hidden = hidden
+    cfg = make_config(
+        "tiny",
+        {"num_steps": 3, "loss": "ce", "kd_positions": kd_positions, "draft_vocab_size": None},
+    )
+    gpu = cpu.to(DEVICE)
+    assert gpu.host is cpu and gpu.ids.device.type == "cuda"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = batch_loss(model, model, None, gpu, cfg, "fp32")[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = batch_loss(model, model, None, Batch(**{**vars(gpu), "host": None}), cfg, "fp32")[0]
+    assert torch.allclose(loss, ref)

@@ -138,3 +138,36 @@ def test_kd_positions_is_checked():
     assert make_config("tiny", {"kd_positions": "all"}).kd_positions == "all"
     with pytest.raises(ConfigError, match="kd.positions"):
         make_config("tiny", {"kd_positions": "prompts"})
+
+
+@pytest.mark.parametrize("kd_positions", ["assistant", "all"])
+def test_windows_picked_on_the_host_copy_give_the_same_loss(tiny_target, monkeypatch, kd_positions):
+    """A batch moved to a device keeps its CPU copy (``Batch.host``) and the loss takes its
+    window positions from there (no ``nonzero`` on the device: a sync per micro step on CUDA);
+    the positions and the loss are the ones found on the batch itself."""
+    import redraft.train.step as step
+    from redraft.train.losses import learn_positions, real_token_mask
+
+    torch.manual_seed(0)
+    model = ReDrafter(ReDrafterConfig.for_target(tiny_target, num_layers=1, num_steps=N_STEPS))
+    model.attach_target(tiny_target)
+    plain = _batch(tiny_target)
+    twin = Batch(**{**vars(plain), "host": _batch(tiny_target)})  # "moved", with its CPU copy
+    seen = []
+    make = step.make_windows
+    monkeypatch.setattr(
+        step, "make_windows", lambda *a, **k: seen.append(k.get("positions")) or make(*a, **k)
+    )
+    over = {"loss": "ce+kd", "kd_positions": kd_positions}
+    assert _loss(model, tiny_target, twin, **over) == _loss(model, tiny_target, plain, **over)
+    assert seen[0] is not None and seen[1] is None  # the host copy's positions, then none
+    kd = real_token_mask(plain.ids, plain.lengths) if kd_positions == "all" else None
+    want = make(plain.ids, plain.mask, N_STEPS, kd_mask=kd)
+    b, t = learn_positions(plain.mask, N_STEPS, kd)
+    assert b.tolist() == want.batch_idx.tolist() and t.tolist() == want.pos_idx.tolist()
+    assert torch.equal(seen[0][0], want.batch_idx) and torch.equal(seen[0][1], want.pos_idx)
+
+
+def test_a_batch_moved_to_cpu_is_itself_and_keeps_no_copy(tiny_target):
+    batch = _batch(tiny_target)
+    assert batch.to("cpu") is batch and batch.host is None
