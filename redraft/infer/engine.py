@@ -691,8 +691,12 @@ class Engine:
         self.sampling = self._sampling()
         if dec.device_drafters:
             self._join_state(new, y, h_last, start)
+        host = self._host_state() if any(d.host for d in dec.drafters) else None
         for d in dec.drafters:
-            d.add_rows(self.state, start)
+            if d.host:
+                d.add_rows_host(host, start)
+            else:
+                d.add_rows(self.state, start)
         events = []
         for b, (r, t) in enumerate(zip(new, y_host)):
             events += self._row_event(r, [t], lps.get(b))

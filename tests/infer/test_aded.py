@@ -1,12 +1,15 @@
 """ADED: MCTS over a tri-gram table, adaptive per-request overlay, the drafter."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from redraft.infer.drafters.aded import ADEDDrafter, TrigramOverlay
-from redraft.infer.drafters.base import Feedback
+from redraft.infer.drafters.base import HostFeedback
 from redraft.infer.drafters.mcts import MCTSConfig, mcts_search, puct_exploration
+from redraft.infer.rows import HostState
 from redraft.ngrams import (
     NGramTables,
     TrigramTable,
@@ -16,7 +19,13 @@ from redraft.ngrams import (
     save_tables,
     trigram_table_from_trigrams,
 )
-from redraft.testing import decode_state as _state
+
+
+def _state(rows):
+    """The host's view of ``rows`` (token lists; the whole row is its prompt)."""
+    seqs = [np.asarray(r, np.int64) for r in rows]
+    return HostState(seqs, np.array([s[-1] for s in seqs]), np.array([len(s) for s in seqs]))
+
 
 V = 50
 
@@ -169,24 +178,22 @@ def test_adaptive_updates_change_later_drafts_and_not_the_artifact(tmp_path):
     kw = dict(iterations=40, depth=3, candidates=4, top_k=3, increment=0.9, adapt_prompt=False)
     drafter, other = ADEDDrafter(table, **kw), ADEDDrafter(table, **kw)
     s0 = _state([[1, 2, 4], [1, 2, 4]])
-    drafter.add_rows(s0, 0)
-    other.add_rows(s0, 0)
-    d0 = drafter.propose(s0)
-    assert novel not in d0.tokens[0, :, 1].tolist()
+    drafter.add_rows_host(s0, 0)
+    other.add_rows_host(s0, 0)
+    d0 = drafter.propose_host(s0)
+    assert isinstance(d0.tokens, np.ndarray) and novel not in d0.tokens[0, :, 1].tolist()
     # row 0 accepted [5] and the target's bonus was ``novel``: tri-gram (4, 5, novel) observed
-    fb = Feedback(
-        accepted_prefix=torch.zeros(2, 4, dtype=torch.long),
-        accepted=torch.tensor([[5, -1], [-1, -1]]),
-        num_accepted=torch.tensor([1, 0]),
-        bonus=torch.tensor([novel, 9]),
-        verified=torch.ones(2, 4, dtype=torch.long),
+    fb = HostFeedback(
+        accepted_prefix=np.zeros((2, 4), np.int64),
+        acceptance=SimpleNamespace(emitted=[[5, novel], [9]]),
+        verified=np.ones((2, 4), np.int64),
     )
-    drafter.observe(s0, d0, fb)
+    drafter.observe_host(s0, d0, fb)
     s1b = _state([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]])  # both rows at context (4, 5)
-    d1 = drafter.propose(s1b)
-    assert d1.tokens[0, 0, 0].item() == novel  # row 0 learned (4, 5) -> novel (P 0.9)
+    d1 = drafter.propose_host(s1b)
+    assert d1.tokens[0, 0, 0] == novel  # row 0 learned (4, 5) -> novel (P 0.9)
     assert novel not in d1.tokens[1, :, 0].tolist()  # row 1 did not
-    d_other = other.propose(s1b)
+    d_other = other.propose_host(s1b)
     assert novel not in d_other.tokens[0, :, 0].tolist()  # another drafter / request: unchanged
     assert path.read_bytes() == before
 
@@ -197,9 +204,9 @@ def test_prompt_trigrams_seed_the_overlay():
     novel = int(next(t for t in range(20) if t not in ids[0]))
     drafter = ADEDDrafter(table, iterations=30, depth=2, candidates=3, top_k=2, increment=0.9)
     s = _state([[7, 8, novel, 1, 7, 8]])
-    drafter.add_rows(s, 0)
-    d = drafter.propose(s)
-    assert d.tokens[0, 0, 0].item() == novel
+    drafter.add_rows_host(s, 0)
+    d = drafter.propose_host(s)
+    assert d.tokens[0, 0, 0] == novel
     assert d.logp is not None and d.logp.shape == d.tokens.shape
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback
+from redraft.infer.drafters.base import PAD, Draft, Drafter, HostFeedback
 from redraft.infer.drafters.mcts import MCTSConfig, MCTSResult, mcts_search
 from redraft.ngrams import TrigramTable, as_trigram_table
 
@@ -239,6 +239,10 @@ class ADEDDrafter(Drafter):
     """
 
     name = "aded"
+    # the MCTS is numpy over the host's tokens: no device state, no device read (as a device
+    # drafter it read its two context tokens back, uploaded its draft and read it back again,
+    # and made the engine keep a device copy of every row: ~10 kernel launches a step)
+    host = True
 
     def __init__(
         self,
@@ -279,62 +283,49 @@ class ADEDDrafter(Drafter):
     def _lookup(self, rows, w1, w2, k):
         return self.overlay.successors(rows, w1, w2, k)
 
-    def add_rows(self, state: DecodeState, start: int) -> None:
+    def add_rows_host(self, host, start: int) -> None:
         if start == 0:  # a fresh batch: reproducible searches, fresh counters
             self.rng = np.random.default_rng(self.seed)
             self.overlay = TrigramOverlay(self.table, 0, self.increment, self.cap)
             self.stats = ADEDStats()
-        self.overlay.add_rows(state.batch_size - start)
+        self.overlay.add_rows(host.batch_size - start)
         if self.adapt and self.adapt_prompt:  # seed the new rows' overlays with their prompts
-            toks = state.tokens[start:].cpu().numpy()
-            T = toks.shape[1]
-            plen = state.prompt_lengths[start:].cpu().numpy()
-            toks = np.where(np.arange(T)[None, :] < plen[:, None], toks, PAD)
+            seqs, plen = host.seqs[start:], host.prompt_lengths[start:]
+            toks = np.full((len(seqs), max(int(n) for n in plen)), PAD, np.int64)
+            for i, (seq, n) in enumerate(zip(seqs, plen)):
+                toks[i, :n] = seq[:n]
             self.overlay.update_sequences(toks, first_row=start)
 
-    def propose(self, state: DecodeState) -> Draft:
+    @staticmethod
+    def _before_last(host) -> np.ndarray:
+        """``[B]`` each row's token before its last one (``PAD`` for a one-token row)."""
+        return np.array([s[-2] if len(s) >= 2 else PAD for s in host.seqs], np.int64)
+
+    def propose_host(self, host) -> Draft:
         """MCTS from the last two tokens of every row: ``Draft(tokens [B, C, D], logp)``."""
         t0, c0 = time.perf_counter(), time.process_time()
-        toks = state.tokens
-        lengths = state.lengths
-        B = toks.shape[0]
-        ar = torch.arange(B, device=toks.device)
-        w2 = state.last
-        w1 = torch.where(
-            lengths >= 2, toks[ar, (lengths - 2).clamp(min=0)], torch.full_like(w2, PAD)
-        )
-        res = mcts_search(w1.cpu().numpy(), w2.cpu().numpy(), self._lookup, self.cfg, self.rng)
+        B = host.batch_size
+        w2 = np.asarray(host.last, np.int64)
+        res = mcts_search(self._before_last(host), w2, self._lookup, self.cfg, self.rng)
         self.last_result = res
         self.stats.calls += 1
         self.stats.rows += B
         self.stats.nodes += res.num_nodes
         self.stats.seconds += time.perf_counter() - t0
         self.stats.cpu_seconds += time.process_time() - c0
-        dev = state.device
-        return Draft(
-            tokens=torch.from_numpy(res.tokens).to(dev), logp=torch.from_numpy(res.logp).to(dev)
-        )
+        return Draft(tokens=res.tokens, logp=res.logp)
 
-    def observe(self, state: DecodeState, draft: Draft, feedback: Feedback) -> None:
+    def observe_host(self, host, draft: Draft, feedback: HostFeedback) -> None:
         """Adjust3Gram: raise the tri-grams the new tokens formed with the two before them."""
         if not self.adapt:
             return
-        toks, lengths = state.tokens, state.lengths
-        B = toks.shape[0]
-        ar = torch.arange(B, device=toks.device)
-        w1 = torch.where(
-            lengths >= 2, toks[ar, (lengths - 2).clamp(min=0)], torch.full_like(state.last, PAD)
-        )
-        A = feedback.accepted.shape[1]
-        acc = feedback.accepted.masked_fill(
-            torch.arange(A, device=toks.device)[None, :] >= feedback.num_accepted[:, None], PAD
-        )
-        # [B, 2 + A + 1]: w1, y, accepted..., bonus; the bonus moves left over the padding
-        seq = torch.cat(
-            [w1[:, None], state.last[:, None], acc, torch.full_like(state.last[:, None], PAD)], 1
-        )
-        seq[ar, 2 + feedback.num_accepted] = feedback.bonus
-        self.overlay.update_sequences(seq.cpu().numpy())
+        emitted = feedback.acceptance.emitted  # per row: the accepted tokens, then the bonus
+        seq = np.full((host.batch_size, 2 + max(len(e) for e in emitted)), PAD, np.int64)
+        seq[:, 0] = self._before_last(host)
+        seq[:, 1] = host.last
+        for b, e in enumerate(emitted):
+            seq[b, 2 : 2 + len(e)] = e
+        self.overlay.update_sequences(seq)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         self.overlay.select_rows(keep.cpu().numpy())

@@ -170,6 +170,10 @@ class Drafter:
         """Rows ``start .. state.batch_size - 1`` of ``state`` are new requests (appended after
         the running ones; ``start == 0``: a fresh batch): set up their per-request state."""
 
+    def add_rows_host(self, host, start: int) -> None:
+        """A host drafter's :meth:`add_rows`: rows ``start ..`` of ``host`` (a ``HostState``:
+        prompt + first output token, ``prompt_lengths``) are new requests."""
+
     def propose(self, state: DecodeState) -> Draft:
         """Return candidate paths continuing ``state.last`` for every row."""
         raise NotImplementedError
