@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 CAPTURE_AFTER = 3  # uses of a shape (in a row or not) after which it is captured
 
 
+def graph_stats() -> dict:
+    """Counters of how a captured function ran (``redraft-bench`` reports them)."""
+    return {"captures": 0, "capture_s": 0.0, "failed": 0, "replays": 0, "eager": 0, "dropped": 0}
+
+
 def cuda_capture(fn, device, pool):
     """Capture ``fn()`` (over static input buffers) in a CUDA graph: PyTorch's recipe, warm-up on
     a side stream then capture. Returns ``(graph, output)``."""
@@ -153,14 +158,7 @@ class ShapeGraphs:
         self.enabled = self.device.type == "cuda" if enabled is None else enabled
         self.capture = capture or cuda_capture
         self.store = GraphStore(max_graphs)  # key -> {"graph", "inputs", "out"}
-        self.stats = {
-            "captures": 0,
-            "capture_s": 0.0,
-            "failed": 0,
-            "replays": 0,
-            "eager": 0,
-            "dropped": 0,
-        }
+        self.stats = graph_stats()
         self._warned = False
 
     def __call__(self, key, *inputs: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from redraft.infer.budget import SIZES, BatchCost, CostCurve, measure_cost_curve
-from redraft.infer.graphs import GraphStore, after_failed_capture, cuda_capture
+from redraft.infer.graphs import GraphStore, after_failed_capture, cuda_capture, graph_stats
 from redraft.infer.grouped_attention import grouped, row_groups, use_packed_attention
 from redraft.infer.kv import SlotKVCache
 from redraft.infer.opcount import not_counted
@@ -171,14 +171,7 @@ class Verifier:
         self._padded: tuple = (None, {})  # (curve, tree_size's choices under it)
         # how the static verifies ran (``redraft-bench`` reports them: on a GPU a capture costs
         # a few eager forwards, and an eager static forward far more than a replay)
-        self.graph_stats = {
-            "captures": 0,
-            "capture_s": 0.0,
-            "failed": 0,
-            "replays": 0,
-            "eager": 0,
-            "dropped": 0,
-        }
+        self.graph_stats = graph_stats()
         self._attention = sdpa_backends(self.device)
         # every device: the query heads of a key/value head attend packed (no per-head copy of
         # the cache); CPU eager forwards: rows of very different lengths attend in two groups
