@@ -67,9 +67,10 @@ STEP_LIMITS = {
     "cost-curves": 180,
     "overhead": 120,
     "predict": 30,
-    # quick, measured on the H200 (2026-11-27): 19.9 s, 27.0 s, 44.5 s, -, 26.2 s; the engine
-    # profile (not run yet) has 18 grid points and three engine runs, each after a 4,000-token
-    # prompt: its JSON is written after each part, so a cut run keeps what it measured
+    # quick, measured on the H200 (2026-11-27, fourth run): cost curves 16.2 s, overhead 19.6 s
+    # (before its redrafter row), profile 39.2 s, engine profile 27.7 s, n-grams 25.1 s (the
+    # decode table 79.6 s); the engine profile's JSON is written after each part, so a cut run
+    # keeps what it measured
     "quick/cost-curves": 45,
     "quick/overhead": 60,
     "quick/profile": 60,
