@@ -12,8 +12,9 @@ it is used, or its :data:`CAPTURE_AFTER`-th use in all (a server's batch changes
 shape used once never pays a capture; a speculating engine's tree sizes alternate from step to
 step, so "in a row" alone left 147 of 432 steps of a distillation run eager on the H200), every
 capture shares one memory pool, at most ``max_graphs`` graphs are kept (the least recently
-replayed is dropped), and **a capture that fails never changes the result**: it is logged once,
-the shape runs eagerly from then on.
+replayed is dropped; once full, only a shape used twice in a row displaces one), and **a
+capture that fails never changes the result**: it is logged once, the shape runs eagerly from
+then on.
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ class GraphStore:
         if key in self.eager:
             return None, False
         self.uses[key] += 1
-        return None, repeat or self.uses[key] >= CAPTURE_AFTER
+        # full: only a shape used twice in a row displaces a graph (no churn from shapes that
+        # merely recur, e.g. a server's many batch sizes x tree sizes x spans)
+        full = len(self.entries) >= self.max_graphs
+        return None, repeat or (self.uses[key] >= CAPTURE_AFTER and not full)
 
     def add(self, key, entry: dict) -> int:
         """Keep ``entry`` for ``key``; returns how many graphs were dropped to make room."""

@@ -121,3 +121,19 @@ def test_at_most_max_graphs_are_kept_the_least_recently_replayed_dropped():
     assert list(g.entries) == [1, 3] and g.stats["dropped"] == 1 and len(captured) == 3
     assert g(2, x).tolist() == [2.0, 2.0] and g.stats["captures"] == 3  # eager again, then ...
     assert g(2, x).tolist() == [2.0, 2.0] and list(g.entries) == [3, 2]  # ... 1 dropped
+
+
+def test_a_full_store_captures_only_shapes_used_twice_in_a_row():
+    """At ``max_graphs`` a shape that merely recurs (its third use, not in a row) stays eager:
+    no churn of captures and drops; one used twice in a row still displaces the oldest."""
+    captured = []
+    g = ShapeGraphs(lambda key, x: x + key, "cpu", replaying_capture(captured), True, max_graphs=2)
+    x = torch.zeros(1)
+    for key in (1, 1, 2, 2):
+        g(key, x)
+    assert list(g.entries) == [1, 2]
+    for key in (3, 4, 3, 4, 3, 4):  # third uses of 3 and 4, never in a row
+        assert g(key, x).tolist() == [float(key)]
+    assert len(captured) == 2 and g.stats["dropped"] == 0
+    g(4, x)  # 4 twice in a row: captured, 1 (least recently replayed) dropped
+    assert list(g.entries) == [2, 4] and g.stats["dropped"] == 1
