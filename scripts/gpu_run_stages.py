@@ -377,19 +377,8 @@ class Stages:
             cfg = (
                 (out / "run_config.yaml").read_text() if (out / "run_config.yaml").is_file() else ""
             )
-
-            def setting(key: str, cfg=cfg) -> str:
-                return next(
-                    (
-                        ln.split(":")[1].strip()
-                        for ln in cfg.splitlines()
-                        if ln.startswith(key + ":")
-                    ),
-                    "?",
-                )
-
-            zero = setting("zero_stage")
-            shape = f"{setting('micro_batch_size')} x {setting('grad_accum')}"
+            zero = yaml_value(cfg, "zero_stage")
+            shape = f"{yaml_value(cfg, 'micro_batch_size')} x {yaml_value(cfg, 'grad_accum')}"
             if m:
                 st.results[f"train-{label}"] = m
                 rows.append(
@@ -598,6 +587,14 @@ class Stages:
 
     def stage_fetch(self, st: StageRun) -> None:
         pass
+
+
+def yaml_value(text: str, key: str) -> str:
+    """A top-level ``key: value`` of a flat YAML text (``run_config.yaml``; the runner is standard
+    library only), or ``"?"``."""
+    return next(
+        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith(key + ":")), "?"
+    )
 
 
 def overhead_table(res: dict) -> list[str]:

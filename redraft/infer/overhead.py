@@ -17,9 +17,10 @@ on every machine). Methods:
 * ``context-16`` / ``context-64``: the context n-gram drafter, fixed budgets of 16 / 64 nodes;
 * ``ngrammys``: the N-Grammys mix (context matches + model-bigram chains), auto budget;
 * ``mix-aded``: the N-Grammys mix plus ADED's MCTS over a tri-gram table, auto budget;
-* ``redrafter``: a random one-layer ReDrafter head on the tiny target, 4 beams of 4 tokens
-  (its drafts are wrong, so a step is one beam search, one tree of 16 nodes, one token): the
-  beam search's launches (replayed from a CUDA graph there) and the tree built from its beams.
+* ``redrafter``: a random one-layer ReDrafter head on the tiny target, width and length "auto"
+  (its drafts are wrong, so a step is one beam search, one small tree, one token): the beam
+  search's launches (replayed from a CUDA graph there), its planning and the tree built from
+  its beams.
 
 Rows ignore end-of-sequence tokens here so every run decodes exactly ``new_tokens`` tokens.
 """
