@@ -152,9 +152,11 @@ class Profile:
             head_methods="greedy,redrafter,mix",
             pytest_paths=("tests/cuda",),
             cost_context=16,
+            # (48 new tokens: a speculating row that accepts 2 tokens a step must not finish
+            # within the 8 warm-up and 4 timed steps, or the timed batch shrinks)
             engine_profile_args=tuple(
                 "--batches 1,4 --capacities 64,128 --context 16 --batch 4 --prompt-tokens 8 "
-                "--max-new-tokens 16 --steps 4 --grow-to 40".split()
+                "--max-new-tokens 48 --steps 4 --grow-to 40".split()
             ),
             overhead_tokens=8,
             overhead_batches="1",

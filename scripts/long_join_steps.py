@@ -1,7 +1,7 @@
 """The load test's long-join scenario replayed through the engine alone, step by step.
 
     python scripts/long_join_steps.py [--streams 8] [--long-tokens 4000] [--join-after 15]
-        [--threads 2] [--max-tokens 64]
+        [--threads 2] [--max-tokens 64] [--fuse-prefill auto|true|false]
 
 Eight streams (held-out chat prompts, greedy, ``--max-tokens`` each) decode back to back; a
 stream's next request is added *after* the step that finished its previous one, as an HTTP
@@ -35,12 +35,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per stream request")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--prefill-chunk", default="auto", help="the decoder's prefill_chunk")
+    ap.add_argument(
+        "--fuse-prefill", default="auto", help="the decoder's fuse_prefill (auto, true, false)"
+    )
     ap.add_argument("--dtype", default="float32", help="target dtype")
     ap.add_argument("--top", type=int, default=12, help="slowest steps to print")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     chunk = args.prefill_chunk if args.prefill_chunk == "auto" else int(args.prefill_chunk)
-    dec = load_decoder("default", dtype=args.dtype, prefill_chunk=chunk)
+    fuse = {"true": True, "false": False}.get(args.fuse_prefill, args.fuse_prefill)
+    dec = load_decoder("default", dtype=args.dtype, prefill_chunk=chunk, fuse_prefill=fuse)
     prompts = load_prompts("chat", 32)
     ids = dec.encode(prompts)
     long_ids = dec.encode([long_prompt_text(prompts, args.long_tokens)])[0][: args.long_tokens]
@@ -76,6 +80,7 @@ def run(dec, ids: list, long_ids: list, args) -> None:
     timers = Timers()
     timers.wrap(dec.verifier, "prefill", "prefill")
     timers.wrap(dec.verifier, "verify", "verify")
+    timers.wrap(dec.verifier, "verify_with_piece", "fused")  # a verify carrying a piece
     owner, k_next = {}, args.streams  # request id -> stream; next prompt index
     for s in range(args.streams):
         owner[eng.add(ids[s % len(ids)], params)] = s
@@ -98,12 +103,11 @@ def run(dec, ids: list, long_ids: list, args) -> None:
         events = eng.step()
         t1 = time.perf_counter()
         parts = timers.take()
-        if "prefill" in parts and eng._chunk_marks is not None:
-            parts["tokens"] = eng._chunk_marks[0] / 1e3  # printed x 1e3 below
-            long_row = [r for r in eng.prefilling if r.rid == long_rid]
-            if long_row and long_row[0].filled != long_filled:
-                parts["long_piece"] = 1
-                long_filled = long_row[0].filled
+        long_row = [r for r in eng.prefilling if r.rid == long_rid]
+        if long_row and long_row[0].filled != long_filled:
+            parts["tokens"] = (long_row[0].filled - long_filled) / 1e3  # printed x 1e3 below
+            parts["long_piece"] = 1
+            long_filled = long_row[0].filled
         steps.append((t1 - t0, t0 - t_start, eng.batch_size, pre, parts))
         for ev in events:
             if ev.index == long_rid:
@@ -139,13 +143,13 @@ def run(dec, ids: list, long_ids: list, args) -> None:
             f"{np.percentile(pieces, 90):.0f}"
         )
     for name, sel in (
-        ("with a prefill", [s for s in during_steps if "prefill" in s[4]]),
-        ("without", [s for s in during_steps if "prefill" not in s[4]]),
+        ("with a prefill", [s for s in during_steps if {"prefill", "fused"} & set(s[4])]),
+        ("without", [s for s in during_steps if not {"prefill", "fused"} & set(s[4])]),
     ):
         if sel:
             tot = 1e3 * np.array([s[0] for s in sel])
             pre = 1e3 * np.array([s[4].get("prefill", 0.0) for s in sel])
-            ver = 1e3 * np.array([s[4].get("verify", 0.0) for s in sel])
+            ver = 1e3 * np.array([s[4].get("verify", s[4].get("fused", 0.0)) for s in sel])
             print(
                 f"  {len(sel)} steps {name}: step p50 {np.median(tot):.0f} / p90 "
                 f"{np.percentile(tot, 90):.0f} ms, prefill p50 {np.median(pre):.0f} / p90 "

@@ -300,6 +300,22 @@ class PrefillPacer:
         self.c0 = min(float(fixed), min(o[2] for o in self.obs))
         self.largest = max(self.largest, tokens)
 
+    def observe_fused(
+        self, tokens: int, span: int, seconds: float, cost: CostCurve, verify_tokens: int
+    ) -> None:
+        """A verify forward of ``verify_tokens`` tokens that also carried a prefill piece of
+        ``tokens`` tokens over ``span`` columns took ``seconds``: the piece cost what it took
+        past the reference step (kept as a forward of its own with the fixed cost, so one fit
+        serves both kinds). Before any step without a piece was timed (requests arriving
+        steadily: every step has one), the reference step is the curve's cost of the verify."""
+        if cost is None:
+            return
+        if self.ref is None:
+            self.observe_step(float(curve_np(cost, verify_tokens)))
+        fixed = cost.seconds[0] if cost.prefill_c0 is None else cost.prefill_c0
+        c0 = min(float(fixed), min((o[2] for o in self.obs), default=float(fixed)))
+        self.observe(tokens, span, max(seconds - self.ref, 0.0) + c0, cost)
+
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)`` of the cost model (see the class doc)."""
         N, S, secs = (np.array(v, np.float64) for v in zip(*self.obs))
@@ -318,14 +334,19 @@ class PrefillPacer:
             return 0.0, float(np.sum(w * r * S) / np.sum(w * S * S))
         return a, b
 
-    def fits(self, steps: float = 1.0) -> Callable[[int, int], bool] | None:
+    def fits(self, steps: float = 1.0, fused: bool = False) -> Callable[[int, int], bool] | None:
         """``fits(tokens, span)``: whether such a forward costs no more than ``share x steps``
         reference steps (``steps``: how many the caller allows, e.g. the running rows' step
         scaled to every admitted request); ``None`` before a forward and a step are timed (use
-        the curve)."""
+        the curve). ``fused``: the piece rides in the verify forward (no fixed cost of its
+        own): its tokens' cost alone is held to the share."""
         if not self.obs or self.ref is None:
             return None
         a, b = self.coefficients()
+        if fused:
+            budget = self.share * steps * self.ref
+            cap = self.GROWTH * self.largest
+            return lambda tokens, span: tokens <= cap and tokens * (a + b * span) <= budget
         # a forward's fixed cost is paid whatever its size: when it alone exceeds the share (an
         # eager prefill of 34 ms against 3.5 ms graph replays, H200 2026-11-27), pieces that fit
         # "nothing" became one token each and a 300-token prompt took 2.5 s; then a piece may

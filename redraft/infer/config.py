@@ -120,6 +120,13 @@ class DecoderConfig(Settings):
         "trades the same two).",
         range=Range(0, 100, lo_open=True),
     )
+    fuse_prefill: Any = _f(
+        "auto",
+        "Run a prefill piece in the same forward as the running rows' verify (one weight pass "
+        "for both, as vLLM and SGLang batch them) instead of a forward of its own: 'auto' (on "
+        "wherever verifies are eager, e.g. on a CPU, where a forward's fixed cost is reading "
+        "every weight; off where they replay CUDA graphs), true (wherever it can run) or false.",
+    )
     # ---- drafters (load_decoder / make_drafters)
     redrafter_width: Any = _f(
         "auto",
@@ -174,7 +181,7 @@ class DecoderConfig(Settings):
             isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 0
         ):
             bad("budget", "use an integer >= 0.")
-        for key in ("static_verify", "span_buckets"):
+        for key in ("static_verify", "span_buckets", "fuse_prefill"):
             if getattr(self, key) not in ("auto", True, False):
                 bad(key, "use 'auto', true or false.")
         if isinstance(self.prefill_chunk, str) and self.prefill_chunk != "auto":

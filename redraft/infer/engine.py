@@ -93,13 +93,23 @@ class Engine:
         self.steps = 0
         # wall time of the steps' prefill part (its first tokens' read syncs it) and of the
         # whole steps, prefill forwards and the rows decoded, summed (distillation reports them)
-        self.totals = {"prefill_s": 0.0, "step_s": 0.0, "prefills": 0, "row_steps": 0}
+        # ("fused": pieces that rode in a verify forward, timed with the step)
+        self.totals = {
+            "prefill_s": 0.0,
+            "step_s": 0.0,
+            "prefills": 0,
+            "fused": 0,
+            "row_steps": 0,
+        }
         # the running rows' last verify forward (batch x tree tokens) and the last prefill
         # forward's (tokens, span, clock marks): what the "auto" prefill chunk is paced by
         self._step_tokens = 0
         self._chunk_marks = None
         self._pacer = PrefillPacer(decoder.config.prefill_share)
         self._oldest_turn = False  # the next prefill piece goes to the oldest request
+        # prefill pieces ride in the running rows' verify forward (DecoderConfig.fuse_prefill)
+        fuse = decoder.config.fuse_prefill
+        self.fuse = self.verifier.can_fuse and fuse in ("auto", True)
         self._next_id = 0
         self._clock = Clock(self.device)
         self._context = getattr(decoder.model.config, "max_position_embeddings", None)
@@ -195,11 +205,14 @@ class Engine:
         deltas, finished requests)."""
         tot, s0 = self.totals, time.perf_counter()
         self._retire()
-        events = []
+        events, piece = [], None
         if self.waiting or self.prefilling:
-            events = self._prefill()
-            tot["prefill_s"] += time.perf_counter() - s0
-        self._retire()
+            if self.fuse and self.rows:  # a piece rides in this step's verify forward
+                piece = self._next_piece()
+            else:
+                events = self._prefill()
+                tot["prefill_s"] += time.perf_counter() - s0
+                self._retire()
         if not self.rows:
             tot["step_s"] += time.perf_counter() - s0
             return events
@@ -211,7 +224,17 @@ class Engine:
         step_in = self._upload(tree)
         self._step_tokens = step_in.packed.shape[0] * step_in.size
         t1 = clock.mark()
-        hidden = self.verifier.verify(step_in, self.cache)  # [B, N, H]
+        if piece is None:
+            hidden = self.verifier.verify(step_in, self.cache)  # [B, N, H]
+        else:
+            rows, T, first, starts = piece
+            hidden, h_last = self.verifier.verify_with_piece(
+                step_in,
+                self.cache,
+                [r.prompt[r.filled : r.filled + T] for r in rows],
+                first,
+                starts,
+            )
         if self.sampling.seeded:  # output tokens so far: which uniform a seeded row's draw takes
             self.sampling.offset = torch.tensor([r.length - len(r.prompt) for r in self.rows]).to(
                 self.device
@@ -228,10 +251,18 @@ class Engine:
         credit = dec.feedback(host, before, prop, tree, acc)
         secs = clock.seconds(t0, t1), clock.seconds(t1, t2)  # CUDA events are done: the read synced
         dec.after_step(prop, acc, credit, secs)
-        self._pacer.observe_step(secs[1])
         self.steps += 1
         tot["row_steps"] += len(tree.tokens)
         events += self._emit(tree, prop, acc, credit, secs, readout.logprobs)
+        if piece is None:
+            self._pacer.observe_step(secs[1])
+        else:  # the step's verify with the piece: what it cost past the reference step
+            rows, T, _, starts = piece
+            self._pacer.observe_fused(
+                len(rows) * T, max(starts) + T, secs[1], dec.cost_curve, self._step_tokens
+            )
+            tot["fused"] += 1
+            events += self._piece_done(rows, T, h_last, t0=s0)
         tot["step_s"] += time.perf_counter() - s0
         return events
 
@@ -539,6 +570,34 @@ class Engine:
         forward finishes are written straight into the slots after the batch (a row prefilled in
         earlier pieces is copied there first, once); a piece of a longer prompt goes to that
         row's parked slot (:meth:`_park`)."""
+        t0 = time.perf_counter()
+        rows, T, first, starts = self._plan_piece(fits)
+        m0 = self._clock.mark()
+        h_last = self.verifier.prefill(
+            [r.prompt[r.filled : r.filled + T] for r in rows],
+            self.cache,
+            first_slot=first,
+            starts=starts,
+        )  # [n, H]
+        # timed at the next chunk (on CUDA the events are done by then: every step reads back)
+        self._chunk_marks = (len(rows) * T, max(starts) + T, m0, self._clock.mark())
+        return self._piece_done(rows, T, h_last, t0)
+
+    def _next_piece(self) -> tuple | None:
+        """The waiting requests join the prefill queue; the next piece (:meth:`_plan_piece`),
+        paced for a forward shared with the running rows' verify, or None."""
+        if self.waiting:
+            new, self.waiting = self.waiting, []
+            self._admit(new)
+        if not self.prefilling:
+            return None
+        return self._plan_piece(self._chunk_limit())
+
+    def _plan_piece(self, fits) -> tuple[list[Row], int, int, list[int]]:
+        """``(rows, T, first slot, starts)``: the next prefill forward's rows (the queue's first
+        ``n``, :meth:`_chunk_rows`) and piece length, their cache columns reserved and their
+        slots ready (rows this piece finishes in the slots right after the batch, a piece of a
+        longer prompt in its row's parked slot)."""
         self.prefilling.sort(key=lambda r: (len(r.prompt) - r.filled, r.rid))
         if self._oldest_turn and self.rows:  # every other piece: the oldest request's
             oldest = min(range(len(self.prefilling)), key=lambda i: self.prefilling[i].rid)
@@ -546,7 +605,6 @@ class Engine:
         self._oldest_turn = not self._oldest_turn
         n, T = self._chunk_rows(fits)
         rows, cache = self.prefilling[:n], self.cache
-        t0 = time.perf_counter()
         starts = [r.filled for r in rows]
         if starts[0] + T >= len(rows[0].prompt):  # every row taken finishes: they join
             cache.reserve(
@@ -560,16 +618,12 @@ class Engine:
         else:  # one row, a piece of its prompt: the columns it writes now
             cache.reserve(cache.slots, max(starts) + T + 1, self._used_columns)
             first = rows[0].slot if rows[0].slot is not None else self._park(rows[0])
-        m0 = self._clock.mark()
         self.totals["prefills"] += 1
-        h_last = self.verifier.prefill(
-            [r.prompt[r.filled : r.filled + T] for r in rows],
-            cache,
-            first_slot=first,
-            starts=starts,
-        )  # [n, H]
-        # timed at the next chunk (on CUDA the events are done by then: every step reads back)
-        self._chunk_marks = (n * T, max(starts) + T, m0, self._clock.mark())
+        return rows, T, first, starts
+
+    def _piece_done(self, rows: list[Row], T: int, h_last: torch.Tensor, t0: float) -> list:
+        """After a piece's forward (begun at ``t0``): the rows' progress; those whose whole
+        prompt is in join the batch (:meth:`_join`)."""
         for r in rows:
             r.filled = min(len(r.prompt), r.filled + T)
         done = sum(
@@ -646,7 +700,7 @@ class Engine:
         # piece lets the many start sooner (one round of 16 streams: TTFT 2.7-4.1 s, of which
         # 0.15-0.25 s prefilling, with pieces of one step)
         steps = max(steps, min(len(self.prefilling) / B, IDLE_STEPS))
-        fits = self._pacer.fits(steps)
+        fits = self._pacer.fits(steps, fused=self.fuse)
         if fits is None:
             cap = prefill_chunk(curve, self._step_tokens)
             return lambda N, S: N <= cap

@@ -36,6 +36,8 @@ _GROUPS: contextvars.ContextVar = contextvars.ContextVar("redraft_row_groups", d
 # the current forward's masks with their rows repeated per query head of a key/value head
 # (one dict per verifier forward, set by :func:`grouped`: every layer reuses the first's)
 _PACKED_MASKS: contextvars.ContextVar = contextvars.ContextVar("redraft_packed", default=None)
+# a prefill piece riding in the current verify forward (redraft.infer.kv.Piece), or None
+_PIECE: contextvars.ContextVar = contextvars.ContextVar("redraft_piece", default=None)
 
 
 def row_groups(lengths: list[int], n: int, device) -> tuple | None:
@@ -82,6 +84,17 @@ def grouped(groups: tuple | None):
     finally:
         _GROUPS.reset(token)
         _PACKED_MASKS.reset(memo)
+
+
+@contextlib.contextmanager
+def with_piece(piece):
+    """Forwards inside carry ``piece`` (a :class:`~redraft.infer.kv.Piece`) after their verify
+    tokens: :func:`grouped_sdpa` attends the two parts apart."""
+    token = _PIECE.set(piece)
+    try:
+        yield
+    finally:
+        _PIECE.reset(token)
 
 
 def _repeated_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
@@ -139,10 +152,42 @@ def packed_sdpa(module, query, key, value, attention_mask, **kwargs):
 def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' ``sdpa`` attention, one call per row group of the current forward.
     ``query [B, heads, n, d]``, ``key``/``value [B, kv_heads, span, d]``, ``attention_mask``
-    additive ``[B, 1, n, span]``; returns ``([B, n, heads, d], None)`` as ``sdpa`` does."""
+    additive ``[B, 1, n, span]``; returns ``([B, n, heads, d], None)`` as ``sdpa`` does.
+
+    With a prefill piece in the forward (:func:`with_piece`) the query is one flattened row
+    ``[1, heads, B n + rows T, d]``: its verify part attends as above over ``key``/``value``
+    (the verify rows', the cache split them), the piece's part over the piece's own, and the
+    outputs are flattened back, ``[1, B n + rows T, heads, d]``."""
+    piece = _PIECE.get()
+    if piece is not None:
+        _, H, _, d = query.shape
+        q = query[0]  # [heads, tokens, d]
+        B = key.shape[0]
+        main = _grouped(
+            module,
+            q[:, : piece.split].unflatten(1, (B, -1)).transpose(0, 1),
+            key,
+            value,
+            attention_mask,
+            **kwargs,
+        )  # [B, n, heads, d]
+        part = packed_sdpa(
+            module,
+            q[:, piece.split :].unflatten(1, (piece.rows, piece.T)).transpose(0, 1),
+            piece.key,
+            piece.value,
+            piece.bias,
+            **kwargs,
+        )[0]  # [rows, T, heads, d]
+        return torch.cat([main.reshape(1, -1, H, d), part.reshape(1, -1, H, d)], 1), None
+    return _grouped(module, query, key, value, attention_mask, **kwargs), None
+
+
+def _grouped(module, query, key, value, attention_mask, **kwargs) -> torch.Tensor:
+    """:func:`grouped_sdpa` of one part: ``[B, n, heads, d]``."""
     plan = _GROUPS.get()
     if plan is None or attention_mask is None or attention_mask.dim() != 4:
-        return packed_sdpa(module, query, key, value, attention_mask, **kwargs)
+        return packed_sdpa(module, query, key, value, attention_mask, **kwargs)[0]
     groups, inverse = plan
     outs = []
     for rows, span in groups:
@@ -162,7 +207,7 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
             )[0]
         )
     out = torch.cat(outs)  # [B, n, heads, d], the groups' rows one after the other
-    return (out if inverse is None else out.index_select(0, inverse)), None
+    return out if inverse is None else out.index_select(0, inverse)
 
 
 AttentionInterface.register(NAME, grouped_sdpa)

@@ -13,6 +13,7 @@ position. The target's verifier (``redraft.infer.verify``) and HSDDW's draft mod
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 from collections.abc import Callable
@@ -38,6 +39,42 @@ def zeroed(shape, dtype, device) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)
 
 
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``[1, heads, n m, d]`` (a flattened forward's part) -> ``[n, heads, m, d]`` (a view)."""
+    return t[0].unflatten(1, (n, -1)).transpose(0, 1)
+
+
+def _write(kv, window, write_index, span, key_states, value_states):
+    """Scatter ``[rows, heads, m, d]`` keys and values into one layer's buffer ``kv [2, slots,
+    heads, capacity, d]`` at slots ``window`` and columns ``write_index``; returns the rows'
+    first ``span`` columns (views) to attend over."""
+    lo, hi = window
+    idx = write_index.expand_as(key_states)  # [B, heads, n, d]: column of every written entry
+    k, v = kv[0, lo:hi], kv[1, lo:hi]  # [B, heads, capacity, d] views of the forward's slots
+    k.scatter_(2, idx, key_states)
+    v.scatter_(2, idx, value_states)
+    return k[:, :, :span], v[:, :, :span]
+
+
+@dataclasses.dataclass
+class Piece:
+    """A prefill piece riding in a verify forward (:meth:`SlotKVCache.begin_piece`): the
+    forward's tokens are one flattened row, the verify's ``split`` tokens (``B x n``) first,
+    then the piece's ``rows x T``. The cache writes each part into its own slots; the attention
+    (``redraft.infer.grouped_attention``) attends the piece's queries over ``key`` / ``value``
+    (this layer's, set by the cache's update) with ``bias``."""
+
+    window: tuple[int, int]  # the piece rows' slots
+    write_index: torch.Tensor  # [rows, 1, T, 1] columns the piece writes
+    span: int  # columns the piece attends over
+    split: int  # the verify's tokens, before the piece's in the forward
+    rows: int
+    T: int
+    bias: torch.Tensor | None = None  # [rows, 1, T, span] additive
+    key: torch.Tensor | None = None  # the current layer's [rows, kv_heads, span, d]
+    value: torch.Tensor | None = None
+
+
 class _SlotLayer(CacheLayerMixin):
     """One layer's view into the shared buffer (transformers' cache-layer protocol): per-row
     writes at each row's own length."""
@@ -58,15 +95,21 @@ class _SlotLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         c = self.cache
-        lo, hi = c.window
-        idx = c.write_index.expand_as(
-            key_states
-        )  # [B, heads, n, head_dim]: column of every written entry
-        k = c.kv[self.idx, 0, lo:hi]  # [B, heads, capacity, head_dim] view of the active slots
-        v = c.kv[self.idx, 1, lo:hi]
-        k.scatter_(2, idx, key_states)
-        v.scatter_(2, idx, value_states)
-        return k[:, :, : c.span], v[:, :, : c.span]
+        piece = c.piece
+        if piece is not None:  # one forward, two parts: [1, heads, B n + m T, d] (Piece)
+            split = piece.split
+            piece.key, piece.value = _write(
+                c.kv[self.idx],
+                piece.window,
+                piece.write_index,
+                piece.span,
+                _rows(key_states[:, :, split:], piece.rows),
+                _rows(value_states[:, :, split:], piece.rows),
+            )
+            B = c.window[1] - c.window[0]
+            key_states = _rows(key_states[:, :, :split], B)
+            value_states = _rows(value_states[:, :, :split], B)
+        return _write(c.kv[self.idx], c.window, c.write_index, c.span, key_states, value_states)
 
     @property
     def keys(self):
@@ -136,6 +179,7 @@ class SlotKVCache(Cache):
         self.high = 0  # columns any forward has attended over (written ones among them)
         self.fed = 0  # tokens per row the current forward writes
         self.write_index: torch.Tensor | None = None  # [B, 1, n, 1] columns the forward writes
+        self.piece: Piece | None = None  # a prefill piece in the current forward (begin_piece)
         self.generation = (
             0  # bumped whenever `kv` is reallocated (captured graphs hold its address)
         )
@@ -206,19 +250,46 @@ class SlotKVCache(Cache):
         self.span = span
         self.high = max(self.high, span)
         self.fed = n
+        self.piece = None
+
+    def begin_piece(self, starts: torch.Tensor, T: int, span: int, rows: tuple[int, int]) -> Piece:
+        """After :meth:`begin` (a verify of ``B x n`` tokens): the same forward also carries a
+        prefill piece of ``T`` tokens for each of slots ``rows``, whose rows hold ``starts``
+        tokens (device), attending over ``span`` columns (one weight pass for both: on a CPU a
+        forward's fixed cost is reading every weight). Returns the piece (its ``bias`` is the
+        caller's to set); :meth:`begin` ends it."""
+        B = self.window[1] - self.window[0]
+        self.piece = Piece(
+            window=rows,
+            write_index=(starts[:, None] + torch.arange(T, device=starts.device)[None])[
+                :, None, :, None
+            ],
+            span=span,
+            split=B * self.fed,
+            rows=rows[1] - rows[0],
+            T=T,
+        )
+        self.high = max(self.high, span)
+        return self.piece
 
     def attention_bias(
-        self, anc: torch.Tensor, dtype, columns: torch.Tensor | None = None
+        self,
+        anc: torch.Tensor,
+        dtype,
+        columns: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+        span: int | None = None,
     ) -> torch.Tensor:
         """Additive mask ``[B, 1, n, span]`` for the current forward: row b's token i sees cache
         columns ``< lengths[b]`` and the tree columns ``lengths[b] + m`` of its ancestors m
-        (``anc [B, n, n]`` bool, ``anc[b, i, m]``). ``columns``: ``arange(span)`` if cached."""
+        (``anc [B, n, n]`` bool, ``anc[b, i, m]``). ``columns``: ``arange(span)`` if cached.
+        ``lengths`` / ``span``: another part's (a prefill piece's), default the forward's."""
         B, n, _ = anc.shape
-        c = torch.arange(self.span, device=anc.device) if columns is None else columns
-        rel = c[None, :] - self.lengths[:, None]  # [B, span]: tree node of each column, < 0 = cache
-        tree = anc.gather(
-            2, rel.clamp(0, n - 1)[:, None, :].expand(B, n, self.span)
-        )  # [B, n, span]
+        lengths = self.lengths if lengths is None else lengths
+        span = self.span if span is None else span
+        c = torch.arange(span, device=anc.device) if columns is None else columns
+        rel = c[None, :] - lengths[:, None]  # [B, span]: tree node of each column, < 0 = cache
+        tree = anc.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(B, n, span))  # [B, n, span]
         vis = (rel < 0)[:, None, :] | (tree & (rel < n)[:, None, :])
         return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(
             ~vis, torch.finfo(dtype).min

@@ -88,6 +88,7 @@ class EngineReplies:
             "row_steps": tot["row_steps"],
             "mean_batch": round(tot["row_steps"] / max(eng.steps, 1), 1),
             "prefills": tot["prefills"],
+            "fused_prefills": tot["fused"],  # pieces in a verify forward (timed as decode)
             "prefill_s": round(tot["prefill_s"], 4),
             "decode_s": round(tot["step_s"] - tot["prefill_s"], 4),
             "ms_per_decode_step": round(
@@ -118,10 +119,13 @@ class EngineReplies:
         idle plus ``flying c0 / (k step)`` row-steps of prefill stall; the least is at
         ``k = sqrt(2 rate flying c0 / step)`` (``step``: a decode step's seconds), at most a
         quarter of the batch. 1 until 16 steps and 4 replies are measured; on a CPU, where a
-        step costs more than ``c0``, it stays near 1."""
+        step costs more than ``c0``, it stays near 1, and where pieces ride in the verify
+        forward (``Engine.fuse``) a join pays no ``c0``: 1."""
         eng = self.engine
         if self.join_group is not None:
             return max(1, min(self.join_group, flying))
+        if eng.fuse:
+            return 1
         if eng.steps < 16 or self._finished < 4 or flying < 8:
             return 1
         if self._c0 is None:

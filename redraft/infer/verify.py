@@ -40,7 +40,13 @@ import torch
 
 from redraft.infer.budget import SIZES, BatchCost, CostCurve, measure_cost_curve
 from redraft.infer.graphs import GraphStore, after_failed_capture, cuda_capture, graph_stats
-from redraft.infer.grouped_attention import grouped, row_groups, use_packed_attention
+from redraft.infer.grouped_attention import NAME as ATTENTION
+from redraft.infer.grouped_attention import (
+    grouped,
+    row_groups,
+    use_packed_attention,
+    with_piece,
+)
 from redraft.infer.kv import SlotKVCache
 from redraft.infer.opcount import not_counted
 from redraft.models import cpu
@@ -316,6 +322,19 @@ class Verifier:
         later chunk of its prompt (chunked prefill), at positions ``starts[b] + i``, seeing its
         cache columns ``< starts[b]`` and its own piece causally. Padding tokens past a short
         piece are written after it (columns the row later overwrites; no row ever sees them)."""
+        ids, plen, start, causal = self._piece_inputs(prompts, starts)
+        B, T = ids.shape
+        with not_counted(), _Timer(self) if self.timing else contextlib.nullcontext():
+            ar = torch.arange(T, device=self.device)
+            cache.begin(start, T, span=max(starts or [0]) + T, rows=(first_slot, first_slot + B))
+            hid = self._model(
+                ids, start[:, None] + ar[None], cache.attention_bias(causal, self.dtype), cache
+            )
+        return hid[torch.arange(B, device=self.device), plen - 1]
+
+    def _piece_inputs(self, prompts: list[list[int]], starts: list[int] | None) -> tuple:
+        """``(ids [n, T], lengths [n], starts [n], causal [n, T, T])`` on the device for
+        right-padded pieces (``causal[b, i, m]``: token i sees token m of its own piece)."""
         dev = self.device
         B, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros((B, T), dtype=torch.long)
@@ -323,17 +342,58 @@ class Verifier:
             ids[b, : len(p)] = torch.tensor(p)
         plen = torch.tensor([len(p) for p in prompts]).to(dev)
         start = torch.tensor(starts or [0] * B, dtype=torch.long).to(dev)
-        ids = ids.to(dev)
+        ar = torch.arange(T, device=dev)
+        causal = (ar[None, :, None] >= ar[None, None, :]) & (
+            ar[None, None, :] < plen[:, None, None]
+        )  # [B, T, T]
+        return ids.to(dev), plen, start, causal
+
+    @property
+    def can_fuse(self) -> bool:
+        """Whether :meth:`verify_with_piece` runs: eager verifies (no graphs) through redraft's
+        attention (:func:`~redraft.infer.grouped_attention.grouped_sdpa`)."""
+        return not self.static and self.model.config._attn_implementation == ATTENTION
+
+    def verify_with_piece(
+        self,
+        step: StepInput,
+        cache: SlotKVCache,
+        prompts: list[list[int]],
+        first_slot: int,
+        starts: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`verify` of ``step`` and :meth:`prefill` of ``prompts`` into slots
+        ``first_slot ..`` in one forward (chunked prefill's piece beside the running rows' step,
+        as vLLM and SGLang batch them): the tokens of both are one flattened row, so every
+        weight is read once (a CPU forward's fixed cost, ~47-64 ms for the default target on
+        the 2-core EPYC, is that read) and no part is padded to the other's length; the
+        attention and the cache take the two parts apart (:class:`~redraft.infer.kv.Piece`).
+        Returns the verify's hidden ``[B, N, F]`` and the piece rows' last hidden ``[n, F]``;
+        the same values as the two forwards (up to the matrix products' summation order).
+        Eager only (:attr:`can_fuse`)."""
+        ids, plen, start, causal = self._piece_inputs(prompts, starts)
+        n, T = ids.shape
+        B, N = step.tokens.shape
         with not_counted(), _Timer(self) if self.timing else contextlib.nullcontext():
-            ar = torch.arange(T, device=dev)
-            cache.begin(start, T, span=max(starts or [0]) + T, rows=(first_slot, first_slot + B))
-            causal = (ar[None, :, None] >= ar[None, None, :]) & (
-                ar[None, None, :] < plen[:, None, None]
-            )  # [B, T, T]
-            hid = self._model(
-                ids, start[:, None] + ar[None], cache.attention_bias(causal, self.dtype), cache
+            lengths = step.lengths
+            cache.begin(lengths, N, min(cache.capacity, cache.physical + N))
+            bias = cache.attention_bias(step.anc.bool(), self.dtype)
+            span = max(starts) + T
+            piece = cache.begin_piece(start, T, span, (first_slot, first_slot + n))
+            piece.bias = cache.attention_bias(causal, self.dtype, lengths=start, span=span)
+            groups = row_groups(cache.host_lengths, N, self.device) if self._grouped else None
+            ar = torch.arange(T, device=self.device)
+            flat_ids = torch.cat([step.tokens.clamp_min(0).reshape(-1), ids.reshape(-1)])
+            pos = torch.cat(
+                [(lengths[:, None] + step.depth).reshape(-1), (start[:, None] + ar).reshape(-1)]
             )
-        return hid[torch.arange(B, device=dev), plen - 1]
+            try:
+                with grouped(groups), with_piece(piece):
+                    hid = self._model(flat_ids[None], pos[None], bias, cache)[0]  # [B N + n T, F]
+            finally:
+                cache.piece = None
+        last = hid[B * N :].view(n, T, -1)[torch.arange(n, device=self.device), plen - 1]
+        return hid[: B * N].view(B, N, -1), last
 
     def verify(self, step: StepInput, cache: SlotKVCache) -> torch.Tensor:
         """One forward over the packed trees of ``step``; returns hidden ``[B, N, H]`` (``[B, N,

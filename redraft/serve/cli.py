@@ -121,10 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     ModelSettings.add_arguments(m, only=MODEL_FLAGS, shown=MODEL_SHOWN)
     DecoderConfig.add_arguments(
         m,
-        only=("acceptance", "prefill_chunk", "prefill_share"),
+        only=("acceptance", "prefill_chunk", "prefill_share", "fuse_prefill"),
         shown={
             "prefill_chunk": "the preset's, else 'auto'",
             "prefill_share": "the preset's, else 1.0",
+            "fuse_prefill": "the preset's, else 'auto'",
             "acceptance": "the preset's, except that 'greedy' or none becomes 'rejection': lossless sampling for "
             "requests with temperature > 0, and temperature-0 requests are still exactly greedy",
         },
@@ -159,7 +160,7 @@ def load(args):
         preset = read_preset(args.preset).get("acceptance") if args.preset else None
         acceptance = "rejection" if preset in (None, "greedy") else preset
     overrides["acceptance"] = acceptance
-    for key in ("prefill_chunk", "prefill_share"):
+    for key in ("prefill_chunk", "prefill_share", "fuse_prefill"):
         if getattr(args, key, None) is not None:
             overrides[key] = DecoderConfig.coerce(key, getattr(args, key))
     if not args.speculation:  # plain decoding: no artifacts, no context matcher, no tree

@@ -19,7 +19,7 @@ from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter
 from redraft.infer.drafters.redrafter import ReDrafterDrafter
 from redraft.infer.engine import Engine, _fill_holes
 from redraft.infer.rows import Row
-from redraft.infer.verify import Verifier
+from redraft.infer.verify import StepInput, Verifier
 
 CURVE = CostCurve([1, 8, 64], [1.0, 1.2, 2.0])
 
@@ -49,8 +49,9 @@ def _run(dec, prompts, max_new, join_at):
     return out, first
 
 
+@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("chunk", [1, 3, 7])
-def test_chunked_prefill_gives_the_unchunked_output(tiny_target, tiny_tables, chunk):
+def test_chunked_prefill_gives_the_unchunked_output(tiny_target, tiny_tables, chunk, fuse):
     V = tiny_target.vocab_size
     prompts = _prompts(V)
     max_new = [12, 20, 6, 15, 9, 25]  # short rows finish while long prompts are still prefilled
@@ -62,11 +63,23 @@ def test_chunked_prefill_gives_the_unchunked_output(tiny_target, tiny_tables, ch
             [NGrammysDrafter(tiny_tables, V), ContextNGramDrafter(V, name="ctx")],
             cost_curve=CURVE,
             prefill_chunk=c,
+            fuse_prefill=fuse,
         )
 
     ref, _ = _run(dec(0), prompts, max_new, join_at)
-    out, first = _run(dec(chunk), prompts, max_new, join_at)
+    d = dec(chunk)
+    engines, forwards = [], []  # forwards: whether rows decoded at each prefill forward's own
+    engine, prefill = d.engine, d.verifier.prefill
+    d.engine = lambda *a, **k: engines.append(engine(*a, **k)) or engines[-1]
+    d.verifier.prefill = lambda *a, **k: forwards.append(bool(engines[0].rows)) or prefill(*a, **k)
+    out, first = _run(d, prompts, max_new, join_at)
     assert out == ref
+    eng = engines[0]
+    assert eng.fuse == fuse and eng.totals["prefills"] == len(forwards) + eng.totals["fused"]
+    if fuse:  # pieces of their own only while nobody decodes; every other one rode along
+        assert not any(forwards) and eng.totals["fused"] > 5
+    else:
+        assert eng.totals["fused"] == 0 and sum(forwards) > 5
     singles = [
         plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens for p, m in zip(prompts, max_new)
     ]
@@ -112,6 +125,83 @@ def test_cancelling_a_row_being_prefilled_keeps_the_others(tiny_target):
     out = _drain(eng)
     assert set(out) == {ids[0], ids[2]}
     assert out[ids[0]] == ref[0] and out[ids[2]] == ref[2]
+
+
+def test_a_piece_in_the_verify_forward_gives_what_two_forwards_give(tiny_target):
+    """verify_with_piece: the verify's hidden states, the piece's last hidden state and every
+    cache entry equal (to float32 rounding) a verify forward then a prefill forward; nothing
+    else in the cache changes."""
+    V = tiny_target.vocab_size
+    v = Verifier(tiny_target)
+    assert v.can_fuse and not Verifier(tiny_target, static=True).can_fuse
+    rows = [[(3 * i + 5 * j + 1) % V for j in range(n)] for i, n in enumerate((7, 19, 4))]
+    long = [(11 * j + 2) % V for j in range(20)]
+    N = 4  # a tree: root, two children, a grandchild under the first
+    depth, parent = torch.tensor([0, 1, 1, 2]), torch.tensor([-1, 0, 0, 1])
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]])
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, V, (3, N), generator=g)
+    step = StepInput(
+        torch.cat(
+            [
+                torch.tensor([7, 19, 4])[:, None],
+                tokens,
+                depth.expand(3, N),
+                parent.expand(3, N),
+                anc.reshape(1, -1).expand(3, -1),
+            ],
+            1,
+        ),
+        N,
+    )
+
+    def cache_with_rows():
+        cache = v.new_cache(6, 64)
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))  # columns nobody may touch
+        v.prefill(rows, cache, first_slot=0)
+        cache.host_lengths, cache.batch = [7, 19, 4], 3
+        v.prefill([long[:6]], cache, first_slot=5)  # a parked row, 6 tokens in
+        return cache
+
+    a = cache_with_rows()
+    before = a.kv.clone()
+    hidden = v.verify(step, a).clone()
+    last = v.prefill([long[6:15]], a, first_slot=5, starts=[6])
+    b = cache_with_rows()
+    b.kv.copy_(before)
+    hidden2, last2 = v.verify_with_piece(step, b, [long[6:15]], 5, [6])
+    assert b.piece is None  # the piece ends with its forward
+    assert torch.allclose(hidden, hidden2, atol=1e-5) and torch.allclose(last, last2, atol=1e-5)
+    assert torch.allclose(a.kv, b.kv, atol=1e-6)
+    changed = (b.kv != before).any(dim=(0, 1, 3, 5))  # [slots, columns] written
+    assert changed[5, 6:15].all() and not changed[5, 15:].any() and not changed[5, :6].any()
+    for slot, n in enumerate((7, 19, 4)):  # the tree's 4 columns after each row
+        assert changed[slot, n : n + N].all() and not changed[slot, n + N :].any()
+    assert not changed[3:5].any()
+    # two fresh prompts as the piece (padded to the longer), into slots 3 and 4
+    c = cache_with_rows()
+    hidden3, last3 = v.verify_with_piece(step, c, [long[:5], long[5:8]], 3, [0, 0])
+    ref = v.prefill([long[:5], long[5:8]], a, first_slot=3)
+    assert torch.allclose(hidden3, hidden, atol=1e-5) and torch.allclose(last3, ref, atol=1e-5)
+
+
+def test_the_pacer_holds_a_fused_pieces_own_cost_to_the_share():
+    """A piece in the verify forward pays no fixed cost: its time is what the step took past
+    the reference step, and its tokens alone may cost the share."""
+    curve = CostCurve([1, 64], [0.010, 0.074])
+    p = PrefillPacer(1.0)
+    # no step without a piece timed yet: the reference step is the curve's, a 48-token verify
+    ref = 0.010 + 47 * 0.064 / 63
+    p.observe_fused(32, 0, ref + 32 * 0.002, curve, 48)
+    assert p.ref == pytest.approx(ref) and p.obs[0][2] == pytest.approx(0.010 + 0.064)
+    p = PrefillPacer(1.0)
+    p.observe_step(0.1)
+    p.observe_fused(32, 0, 0.1 + 32 * 0.001, curve, 48)  # 1 ms a token past the step
+    p.largest = 1000
+    a, b = p.coefficients()
+    assert a == pytest.approx(0.001) and b == 0
+    assert p.fits(fused=True)(100, 0) and not p.fits(fused=True)(101, 0)  # 100 ms: one step
+    assert p.fits()(90, 0) and not p.fits()(91, 0)  # a forward of its own: 10 ms fixed first
 
 
 def test_the_auto_chunk_costs_no_more_than_the_running_step():
@@ -432,6 +522,8 @@ def test_prefill_share_sets_what_a_piece_may_cost(tiny_target):
     assert pacers[1].fits()(240, 0) and not pacers[1].fits()(241, 0)
     with pytest.raises(ConfigError, match="prefill_share"):
         DecoderConfig(prefill_share=0)
+    with pytest.raises(ConfigError, match="fuse_prefill"):
+        DecoderConfig(fuse_prefill="yes")
 
 
 def test_a_long_prompt_grows_the_cache_when_its_pieces_need_the_columns(tiny_target):
@@ -492,7 +584,7 @@ def test_a_burst_of_waiting_requests_gets_bigger_pieces(tiny_target):
     dec = SpeculativeDecoder(tiny_target, [], budget=0, cost_curve=flat)
     eng = dec.engine()
     asked = []
-    eng._pacer.fits = lambda steps=1.0: asked.append(steps) or (lambda N, S: True)
+    eng._pacer.fits = lambda steps=1.0, fused=False: asked.append(steps) or (lambda N, S: True)
     eng._step_tokens = 2
     for B, P in ((8, 2), (2, 8), (1, 15)):
         eng.rows = [_row(5) for _ in range(B)]

@@ -231,6 +231,8 @@ def test_the_join_group_follows_the_measured_costs(tiny_target):
     assert gen.group(64) == 1  # nothing measured yet
     gen.engine.steps, gen._finished, gen._c0 = 100, 20, 0.034
     gen.engine.totals.update(step_s=0.5 + 0.2, prefill_s=0.2)  # 5 ms per decode step
+    assert gen.engine.fuse and gen.group(64) == 1  # pieces ride in the verify: no c0 to share
+    gen.engine.fuse = False  # (as where verifies replay CUDA graphs)
     assert gen.group(64) == round((2 * 0.2 * 64 * 0.034 / 0.005) ** 0.5)  # 13
     gen._c0 = 0.5  # dear prefills: capped at a quarter of the batch
     assert gen.group(64) == 16
