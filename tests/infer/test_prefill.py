@@ -526,9 +526,10 @@ def test_prefill_share_sets_what_a_piece_may_cost(tiny_target):
         DecoderConfig(fuse_prefill="yes")
 
 
-def test_a_long_prompt_grows_the_cache_when_its_pieces_need_the_columns(tiny_target):
-    """Admitting a long prompt adds no columns yet; its pieces grow the cache when they reach
-    past the old capacity, and every output stays exact."""
+def test_a_long_prompt_grows_the_cache_once_at_its_first_piece(tiny_target):
+    """Admitting a long prompt adds no columns yet; its first piece grows the cache to what it
+    needs to its end, once (every growth copies the rows' columns), and every output stays
+    exact."""
     V = tiny_target.vocab_size
     dec = SpeculativeDecoder(tiny_target, [], budget=0, prefill_chunk=8)
     eng = dec.engine()
@@ -538,10 +539,15 @@ def test_a_long_prompt_grows_the_cache_when_its_pieces_need_the_columns(tiny_tar
     cap = eng.cache.capacity
     long = [(7 * j + 3) % V for j in range(3 * cap)]
     ids[eng.add(long, SamplingParams.checked(max_new_tokens=3))] = (long, 3)
-    eng.step()  # admitted, first piece written
+    eng._admit(eng.waiting)  # admitted: slots for it, no columns yet
+    eng.waiting = []
+    gen = eng.cache.generation
     assert eng.cache.capacity == cap
+    eng.step()  # its first piece
+    assert eng.prefilling[0].filled == 8 and eng.cache.capacity >= 3 * cap + 3
+    assert eng.cache.generation == gen + 1
     out = _drain(eng)
-    assert eng.cache.capacity >= 3 * cap
+    assert eng.cache.generation == gen + 1  # its later pieces and its joining grew nothing
     for rid, (p, m) in ids.items():
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
 
