@@ -272,19 +272,29 @@ class PrefillPacer:
     WINDOW = 32  # timed forwards the fit uses
     AGE = 0.9  # weight of a forward one older in the fit
     GROWTH = 2  # a chunk is at most this many times the largest forward timed
+    FUSED_WINDOW = 64  # steps the fit of pieces riding in the verify uses
+    FUSED_AGE = 0.97  # weight of a step one older in that fit
 
     def __init__(self, share: float = 1.0):
         self.share = share  # reference steps a piece may cost (DecoderConfig.prefill_share)
         self.obs: collections.deque = collections.deque(maxlen=self.WINDOW)  # (N, span, seconds)
         self.ref: float | None = None  # the reference step (seconds)
+        self.ref_tokens: float | None = None  # its verify tokens (the same average)
         self.largest = 0  # tokens of the largest timed forward
+        # (verify's curve cost, piece tokens, piece tokens x span, seconds) of the last steps,
+        # where pieces ride in the verify forward (observe_verify)
+        self.steps: collections.deque = collections.deque(maxlen=self.FUSED_WINDOW)
         self.c0 = 0.0  # the cost curve's one-token forward (seconds)
 
-    def observe_step(self, seconds: float) -> None:
-        """The running rows' verify forward took ``seconds``."""
+    def observe_step(self, seconds: float, tokens: int = 0) -> None:
+        """The running rows' verify forward of ``tokens`` tokens (batch x tree) took
+        ``seconds``."""
         if seconds and seconds > 0:
             w = self.REF_WEIGHT
             self.ref = seconds if self.ref is None else (1 - w) * self.ref + w * seconds
+            if tokens > 0:
+                t = self.ref_tokens
+                self.ref_tokens = tokens if t is None else (1 - w) * t + w * tokens
 
     def observe(self, tokens: int, span: int, seconds: float, cost: CostCurve) -> None:
         """A prefill forward of ``tokens`` tokens (rows x columns) attending over ``span``
@@ -300,21 +310,46 @@ class PrefillPacer:
         self.c0 = min(float(fixed), min(o[2] for o in self.obs))
         self.largest = max(self.largest, tokens)
 
-    def observe_fused(
-        self, tokens: int, span: int, seconds: float, cost: CostCurve, verify_tokens: int
+    def observe_verify(
+        self, seconds: float, verify_tokens: int, cost: CostCurve, tokens: int = 0, span: int = 0
     ) -> None:
-        """A verify forward of ``verify_tokens`` tokens that also carried a prefill piece of
-        ``tokens`` tokens over ``span`` columns took ``seconds``: the piece cost what it took
-        past the reference step (kept as a forward of its own with the fixed cost, so one fit
-        serves both kinds). Before any step without a piece was timed (requests arriving
-        steadily: every step has one), the reference step is the curve's cost of the verify."""
-        if cost is None:
+        """Where pieces ride in the verify forward: a verify of ``verify_tokens`` tokens that
+        carried a piece of ``tokens`` tokens over ``span`` columns (0: none) took ``seconds``.
+        Kept for :meth:`fused_coefficients`; a step without a piece is also a reference step.
+        Before any step without a piece was timed (requests arriving steadily: every step has
+        one), the reference step is the curve's cost of the verify."""
+        if cost is None or not seconds or seconds <= 0:
             return
-        if self.ref is None:
-            self.observe_step(float(curve_np(cost, verify_tokens)))
-        fixed = cost.seconds[0] if cost.prefill_c0 is None else cost.prefill_c0
-        c0 = min(float(fixed), min((o[2] for o in self.obs), default=float(fixed)))
-        self.observe(tokens, span, max(seconds - self.ref, 0.0) + c0, cost)
+        c = float(curve_np(cost, verify_tokens))
+        if not tokens:
+            self.observe_step(seconds, verify_tokens)
+        elif self.ref is None:
+            self.observe_step(c, verify_tokens)
+        self.steps.append((c, tokens, tokens * span, seconds))
+        if tokens:
+            self.largest = max(self.largest, tokens)
+
+    def fused_coefficients(self) -> tuple[float, float] | None:
+        """``(a, b)`` of a piece's own cost, ``N (a + b span)``, fitted with the verify's cost to
+        the last ``FUSED_WINDOW`` steps' times: ``seconds = k c(verify tokens) + a N + b N
+        span`` by weighted least squares (newer steps more). One step's time says nothing of
+        how it splits between the verify and the piece, and the difference from an average
+        step is noise as large as a piece (a server's tree sizes change from step to step; it
+        read 6-8 ms a token where a piece cost 3 in one long-join run); across steps of
+        different tree and piece sizes the split is identified. ``None`` until 4 steps with a
+        piece are timed or where the fit is degenerate."""
+        if sum(1 for o in self.steps if o[1]) < 4:
+            return None
+        X = np.array([o[:3] for o in self.steps], np.float64)
+        y = np.array([o[3] for o in self.steps], np.float64)
+        w = np.sqrt(
+            self.FUSED_AGE ** np.arange(len(y))[::-1]
+        )  # (least squares of sqrt-weighted rows)
+        for cols in ((0, 1, 2), (0, 1)):  # the attention term dropped when it comes out < 0
+            sol, *_ = np.linalg.lstsq(X[:, cols] * w[:, None], y * w, rcond=None)
+            if sol[0] > 0 and all(v >= 0 for v in sol[1:]):
+                return float(sol[1]), float(sol[2]) if len(cols) == 3 else 0.0
+        return None
 
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)`` of the cost model (see the class doc)."""
@@ -340,10 +375,17 @@ class PrefillPacer:
         scaled to every admitted request); ``None`` before a forward and a step are timed (use
         the curve). ``fused``: the piece rides in the verify forward (no fixed cost of its
         own): its tokens' cost alone is held to the share."""
+        if fused and self.ref is not None:
+            ab = self.fused_coefficients()
+            if ab is not None:
+                a, b = ab
+                budget = self.share * steps * self.ref
+                cap = self.GROWTH * max(self.largest, 1)
+                return lambda tokens, span: tokens <= cap and tokens * (a + b * span) <= budget
         if not self.obs or self.ref is None:
             return None
         a, b = self.coefficients()
-        if fused:
+        if fused:  # until the fit above holds: a forward of its own's cost past the fixed one
             budget = self.share * steps * self.ref
             cap = self.GROWTH * self.largest
             return lambda tokens, span: tokens <= cap and tokens * (a + b * span) <= budget

@@ -254,15 +254,17 @@ class Engine:
         self.steps += 1
         tot["row_steps"] += len(tree.tokens)
         events += self._emit(tree, prop, acc, credit, secs, readout.logprobs)
-        if piece is None:
-            self._pacer.observe_step(secs[1])
-        else:  # the step's verify with the piece: what it cost past the reference step
+        if piece is not None:  # the step's verify carried the piece
             rows, T, _, starts = piece
-            self._pacer.observe_fused(
-                len(rows) * T, max(starts) + T, secs[1], dec.cost_curve, self._step_tokens
+            self._pacer.observe_verify(
+                secs[1], self._step_tokens, dec.cost_curve, len(rows) * T, max(starts) + T
             )
             tot["fused"] += 1
             events += self._piece_done(rows, T, h_last, t0=s0)
+        elif self.fuse and dec.cost_curve is not None:
+            self._pacer.observe_verify(secs[1], self._step_tokens, dec.cost_curve)
+        else:
+            self._pacer.observe_step(secs[1], self._step_tokens)
         tot["step_s"] += time.perf_counter() - s0
         return events
 

@@ -1,6 +1,7 @@
 """Chunked prefill: a long prompt joins a running batch one chunk per step, beside the running
 rows' decode step, and every output is what prefilling it in one piece gives."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -185,23 +186,36 @@ def test_a_piece_in_the_verify_forward_gives_what_two_forwards_give(tiny_target)
     assert torch.allclose(hidden3, hidden, atol=1e-5) and torch.allclose(last3, ref, atol=1e-5)
 
 
-def test_the_pacer_holds_a_fused_pieces_own_cost_to_the_share():
-    """A piece in the verify forward pays no fixed cost: its time is what the step took past
-    the reference step, and its tokens alone may cost the share."""
+def test_the_pacer_fits_a_riding_pieces_own_cost_across_steps():
+    """Pieces in the verify forward: the pacer fits ``seconds = k c(verify) + N (a + b span)``
+    over steps of different tree and piece sizes (one step's time does not say how it splits),
+    and holds the piece's own cost, no fixed cost first, to the share of the reference step."""
     curve = CostCurve([1, 64], [0.010, 0.074])
     p = PrefillPacer(1.0)
-    # no step without a piece timed yet: the reference step is the curve's, a 48-token verify
-    ref = 0.010 + 47 * 0.064 / 63
-    p.observe_fused(32, 0, ref + 32 * 0.002, curve, 48)
-    assert p.ref == pytest.approx(ref) and p.obs[0][2] == pytest.approx(0.010 + 0.064)
+    # before any step without a piece: the reference step is the curve's cost of the verify
+    p.observe_verify(0.2, 48, curve, 16, 16)
+    assert p.ref == pytest.approx(0.010 + 47 * 0.064 / 63) and p.fused_coefficients() is None
     p = PrefillPacer(1.0)
-    p.observe_step(0.1)
-    p.observe_fused(32, 0, 0.1 + 32 * 0.001, curve, 48)  # 1 ms a token past the step
-    p.largest = 1000
-    a, b = p.coefficients()
-    assert a == pytest.approx(0.001) and b == 0
-    assert p.fits(fused=True)(100, 0) and not p.fits(fused=True)(101, 0)  # 100 ms: one step
-    assert p.fits()(90, 0) and not p.fits()(91, 0)  # a forward of its own: 10 ms fixed first
+    p.observe(64, 64, 0.010 + 64 * 0.003, curve)  # a forward of its own (nobody decoded)
+    g = np.random.default_rng(0)
+    for i in range(40):
+        vt, N, S = (
+            int(g.integers(4, 40)),
+            int(g.integers(0, 64)) * (i % 4 > 0),
+            int(g.integers(16, 3000)),
+        )
+        c = 0.010 + (vt - 1) * 0.064 / 63
+        p.observe_verify(1.5 * c + N * (0.002 + 1e-6 * S), vt, curve, N, S)
+        if i == 2:  # fewer than 4 pieces timed: a forward of its own's cost past c0 (3 ms)
+            fits = p.fits(fused=True)
+            assert p.fused_coefficients() is None and fits(5, 64) and not fits(60, 64)
+    a, b = p.fused_coefficients()
+    assert a == pytest.approx(0.002, rel=1e-6) and b == pytest.approx(1e-6, rel=1e-6)
+    p.largest, ref = 10_000, p.ref
+    budget = ref  # one reference step: N (a + b S) <= ref
+    n = int(budget / (0.002 + 1e-6 * 1000))
+    assert p.fits(fused=True)(n, 1000) and not p.fits(fused=True)(n + 1, 1000)
+    assert p.fits(fused=True, steps=2)(2 * n, 1000)
 
 
 def test_the_auto_chunk_costs_no_more_than_the_running_step():
