@@ -266,6 +266,10 @@ class PrefillPacer:
     A chunk is never more than ``GROWTH`` times the largest one timed (one lucky measurement of
     small chunks must not stall the streams with a huge one). Before the first timed forward the
     chunk is :func:`prefill_chunk` of the curve.
+
+    Where a piece rides in the running rows' verify forward (``DecoderConfig.fuse_prefill``) it
+    pays no ``c0``: its own cost ``N (a + b span)`` comes from :meth:`fused_coefficients`, fitted
+    over the steps' times (:meth:`observe_verify`), and may cost ``share`` reference steps.
     """
 
     REF_WEIGHT = 0.05  # weight of the newest verify forward in the reference step's average
