@@ -283,22 +283,17 @@ class PrefillPacer:
         self.share = share  # reference steps a piece may cost (DecoderConfig.prefill_share)
         self.obs: collections.deque = collections.deque(maxlen=self.WINDOW)  # (N, span, seconds)
         self.ref: float | None = None  # the reference step (seconds)
-        self.ref_tokens: float | None = None  # its verify tokens (the same average)
         self.largest = 0  # tokens of the largest timed forward
         # (verify's curve cost, piece tokens, piece tokens x span, seconds) of the last steps,
         # where pieces ride in the verify forward (observe_verify)
         self.steps: collections.deque = collections.deque(maxlen=self.FUSED_WINDOW)
         self.c0 = 0.0  # the cost curve's one-token forward (seconds)
 
-    def observe_step(self, seconds: float, tokens: int = 0) -> None:
-        """The running rows' verify forward of ``tokens`` tokens (batch x tree) took
-        ``seconds``."""
+    def observe_step(self, seconds: float) -> None:
+        """The running rows' verify forward took ``seconds``."""
         if seconds and seconds > 0:
             w = self.REF_WEIGHT
             self.ref = seconds if self.ref is None else (1 - w) * self.ref + w * seconds
-            if tokens > 0:
-                t = self.ref_tokens
-                self.ref_tokens = tokens if t is None else (1 - w) * t + w * tokens
 
     def observe(self, tokens: int, span: int, seconds: float, cost: CostCurve) -> None:
         """A prefill forward of ``tokens`` tokens (rows x columns) attending over ``span``
@@ -326,9 +321,9 @@ class PrefillPacer:
             return
         c = float(curve_np(cost, verify_tokens))
         if not tokens:
-            self.observe_step(seconds, verify_tokens)
+            self.observe_step(seconds)
         elif self.ref is None:
-            self.observe_step(c, verify_tokens)
+            self.observe_step(c)
         self.steps.append((c, tokens, tokens * span, seconds))
         if tokens:
             self.largest = max(self.largest, tokens)
@@ -339,7 +334,7 @@ class PrefillPacer:
         span`` by weighted least squares (newer steps more). One step's time says nothing of
         how it splits between the verify and the piece, and the difference from an average
         step is noise as large as a piece (a server's tree sizes change from step to step; it
-        read 6-8 ms a token where a piece cost 3 in one long-join run); across steps of
+        read 4-9 ms a token where the fit below reads 0.6-3.4 in long-join runs); across steps of
         different tree and piece sizes the split is identified. ``None`` until 4 steps with a
         piece are timed or where the fit is degenerate."""
         if sum(1 for o in self.steps if o[1]) < 4:
@@ -379,26 +374,21 @@ class PrefillPacer:
         scaled to every admitted request); ``None`` before a forward and a step are timed (use
         the curve). ``fused``: the piece rides in the verify forward (no fixed cost of its
         own): its tokens' cost alone is held to the share."""
-        if fused and self.ref is not None:
-            ab = self.fused_coefficients()
-            if ab is not None:
-                a, b = ab
-                budget = self.share * steps * self.ref
-                cap = self.GROWTH * max(self.largest, 1)
-                return lambda tokens, span: tokens <= cap and tokens * (a + b * span) <= budget
-        if not self.obs or self.ref is None:
+        ab = self.fused_coefficients() if fused else None
+        if self.ref is None or (ab is None and not self.obs):
             return None
-        a, b = self.coefficients()
-        if fused:  # until the fit above holds: a forward of its own's cost past the fixed one
+        # riding pieces: their own cost, fitted (until it holds: a forward of its own's cost
+        # past the fixed one), held to the share, no fixed cost first
+        a, b = ab or self.coefficients()
+        cap = self.GROWTH * max(self.largest, 1)
+        if fused:
             budget = self.share * steps * self.ref
-            cap = self.GROWTH * self.largest
             return lambda tokens, span: tokens <= cap and tokens * (a + b * span) <= budget
         # a forward's fixed cost is paid whatever its size: when it alone exceeds the share (an
         # eager prefill of 34 ms against 3.5 ms graph replays, H200 2026-11-27), pieces that fit
         # "nothing" became one token each and a 300-token prompt took 2.5 s; then a piece may
         # add as much work as the fixed cost (at least half its time does prefill)
         budget = max(self.share * steps * self.ref - self.c0, self.c0)
-        cap = self.GROWTH * self.largest
         return lambda tokens, span: tokens <= cap and tokens * (a + b * span) <= budget
 
 

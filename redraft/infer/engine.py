@@ -264,7 +264,7 @@ class Engine:
         elif self.fuse and dec.cost_curve is not None:
             self._pacer.observe_verify(secs[1], self._step_tokens, dec.cost_curve)
         else:
-            self._pacer.observe_step(secs[1], self._step_tokens)
+            self._pacer.observe_step(secs[1])
         tot["step_s"] += time.perf_counter() - s0
         return events
 
@@ -609,7 +609,7 @@ class Engine:
         rows, cache = self.prefilling[:n], self.cache
         starts = [r.filled for r in rows]
         # the columns the rows need to their end, at their first piece: the cache grows once per
-        # long prompt (growing copies every row's columns: 140-190 ms a time for 8 chats and a
+        # long prompt (growing copies every row's columns: 136-214 ms a time for 8 chats and a
         # 4,000-token prompt's pieces on the 2-core EPYC, and it drops captured graphs), not at
         # each doubling its pieces reach; a CPU buffer's new columns take no memory until written
         cache.reserve(cache.slots, max(max(starts) + T + 1, self._width(rows)), self._used_columns)

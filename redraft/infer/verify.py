@@ -322,19 +322,17 @@ class Verifier:
         later chunk of its prompt (chunked prefill), at positions ``starts[b] + i``, seeing its
         cache columns ``< starts[b]`` and its own piece causally. Padding tokens past a short
         piece are written after it (columns the row later overwrites; no row ever sees them)."""
-        ids, plen, start, causal = self._piece_inputs(prompts, starts)
+        ids, plen, start, pos, causal = self._piece_inputs(prompts, starts)
         B, T = ids.shape
         with not_counted(), _Timer(self) if self.timing else contextlib.nullcontext():
-            ar = torch.arange(T, device=self.device)
             cache.begin(start, T, span=max(starts or [0]) + T, rows=(first_slot, first_slot + B))
-            hid = self._model(
-                ids, start[:, None] + ar[None], cache.attention_bias(causal, self.dtype), cache
-            )
+            hid = self._model(ids, pos, cache.attention_bias(causal, self.dtype), cache)
         return hid[torch.arange(B, device=self.device), plen - 1]
 
     def _piece_inputs(self, prompts: list[list[int]], starts: list[int] | None) -> tuple:
-        """``(ids [n, T], lengths [n], starts [n], causal [n, T, T])`` on the device for
-        right-padded pieces (``causal[b, i, m]``: token i sees token m of its own piece)."""
+        """``(ids [n, T], lengths [n], starts [n], positions [n, T], causal [n, T, T])`` on the
+        device for right-padded pieces (``causal[b, i, m]``: token i sees token m of its own
+        piece)."""
         dev = self.device
         B, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros((B, T), dtype=torch.long)
@@ -346,7 +344,7 @@ class Verifier:
         causal = (ar[None, :, None] >= ar[None, None, :]) & (
             ar[None, None, :] < plen[:, None, None]
         )  # [B, T, T]
-        return ids.to(dev), plen, start, causal
+        return ids.to(dev), plen, start, start[:, None] + ar[None], causal
 
     @property
     def can_fuse(self) -> bool:
@@ -371,7 +369,7 @@ class Verifier:
         Returns the verify's hidden ``[B, N, F]`` and the piece rows' last hidden ``[n, F]``;
         the same values as the two forwards (up to the matrix products' summation order).
         Eager only (:attr:`can_fuse`)."""
-        ids, plen, start, causal = self._piece_inputs(prompts, starts)
+        ids, plen, start, piece_pos, causal = self._piece_inputs(prompts, starts)
         n, T = ids.shape
         B, N = step.tokens.shape
         with not_counted(), _Timer(self) if self.timing else contextlib.nullcontext():
@@ -382,11 +380,8 @@ class Verifier:
             piece = cache.begin_piece(start, T, span, (first_slot, first_slot + n))
             piece.bias = cache.attention_bias(causal, self.dtype, lengths=start, span=span)
             groups = row_groups(cache.host_lengths, N, self.device) if self._grouped else None
-            ar = torch.arange(T, device=self.device)
             flat_ids = torch.cat([step.tokens.clamp_min(0).reshape(-1), ids.reshape(-1)])
-            pos = torch.cat(
-                [(lengths[:, None] + step.depth).reshape(-1), (start[:, None] + ar).reshape(-1)]
-            )
+            pos = torch.cat([(lengths[:, None] + step.depth).reshape(-1), piece_pos.reshape(-1)])
             try:
                 with grouped(groups), with_piece(piece):
                     hid = self._model(flat_ids[None], pos[None], bias, cache)[0]  # [B N + n T, F]
