@@ -635,3 +635,49 @@ def test_a_growing_cache_copies_the_columns_its_rows_use(tiny_target):
     assert cache.reserve(cache.slots + 1, cache.capacity)
     assert torch.equal(cache.kv[:, :, : old.shape[2], :, :7], old[:, :, :, :, :7])
     assert not cache.kv[:, :, :, :, 7:].any()
+
+
+def test_the_growth_cap_starts_at_the_largest_forward_the_curve_timed():
+    """A server's warm-up prompt is one token: from that first timed piece the cap doubled piece
+    by piece, and the first requests' 40-token prompts took 14 forwards of 2-4 tokens (1.15 s on
+    the 2-core EPYC instead of ~0.1 s). The cost curve timed forwards of up to 64 tokens."""
+    curve = CostCurve([1, 8, 64], [0.010, 0.012, 0.074])
+    pacer = PrefillPacer()
+    pacer.observe(1, 1, 0.011, curve)
+    pacer.observe_step(0.5)
+    fits = pacer.fits(8)
+    assert fits(128, 128) and not fits(129, 129)  # twice the curve's 64, not twice 1 token
+    fused = PrefillPacer()
+    fused.observe_verify(0.02, 4, curve, tokens=1, span=1)
+    assert fused.largest == 64
+    fused.observe_verify(0.2, 4, curve, tokens=100, span=100)
+    assert fused.largest == 100
+
+
+def test_an_idle_engine_times_every_piece_and_paces_the_next_by_it(tiny_target):
+    """While nobody decodes a step may run several pieces; each is timed before the next is cut
+    (only the step's last piece was: a 40-token prompt's pieces stayed at 16 tokens)."""
+    curve = CostCurve([1, 8], [1e-3, 1.1e-3])  # timed up to 8 tokens: the cap starts at 16
+    dec = SpeculativeDecoder(tiny_target, [], budget=0, cost_curve=curve)
+    eng = dec.engine()
+    eng._pacer.ref = 100.0  # the idle allowance never runs out here
+    sizes = []
+    prefill = eng.verifier.prefill
+
+    def timed(tokens, *a, **k):
+        sizes.append(len(tokens[0]))
+        return prefill(tokens, *a, **k)
+
+    eng.verifier.prefill = timed
+    V = tiny_target.config.vocab_size
+    eng.add([3], SamplingParams.checked(max_new_tokens=2))  # a warm-up: one piece timed
+    while eng.has_work:
+        eng.step()
+    sizes.clear()
+    eng.add([(5 * j + 1) % V for j in range(300)], SamplingParams.checked(max_new_tokens=2))
+    eng.step()
+    # one step prefilled the whole prompt in growing pieces, each twice the largest timed
+    assert sizes == [16, 32, 64, 128, 60]
+    assert len(eng._pacer.obs) == 1 + 4  # the warm-up's, and every piece but the last
+    while eng.has_work:
+        eng.step()
