@@ -358,6 +358,19 @@ class PrefillPacer:
                 return float(sol[1]), float(sol[2]) if len(cols) == 3 else 0.0
         return None
 
+    def piece_seconds(self, tokens: int, span: int, cost: CostCurve | None) -> float:
+        """What a piece of ``tokens`` over ``span`` columns adds to the verify forward it rides
+        in (seconds): its fitted own cost, else a forward of its own's past the fixed cost,
+        else the cost curve's ``c(tokens) - c(1)``. The speculation guard timed fused steps
+        whole: whichever mode ran while pieces rode looked slower (a one-round load test
+        prefills most of its prompts that way)."""
+        ab = self.fused_coefficients() or (self.coefficients() if self.obs else None)
+        if ab is not None:
+            return tokens * (ab[0] + ab[1] * span)
+        if cost is None:
+            return 0.0
+        return max(float(curve_np(cost, tokens) - curve_np(cost, 1)), 0.0)
+
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)`` of the cost model (see the class doc)."""
         N, S, secs = (np.array(v, np.float64) for v in zip(*self.obs))

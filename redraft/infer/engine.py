@@ -250,7 +250,12 @@ class Engine:
             self._advance(acc, hidden)
         credit = dec.feedback(host, before, prop, tree, acc)
         secs = clock.seconds(t0, t1), clock.seconds(t1, t2)  # CUDA events are done: the read synced
-        dec.after_step(prop, acc, credit, secs)
+        own = secs
+        if piece is not None:  # the guard and the gate compare steps: not the piece's share
+            rows, T, _, starts = piece
+            cost = self._pacer.piece_seconds(len(rows) * T, max(starts) + T, dec.cost_curve)
+            own = secs[0], max(secs[1] - cost, 0.2 * secs[1])
+        dec.after_step(prop, acc, credit, own)
         self.steps += 1
         tot["row_steps"] += len(tree.tokens)
         events += self._emit(tree, prop, acc, credit, secs, readout.logprobs)

@@ -216,6 +216,13 @@ def test_the_pacer_fits_a_riding_pieces_own_cost_across_steps():
     n = int(budget / (0.002 + 1e-6 * 1000))
     assert p.fits(fused=True)(n, 1000) and not p.fits(fused=True)(n + 1, 1000)
     assert p.fits(fused=True, steps=2)(2 * n, 1000)
+    # what a piece adds to the step it rides in: its fitted own cost
+    assert p.piece_seconds(100, 500, curve) == pytest.approx(100 * (0.002 + 5e-4), rel=1e-6)
+    # before any fit: a forward of its own's past the fixed cost, else the curve's c(N) - c(1)
+    q = PrefillPacer()
+    assert q.piece_seconds(33, 0, curve) == pytest.approx(32 * 0.064 / 63)
+    q.observe(64, 64, 0.010 + 64 * 0.003, curve)
+    assert q.piece_seconds(10, 64, curve) == pytest.approx(0.030)
 
 
 def test_the_auto_chunk_costs_no_more_than_the_running_step():
@@ -681,3 +688,42 @@ def test_an_idle_engine_times_every_piece_and_paces_the_next_by_it(tiny_target):
     assert len(eng._pacer.obs) == 1 + 4  # the warm-up's, and every piece but the last
     while eng.has_work:
         eng.step()
+
+
+def test_the_guard_times_a_fused_step_without_its_piece(tiny_target):
+    """The speculation guard and the gate compare steps' times: a piece riding in a step's
+    verify would make whichever mode ran meanwhile look slower, so they get the step's time
+    less the piece's estimated cost; the stats keep the whole time."""
+    V = tiny_target.vocab_size
+    dec = SpeculativeDecoder(
+        tiny_target, [ContextNGramDrafter(V)], budget=0, cost_curve=CURVE, fuse_prefill=True
+    )
+    eng = dec.engine()
+    seen, estimates = [], []  # [time given to after_step, pieces estimated so far, step time]
+    after, emit = dec.after_step, eng._emit
+
+    def after_(prop, acc, credit, secs):
+        seen.append([secs, len(estimates)])
+        return after(prop, acc, credit, secs)
+
+    def emit_(tree, prop, acc, credit, secs, lp=None):
+        seen[-1].append(secs)
+        return emit(tree, prop, acc, credit, secs, lp)
+
+    dec.after_step, eng._emit = after_, emit_
+    eng._pacer.piece_seconds = lambda N, S, c: estimates.append(N * 1e-5) or N * 1e-5
+    eng.add([(3 * j + 1) % V for j in range(6)], SamplingParams.checked(max_new_tokens=30))
+    eng.step()
+    eng.add([(5 * j + 2) % V for j in range(200)], SamplingParams.checked(max_new_tokens=2))
+    while eng.has_work:
+        eng.step()
+    assert eng.totals["fused"] >= 2 and len(estimates) == eng.totals["fused"]
+    before = 0
+    for own, n, raw in seen:
+        if n > before:  # this step carried a piece
+            est = estimates[before]
+            assert own[0] == raw[0] and own[1] == pytest.approx(max(raw[1] - est, 0.2 * raw[1]))
+            assert own[1] < raw[1]
+        else:
+            assert own == raw
+        before = n
