@@ -278,6 +278,7 @@ class PrefillPacer:
     GROWTH = 2  # a chunk is at most this many times the largest forward timed
     FUSED_WINDOW = 64  # steps the fit of pieces riding in the verify uses
     FUSED_AGE = 0.97  # weight of a step one older in that fit
+    MIN_TOKENS = 16  # timed tokens before the fit replaces the curve's cost per token
 
     def __init__(self, share: float = 1.0):
         self.share = share  # reference steps a piece may cost (DecoderConfig.prefill_share)
@@ -288,6 +289,7 @@ class PrefillPacer:
         # where pieces ride in the verify forward (observe_verify)
         self.steps: collections.deque = collections.deque(maxlen=self.FUSED_WINDOW)
         self.c0 = 0.0  # the cost curve's one-token forward (seconds)
+        self.slope: float | None = None  # the cost curve's cost per token past the first
 
     def observe_step(self, seconds: float) -> None:
         """The running rows' verify forward took ``seconds``."""
@@ -301,6 +303,8 @@ class PrefillPacer:
         if tokens <= 0 or seconds <= 0:
             return
         self.obs.append((tokens, span, seconds))
+        if len(cost.sizes) > 1:  # the curve's cost per token past one, for the first fits
+            self.slope = float((cost.seconds[-1] - cost.seconds[0]) / (cost.sizes[-1] - 1))
         # the fixed cost: an eager prefill forward's (the curve's one-token forward unless its
         # verifies replay graphs: on the H200 an eager forward of the default target cost far
         # more than its 3.8 ms replay, and that difference read as a per-token cost made the
@@ -372,8 +376,13 @@ class PrefillPacer:
         return max(float(curve_np(cost, tokens) - curve_np(cost, 1)), 0.0)
 
     def coefficients(self) -> tuple[float, float]:
-        """``(a, b)`` of the cost model (see the class doc)."""
+        """``(a, b)`` of the cost model (see the class doc). Until forwards of ``MIN_TOKENS``
+        tokens in all are timed: the cost curve's cost per token, ``b = 0`` (a server's first
+        piece is its warm-up's one token, whose time past the fixed cost is noise: read as 5-10
+        ms a token, it held the server's first long prompt to pieces of 48 tokens)."""
         N, S, secs = (np.array(v, np.float64) for v in zip(*self.obs))
+        if N.sum() < self.MIN_TOKENS and self.slope is not None:
+            return self.slope, 0.0
         r = np.maximum(secs - self.c0, 0.05 * secs) / N  # seconds per token past the fixed cost
         w = N * self.AGE ** np.arange(len(N))[::-1]  # more tokens, newer: more weight
         flat = float(np.sum(w * r) / np.sum(w))
@@ -389,19 +398,22 @@ class PrefillPacer:
             return 0.0, float(np.sum(w * r * S) / np.sum(w * S * S))
         return a, b
 
-    def fits(self, steps: float = 1.0, fused: bool = False) -> Callable[[int, int], bool] | None:
+    def fits(
+        self, steps: float = 1.0, fused: bool = False, capped: bool = True
+    ) -> Callable[[int, int], bool] | None:
         """``fits(tokens, span)``: whether such a forward costs no more than ``share x steps``
         reference steps (``steps``: how many the caller allows, e.g. the running rows' step
         scaled to every admitted request); ``None`` before a forward and a step are timed (use
         the curve). ``fused``: the piece rides in the verify forward (no fixed cost of its
-        own): its tokens' cost alone is held to the share."""
+        own): its tokens' cost alone is held to the share. ``capped``: at most ``GROWTH``
+        times the largest forward timed (off while no row decodes: nobody to stall)."""
         ab = self.fused_coefficients() if fused else None
         if self.ref is None or (ab is None and not self.obs):
             return None
         # riding pieces: their own cost, fitted (until it holds: a forward of its own's cost
         # past the fixed one), held to the share, no fixed cost first
         a, b = ab or self.coefficients()
-        cap = self.GROWTH * max(self.largest, 1)
+        cap = self.GROWTH * max(self.largest, 1) if capped else PREFILL_CHUNK_MAX
         if fused:
             budget = self.share * steps * self.ref
             return lambda tokens, span: tokens <= cap and tokens * (a + b * span) <= budget

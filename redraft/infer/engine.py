@@ -566,11 +566,12 @@ class Engine:
             cut = self.prefilling[0].filled > 0
             if idle and cut and ref is not None and time.perf_counter() - t0 >= IDLE_STEPS * ref:
                 break
-            if idle and not self.rows and self._chunk_timed():
+            if idle and self.dec.cost_curve is not None and self._chunk_timed():
                 # each piece paced by every piece timed before it, not by the step's first
                 # limit (only the step's last piece used to be timed: a 40-token prompt's pieces
                 # stayed at 16 tokens, 3 forwards, however often it came)
-                fits = self._chunk_limit()
+                self._observe_chunk()
+                fits = self._idle_fits()
             events += self._prefill_piece(fits)
         return events
 
@@ -697,12 +698,8 @@ class Engine:
             return (lambda N, S: N <= chunk) if chunk else (lambda N, S: True)
         if self.dec.cost_curve is not None:
             self._observe_chunk()
-        if not self.rows:  # nobody to stall: large pieces, but not so large that a request
-            # arriving meanwhile waits long for its turn
-            fits = self._pacer.fits(IDLE_STEPS)
-            if fits is None:
-                return lambda N, S: N <= PREFILL_CHUNK_MAX
-            return lambda N, S: N <= PREFILL_CHUNK_MAX and fits(N, S)
+        if not self.rows:
+            return self._idle_fits()
         if all(len(r.prompt) - r.filled <= PREFILL_CHUNK_MIN for r in self.prefilling):
             return lambda N, S: N <= PREFILL_CHUNK_MIN  # whatever the cost: no need to measure it
         curve = self.dec.cost_curve
@@ -724,6 +721,14 @@ class Engine:
             cap = prefill_chunk(curve, self._step_tokens)
             return lambda N, S: N <= cap
         return fits
+
+    def _idle_fits(self):
+        """``fits`` while nobody decodes (nobody to stall): large pieces, but not so large that
+        a request arriving meanwhile waits long for its turn (``IDLE_STEPS`` reference steps)."""
+        fits = self._pacer.fits(IDLE_STEPS, capped=False)
+        if fits is None:
+            return lambda N, S: N <= PREFILL_CHUNK_MAX
+        return lambda N, S: N <= PREFILL_CHUNK_MAX and fits(N, S)
 
     def _observe_chunk(self) -> None:
         """Give the pacer the last prefill forward's measured time."""

@@ -654,6 +654,11 @@ def test_the_growth_cap_starts_at_the_largest_forward_the_curve_timed():
     pacer.observe_step(0.5)
     fits = pacer.fits(8)
     assert fits(128, 128) and not fits(129, 129)  # twice the curve's 64, not twice 1 token
+    # one token timed says nothing of the cost per token (its 1 ms past c0 is noise): the
+    # curve's, (74 - 10) / 63 ms, until forwards of 16 tokens in all are timed
+    assert pacer.coefficients() == (pytest.approx(0.064 / 63), 0.0)
+    pacer.observe(15, 1, 0.010 + 15 * 0.003, curve)
+    assert pacer.coefficients()[0] == pytest.approx((0.9 * 0.001 + 15 * 0.003) / 15.9)
     fused = PrefillPacer()
     fused.observe_verify(0.02, 4, curve, tokens=1, span=1)
     assert fused.largest == 64
@@ -663,11 +668,11 @@ def test_the_growth_cap_starts_at_the_largest_forward_the_curve_timed():
 
 def test_an_idle_engine_times_every_piece_and_paces_the_next_by_it(tiny_target):
     """While nobody decodes a step may run several pieces; each is timed before the next is cut
-    (only the step's last piece was: a 40-token prompt's pieces stayed at 16 tokens)."""
-    curve = CostCurve([1, 8], [1e-3, 1.1e-3])  # timed up to 8 tokens: the cap starts at 16
+    (only the step's last piece was: a 40-token prompt's pieces stayed at 16 tokens however
+    often it came), and no growth cap holds them (nobody to stall), only the time allowed."""
+    curve = CostCurve([1, 8], [1e-3, 1.1e-3])
     dec = SpeculativeDecoder(tiny_target, [], budget=0, cost_curve=curve)
     eng = dec.engine()
-    eng._pacer.ref = 100.0  # the idle allowance never runs out here
     sizes = []
     prefill = eng.verifier.prefill
 
@@ -681,11 +686,20 @@ def test_an_idle_engine_times_every_piece_and_paces_the_next_by_it(tiny_target):
     while eng.has_work:
         eng.step()
     sizes.clear()
+    pacer, asked = eng._pacer, []
+    pacer.ref = 100.0  # the idle allowance never runs out here
+    fits = pacer.fits
+
+    def fits_(steps=1.0, fused=False, capped=True):
+        asked.append((len(pacer.obs), capped, fits(steps, fused, capped)(2048, 2048)))
+        return lambda N, S: N <= 16 * (2 + len(asked))  # each piece cut anew: 48, 64, 80, ...
+
+    pacer.fits = fits_
     eng.add([(5 * j + 1) % V for j in range(300)], SamplingParams.checked(max_new_tokens=2))
     eng.step()
-    # one step prefilled the whole prompt in growing pieces, each twice the largest timed
-    assert sizes == [16, 32, 64, 128, 60]
-    assert len(eng._pacer.obs) == 1 + 4  # the warm-up's, and every piece but the last
+    assert sizes == [48, 64, 80, 96, 12]  # one step, each piece paced after the one before it
+    # timed one by one (the warm-up's piece, then each of this step's before the next), uncapped
+    assert asked == [(n, False, True) for n in (1, 2, 3, 4, 5)]
     while eng.has_work:
         eng.step()
 
