@@ -334,10 +334,9 @@ class PrefillPacer:
 
     @staticmethod
     def _measured(cost: CostCurve | None) -> int:
-        """The largest forward the cost curve timed (tokens): the growth cap starts there. From
-        the first piece timed, a server's warm-up prompt of one token, the cap doubled piece by
-        piece (2, 4, 8, ... tokens), and its first requests' 40-token prompts took 14 forwards
-        of 2-4 tokens, 1.15 s on the 2-core EPYC against one forward of ~70 ms."""
+        """The largest forward the cost curve timed (tokens): the growth cap starts there, not
+        at the first piece timed (a server's warm-up prompt of one token: the cap then doubled
+        piece by piece, 2, 4, 8, ... tokens)."""
         return int(cost.sizes[-1]) if cost is not None else 0
 
     def fused_coefficients(self) -> tuple[float, float] | None:

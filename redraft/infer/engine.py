@@ -254,7 +254,7 @@ class Engine:
         if piece is not None:  # the guard and the gate compare steps: not the piece's share
             rows, T, _, starts = piece
             cost = self._pacer.piece_seconds(len(rows) * T, max(starts) + T, dec.cost_curve)
-            own = secs[0], max(secs[1] - cost, 0.2 * secs[1])
+            own = secs[0], max(secs[1] - cost, 0.2 * secs[1])  # (an estimate may overshoot)
         dec.after_step(prop, acc, credit, own)
         self.steps += 1
         tot["row_steps"] += len(tree.tokens)
