@@ -275,6 +275,7 @@ def test_the_pacer_predicts_a_chunks_cost_from_its_tokens_and_span():
     # a multiple of 16; rows finished by one forward share it while their padding stays small
     class _Eng:
         dec = SpeculativeDecoder.__new__(SpeculativeDecoder)
+        fuse, rows = False, []
 
     _Eng.dec.config = DecoderConfig()
     eng = _Eng()
@@ -288,6 +289,12 @@ def test_the_pacer_predicts_a_chunks_cost_from_its_tokens_and_span():
     assert Engine._chunk_rows(eng, fits) == (2, 30)  # 3 x 31 > 70 ms; 3 x 60 too padded
     eng.prefilling = [_row(40, filled=30), _row(12)]  # a last piece goes alone
     assert Engine._chunk_rows(eng, fits) == (1, 10)
+    # a piece riding in the running rows' verify forward: not rounded (no shape to keep)
+    eng.fuse, eng.rows = True, [_row(5)]
+    eng.prefilling = [_row(400, filled=0)]
+    assert Engine._chunk_rows(eng, fits) == (1, 65)
+    eng.prefilling = [_row(4000, filled=2800)]
+    assert Engine._chunk_rows(eng, fits) == (1, 18)
 
 
 def test_the_pacer_takes_an_eager_prefills_fixed_cost_where_verifies_replay_graphs():
