@@ -673,8 +673,8 @@ class Engine:
                 lo, hi = (mid, hi) if fits(mid, start[0] + mid) else (lo, mid)
             # fewer distinct shapes, except where the piece rides in the verify forward: its
             # shape changes with the tree every step anyway, and rounding made a budget of
-            # ~24-45 tokens 16 or 32 by the fit's wobble (a prompt's admission then took 61
-            # steps instead of 30, 8 prompts through the engine, 2-core EPYC)
+            # ~24-45 tokens 16 or 32 by the fit's wobble (one engine admitted the same prompt
+            # in 61 steps once and in 30 the next time, 8 prompts added together, 2-core EPYC)
             riding = self.fuse and bool(self.rows)
             if self.dec.config.prefill_chunk == "auto" and lo >= PREFILL_CHUNK_MIN and not riding:
                 lo = lo // PREFILL_CHUNK_MIN * PREFILL_CHUNK_MIN
