@@ -288,6 +288,7 @@ class PrefillPacer:
         # (verify's curve cost, piece tokens, piece tokens x span, seconds) of the last steps,
         # where pieces ride in the verify forward (observe_verify)
         self.steps: collections.deque = collections.deque(maxlen=self.FUSED_WINDOW)
+        self._fused_fit: tuple | None = None  # (fused_coefficients(),) until a step is added
         self.c0 = 0.0  # the cost curve's one-token forward (seconds)
         self.slope: float | None = None  # the cost curve's cost per token past the first
 
@@ -329,6 +330,7 @@ class PrefillPacer:
         elif self.ref is None:
             self.observe_step(c)
         self.steps.append((c, tokens, tokens * span, seconds))
+        self._fused_fit = None
         if tokens:
             self.largest = max(self.largest, tokens, self._measured(cost))
 
@@ -347,7 +349,13 @@ class PrefillPacer:
         step is noise as large as a piece (a server's tree sizes change from step to step; it
         read 4-9 ms a token where the fit below reads 0.6-3.4 in long-join runs); across steps of
         different tree and piece sizes the split is identified. ``None`` until 4 steps with a
-        piece are timed or where the fit is degenerate."""
+        piece are timed or where the fit is degenerate. Kept until the next step is observed:
+        a fused step asks twice (its limit, then its piece's cost for the guard)."""
+        if self._fused_fit is None:
+            self._fused_fit = (self._fit_fused(),)
+        return self._fused_fit[0]
+
+    def _fit_fused(self) -> tuple[float, float] | None:
         if sum(1 for o in self.steps if o[1]) < 4:
             return None
         X = np.array([o[:3] for o in self.steps], np.float64)
@@ -377,8 +385,9 @@ class PrefillPacer:
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)`` of the cost model (see the class doc). Until forwards of ``MIN_TOKENS``
         tokens in all are timed: the cost curve's cost per token, ``b = 0`` (a server's first
-        piece is its warm-up's one token, whose time past the fixed cost is noise: read as 5-10
-        ms a token, it held the server's first long prompt to pieces of 48 tokens)."""
+        piece is its warm-up's one token, whose time past the fixed cost is noise: read as the
+        cost per token, it held an engine's first long prompt to pieces of 48 tokens on the
+        2-core EPYC)."""
         N, S, secs = (np.array(v, np.float64) for v in zip(*self.obs))
         if N.sum() < self.MIN_TOKENS and self.slope is not None:
             return self.slope, 0.0

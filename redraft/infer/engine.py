@@ -252,15 +252,13 @@ class Engine:
         secs = clock.seconds(t0, t1), clock.seconds(t1, t2)  # CUDA events are done: the read synced
         own = secs
         if piece is not None:  # the guard and the gate compare steps: not the piece's share
-            rows, T, _, starts = piece
             cost = self._pacer.piece_seconds(len(rows) * T, max(starts) + T, dec.cost_curve)
             own = secs[0], max(secs[1] - cost, 0.2 * secs[1])  # (an estimate may overshoot)
         dec.after_step(prop, acc, credit, own)
         self.steps += 1
         tot["row_steps"] += len(tree.tokens)
         events += self._emit(tree, prop, acc, credit, secs, readout.logprobs)
-        if piece is not None:  # the step's verify carried the piece
-            rows, T, _, starts = piece
+        if piece is not None:  # the step's verify carried the piece (rows, T, starts: above)
             self._pacer.observe_verify(
                 secs[1], self._step_tokens, dec.cost_curve, len(rows) * T, max(starts) + T
             )
@@ -672,8 +670,8 @@ class Engine:
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if fits(mid, start[0] + mid) else (lo, mid)
             # fewer distinct shapes, except where the piece rides in the verify forward: its
-            # shape changes with the tree every step anyway, and rounding made a budget of
-            # ~24-45 tokens 16 or 32 by the fit's wobble (one engine admitted the same prompt
+            # shape changes with the tree every step anyway, and rounding made budgets that give
+            # 8-57-token pieces 16 or 32 by the fit's wobble (one engine admitted the same prompt
             # in 61 steps once and in 30 the next time, 8 prompts added together, 2-core EPYC)
             riding = self.fuse and bool(self.rows)
             if self.dec.config.prefill_chunk == "auto" and lo >= PREFILL_CHUNK_MIN and not riding:

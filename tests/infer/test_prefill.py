@@ -653,8 +653,8 @@ def test_a_growing_cache_copies_the_columns_its_rows_use(tiny_target):
 
 def test_the_growth_cap_starts_at_the_largest_forward_the_curve_timed():
     """A server's warm-up prompt is one token: from that first timed piece the cap doubled piece
-    by piece, and the first requests' 40-token prompts took 14 forwards of 2-4 tokens (1.15 s on
-    the 2-core EPYC instead of ~0.1 s). The cost curve timed forwards of up to 64 tokens."""
+    by piece, and the first requests' 40-token prompts took 14 forwards of 2-4 tokens (through the
+    engine on the 2-core EPYC; now one). The cost curve timed forwards of up to 64 tokens."""
     curve = CostCurve([1, 8, 64], [0.010, 0.012, 0.074])
     pacer = PrefillPacer()
     pacer.observe(1, 1, 0.011, curve)
