@@ -107,6 +107,7 @@ def create_app(
     sampling_params=None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     cors_origins: tuple[str, ...] | list[str] = (),
+    compute=None,
 ) -> FastAPI:
     """The server app over ``decoder`` (a ``SpeculativeDecoder``; anything with ``engine()``,
     ``encode()`` and ``target.model.config.max_position_embeddings`` will do).
@@ -123,6 +124,9 @@ def create_app(
             ``Content-Length`` says so).
         cors_origins: origins a browser may call the API from (``["*"]``: any); empty: no CORS
             headers, and preflight ``OPTIONS`` requests get 405.
+        compute: the :class:`~redraft.serve.scheduler.ComputeThread` ``decoder`` was loaded on:
+            the decode loop runs there (default: a thread of its own; see that class for why a
+            server should load its decoder on it).
     """
     if sampling_params is None:
         from redraft.infer import SamplingParams as sampling_params
@@ -140,7 +144,13 @@ def create_app(
     token_text = (lambda t: tok.decode([t])) if tok is not None else str  # the tokens of logprobs
     metrics = Metrics()
     sched = Scheduler(
-        decoder, max_batch, max_queue, metrics, make_params=make_params, warmup=warmup
+        decoder,
+        max_batch,
+        max_queue,
+        metrics,
+        make_params=make_params,
+        warmup=warmup,
+        compute=compute,
     )
     metrics.bind(
         sched.counts

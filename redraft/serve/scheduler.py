@@ -1,13 +1,17 @@
 """Continuous batching: one thread owns the decoder's engine; requests join and leave between steps.
 
-    sched = Scheduler(decoder, max_batch=16, max_queue=64)
-    sched.start()                  # builds the engine (and warms it up) on its own thread
+    compute = ComputeThread()
+    decoder = compute.call(load_decoder, "default")   # torch work of the server: one thread
+    sched = Scheduler(decoder, max_batch=16, max_queue=64, compute=compute)
+    sched.start()                  # builds the engine (and warms it up) on that thread
     job = Job(prompt_ids, params, asyncio.get_running_loop())
     sched.submit(job)              # 429 when the queue is full, 503 while draining
     kind, payload = await job.queue.get()   # ("admitted", None), then ("event", StreamEvent)... or ("error", APIError)
     sched.cancel(job)              # the client went away: its row leaves at the next step
 
-The engine is not thread-safe, so only the loop thread touches it. HTTP handlers talk to the
+The engine is not thread-safe, so only the loop thread touches it. That thread is the
+:class:`ComputeThread` the decoder was loaded on: a process's torch work belongs on one thread
+(its class doc says why and what it costs otherwise). HTTP handlers talk to the
 loop through this object: ``submit`` and ``cancel`` put work in an inbox under a lock, and the
 loop takes it between steps (admitting waiting jobs while fewer than ``max_batch`` rows run).
 Results go back to each request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``, once per
@@ -21,8 +25,10 @@ raises fails the requests of that step, the engine is rebuilt, and the loop goes
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
+import queue
 import threading
 import time
 from collections import deque
@@ -36,6 +42,54 @@ RETRY_AFTER_MAX_S = 60
 WARMUP_TOKENS = (
     8  # a short generation at start-up: the first real request then pays no one-off costs
 )
+
+
+class ComputeThread:
+    """The one thread that runs a server's torch work: loading the decoder, then the decode loop
+    (:meth:`Scheduler.start` submits it here).
+
+    Why one: PyTorch's CPU wheels parallelise their kernels with GNU OpenMP, whose thread team
+    belongs to the thread that opened it. A model loaded on the main thread and decoded on
+    another leaves two teams, more OpenMP threads than cores on a small machine, and libgomp
+    then stops its idle workers from spinning between parallel regions: every kernel pays a
+    wake-up. Measured on the 2-core AMD EPYC (default target, float32, one row decoding, 2
+    threads, 2026-11-27): 49-50 ms a step on the thread that loaded the model against 69-83 ms
+    on another thread of the same process (the verify forward's ``_linear_pointwise`` 144 ->
+    208 us a call, its CPU flash attention 50 -> 115 us); the server decoded on such a thread.
+
+    ``concurrent.futures.ThreadPoolExecutor(max_workers=1)`` would run the calls on one thread
+    too, but its worker is not a daemon: the interpreter's exit would wait for a decode loop
+    that did not stop.
+    """
+
+    def __init__(self, name: str = "redraft-decode"):
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        """Run ``fn(*args, **kwargs)`` on the thread after what was submitted before; its future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((fn, args, kwargs, fut))
+        return fut
+
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` run on the thread; its result (or its exception, raised here)."""
+        return self.submit(fn, *args, **kwargs).result()
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, kwargs, fut = self._inbox.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # the caller's to handle: the thread serves on
+                fut.set_exception(exc)
 
 
 class Job:
@@ -63,6 +117,8 @@ class Scheduler:
         make_params: ``SamplingParams.checked`` (or another factory) for the warm-up request.
         warmup: run a short generation before serving (measures the verify-cost curve and
             builds what the first step builds, so the first client does not wait for it).
+        compute: the :class:`ComputeThread` the decoder was loaded on (the loop runs there);
+            default: a new one.
     """
 
     def __init__(
@@ -73,6 +129,7 @@ class Scheduler:
         metrics=None,
         make_params=None,
         warmup: bool = True,
+        compute: ComputeThread | None = None,
     ):
         if max_batch < 1 or max_queue < 0:
             raise ConfigError(f"max_batch={max_batch} must be >= 1 and max_queue={max_queue} >= 0.")
@@ -83,7 +140,8 @@ class Scheduler:
         self._running: dict[int, Job] = {}
         self._cancel: list[Job] = []
         self._draining = self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._compute = compute
+        self._loop: concurrent.futures.Future | None = None  # the decode loop's run
         self._avg_secs = 1.0  # EMA of request durations, for Retry-After
         self.ready = threading.Event()
         self.failure: BaseException | None = None  # why the loop could not start or died
@@ -91,12 +149,14 @@ class Scheduler:
     # ------------------------------------------------------------------ called from HTTP handlers
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="redraft-decode", daemon=True)
-        self._thread.start()
+        """Run the decode loop on the compute thread (a new one if none was given)."""
+        if self._compute is None:
+            self._compute = ComputeThread()
+        self._loop = self._compute.submit(self._run)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.failure is None
+        return self._loop is not None and not self._loop.done() and self.failure is None
 
     @property
     def draining(self) -> bool:
@@ -172,8 +232,8 @@ class Scheduler:
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._loop is not None:
+            concurrent.futures.wait([self._loop], timeout)
 
     # ------------------------------------------------------------------ the loop thread
 
@@ -352,5 +412,5 @@ class Scheduler:
 
 
 def _deliver(batch) -> None:
-    for queue, msg in batch:
-        queue.put_nowait(msg)
+    for q, msg in batch:
+        q.put_nowait(msg)
