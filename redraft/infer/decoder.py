@@ -28,6 +28,7 @@ which is the baseline every speculative result is compared with.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -118,6 +119,9 @@ class SpeculativeDecoder:
         self.config = config.replace(**settings) if settings else config
         self.target = target
         self.model = target.model
+        # the thread that built the decoder (its weights packed here): an engine made on another
+        # thread of a CPU process warns (engine.check_thread)
+        self.home_thread = threading.get_ident()
         self.drafters = list(drafters)
         names = [d.name for d in self.drafters]
         if len(set(names)) != len(names):

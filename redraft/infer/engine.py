@@ -32,7 +32,9 @@ with every request added up front.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -113,6 +115,8 @@ class Engine:
         self._next_id = 0
         self._clock = Clock(self.device)
         self._context = getattr(decoder.model.config, "max_position_embeddings", None)
+        if self.device.type == "cpu":
+            check_thread(decoder)
 
     # ------------------------------------------------------------------ requests
 
@@ -817,6 +821,30 @@ class Engine:
                 request_ids=torch.cat([s.request_ids, part.request_ids]),
             )
         self.state = dataclasses.replace(self.state, sampling=self.sampling)
+
+
+def check_thread(decoder) -> None:
+    """Warn (once per decoder) when a CPU engine is made on another thread than the one that
+    built the decoder. PyTorch's CPU kernels run in a GNU OpenMP team that belongs to the thread
+    that opened it; a second thread's team leaves more OpenMP threads than cores, and libgomp's
+    idle workers then stop spinning between kernels, so every kernel pays a wake-up: on the
+    2-core AMD EPYC a step of the default target took 1.4-1.7x as long on the other thread
+    (``redraft.serve.scheduler.ComputeThread``, which ``redraft-serve`` loads and decodes on)."""
+    home = getattr(decoder, "home_thread", None)
+    if home is None or home == threading.get_ident() or torch.get_num_threads() < 2:
+        return
+    if getattr(decoder, "_thread_warned", False):
+        return
+    decoder._thread_warned = True
+    warnings.warn(
+        "redraft: this engine decodes on another thread than the one that loaded the decoder; "
+        "on a CPU each step can take 1.4-1.7x as long (PyTorch's OpenMP threads belong to the "
+        "thread that started them). Load and decode on one thread, e.g. "
+        "redraft.serve.scheduler.ComputeThread: decoder = compute.call(load_decoder, ...), then "
+        "run the decoding there.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _fill_holes(slots: list[int], first: int) -> list[int]:

@@ -337,3 +337,46 @@ def test_an_engine_without_text_gives_the_same_tokens_and_refuses_stop_strings(
     with pytest.raises(ConfigError, match="stop strings need the text") as e:
         dec.engine(text=False).add(prompts[0], {"max_new_tokens": 4, "stop": ["x"]})
     assert e.value.param == "stop"
+
+
+def _engine_warnings(dec, thread: bool) -> list:
+    """The warnings of making two engines over ``dec``, on a new thread or this one."""
+    import threading
+    import warnings
+
+    from redraft.infer.engine import Engine
+
+    caught = []
+
+    def make():
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            Engine(dec)
+            Engine(dec)
+        caught.extend(w)
+
+    if not thread:
+        make()
+        return caught
+    t = threading.Thread(target=make)
+    t.start()
+    t.join()
+    return caught
+
+
+def test_an_engine_on_another_thread_than_its_decoders_warns_once(tiny_target):
+    """PyTorch's OpenMP team belongs to the thread that opened it: on a CPU, decoding on another
+    thread than the one that built the decoder made each step 1.4-1.7x as long (2-core EPYC)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        dec = SpeculativeDecoder(tiny_target, [])
+        assert _engine_warnings(dec, thread=False) == []  # the decoder's own thread
+        caught = _engine_warnings(dec, thread=True)
+        assert len(caught) == 1 and caught[0].category is RuntimeWarning
+        assert "another thread than the one that loaded the decoder" in str(caught[0].message)
+        assert _engine_warnings(dec, thread=True) == []  # once per decoder
+        torch.set_num_threads(1)  # one thread: no OpenMP team to share
+        assert _engine_warnings(SpeculativeDecoder(tiny_target, []), thread=True) == []
+    finally:
+        torch.set_num_threads(threads)
