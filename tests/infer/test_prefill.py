@@ -711,6 +711,35 @@ def test_an_idle_engine_times_every_piece_and_paces_the_next_by_it(tiny_target):
         eng.step()
 
 
+def test_an_idle_step_stops_a_long_prompts_pieces_once_prompts_have_joined(tiny_target):
+    """All of a burst's prompts waiting at an idle step: the short ones are prefilled and join,
+    then they decode, the long one's pieces riding with them (it used to take the long one's
+    pieces for 8 reference steps first: the short ones' first tokens came 1.4-1.8 s late through
+    HTTP). A long prompt alone still gets its idle pieces."""
+    curve = CostCurve([1, 8], [1e-3, 1.1e-3])
+    dec = SpeculativeDecoder(tiny_target, [], budget=0, cost_curve=curve, fuse_prefill=True)
+    eng = dec.engine()
+    eng.add([3], SamplingParams.checked(max_new_tokens=2))  # a warm-up: one piece timed
+    while eng.has_work:
+        eng.step()
+    eng._pacer.ref = 100.0  # the idle allowance never runs out here
+    eng._pacer.fits = lambda steps=1.0, fused=False, capped=True: lambda N, S: N <= 48
+    V = tiny_target.config.vocab_size
+    long = [(5 * j + 1) % V for j in range(300)]
+    short = eng.add([(3 * j + 2) % V for j in range(6)], SamplingParams.checked(max_new_tokens=8))
+    eng.add(long, SamplingParams.checked(max_new_tokens=2))
+    events = eng.step()
+    assert [r.rid for r in eng.rows] == [short] and any(e.index == short for e in events)
+    assert 0 < eng.prefilling[0].filled < 100  # one idle piece, then it rides
+    while eng.has_work:
+        eng.step()
+    eng.add(long, SamplingParams.checked(max_new_tokens=2))  # alone: nobody to decode
+    eng.step()
+    assert eng.rows and not eng.prefilling  # every piece in the one idle step
+    while eng.has_work:
+        eng.step()
+
+
 def test_the_guard_times_a_fused_step_without_its_piece(tiny_target):
     """The speculation guard and the gate compare steps' times: a piece riding in a step's
     verify would make whichever mode ran meanwhile look slower, so they get the step's time
