@@ -836,17 +836,17 @@ def check_thread(decoder) -> None:
     built the decoder. PyTorch's CPU kernels run in a GNU OpenMP team that belongs to the thread
     that opened it; a second thread's team leaves more OpenMP threads than cores, and libgomp's
     idle workers then stop spinning between kernels, so every kernel pays a wake-up: on the
-    2-core AMD EPYC a step of the default target took 1.4-1.7x as long on the other thread
+    2-core AMD EPYC a step of the default target took 1.2-1.5x as long on the other thread
     (``redraft.serve.scheduler.ComputeThread``, which ``redraft-serve`` loads and decodes on)."""
     home = getattr(decoder, "home_thread", None)
-    if home is None or home == threading.get_ident() or torch.get_num_threads() < 2:
+    if home in (None, threading.get_ident()) or torch.get_num_threads() < 2:
         return
-    if getattr(decoder, "_thread_warned", False):
+    if getattr(decoder, "_thread_warned", False):  # once per decoder
         return
     decoder._thread_warned = True
     warnings.warn(
         "redraft: this engine decodes on another thread than the one that loaded the decoder; "
-        "on a CPU each step can take 1.4-1.7x as long (PyTorch's OpenMP threads belong to the "
+        "on a CPU each step can take 1.2-1.5x as long (PyTorch's OpenMP threads belong to the "
         "thread that started them). Load and decode on one thread, e.g. "
         "redraft.serve.scheduler.ComputeThread: decoder = compute.call(load_decoder, ...), then "
         "run the decoding there.",
