@@ -317,7 +317,10 @@ def main(argv=None) -> int:
         target, batches, capacities, args.context, args.repeats, args.tree
     )
     write()
-    for buckets, speculate in ((False, False), (True, False), (False, True)) if args.steps else ():
+    # (True, True) is what redraft-distill-data runs on CUDA: its 21-22 ms step at ~60 rows
+    # (docs/gpu.md, 2026-11-27, tenth session) against the plain engine's 8.3 with span buckets
+    runs = ((False, False), (True, False), (False, True), (True, True))
+    for buckets, speculate in runs if args.steps else ():
         rep["engine"].append(
             engine_run(
                 target,

@@ -77,7 +77,7 @@ STEP_LIMITS = {
     "quick/engine-profile": 90,
     "quick/ngrams": 60,
     "train-default": 200,
-    "train-default-m16": 200,
+    "train-default-4x4": 200,
     "train-dummy": 240,
     # stage e: the target's own replies made first (the engine, bf16, batch 64; resumable, so a
     # step stopped at its limit keeps every reply written), then training on them
@@ -106,14 +106,15 @@ class Profile:
     overhead_batches: str = "1,8"
     # redraft-train: (recipe, overrides) for the default target and the dummy target
     recipe: str = "default"
-    # paper recipe's global batch of 16 sequences (micro 1 x accum 16) as 4 x 4 on one GPU
-    train_overrides: tuple = ("--micro-batch-size", "4", "--grad-accum", "4")
+    # nothing: the recipe's global batch of 16 runs as one micro batch of 16 on a GPU
+    # (gpu_micro_batch_size: 1.75x the tokens/s of 4 x 4 on an H200, docs/gpu.md)
+    train_overrides: tuple = ()
     dummy_recipe: str = "llama3-8b-8xh100"
     dummy_overrides: tuple = ("--data", "default-chat", "--train-limit", "2000")
-    # stage d measures these; "default-m16": the same global batch of 16 as one micro batch (a
-    # 4-sequence micro step took ~115 ms on the H200, far from its compute: fewer, larger steps)
-    speed_targets: tuple = ("default", "default-m16", "dummy")
-    m16_overrides: tuple = ("--micro-batch-size", "16", "--grad-accum", "1")
+    # stage d measures these; "default-4x4": the same global batch of 16 as 4 micro batches of 4
+    # (the one-GPU shape until 2026-11-27's tenth session: 49.9k tokens/s against 16 x 1's 87.5k)
+    speed_targets: tuple = ("default", "default-4x4", "dummy")
+    m4x4_overrides: tuple = ("--micro-batch-size", "4", "--grad-accum", "4")
     speed_steps: int = 60
     dummy_speed_steps: int = 20
     full_steps: int | None = None  # None: the recipe's epochs, bounded by time

@@ -338,7 +338,7 @@ class Stages:
         p = self.profile
         runs = {
             "default": ("default", p.target, p.recipe, p.train_overrides, p.speed_steps),
-            "default-m16": ("default-m16", p.target, p.recipe, p.m16_overrides, p.speed_steps),
+            "default-4x4": ("default-4x4", p.target, p.recipe, p.m4x4_overrides, p.speed_steps),
             "dummy": (
                 p.train_dummy.split(":")[-1],
                 p.train_dummy,

@@ -211,6 +211,7 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
         (False, False),
         (True, False),
         (False, True),
+        (True, True),
     ]
     for e in eng["engine"]:
         assert e["steps"] == 4 and e["mean_batch"] == 4.0 and e["forward_ms_per_step"] > 0

@@ -208,6 +208,15 @@ class TrainConfig(Settings):
     grad_accum: int = _f(
         8, "Micro batches accumulated per optimizer step (per process).", range=Range(1)
     )
+    gpu_micro_batch_size: int | None = _f(
+        None,
+        "On CUDA, sequences per micro batch per process in place of micro_batch_size; grad_accum "
+        "is scaled so that the batch per process (micro_batch_size x grad_accum) stays the same "
+        "and must divide by it. None = micro_batch_size on every device. Typing --micro-batch-size "
+        "or --grad-accum clears it (what you type is what runs).",
+        range=Range(1),
+        hint=" (leave it out to use --micro-batch-size on every device)",
+    )
     lr: float = _f(
         1e-3,
         "Peak learning rate (AdamW).",
@@ -344,6 +353,14 @@ class TrainConfig(Settings):
                 f"and --loss kd or ce+kd (here: features {self.features!r}, loss {self.loss!r}).",
                 param="kd_features",
             )
+        per_process = self.micro_batch_size * self.grad_accum
+        if self.gpu_micro_batch_size and per_process % self.gpu_micro_batch_size:
+            raise ConfigError(
+                f"--gpu-micro-batch-size {self.gpu_micro_batch_size} does not divide the batch per "
+                f"process, micro_batch_size x grad_accum = {self.micro_batch_size} x "
+                f"{self.grad_accum} = {per_process}: use a divisor of {per_process}.",
+                param="gpu_micro_batch_size",
+            )
         if self.feature_layers is not None and self.head_features != "multi":
             raise ConfigError(
                 f"--feature-layers {self.feature_layers} needs --head-features multi (a 'last' "
@@ -477,12 +494,29 @@ def load_recipe(name_or_path: str) -> dict:
 
 
 def make_config(recipe: str | None = None, overrides: dict | None = None) -> TrainConfig:
-    """Defaults <- recipe <- overrides (values may be CLI strings)."""
+    """Defaults <- recipe <- overrides (values may be CLI strings). An override of
+    ``micro_batch_size`` or ``grad_accum`` without one of ``gpu_micro_batch_size`` clears the
+    recipe's ``gpu_micro_batch_size``: the batch shape typed is the one that runs."""
     values = load_recipe(recipe) if recipe else {}
+    given = set()
     for k, v in (overrides or {}).items():
         k, v = _resolve_alias(k, v)
         values[k] = coerce(k, v)
+        given.add(k)
+    if given & {"micro_batch_size", "grad_accum"} and "gpu_micro_batch_size" not in given:
+        values.pop("gpu_micro_batch_size", None)
     return TrainConfig(**values).validate()
+
+
+def for_device(cfg: TrainConfig, device) -> TrainConfig:
+    """``cfg`` with ``gpu_micro_batch_size`` applied when ``device`` is CUDA: the same batch per
+    process as ``gpu_micro_batch_size`` x (``micro_batch_size`` x ``grad_accum`` / it). Else
+    ``cfg`` itself."""
+    g = cfg.gpu_micro_batch_size
+    if not g or not str(device).startswith("cuda") or g == cfg.micro_batch_size:
+        return cfg
+    per_process = cfg.micro_batch_size * cfg.grad_accum
+    return dataclasses.replace(cfg, micro_batch_size=g, grad_accum=per_process // g)
 
 
 def parse_set(items: list[str]) -> dict:

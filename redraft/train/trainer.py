@@ -41,7 +41,7 @@ from redraft.train.batches import (
     micro_batch,
     sequence_lengths,
 )
-from redraft.train.config import TrainConfig, config_diff, parse_report_to
+from redraft.train.config import TrainConfig, config_diff, for_device, parse_report_to
 from redraft.train.distilled import distilled_data
 from redraft.train.distributed import DistEnv, setup_distributed
 from redraft.train.fingerprint import describe, record_mismatch, target_record
@@ -156,6 +156,14 @@ def _setup_run(cfg: TrainConfig, resume: bool, overwrite: bool) -> _Run:
         if cfg.kd_features:
             read_features_meta(cfg.kd_features)
     env = setup_distributed(cfg)
+    shaped = for_device(cfg, env.device)  # the recipe's GPU micro batch (gpu_micro_batch_size)
+    if shaped is not cfg:
+        env.say(
+            f"redraft-train: on {env.device}, micro batches of {shaped.micro_batch_size} x "
+            f"{shaped.grad_accum} accumulated (gpu_micro_batch_size; the recipe's "
+            f"{cfg.micro_batch_size} x {cfg.grad_accum} elsewhere): the same batch per process"
+        )
+        cfg = shaped
     precision = resolve_precision(cfg, env.device)
     loss_impl = resolve_loss_impl(cfg, env.device)
     resuming = ckpt.prepare_output_dir(out, resume, overwrite, env.rank)

@@ -241,3 +241,32 @@ def test_trackers_write_tensorboard_scalars_per_position(tmp_path):
     if importlib.util.find_spec("wandb") is None:
         with pytest.raises(ConfigError, match="pip install wandb"):
             parse_report_to("wandb")
+
+
+def test_the_default_recipe_runs_one_micro_batch_of_16_on_a_gpu_and_16_of_1_elsewhere():
+    from redraft.train.config import for_device
+
+    cfg = make_config("default")
+    assert (cfg.micro_batch_size, cfg.grad_accum, cfg.gpu_micro_batch_size) == (1, 16, 16)
+    gpu = for_device(cfg, torch.device("cuda", 0))
+    assert (gpu.micro_batch_size, gpu.grad_accum) == (16, 1)
+    assert for_device(cfg, "cpu") is cfg
+    assert deepspeed_config(gpu, "amp-bf16")["train_micro_batch_size_per_gpu"] == 16
+    assert deepspeed_config(gpu, "amp-bf16")["gradient_accumulation_steps"] == 1
+    # a shape typed on the command line is the one that runs, also on a GPU
+    args = build_parser().parse_args(["--micro-batch-size", "4", "--grad-accum", "4"])
+    typed = config_from_args(args)
+    assert typed.gpu_micro_batch_size is None
+    assert (for_device(typed, "cuda").micro_batch_size, for_device(typed, "cuda").grad_accum) == (
+        4,
+        4,
+    )
+    args = build_parser().parse_args(["--grad-accum", "32", "--gpu-micro-batch-size", "8"])
+    both = for_device(config_from_args(args), "cuda:1")
+    assert (both.micro_batch_size, both.grad_accum) == (8, 4)
+
+
+def test_a_gpu_micro_batch_that_does_not_divide_the_batch_per_process_is_named():
+    with pytest.raises(ConfigError, match=r"--gpu-micro-batch-size 5 .* = 16") as exc:
+        make_config("default", {"gpu_micro_batch_size": 5})
+    assert exc.value.param == "gpu_micro_batch_size"
