@@ -20,6 +20,7 @@ then on.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections import Counter
@@ -47,9 +48,29 @@ def cuda_capture(fn, device, pool):
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with no_cyclic_gc(), torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+@contextlib.contextmanager
+def no_cyclic_gc():
+    """Python's cyclic garbage collector off for the duration (restored after).
+
+    ``torch.cuda.graph`` no longer collects before a capture (``force_cudagraph_gc`` is off by
+    default: too slow), so a collection that a capture's own allocations trigger can free the
+    graphs of a dead decoder in mid-capture, and destroying a graph while a stream captures is
+    not permitted: that capture fails. Seen on an H200 (docs/gpu.md, 2026-11-27 tenth run: eight
+    "operation not permitted when stream is capturing (function reset)" warnings, then "operation
+    failed due to a previous error during capture", in a test that makes a decoder per drafter).
+    The garbage is collected after the capture instead."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def after_failed_capture(device, what: str, exc: Exception, warned: bool) -> None:

@@ -74,3 +74,44 @@ def test_the_beam_search_is_replayed_from_graphs_and_decodes_as_eager(cuda_targe
     out = dec.generate(tiny_prompts, max_new_tokens=24)
     assert [o.tokens for o in out] == [r.tokens for r in ref]
     assert dr.graphs.stats["failed"] == 0 and dr.graphs.stats["replays"] > 3
+
+
+def test_a_collection_cannot_destroy_a_dead_graph_in_mid_capture():
+    """A dead graph in a reference cycle, collected by an automatic collection that the captured
+    call's own allocations trigger, must not break the capture (2026-11-27, H200: "operation not
+    permitted when stream is capturing (function reset)", then the capture failed): cuda_capture
+    keeps the cyclic collector off while it captures."""
+    import gc
+
+    import torch
+
+    from redraft.infer.graphs import cuda_capture
+
+    dev = torch.device("cuda")
+    x = torch.ones(16, device=dev)
+    old, _ = cuda_capture(lambda: x * 2, dev, torch.cuda.graph_pool_handle())
+    holder = {"graph": old}
+    del old
+    calls = []
+
+    def fn():
+        calls.append(1)
+        if len(calls) == 3:  # the captured call: the old graph becomes cyclic garbage
+            junk = [holder.pop("graph")]
+            junk.append(junk)
+            del junk
+            for _ in range(2000):  # container allocations: a collection at every one
+                [[]]  # noqa: B018
+        return x + 1
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        graph, out = cuda_capture(fn, dev, torch.cuda.graph_pool_handle())
+    finally:
+        gc.set_threshold(*threshold)
+    x.fill_(5)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(x, 6))
+    gc.collect()  # the old graph goes now, outside any capture

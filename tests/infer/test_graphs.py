@@ -3,8 +3,10 @@ through it: the same results as the eager function, new input values reach every
 a failed capture changes nothing. CPU tests inject a capture that replays by re-running the
 captured function over its static buffers (as a CUDA graph re-runs its kernels over them)."""
 
+import contextlib
 import logging
 
+import pytest
 import torch
 
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
@@ -137,3 +139,58 @@ def test_a_full_store_captures_only_shapes_used_twice_in_a_row():
     assert len(captured) == 2 and g.stats["dropped"] == 0
     g(4, x)  # 4 twice in a row: captured, 1 (least recently replayed) dropped
     assert list(g.entries) == [2, 4] and g.stats["dropped"] == 1
+
+
+def test_a_capture_runs_with_the_cyclic_garbage_collector_off(monkeypatch):
+    """A collection in mid-capture can destroy a dead decoder's graphs, which a capturing stream
+    does not permit (the capture then fails: an H200, 2026-11-27): cuda_capture turns the cyclic
+    collector off for the capture and back on after it, also when the capture raises."""
+    import gc
+
+    from redraft.infer import graphs
+
+    seen = []
+
+    class FakeGraph:
+        pass
+
+    class FakeCapture:
+        def __init__(self, graph, pool=None):
+            pass
+
+        def __enter__(self):
+            seen.append(("enter", gc.isenabled()))
+
+        def __exit__(self, *exc):
+            seen.append(("exit", gc.isenabled()))
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    assert gc.isenabled()
+    calls = []
+    graph, out = graphs.cuda_capture(lambda: calls.append(gc.isenabled()) or 7, "cuda", None)
+    assert out == 7 and isinstance(graph, FakeGraph)
+    assert calls == [True, True, False]  # two warm-ups with it on, the captured call with it off
+    assert seen == [("enter", False), ("exit", False)] and gc.isenabled()
+
+    def boom():
+        raise RuntimeError("capture failed")
+
+    with pytest.raises(RuntimeError):
+        with graphs.no_cyclic_gc():
+            boom()
+    assert gc.isenabled()
+    gc.disable()
+    try:  # off before: stays off
+        with graphs.no_cyclic_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
