@@ -536,16 +536,6 @@ class DrafterGate:
     before it is tried again, and every try that finds it still not worth it doubles the wait
     (up to ``MAX_WAIT_FACTOR * explore``), so a useless drafter ends up costing almost nothing.
     Unknown gains count as worth it. Gating never changes the output, only the speed.
-
-    Exclusive gains alone can lock the mix into the worse of two drafters that overlap: the one
-    switched off first is re-tried beside the other, which still proposes the shared tokens, so
-    its exclusive gain stays small and it stays off, while the survivor's grows to its whole
-    gain. On an H200 (docs/gpu.md, 2026-11-27, tenth session) the mix of a ReDrafter head and
-    N-Grammys took 98% of its accepted tokens from the head on chat (tau 1.84; N-Grammys alone
-    2.10 at less than half the drafting time). So the gate also keeps each drafter's inclusive
-    gain (accepted tokens it proposed, shared or not: what it would gain alone) and always calls
-    the *anchor*, the drafter whose inclusive gain saves the most time net of its drafting;
-    the others must pay with what they add to it (their exclusive gain).
     """
 
     TIME_EMA = 0.8  # weight of the past in the drafting-time and seconds-per-token averages
@@ -556,7 +546,6 @@ class DrafterGate:
         self.n, self.explore, self.enabled = num_drafters, max(int(explore), 1), enabled
         self.secs = [0.0] * num_drafters  # drafting seconds per call
         self.gain: list[float | None] = [None] * num_drafters  # exclusive accepted tokens per step
-        self.incl: list[float | None] = [None] * num_drafters  # inclusive: shared tokens count too
         self.idle = [0] * num_drafters  # steps since the last call
         self.wait = [self.explore] * num_drafters  # steps a skipped drafter waits before a re-run
         self.sec_per_token: float | None = None
@@ -566,22 +555,15 @@ class DrafterGate:
         g = self.gain[i]
         return float("inf") if g is None else g * (self.sec_per_token or 0.0) - self.secs[i]
 
-    def anchor(self) -> int | None:
-        """The drafter with the best inclusive net saving (None while no inclusive gain is known)."""
-        known = [i for i in range(self.n) if self.incl[i] is not None]
-        spt = self.sec_per_token or 0.0
-        return max(known, key=lambda i: self.incl[i] * spt - self.secs[i]) if known else None
-
     def active(self) -> list[int]:
         """Indices of the drafters to call this step (every drafter while gating is off or
         nothing is known yet); advances the idle counters."""
         if not self.enabled or self.sec_per_token is None:
             return list(range(self.n))
         net = [self.net(i) for i in range(self.n)]
-        anchor = self.anchor()
         active = []
         for i in range(self.n):
-            if net[i] >= 0 or i == anchor:
+            if net[i] >= 0:
                 self.wait[i] = self.explore
                 active.append(i)
             elif self.idle[i] + 1 >= self.wait[i]:  # re-run; back off if still not worth it
@@ -598,15 +580,9 @@ class DrafterGate:
         a = self.TIME_EMA
         self.secs[i] = a * self.secs[i] + (1 - a) * secs if self.secs[i] else secs
 
-    def update(
-        self,
-        step_secs: float,
-        tokens_per_row: float,
-        exclusive: dict[int, float],
-        inclusive: dict[int, float] | None = None,
-    ) -> None:
+    def update(self, step_secs: float, tokens_per_row: float, exclusive: dict[int, float]) -> None:
         """After a step: its wall time, the tokens a row gained on average (accepted + 1), and
-        for each drafter called, its exclusive and inclusive accepted tokens per row."""
+        for each drafter called, its exclusive accepted tokens per row."""
         spt = step_secs / max(tokens_per_row, 1e-9)
         a = self.TIME_EMA
         self.sec_per_token = (
@@ -617,9 +593,6 @@ class DrafterGate:
         for i, g in exclusive.items():
             old = self.gain[i]
             self.gain[i] = g if old is None else self.GAIN_EMA * old + (1 - self.GAIN_EMA) * g
-        for i, g in (inclusive or {}).items():
-            old = self.incl[i]
-            self.incl[i] = g if old is None else self.GAIN_EMA * old + (1 - self.GAIN_EMA) * g
 
 
 class SpeculationGuard:

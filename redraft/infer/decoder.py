@@ -517,9 +517,8 @@ class SpeculativeDecoder:
             others = [j for j in called if j != i]
             best_other = credit[:, others].max(axis=1) if others else 0
             exclusive[i] = float(np.maximum(0, n_acc - best_other).mean())
-        inclusive = {i: float(credit[:, i].mean()) for i in called}
         if called:  # a plain step (the guard's) says nothing about the drafters
-            self.gate.update(secs[0] + secs[1], float(n_acc.mean()) + 1.0, exclusive, inclusive)
+            self.gate.update(secs[0] + secs[1], float(n_acc.mean()) + 1.0, exclusive)
         self.guard.record(
             len(n_acc), bool(called), int(n_acc.sum()) + len(n_acc), secs[0] + secs[1]
         )

@@ -290,39 +290,6 @@ def test_gating_backs_off_from_a_drafter_that_stays_useless():
     assert all(1 in gate.active() for _ in range(3)) and gate.wait[1] == 8
 
 
-def test_the_gate_does_not_lock_the_mix_into_the_worse_of_two_overlapping_drafters():
-    """The H200 run of 2026-11-27 (docs/gpu.md): the mix of a head and N-Grammys took 98% of its
-    tokens from the head on chat (tau 1.84; N-Grammys alone 2.10, drafting in less than half the
-    time). Modelled here: drafter 0 (N-Grammys: 0.66 ms, 1.0 accepted tokens alone, nothing in
-    the first steps of a reply) and drafter 1 (the head: 1.5 ms, 0.85 tokens) overlap (together
-    1.05), verify 3.5 ms. On exclusive gains alone drafter 0, switched off in the first steps, is
-    re-tried beside the head, looks worth 0.2 tokens and stays off (1.75% of the steps, 0.370
-    tokens/ms: the head alone); with the anchor it runs and the mix gets close to the best
-    single drafter."""
-    gate = DrafterGate(2, explore=8)
-    secs, verify = (0.00066, 0.0015), 0.0035
-    on0 = tokens = time_s = 0.0
-    steps = 400
-    for k in range(steps):
-        called = gate.active()
-        alone = {0: 0.0 if k < 6 else 1.0, 1: 0.85}
-        union = max(alone[i] for i in called) + (0.05 if len(called) == 2 else 0.0)
-        exclusive = {
-            i: union - max([alone[j] for j in called if j != i], default=0.0) for i in called
-        }
-        for i in called:
-            gate.record_time(i, secs[i])
-        step = verify + sum(secs[i] for i in called)
-        gate.update(step, 1 + union, exclusive, {i: alone[i] for i in called})
-        on0 += 0 in called
-        tokens += 1 + union
-        time_s += step
-    best_single = 2.0 / (verify + secs[0]) / 1000  # drafter 0 alone: 0.481 tokens per ms
-    assert gate.anchor() == 0
-    assert on0 / steps > 0.8
-    assert tokens / time_s / 1000 > 0.9 * best_single
-
-
 def test_gate_calls_every_drafter_until_it_knows_the_cost_of_a_token():
     gate = DrafterGate(3, explore=4)
     assert gate.active() == [0, 1, 2]
