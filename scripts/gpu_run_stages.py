@@ -11,8 +11,11 @@ from pathlib import Path
 
 from gpu_run_base import NGRAM_METHODS, REPO, SCRIPTS, StageRun, Step, free_port, read_json
 
-# stage e's trainer: start-up (~1.5 min) and the final eval + save (~2 min), besides its steps
-TRAIN_RESERVE_S = 210
+# stage e's trainer: start-up and the final eval + save, besides its steps: 26 s + 12 s on the
+# H200 of 2026-11-27's tenth run (100.5 s in all for 61.6 s of steps); twice that, so that the
+# train split's distillation is not stopped early for time training then leaves unused (it had
+# 79 s of its 150 there, and training used 100 of the 300 s kept for it)
+TRAIN_RESERVE_S = 90
 
 
 class Stages:
@@ -427,9 +430,9 @@ class Stages:
                     *p.distill_args,
                 ),
                 min_s=30,
-                # training needs its start-up and final eval + save (210 s, see below) and at
+                # training needs its start-up and final eval + save (TRAIN_RESERVE_S) and at
                 # least a minute of steps: with less left it would not run at all
-                reserve_s=TRAIN_RESERVE_S + 90,
+                reserve_s=TRAIN_RESERVE_S + 60,
                 grace_s=15,
             )
             if step.status == "ok":
@@ -488,7 +491,7 @@ class Stages:
                 extra += ["--max-steps", p.full_steps]
             else:
                 # the trainer stops when its cumulative training time reaches max_time_minutes: this run
-                # gets what its budget leaves after start-up (~1.5 min) and the final eval + save (~2 min)
+                # gets what its budget leaves after start-up and the final eval + save (TRAIN_RESERVE_S)
                 prev = max(
                     [
                         (read_json(f) or {}).get("elapsed_s", 0.0)
