@@ -1,6 +1,7 @@
 """The step-level engine: requests join a running batch and leave it; outputs do not depend on
 who else is in the batch; argument checks; incremental text."""
 
+import copy
 import random
 
 import pytest
@@ -198,6 +199,28 @@ def test_incremental_text_equals_a_full_decode(tiny_target, llama2_target_dir):
             pieces.append(stream.finish())
             full = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             assert "".join(pieces) == full == stream.text
+
+
+def test_text_streams_call_the_fast_backend_only_where_decode_is_transformers_own(tiny_target):
+    """The stream decodes through the ``tokenizers`` backend directly (what transformers' decode
+    calls, without its argument conversion) for the tokenizers the test above checks against a
+    full decode; a tokenizer class with its own ``decode`` is called through it."""
+    from redraft.infer.text import backend_decoder
+
+    tok = tiny_target.tokenizer
+    assert backend_decoder(tok) is tok._tokenizer
+    assert TextStream(tok)._backend is tok._tokenizer
+
+    class Shouting(type(tok)):
+        def decode(self, ids, **kw):
+            return super().decode(ids, **kw).upper()
+
+    loud = copy.copy(tok)
+    loud.__class__ = Shouting
+    assert backend_decoder(loud) is None
+    ids = tok("hello world", add_special_tokens=False)["input_ids"]
+    stream = TextStream(loud)
+    assert stream.add(ids) + stream.finish() == "HELLO WORLD"
 
 
 def test_stop_strings_split_over_steps_never_reach_the_stream(tiny_target):
