@@ -537,5 +537,7 @@ def walk(rule: str, tree, choices: np.ndarray) -> HostAcceptance:
     on = anc[rows, last] if N > 1 else np.ones((B, 1), bool)  # [B, N] the accepted path's nodes
     b_idx, n_idx = np.nonzero(on)
     path[b_idx, depth[b_idx, n_idx]] = n_idx
-    emitted = [tokens[b, path[b, 1 : num[b] + 1]].tolist() + [int(bonus[b])] for b in range(B)]
+    # one gather and one tolist for the batch (per-row numpy calls cost ~4 us a row)
+    seq = np.take_along_axis(tokens, np.maximum(path[:, 1:], 0), axis=1).tolist()
+    emitted = [s[:n] + [t] for s, n, t in zip(seq, num.tolist(), bonus.tolist())]
     return HostAcceptance(path=path, num_accepted=num, last_node=last, bonus=bonus, emitted=emitted)

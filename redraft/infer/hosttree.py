@@ -183,6 +183,21 @@ def _root_only(paths, root, size, num_entries) -> HostTree:
     )
 
 
+def _useful_extent(valid: np.ndarray, budget, P: int, L: int) -> tuple[int, int]:
+    """``(paths, depths)`` of ``[B, P, L]`` entries that can make a node: paths past the last
+    one holding a token in any row are empty, and with a ``budget`` of K nodes no node deeper
+    than K is kept (each of its K or more ancestors is worth at least as much and comes first in
+    the order). The deduplication compares every pair of paths at every depth, so a batch of 64
+    rows with budgets of 2 nodes paid for 12 depths where 2 can matter. Cut only where the
+    pairs shrink by a quarter in a large batch: the second call costs ~15 us."""
+    used = np.flatnonzero(valid.any(axis=(0, 2)))
+    Pk = int(used[-1]) + 1 if len(used) else 1
+    Lk = L
+    if budget is not None:
+        Lk = min(L, max(int(np.max(budget)), 1))
+    return Pk, Lk
+
+
 def build_tree_np(
     paths, values=None, budget=None, root=None, size: int | None = None, clean: bool = True
 ) -> HostTree:
@@ -198,6 +213,20 @@ def build_tree_np(
     num_entries = valid.sum(axis=(1, 2))
     if P == 0 or L == 0:
         return _root_only(paths, root, size, num_entries)
+    Pk, Lk = _useful_extent(valid, budget, P, L)
+    if B * P * P * L >= 8192 and 4 * Pk * Pk * Lk <= 3 * P * P * L:  # the same tree from the entries that can be kept
+        tree = build_tree_np(
+            paths[:, :Pk, :Lk],
+            None if values is None else np.asarray(values)[:, :Pk, :Lk],
+            budget,
+            root,
+            size,
+            clean=False,
+        )
+        path_node = np.full((B, P, L), -1, dtype=np.int64)
+        path_node[:, :Pk, :Lk] = tree.path_node
+        tree.path_node, tree.num_entries, tree.max_depth = path_node, num_entries, L
+        return tree
     valid, rep, is_new = dedup_paths_np(paths, valid)
     if budget is not None:
         keep = _kept_entries_np(valid, rep, is_new, values, budget)

@@ -312,6 +312,31 @@ def test_build_tree_equals_the_torch_tree(seed):
         assert_same_tree(tree, build_tree_np(paths, values, budget, root, size))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_large_batch_builds_from_the_entries_that_can_be_kept(seed):
+    """Large batches with small budgets (and empty trailing paths) take the cut path of
+    ``build_tree_np`` (no node deeper than the budget, no pair of empty paths compared); the
+    tree must still equal the torch reference field by field, ties included."""
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(12):
+        B, P, L = int(rng.integers(24, 65)), int(rng.integers(6, 12)), int(rng.integers(6, 13))
+        paths, values = random_case(rng, B, P, L, V=int(rng.integers(2, 5)))
+        paths = np.where(rng.random((B, P, 1)) < 0.1, -1, paths)  # some rows drop a path
+        paths[:, P - int(rng.integers(0, 4)) :] = -1  # empty in every row
+        if rng.random() < 0.5:
+            values = np.round(values, 1).astype(np.float32)
+        budget = [int(rng.integers(1, 5)), rng.integers(0, 5, B), int(rng.integers(5, 30))][
+            int(rng.integers(0, 3))
+        ]
+        root = rng.integers(0, 3, B)
+        size = None if rng.random() < 0.5 else int(rng.integers(2, 10))
+        tb = torch.tensor(budget) if isinstance(budget, np.ndarray) else budget
+        tree = build_tree(
+            torch.tensor(paths), torch.tensor(values), tb, torch.tensor(root), size
+        )
+        assert_same_tree(tree, build_tree_np(paths, values, budget, root, size))
+
+
 def test_build_tree_edge_cases():
     root = np.array([7, 8])
     cases = [
