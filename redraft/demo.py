@@ -165,9 +165,15 @@ def print_head_metrics(run: Path) -> None:
         print(f"estimated acceptance length tau_est = {m['eval_tau_est']:.3f}")
 
 
-def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int) -> dict:
+def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int, referee=None) -> dict:
+    """Plain greedy against the unified decoder on held-out prompts, printed and returned.
+    ``referee``: a callable giving a float32 copy of the target, asked only where an output
+    differs (bfloat16): where, and whether it is a near-tie (``redraft.infer.ties``)."""
+    import torch
+
     from redraft.data import heldout_prompts
     from redraft.infer import load_decoder, plain_greedy
+    from redraft.infer.ties import first_divergence
 
     prompts = heldout_prompts("default-chat", n=n_prompts)
     dec = load_decoder(target, drafters=drafter_dirs, ngrams=ngram_dirs)
@@ -176,7 +182,7 @@ def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int) -> d
     # warm-up (and the verify-cost measurement) outside the timed region
     dec.generate(prompts[0], max_new_tokens=8)
     plain_greedy(target, prompts[0], max_new_tokens=8)
-    rows, same = [], 0
+    rows, same, diverged = [], 0, []
     t_ar = t_sd = 0.0
     n_ar = n_sd = calls = 0
     for i, msgs in enumerate(prompts):
@@ -191,6 +197,8 @@ def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int) -> d
         n_sd += len(sd.tokens)
         calls += sd.stats.target_calls
         same += ar.tokens == sd.tokens
+        if ar.tokens != sd.tokens:
+            diverged.append((i, msgs, sd.tokens, ar.tokens))
         rows.append(
             (
                 i,
@@ -222,6 +230,25 @@ def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int) -> d
         f"speedup           : {summary['speedup']:.2f}x; outputs identical to plain greedy on "
         f"{summary['identical']} prompts"
     )
+    if diverged:
+        ref = referee() if referee is not None else target
+        if target.dtype == torch.float32:
+            print("\nfloat32 output must equal plain greedy's; each difference:")
+        else:
+            print(
+                f"\n{str(target.dtype).removeprefix('torch.')} verifies a tree in one batched "
+                "forward, which rounds "
+                "differently from a one-token step: where the target's two best tokens are "
+                "within rounding, the argmax can flip. Each difference, judged by the float32 "
+                "target:"
+            )
+        ties = []
+        for i, msgs, got, want in diverged:
+            d = first_divergence(ref, target.chat_ids(msgs), got, want)
+            ties.append(d is None or d.near_tie)
+            what = "one output stops earlier" if d is None else d.describe(target.tokenizer)
+            print(f"  prompt {i}: {what}")
+        summary["near_ties"] = f"{sum(ties)}/{len(ties)}"
     return summary
 
 
@@ -246,13 +273,22 @@ def main(argv: list[str] | None = None) -> int:
             print_head_metrics(run)
             drafters = [str(run)]
         dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        fp32 = {}
+
+        def referee():  # a float32 copy of the target, loaded once when first needed
+            if "t" not in fp32:
+                fp32["t"] = load_target(args.target, dtype="float32", device="cpu")
+            return fp32["t"]
+
         for i, dtype in enumerate(dtypes):
             _banner(
                 f"3/3 decoding {args.prompts} held-out ShareGPT prompts in {dtype} "
                 f"({i + 1}/{len(dtypes)})"
             )
             target = load_target(args.target, dtype=dtype, device="cpu")
-            compare(target, drafters, [str(ngrams)], args.prompts, args.max_new_tokens)
+            if dtype == "float32":
+                fp32["t"] = target
+            compare(target, drafters, [str(ngrams)], args.prompts, args.max_new_tokens, referee)
         print(f"\nartifacts: {ngrams}" + (f", {drafters[0]}" if drafters else ""))
         print(
             "use them from your own code:\n"

@@ -331,9 +331,7 @@ def test_a_large_batch_builds_from_the_entries_that_can_be_kept(seed):
         root = rng.integers(0, 3, B)
         size = None if rng.random() < 0.5 else int(rng.integers(2, 10))
         tb = torch.tensor(budget) if isinstance(budget, np.ndarray) else budget
-        tree = build_tree(
-            torch.tensor(paths), torch.tensor(values), tb, torch.tensor(root), size
-        )
+        tree = build_tree(torch.tensor(paths), torch.tensor(values), tb, torch.tensor(root), size)
         assert_same_tree(tree, build_tree_np(paths, values, budget, root, size))
 
 
