@@ -94,6 +94,9 @@ class _Agg:
         s.target_calls += st.target_calls
         s.accepted_hist.update(st.accepted_hist)
         s.drafter_accepted.update(st.drafter_accepted)
+        s.drafter_calls.update(st.drafter_calls)
+        s.drafter_exclusive.update(st.drafter_exclusive)
+        s.joint_steps += st.joint_steps
         s.draft_time += st.draft_time
         s.verify_time += st.verify_time
         s.prefill_time += st.prefill_time
@@ -197,6 +200,15 @@ def summarise(agg: dict) -> dict:
             "tree_nodes_per_step": round(s.tree_nodes / steps, 2) if steps else 0.0,
             "accepted_hist": {int(k): v for k, v in sorted(Counter(s.accepted_hist).items())},
             "drafter_share": {k: round(v, 3) for k, v in s.drafter_share().items()},
+            # the gate's view: the share of verify steps each drafter was called in, and its
+            # accepted tokens that no other called drafter proposed per step called side by side
+            "drafter_called": {k: round(v / max(steps, 1), 3) for k, v in s.drafter_calls.items()},
+            "drafter_exclusive_per_joint_step": {
+                k: round(s.drafter_exclusive[k] / s.joint_steps, 3) for k in s.drafter_calls
+            }
+            if s.joint_steps
+            else {},
+            "joint_steps": s.joint_steps,
             "prompts": n,
         }
         if a.graphs is not None:

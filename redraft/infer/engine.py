@@ -383,6 +383,15 @@ class Engine:
             else np.zeros(len(self.rows), int)
         )
         lps = token_logprobs(lp_table, self.sampling, acc.path, acc.num_accepted, acc.emitted)
+        called = [i for i, _, _ in prop.marks]
+        joint = None
+        if len(called) > 1:  # the gate's exclusive gains, per row ([B, called])
+            c = credit[:, called]
+            best_other = np.stack(
+                [np.delete(c, k, axis=1).max(axis=1) for k in range(len(called))], axis=1
+            )
+            joint = np.maximum(0, acc.num_accepted[:, None] - best_other).tolist()
+        called_names = [names[i] for i in called]
         for b, row in enumerate(self.rows):
             n = int(acc.num_accepted[b])
             s = row.stats
@@ -396,6 +405,12 @@ class Engine:
             for name, c in zip(names, credit[b].tolist() if len(names) else ()):
                 if c:
                     s.drafter_accepted[name] += c
+            s.drafter_calls.update(called_names)
+            if joint is not None:
+                s.joint_steps += 1
+                for name, g in zip(called_names, joint[b]):
+                    if g:
+                        s.drafter_exclusive[name] += g
             events += self._row_event(row, acc.emitted[b], lps.get(b))
         return events
 

@@ -31,6 +31,12 @@ class RequestStats:
     drafter_accepted: Counter = field(
         default_factory=Counter
     )  # name -> accepted tokens it proposed
+    # the drafter gate's view (redraft.infer.budget.DrafterGate): steps each drafter was called,
+    # and over the steps where two or more were, the accepted tokens each got that no other
+    # called drafter had proposed (its "exclusive gain", summed) and how many such steps
+    drafter_calls: Counter = field(default_factory=Counter)
+    drafter_exclusive: Counter = field(default_factory=Counter)
+    joint_steps: int = 0
     tree_entries: int = 0  # draft tokens proposed (before prefix sharing, after pruning)
     tree_nodes: int = 0  # tree nodes verified (after sharing, root excluded)
     tree_entries_raw: int = 0  # draft tokens proposed before pruning
@@ -83,6 +89,9 @@ class RequestStats:
             "total_time_s": round(self.total_time, 4),
             "drafter_accepted": dict(self.drafter_accepted),
             "drafter_share": {k: round(v, 4) for k, v in self.drafter_share().items()},
+            "drafter_calls": dict(self.drafter_calls),
+            "drafter_exclusive": dict(self.drafter_exclusive),
+            "joint_steps": self.joint_steps,
             "tree_entries_proposed": self.tree_entries_raw,
             "tree_entries": self.tree_entries,
             "tree_nodes": self.tree_nodes,

@@ -439,3 +439,37 @@ def test_first_use_captures_are_left_out_of_the_steady_speedup():
     assert "| context | 1.00 | 1.00 | 80.0 | 0.80x | 1.20x |" in md
     no_captures = {k: {**v, "graphs": {**v["graphs"], "captures": 0}} for k, v in res.items()}
     assert "without captures" not in markdown({"chat": no_captures}, bench, "cpu")
+
+
+def test_the_gate_view_sums_over_prompts():
+    """Per method: the share of verify steps each drafter was called in and its exclusive gain
+    per side-by-side step, summed over the prompts' stats (what tells a GPU run why a mix
+    follows one drafter)."""
+    from collections import Counter
+
+    from redraft.infer.bench_run import _Agg, summarise
+    from redraft.infer.stats import RequestStats
+
+    def stats(steps, calls, excl, joint):
+        return RequestStats(
+            new_tokens=2 * steps,
+            target_calls=steps + 1,
+            accepted_hist=Counter({1: steps}),
+            drafter_calls=Counter(calls),
+            drafter_exclusive=Counter(excl),
+            joint_steps=joint,
+        )
+
+    aggs = {}
+    for name in ("greedy", "mix"):
+        aggs[name] = _Agg(RequestStats(target_calls=0))
+    for st in (
+        stats(10, {"head": 10, "ngrammys": 4}, {"head": 3, "ngrammys": 1}, 4),
+        stats(30, {"head": 30, "ngrammys": 6}, {"head": 5}, 6),
+    ):
+        aggs["greedy"].add(1.0, [0] * st.new_tokens, None, RequestStats(new_tokens=st.new_tokens))
+        aggs["mix"].add(0.5, [0] * st.new_tokens, None, st)
+    res = summarise(aggs)["mix"]
+    assert res["drafter_called"] == {"head": 1.0, "ngrammys": 0.25}  # 40 and 10 of 40 steps
+    assert res["drafter_exclusive_per_joint_step"] == {"head": 0.8, "ngrammys": 0.1}  # of 10
+    assert res["joint_steps"] == 10

@@ -267,6 +267,12 @@ def test_gating_stops_calling_a_costly_useless_drafter_and_keeps_the_output(
         out = dec.generate(prompt, max_new_tokens=48)[0]
         assert out.tokens == ref
         steps = out.stats.target_calls - 1
+        st = out.stats  # the gate's view, as redraft-bench reports it
+        assert st.drafter_calls["slow-wrong"] == slow.calls
+        assert st.drafter_exclusive["slow-wrong"] == 0  # it never proposes an accepted token
+        if not gate:  # side by side every step: every accepted token is the oracle's alone
+            assert st.drafter_calls["oracle"] == st.joint_steps == steps
+            assert st.drafter_exclusive["oracle"] == st.accepted_tokens > 0
         if gate:
             # called on the first steps (no estimate yet), then about once every `explore` steps
             assert slow.calls <= 2 + steps // explore + 1 < steps
