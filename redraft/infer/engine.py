@@ -405,7 +405,8 @@ class Engine:
             for name, c in zip(names, credit[b].tolist() if len(names) else ()):
                 if c:
                     s.drafter_accepted[name] += c
-            s.drafter_calls.update(called_names)
+            for name in called_names:
+                s.drafter_calls[name] += 1
             if joint is not None:
                 s.joint_steps += 1
                 for name, g in zip(called_names, joint[b]):
