@@ -213,10 +213,8 @@ def build_tree_np(
     num_entries = valid.sum(axis=(1, 2))
     if P == 0 or L == 0:
         return _root_only(paths, root, size, num_entries)
-    Pk, Lk = _useful_extent(valid, budget, P, L)
-    if (
-        B * P * P * L >= 8192 and 4 * Pk * Pk * Lk <= 3 * P * P * L
-    ):  # the same tree from the entries that can be kept
+    Pk, Lk = _useful_extent(valid, budget, P, L) if B * P * P * L >= 8192 else (P, L)
+    if 4 * Pk * Pk * Lk <= 3 * P * P * L:  # the same tree from the entries that can be kept
         tree = build_tree_np(
             paths[:, :Pk, :Lk],
             None if values is None else np.asarray(values)[:, :Pk, :Lk],

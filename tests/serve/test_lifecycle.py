@@ -195,7 +195,9 @@ def test_the_server_freezes_the_heap_it_loaded_unless_told_not_to():
     junk = [[i] for i in range(1000)]  # alive now: frozen with the rest
     try:
         frozen = freeze_heap()
-        assert frozen == gc.get_freeze_count() > len(junk)
+        # (another thread of the test process may free a few frozen objects in between: the
+        # count only falls by those, 22 of 713,102 in one full run)
+        assert len(junk) < frozen and 0 <= frozen - gc.get_freeze_count() < frozen // 100
         assert not any(o is junk for o in gc.get_objects())  # no longer scanned
     finally:
         gc.unfreeze()
