@@ -365,12 +365,9 @@ class HostStats:
         decay[d] = self.decay
         self.hits *= decay[:, None, None]
         self.tries *= decay[:, None, None]
-        # one add per entry, in order (as index_add_): repeated adds round like the torch ones.
-        # Only tried entries add anything (x + 0.0 is x): a 64-row step with budgets of a few
-        # nodes tries a few of its 6,144 entries, and np.add.at costs per index
-        at = np.broadcast_to(flat, tried.shape)[tried]
-        np.add.at(self.hits.reshape(-1), at, hit[tried].astype(np.float32))
-        np.add.at(self.tries.reshape(-1), at, np.ones(len(at), np.float32))
+        # one add per entry, in order (as index_add_): repeated adds round like the torch ones
+        np.add.at(self.hits.reshape(-1), flat.reshape(-1), hit.reshape(-1).astype(np.float32))
+        np.add.at(self.tries.reshape(-1), flat.reshape(-1), tried.reshape(-1).astype(np.float32))
 
 
 def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0, batch_cost=None) -> int:
