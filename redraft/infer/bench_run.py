@@ -265,7 +265,36 @@ def markdown(results: dict, bench: dict, device: str, skipped: dict | None = Non
                 f"{extra} {same} |"
             )
         lines += ["", *time_split(res), ""]
+        mixes = drafter_split(res)
+        if mixes:
+            lines += [*mixes, ""]
     return "\n".join(lines)
+
+
+def drafter_split(res: dict) -> list[str]:
+    """For each method with several drafters: each drafter's share of the accepted draft tokens
+    (shared tokens count for each), the share of verify steps the gate called it in, and the
+    accepted tokens only it proposed per step called beside the others (what the gate weighs
+    against its drafting time). Empty when no method mixes drafters."""
+    rows = []
+    for name, r in res.items():
+        called = r.get("drafter_called") or {}
+        if len(called) < 2:
+            continue
+        share, excl = r.get("drafter_share") or {}, r.get("drafter_exclusive_per_joint_step") or {}
+        for d in called:
+            rows.append(
+                f"| {name} | {d} | {share.get(d, 0.0):.3f} | {called[d]:.3f} | "
+                + (f"{excl[d]:.3f} |" if d in excl else "- |")
+            )
+    if not rows:
+        return []
+    return [
+        "| method | drafter | share of accepted tokens | steps called | exclusive tokens per "
+        "joint step |",
+        "|---|---|---:|---:|---:|",
+        *rows,
+    ]
 
 
 def time_split(res: dict) -> list[str]:

@@ -458,6 +458,7 @@ def test_the_gate_view_sums_over_prompts():
             drafter_calls=Counter(calls),
             drafter_exclusive=Counter(excl),
             joint_steps=joint,
+            drafter_accepted=Counter({k: 3 * v // 4 for k, v in calls.items()}),
         )
 
     aggs = {}
@@ -473,3 +474,10 @@ def test_the_gate_view_sums_over_prompts():
     assert res["drafter_called"] == {"head": 1.0, "ngrammys": 0.25}  # 40 and 10 of 40 steps
     assert res["drafter_exclusive_per_joint_step"] == {"head": 0.8, "ngrammys": 0.1}  # of 10
     assert res["joint_steps"] == 10
+    from redraft.infer.bench_run import drafter_split
+
+    rows = drafter_split({"greedy": summarise(aggs)["greedy"], "mix": res})
+    assert rows[2:] == [  # accepted: head 7 + 22 of 40 tokens, ngrammys 3 + 4
+        "| mix | head | 0.725 | 1.000 | 0.800 |",
+        "| mix | ngrammys | 0.175 | 0.250 | 0.100 |",
+    ]
