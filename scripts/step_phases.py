@@ -1,7 +1,7 @@
 """Where a speculating engine step's host time goes, phase by phase, on the tiny target.
 
     python scripts/step_phases.py [--batch 64] [--tokens 100] [--threads 2] [--budget 4|auto]
-        [--drafter context|ngrammys]
+        [--drafter context|ngrammys] [--prompt-tokens 64]
 
 Builds the tiny random target of ``redraft-bench --overhead`` (and its n-gram tables), a
 decoder as distillation makes one (``--drafter context``: the context n-gram drafter,
@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -32,6 +33,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--budget", default="4", help="nodes a row, or auto")
     p.add_argument("--drafter", choices=("context", "ngrammys"), default="context")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=64,
+        help="tokens per prompt (the benchmark's text tiled; distillation's rows are 300-800)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -73,6 +80,11 @@ def main() -> None:
         dec = SpeculativeDecoder(target, drafters, budget=budget, prefill_chunk=0, guard=False)
         dec.eos = set()
         prompts = _prompts(target, args.batch)
+        if args.prompt_tokens != 64:  # the text tiled, each row from its own offset
+            ids = np.concatenate([prompts[0]] * (args.prompt_tokens // 64 + 2))
+            prompts = [
+                ids[i % 53 : i % 53 + args.prompt_tokens].tolist() for i in range(args.batch)
+            ]
 
         def run(n):
             eng = dec.engine(text=False)

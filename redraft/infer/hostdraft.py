@@ -32,35 +32,55 @@ GROUPS_PER_CLASS = 4  # statistics groups per match length: ranks 0, 1, 2 and th
 
 
 def _matches(
-    cat: np.ndarray,
-    pos: np.ndarray,
-    n: np.ndarray,
-    end: np.ndarray,
-    rid: np.ndarray,
-    q_min: int,
-    q_max: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(cand, ell)``: the flat positions whose preceding tokens agree with their row's last
-    ``q_min`` or more tokens, and how many agree (capped at ``q_max``, at the position in the row
-    and at the row's length - 1): ``context_matches_multi``'s ``ell >= q_min``."""
+    cat: np.ndarray, n: np.ndarray, end: np.ndarray, q_min: int, q_max: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(cand, ell, rc, pc)``: the flat positions whose preceding tokens agree with their row's
+    last ``q_min`` or more tokens, how many agree (capped at ``q_max``, at the position in the row
+    and at the row's length - 1: ``context_matches_multi``'s ``ell >= q_min``), their rows and
+    their positions in them. Row and position are found for the candidates only (a searchsorted
+    over the rows' ends), not for every token of the batch: 64 rows of 600 tokens are 38k
+    positions of which a few hundred are candidates."""
+    start = end - n
     # suffix token i of each row [q_max, B]; -2 (no token) where the row is too short to use it
     ar = np.arange(q_max)[:, None]
     suffix = np.where(n - 1 > ar, cat[np.maximum(end - 1 - ar, 0)], -2)
     if q_min >= 1:  # the token before a match equals the row's last one: few positions do
-        cand = np.flatnonzero(cat[:-1] == suffix[0][rid[1:]]) + 1
-        cand = cand[pos[cand] >= 1]
+        cand = np.flatnonzero(cat[:-1] == np.repeat(suffix[0], n)[1:]) + 1
+        rc = np.searchsorted(end, cand, side="right")
+        pc = cand - start[rc]
+        keep = pc >= 1
+        cand, rc, pc = cand[keep], rc[keep], pc[keep]
         first = 1
     else:
-        cand, first = np.flatnonzero(pos >= 1), 0
+        rid = np.repeat(np.arange(len(n)), n)
+        pos = np.arange(len(cat)) - start[rid]
+        cand = np.flatnonzero(pos >= 1)
+        rc, pc, first = rid[cand], pos[cand], 0
     ell = np.full(len(cand), first, dtype=np.int64)
     alive = np.ones(len(cand), dtype=bool)
-    pc, rc = pos[cand], rid[cand]
     for i in range(
         first, q_max
     ):  # token p-1-i (in the same row while p > i) against suffix token i
         alive &= (pc > i) & (cat[np.maximum(cand - 1 - i, 0)] == suffix[i][rc])
         ell += alive
-    return cand, ell
+    return cand, ell, rc, pc
+
+
+def _order(keys: list[tuple[np.ndarray, int]]) -> np.ndarray:
+    """``np.lexsort`` of non-negative integer keys, most significant first, each given with a
+    bound it stays below: one ``argsort`` of their mixed-radix combination where it fits in
+    int64 (the keys are unique together, so no tie needs a stable sort) and the arrays are long,
+    else ``lexsort``. (10,000 keys: 0.37 ms against 0.98 for two keys, 1.61 for four; below
+    ~2,000 lexsort is faster; 2-core EPYC.)"""
+    total = 1
+    for _, bound in keys:
+        total *= max(int(bound), 1)
+    if total >= 1 << 62 or len(keys[0][0]) < 2048:  # (lexsort is faster on short arrays)
+        return np.lexsort(tuple(k for k, _ in reversed(keys)))
+    combined = np.zeros(len(keys[0][0]), dtype=np.int64)
+    for k, bound in keys:
+        combined = combined * max(int(bound), 1) + k
+    return np.argsort(combined)
 
 
 def _run_starts(keys: np.ndarray) -> np.ndarray:
@@ -102,28 +122,32 @@ def context_matches_np(
         return paths, group
     cat = np.concatenate(rows).astype(np.int64, copy=False)  # [S]
     end = np.cumsum(n)
-    rid = np.repeat(np.arange(B), n)  # row of every flat position
-    pos = np.arange(len(cat)) - (end - n)[rid]
-    cand, ell = _matches(cat, pos, n, end, rid, q_min, q_max)
+    cand, ell, rc, pc = _matches(cat, n, end, q_min, q_max)
     # a match at p (first continuation token p) of length >= q_min inside the row's window
-    ok = (ell >= q_min) & (pos[cand] - ell >= n[rid[cand]] - window)
-    cand, lc = cand[ok], ell[ok]
+    ok = (ell >= q_min) & (pc - ell >= n[rc] - window)
+    cand, lc, rc, pc = cand[ok], ell[ok], rc[ok], pc[ok]
     if not len(cand):
         return paths, group
-    rc, pc = rid[cand], pos[cand]
     # each first token competes in its longest match length (class), by count then recency there:
     # sort by (row, token, length, position); per (row, token) the last run of equal
     # (row, token, length) is its class, its length the best, its last position the most recent
     Q = q_max + 1
     key = (rc * vocab_size + cat[cand]) * Q + lc
-    order = np.lexsort((pc, key))
+    order = _order([(key, B * vocab_size * Q), (pc, int(n.max()))])
     ks, ps = key[order], pc[order]
     tok = ks // Q
     last = np.flatnonzero(_run_starts(tok[::-1])[::-1])  # last entry of each (row, token)
     best, recent, row = ks[last] % Q, ps[last], tok[last] // vocab_size
     count = last - _first_of_run(ks)[last] + 1
     # per row: longest class, then count, then recency ((best, count, recent) is unique in a row)
-    top = np.lexsort((-recent, -count, -best, row))
+    top = _order(
+        [
+            (row, B),
+            (q_max - best, Q),
+            (len(cand) - count, len(cand)),
+            (int(n.max()) - recent, int(n.max()) + 1),
+        ]
+    )
     row, best, start = row[top], best[top], recent[top]
     slot = np.arange(len(top)) - _first_of_run(row)  # rank inside the row
     keep = slot < min(k, vocab_size)

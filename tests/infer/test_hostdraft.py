@@ -103,6 +103,34 @@ def test_context_matches_of_long_repetitive_rows_and_edge_rows():
     assert (paths[1:3] == -1).all() and (group[1:3] == 0).all()  # empty / too short: no matches
 
 
+def test_context_matches_of_a_batch_with_thousands_of_candidates():
+    """A long batch over a tiny vocabulary: thousands of candidate positions, so both sorts take
+    the single-argsort path of ``_order``; still equal to the torch reference."""
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(0, 3, int(n)) for n in rng.integers(1500, 3000, 6)]
+    tokens, lengths = padded(rows)
+    for q_min, q_max, k in ((1, 3, 8), (1, 1, 3)):
+        want = context_matches_multi(tokens, lengths, q_min, q_max, k, 12, 3, 4096)
+        got = context_matches_np(rows, q_min, q_max, k, 12, 3, 4096)
+        assert_same(want[0], got[0])
+        assert_same(want[1], got[1])
+
+
+@pytest.mark.parametrize("m", [0, 5, 3000])
+def test_order_is_lexsort_of_bounded_keys(m):
+    from redraft.infer.hostdraft import _order
+
+    rng = np.random.default_rng(m)
+    a, b = rng.integers(0, 7, m), rng.permutation(m)  # unique together
+    want = np.lexsort((b, a))
+    assert np.array_equal(_order([(a, 7), (b, max(m, 1))]), want)
+    # bounds whose product does not fit in int64: lexsort itself
+    assert np.array_equal(_order([(a, 1 << 40), (b, 1 << 40)]), want)
+    c, d = rng.integers(0, 3, m), rng.integers(0, 50, m)  # four keys, as the rows' ranking
+    want4 = np.lexsort((b, d, c, a))
+    assert np.array_equal(_order([(a, 7), (c, 3), (d, 50), (b, max(m, 1))]), want4)
+
+
 def test_context_matches_rank_by_count_then_recency():
     # suffix "1"; 2 followed 1 twice (latest at position 5), 3 once (position 8): 2 first, and it
     # continues with what followed its latest match
