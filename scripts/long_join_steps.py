@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
 
 import numpy as np
 import torch
@@ -24,6 +23,7 @@ import torch
 from redraft.infer.bench import load_prompts
 from redraft.infer.engine import Engine
 from redraft.infer.loader import load_decoder
+from redraft.infer.overhead import Timers
 from redraft.serve.loadtest import long_prompt_text
 
 
@@ -49,29 +49,6 @@ def main() -> None:
     ids = dec.encode(prompts)
     long_ids = dec.encode([long_prompt_text(prompts, args.long_tokens)])[0][: args.long_tokens]
     run(dec, ids, long_ids, args)
-
-
-class Timers:
-    """Seconds spent per step in a few engine/cache calls (wrapped on the instances)."""
-
-    def __init__(self):
-        self.t = defaultdict(float)
-
-    def wrap(self, obj, name: str, key: str) -> None:
-        fn = getattr(obj, name)
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.t[key] += time.perf_counter() - t0
-
-        setattr(obj, name, timed)
-
-    def take(self) -> dict:
-        out, self.t = dict(self.t), defaultdict(float)
-        return out
 
 
 def run(dec, ids: list, long_ids: list, args) -> None:

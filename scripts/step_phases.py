@@ -17,7 +17,6 @@ different tree sizes (each measures its own cost curve), so compare fixed budget
 from __future__ import annotations
 
 import argparse
-import collections
 import tempfile
 import time
 from pathlib import Path
@@ -47,28 +46,16 @@ def main() -> None:
     from redraft.infer.decoder import SpeculativeDecoder
     from redraft.infer.drafters.ngram import ContextNGramDrafter
     from redraft.infer.loader import make_drafters
-    from redraft.infer.overhead import _prompts, tiny_setup
+    from redraft.infer.overhead import Timers, _prompts, tiny_setup
 
-    acc: dict[str, float] = collections.defaultdict(float)
-
-    def wrap(cls, attr):
-        fn = getattr(cls, attr)
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[attr] += time.perf_counter() - t
-
-        setattr(cls, attr, timed)
+    timers = Timers()
 
     for a in ("propose", "build_tree", "choices", "accept", "feedback", "after_step"):
-        wrap(decoder.SpeculativeDecoder, a)
+        timers.wrap(decoder.SpeculativeDecoder, a)
     for a in ("_host_state", "_upload", "_commit", "_emit", "_processors", "step"):
-        wrap(engine.Engine, a)
+        timers.wrap(engine.Engine, a)
     for a in ("logits", "verify"):
-        wrap(verify.Verifier, a)
+        timers.wrap(verify.Verifier, a)
 
     budget = args.budget if args.budget == "auto" else int(args.budget)
     with tempfile.TemporaryDirectory(prefix="redraft-phases-") as tmp:
@@ -91,12 +78,12 @@ def main() -> None:
             for q in prompts:
                 eng.add(q, SamplingParams.checked(max_new_tokens=n))
             eng.step()  # the prefill and the first step
-            acc.clear()
+            timers.take()
             steps, t = 0, time.perf_counter()
             while eng.has_work and len(eng.rows) == args.batch:
                 eng.step()
                 steps += 1
-            return time.perf_counter() - t, max(steps, 1), dict(acc)
+            return time.perf_counter() - t, max(steps, 1), timers.take()
 
         run(16)  # warm-up: the cost curve, packing
         wall, steps, phases = min((run(args.tokens) for _ in range(3)), key=lambda r: r[0] / r[1])

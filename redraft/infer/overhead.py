@@ -27,6 +27,7 @@ Rows ignore end-of-sequence tokens here so every run decodes exactly ``new_token
 
 from __future__ import annotations
 
+import collections
 import tempfile
 import time
 from pathlib import Path
@@ -74,6 +75,31 @@ def tiny_setup(workdir: Path, device="cpu", dtype="float32"):
     meta = dict(target.artifact_metadata(), vocab_size=V)
     save_tables(workdir / "ngrams", meta, bigram=bigram, extended=extended, trigram=trigram)
     return target, NGramTables.load(workdir / "ngrams", target=target, device=target.device)
+
+
+class Timers:
+    """Wall seconds spent in wrapped calls, summed per key (``scripts/step_phases.py``,
+    ``scripts/long_join_steps.py``): ``wrap(obj, name, key)`` replaces ``obj.name`` (an instance
+    or a class) by a timed version; ``take()`` returns the sums and starts again."""
+
+    def __init__(self):
+        self.t: dict[str, float] = collections.defaultdict(float)
+
+    def wrap(self, obj, name: str, key: str | None = None) -> None:
+        fn, key = getattr(obj, name), key or name
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[key] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+    def take(self) -> dict:
+        out, self.t = dict(self.t), collections.defaultdict(float)
+        return out
 
 
 def make_method(name: str, target, tables):

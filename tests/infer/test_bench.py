@@ -481,3 +481,23 @@ def test_the_gate_view_sums_over_prompts():
         "| mix | head | 0.725 | 1.000 | 0.800 |",
         "| mix | ngrammys | 0.175 | 0.250 | 0.100 |",
     ]
+
+
+def test_timers_sum_the_wrapped_calls_and_start_again():
+    import time
+
+    from redraft.infer.overhead import Timers
+
+    class Work:
+        def run(self, secs):
+            time.sleep(secs)
+            return secs
+
+    w, timers = Work(), Timers()
+    timers.wrap(w, "run")
+    timers.wrap(Work, "run", "class")  # a class too: instances made later are timed
+    assert w.run(0.01) == 0.01 and w.run(0.02) == 0.02
+    got = timers.take()
+    assert got["run"] >= 0.03 and "class" not in got  # the instance's own attribute wins
+    assert Work().run(0.01) == 0.01 and set(timers.take()) == {"class"}
+    assert timers.take() == {}
