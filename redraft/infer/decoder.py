@@ -504,24 +504,35 @@ class SpeculativeDecoder:
 
     def after_step(
         self, prop: Proposal, acc: HostAcceptance, credit: np.ndarray, secs: tuple[float, float]
-    ) -> None:
-        """Host-side bookkeeping: drafting-time averages, the gate's exclusive gains, the guard."""
+    ) -> np.ndarray | None:
+        """Host-side bookkeeping: drafting-time averages, the gate's exclusive gains, the guard.
+        Returns the exclusive gains per row, ``[B, drafters called]`` in call order, where two or
+        more drafters were called (the requests' stats count them), else ``None``."""
         n_acc = acc.num_accepted
         if prop.marks:  # drafters ran (not a plain step)
             self._draft_overhead = 0.8 * self._draft_overhead + 0.2 * secs[0]
         for i, m0, m1 in prop.marks:
             self.gate.record_time(i, self._clock.seconds(m0, m1))
         called = [i for i, _, _ in prop.marks]
-        exclusive = {}
-        for i in called:
-            others = [j for j in called if j != i]
-            best_other = credit[:, others].max(axis=1) if others else 0
-            exclusive[i] = float(np.maximum(0, n_acc - best_other).mean())
+        gains = exclusive_gains(credit, called, n_acc)
         if called:  # a plain step (the guard's) says nothing about the drafters
+            exclusive = {i: float(gains[:, k].mean()) for k, i in enumerate(called)}
             self.gate.update(secs[0] + secs[1], float(n_acc.mean()) + 1.0, exclusive)
         self.guard.record(
             len(n_acc), bool(called), int(n_acc.sum()) + len(n_acc), secs[0] + secs[1]
         )
+        return gains if len(called) > 1 else None
+
+
+def exclusive_gains(credit: np.ndarray, called: list[int], n_acc: np.ndarray) -> np.ndarray:
+    """``[B, len(called)]``: per row, the accepted draft tokens of the step that no other called
+    drafter had proposed (``credit [B, drafters]``: each drafter's accepted tokens); a drafter
+    called alone gets them all."""
+    c = credit[:, called]
+    if len(called) < 2:
+        return np.broadcast_to(n_acc[:, None], c.shape)
+    best_other = np.stack([np.delete(c, k, axis=1).max(axis=1) for k in range(len(called))], 1)
+    return np.maximum(0, n_acc[:, None] - best_other)
 
 
 _EMPTY_PATHS = np.full((1 << 16, 0, 1), PAD, np.int64)  # [B, 0, 1] views for plain steps

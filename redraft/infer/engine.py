@@ -258,10 +258,10 @@ class Engine:
         if piece is not None:  # the guard and the gate compare steps: not the piece's share
             cost = self._pacer.piece_seconds(len(rows) * T, max(starts) + T, dec.cost_curve)
             own = secs[0], max(secs[1] - cost, 0.2 * secs[1])  # (an estimate may overshoot)
-        dec.after_step(prop, acc, credit, own)
+        joint = dec.after_step(prop, acc, credit, own)
         self.steps += 1
         tot["row_steps"] += len(tree.tokens)
-        events += self._emit(tree, prop, acc, credit, secs, readout.logprobs)
+        events += self._emit(tree, prop, acc, credit, secs, readout.logprobs, joint)
         if piece is not None:  # the step's verify carried the piece (rows, T, starts: above)
             self._pacer.observe_verify(
                 secs[1], self._step_tokens, dec.cost_curve, len(rows) * T, max(starts) + T
@@ -371,9 +371,11 @@ class Engine:
         )
 
     def _emit(
-        self, tree, prop, acc: HostAcceptance, credit: np.ndarray, secs, lp_table=None
+        self, tree, prop, acc: HostAcceptance, credit: np.ndarray, secs, lp_table=None, joint=None
     ) -> list[StreamEvent]:
-        """Per row: stats, new tokens and text; a finished row gets its final event."""
+        """Per row: stats, new tokens and text; a finished row gets its final event. ``joint``:
+        the exclusive gains ``[B, called]`` of a step with several drafters called
+        (``SpeculativeDecoder.after_step``)."""
         events = []
         names = [d.name for d in self.dec.drafters]
         nodes = tree.num_nodes - 1
@@ -383,15 +385,8 @@ class Engine:
             else np.zeros(len(self.rows), int)
         )
         lps = token_logprobs(lp_table, self.sampling, acc.path, acc.num_accepted, acc.emitted)
-        called = [i for i, _, _ in prop.marks]
-        joint = None
-        if len(called) > 1:  # the gate's exclusive gains, per row ([B, called])
-            c = credit[:, called]
-            best_other = np.stack(
-                [np.delete(c, k, axis=1).max(axis=1) for k in range(len(called))], axis=1
-            )
-            joint = np.maximum(0, acc.num_accepted[:, None] - best_other).tolist()
-        called_names = [names[i] for i in called]
+        called_names = [names[i] for i, _, _ in prop.marks]
+        joint = None if joint is None else joint.tolist()
         for b, row in enumerate(self.rows):
             n = int(acc.num_accepted[b])
             s = row.stats
