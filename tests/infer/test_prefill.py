@@ -756,9 +756,9 @@ def test_the_guard_times_a_fused_step_without_its_piece(tiny_target):
         seen.append([secs, len(estimates)])
         return after(prop, acc, credit, secs)
 
-    def emit_(tree, prop, acc, credit, secs, lp=None):
+    def emit_(tree, prop, acc, credit, secs, lp=None, joint=None):
         seen[-1].append(secs)
-        return emit(tree, prop, acc, credit, secs, lp)
+        return emit(tree, prop, acc, credit, secs, lp, joint)
 
     dec.after_step, eng._emit = after_, emit_
     eng._pacer.piece_seconds = lambda N, S, c: estimates.append(N * 1e-5) or N * 1e-5
