@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from redraft.infer import hostjit
 from redraft.infer.drafters.base import PAD
 
 GROUPS_PER_CLASS = 4  # statistics groups per match length: ranks 0, 1, 2 and the rest
@@ -114,6 +115,8 @@ def context_matches_np(
         ``(paths int64 [B, k, w], group int64 [B, k])``, equal to
         ``context_matches_multi(tokens, lengths, ...)``.
     """
+    if hostjit.ENABLED:
+        return hostjit.ngram_rows(rows, q_min, q_max, k, w, vocab_size, window)
     B = len(rows)
     paths = np.full((B, k, w), PAD, dtype=np.int64)
     group = np.zeros((B, k), dtype=np.int64)
@@ -282,10 +285,14 @@ def ngrammys_np(
     """``NGrammysDrafter.propose`` on the host: context rows first, then the extended rows of
     ``last``; the first ``k`` that exist. Returns ``(paths int64 [B, k, w], group int64 [B, k])``."""
     q_max = max(q_max or q, q)
+    table_class = (q_max - q + 1) * GROUPS_PER_CLASS
+    if hostjit.ENABLED and tables.ext is not None:
+        return hostjit.ngram_rows(
+            rows, q, q_max, k, w, vocab_size, window, tables.ext, last, table_class
+        )
     ctx, cgroup = context_matches_np(rows, q, q_max, k, w, vocab_size, window)
     ext = _pad_w(tables.extended(last)[:, :k, :w], w)  # [B, E, w]
     B, E = ext.shape[:2]
-    table_class = (q_max - q + 1) * GROUPS_PER_CLASS
     egroup = np.broadcast_to(table_class + np.minimum(np.arange(E), GROUPS_PER_CLASS - 1), (B, E))
     allp = np.concatenate([ctx, ext], axis=1)  # [B, k + E, w]
     group = np.concatenate([cgroup, egroup], axis=1)

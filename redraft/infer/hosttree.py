@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from redraft.infer import hostjit
 from redraft.infer.drafters.base import PAD
 
 
@@ -206,9 +207,24 @@ def build_tree_np(
     (non-increasing along a path); ``root [B]`` is node 0's token; ``size`` the packed node
     count (``None``: the largest row's). Every field equals ``build_tree``'s."""
     paths = np.asarray(paths, dtype=np.int64)
+    B, P, L = paths.shape
+    if hostjit.ENABLED and P and L and (budget is None or values is not None):
+        tokens, parent, depth, valid, anc, path_node, num_nodes, num_entries = hostjit.build_tree(
+            np.ascontiguousarray(paths), values, budget, root, size
+        )
+        return HostTree(
+            tokens=tokens,
+            parent=parent,
+            depth=depth,
+            valid=valid,
+            anc=anc,
+            path_node=path_node,
+            num_nodes=num_nodes,
+            num_entries=num_entries,
+            max_depth=L,
+        )
     if clean:
         paths = clean_paths_np(paths)
-    B, P, L = paths.shape
     valid = paths >= 0
     num_entries = valid.sum(axis=(1, 2))
     if P == 0 or L == 0:

@@ -1,4 +1,7 @@
-"""The host (numpy) drafting path equals the torch one it mirrors, field by field, bit for bit."""
+"""The host (numpy) drafting path equals the torch one it mirrors, field by field, bit for bit.
+
+Every test runs twice: with the compiled kernels of ``redraft.infer.hostjit`` (the default where
+numba is installed) and with the numpy code they replace."""
 
 import numpy as np
 import pytest
@@ -33,6 +36,20 @@ from redraft.infer.hosttree import (
 )
 from redraft.infer.tree import build_tree
 from redraft.ngrams import NGramTables
+
+
+@pytest.fixture(scope="module", params=["jit", "numpy"], autouse=True)
+def host_kernels(request):
+    """The module's tests with the compiled kernels, then with the numpy code."""
+    from redraft.infer import hostjit
+
+    if request.param == "jit" and not hostjit.ENABLED:
+        pytest.skip("numba is not installed or REDRAFT_JIT=0")
+    before = hostjit.ENABLED
+    hostjit.ENABLED = request.param == "jit"
+    yield request.param
+    hostjit.ENABLED = before
+
 
 TREE_FIELDS = ("tokens", "parent", "depth", "valid", "anc", "path_node", "num_nodes", "num_entries")
 
@@ -467,3 +484,62 @@ def test_credit_counts_a_shared_node_once_per_drafter():
     path = np.array([[0, 1, 2]])  # root, "4", "4 5"
     assert credit_np(host, path, np.array([0, 1, 1]), 2).tolist() == [[2, 2]]
     assert accepted_prefix_np(hit_np(host, path)).tolist() == [[2, 1, 2]]
+
+
+# ---------------------------------------------------------------------------- compiled kernels
+
+
+def test_the_compiled_kernels_equal_the_numpy_code_on_edge_inputs():
+    """Inputs the torch references above never make: values at or below the dtype's lowest
+    (they tie with the entries that are not nodes), negative budgets, tokens after a PAD, integer
+    values, extended rows that are empty or PAD-padded, match length 0, a one-row batch."""
+    from redraft.infer import hostjit
+
+    if not hostjit.ENABLED and hostjit.numba is None:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(11)
+    lo = np.finfo(np.float32).min
+
+    def both(fn, *a):
+        was = hostjit.ENABLED
+        try:
+            hostjit.ENABLED = True
+            got = fn(*a)
+            hostjit.ENABLED = False
+            return got, fn(*a)
+        finally:
+            hostjit.ENABLED = was
+
+    for _ in range(300):
+        B, P, L = int(rng.integers(1, 5)), int(rng.integers(1, 7)), int(rng.integers(1, 5))
+        paths = rng.integers(-1, 3, (B, P, L))
+        values = rng.choice(np.array([0.5, 0.5, lo, -np.inf, 0.9], np.float32), (B, P, L))
+        if rng.random() < 0.2:
+            values = rng.integers(0, 3, (B, P, L))  # not floats: ranked as float32
+        budget = [int(rng.integers(-2, 9)), rng.integers(-1, 9, B), None][int(rng.integers(0, 3))]
+        root = rng.integers(0, 3, B) if rng.random() < 0.7 else None
+        size = None if rng.random() < 0.5 else int(rng.integers(1, 12))
+        jit, ref = both(build_tree_np, paths, values, budget, root, size)
+        for f in TREE_FIELDS:
+            np.testing.assert_array_equal(getattr(jit, f), getattr(ref, f), err_msg=f)
+            assert getattr(jit, f).dtype == getattr(ref, f).dtype
+    tables = random_tables(seed=2)
+    ids = tables.table("extended")["ids"].clone()
+    ids[3, 1:] = -1  # token 3: one successor chain, then empty rows
+    ids[4, 0, 2:] = -1  # token 4: a short first chain
+    host = HostTables(extended=ids)
+    for _ in range(200):
+        rows = [
+            rng.integers(0, 5, int(rng.integers(0, 30))) for _ in range(int(rng.integers(1, 4)))
+        ]
+        last = np.array([r[-1] if len(r) else 3 for r in rows])
+        q, extra = int(rng.integers(0, 3)), int(rng.integers(0, 3))
+        k, w = int(rng.integers(1, 8)), int(rng.integers(1, 7))
+        for fn, a in (
+            (context_matches_np, (rows, q, q + extra, k, w, 12, int(rng.integers(2, 40)))),
+            (ngrammys_np, (rows, last, host, 12, k, w, max(q, 1), max(q, 1) + extra)),
+        ):
+            (p1, g1), (p2, g2) = both(fn, *a)
+            np.testing.assert_array_equal(p1, p2)
+            np.testing.assert_array_equal(g1, g2)
+            assert p1.dtype == p2.dtype == np.int64 and g1.dtype == g2.dtype == np.int64

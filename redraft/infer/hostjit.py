@@ -1,0 +1,340 @@
+"""Compiled (numba) kernels of the decode step's host work: the same results as the numpy code.
+
+A speculative step's host work at one row is a few hundred numpy calls of a few elements each
+(context matching, the tree, the walk, the statistics), each costing ~1-3 us of dispatch: on the
+H200 it was 1.7 ms of host time a step for N-Grammys against a 2.9 ms verify of the default
+target (docs/gpu.md). Loops compiled by numba do the same work per row in microseconds, the way
+vLLM's n-gram proposer does (numba, for the same reason). Each kernel here returns exactly what
+its numpy counterpart returns (tests compare them on random inputs, ties included); the numpy
+functions stay as the reference and as the fallback where numba is missing or turned off
+(``REDRAFT_JIT=0``).
+
+Kernels are compiled on first use (about a second each, then cached on disk by numba) and
+release the GIL (``nogil``), so a server's event loop keeps running while the decode thread is in
+them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:  # numba is a dependency; without it (or with REDRAFT_JIT=0) the numpy code runs
+    import numba
+except ImportError:  # pragma: no cover - numba is installed with redraft
+    numba = None
+
+ENABLED = numba is not None and os.environ.get("REDRAFT_JIT", "1") != "0"
+
+
+def _njit(fn):
+    if numba is None:  # pragma: no cover
+        return fn
+    return numba.njit(cache=True, nogil=True)(fn)
+
+
+# ------------------------------------------------------------------------------------ the tree
+
+
+@_njit
+def _tree_nodes(paths, values, budget, has_budget, neg):
+    """Per row: which path entries make nodes, which are kept, and their node ids.
+
+    ``rep[b, p, l]``: the first path sharing entry (p, l)'s prefix through depth l (itself for a
+    new node); ``keep``: the entry survives the budget (and is a token); ``nid``: the node id of
+    each kept new entry (1, 2, ... in path-major order), else 0; ``num_nodes [B]`` (root
+    included); ``num_entries [B]``: the entries holding a token (before the budget)."""
+    B, P, L = paths.shape
+    rep = np.zeros((B, P, L), np.int64)
+    keep = np.zeros((B, P, L), np.bool_)
+    nid = np.zeros((B, P, L), np.int64)
+    num_nodes = np.ones(B, np.int64)
+    num_entries = np.zeros(B, np.int64)
+    node_val = np.empty(P * L)
+    keep_node = np.empty(P * L, np.bool_)
+    for b in range(B):
+        # the prefix tree: an entry's node is the first path sharing its prefix
+        for p in range(P):
+            for lv in range(L):
+                t = paths[b, p, lv]
+                if t < 0:
+                    break  # every token after a path's first PAD is PAD
+                num_entries[b] += 1
+                r = p
+                lo = rep[b, p, lv - 1] if lv > 0 else 0  # a sharer shares the shorter prefix too
+                for j in range(lo, p):
+                    if paths[b, j, lv] == t and (
+                        lv == 0 or (keep[b, j, lv - 1] and rep[b, j, lv - 1] == rep[b, p, lv - 1])
+                    ):
+                        r = j
+                        break
+                rep[b, p, lv] = r
+                keep[b, p, lv] = True
+        if has_budget:
+            # a node's value: the largest of its entries' (never below neg); entries that are not
+            # new nodes rank at neg. The first budget[b] in the order (value descending, earlier
+            # entries first among equals) are kept: the new nodes above neg sorted, then every
+            # entry at neg in entry order, as tree.build_tree's stable sort has them.
+            node_val[:] = neg
+            keep_node[:] = False
+            for p in range(P):
+                for lv in range(L):
+                    if not keep[b, p, lv]:
+                        break
+                    i = rep[b, p, lv] * L + lv
+                    v = values[b, p, lv]
+                    if v > node_val[i]:
+                        node_val[i] = v
+            n_above = 0
+            for i in range(P * L):
+                if node_val[i] > neg:
+                    n_above += 1
+            above = np.empty(n_above, np.int64)
+            k = 0
+            for i in range(P * L):
+                if node_val[i] > neg:
+                    above[k] = i
+                    k += 1
+            order = np.argsort(-node_val[above], kind="mergesort")
+            left = budget[b]
+            for r in range(min(max(left, 0), n_above)):
+                keep_node[above[order[r]]] = True
+            left -= n_above
+            i = 0
+            while left > 0 and i < P * L:
+                if node_val[i] <= neg:
+                    keep_node[i] = True  # (cleared below unless it is a new node)
+                    left -= 1
+                i += 1
+            for p in range(P):
+                for lv in range(L):
+                    if not keep[b, p, lv]:
+                        break
+                    if not keep_node[rep[b, p, lv] * L + lv] or (lv > 0 and not keep[b, p, lv - 1]):
+                        keep[b, p, lv] = False
+        c = 0
+        for p in range(P):
+            for lv in range(L):
+                if keep[b, p, lv] and rep[b, p, lv] == p:
+                    c += 1
+                    nid[b, p, lv] = c
+        num_nodes[b] = 1 + c
+    return rep, keep, nid, num_nodes, num_entries
+
+
+@_njit
+def _tree_fill(paths, rep, keep, nid, num_nodes, N, root, has_root, pad):
+    """The packed node arrays of :func:`_tree_nodes`' nodes (those with ids below ``N``)."""
+    B, P, L = paths.shape
+    tokens = np.full((B, N), pad, np.int64)
+    parent = np.zeros((B, N), np.int64)
+    depth = np.zeros((B, N), np.int64)
+    valid = np.zeros((B, N), np.bool_)
+    anc = np.zeros((B, N, N), np.bool_)
+    path_node = np.full((B, P, L), -1, np.int64)
+    for b in range(B):
+        for n in range(N):
+            anc[b, n, 0] = True
+            anc[b, n, n] = True
+            valid[b, n] = n < num_nodes[b]
+        parent[b, 0] = -1
+        for p in range(P):
+            for lv in range(L):
+                if not keep[b, p, lv]:
+                    break
+                path_node[b, p, lv] = nid[b, rep[b, p, lv], lv]
+        for p in range(P):
+            for lv in range(L):
+                if not keep[b, p, lv]:
+                    break
+                n = nid[b, p, lv]
+                if n == 0 or n >= N:
+                    continue
+                depth[b, n] = lv + 1
+                tokens[b, n] = paths[b, p, lv]
+                for a in range(lv):  # its ancestors: the nodes on its first path above it
+                    anc[b, n, path_node[b, p, a]] = True
+                if lv > 0:
+                    parent[b, n] = path_node[b, p, lv - 1]
+        if N > 0:  # (the root's token, or PAD)
+            tokens[b, 0] = root[b] if has_root else pad
+    return tokens, parent, depth, valid, anc, path_node
+
+
+def build_tree(paths: np.ndarray, values, budget, root, size):
+    """``hosttree.build_tree_np`` for ``P, L >= 1`` (the caller handles empty paths):
+    ``(tokens, parent, depth, valid, anc, path_node, num_nodes, num_entries)``."""
+    from redraft.infer.drafters.base import PAD
+
+    B = paths.shape[0]
+    has_budget = budget is not None
+    if has_budget:
+        v = np.asarray(values)
+        if v.dtype.kind != "f":
+            v = v.astype(np.float32)
+        neg = float(np.finfo(v.dtype).min)
+        bud = np.broadcast_to(np.asarray(budget, np.int64).reshape(-1), (B,))
+        bud = np.ascontiguousarray(bud)
+    else:
+        v, neg, bud = _NO_VALUES, 0.0, _NO_BUDGET[:B]
+    rep, keep, nid, num_nodes, num_entries = _tree_nodes(paths, v, bud, has_budget, neg)
+    N = size if size is not None else (int(num_nodes.max()) if B else 1)
+    has_root = root is not None
+    r = np.asarray(root, np.int64).reshape(-1) if has_root else _NO_BUDGET[:B]
+    if has_root and r.shape[0] != B:
+        r = np.ascontiguousarray(np.broadcast_to(r, (B,)))
+    out = _tree_fill(paths, rep, keep, nid, num_nodes, N, r, has_root, PAD)
+    return (*out, num_nodes, num_entries)
+
+
+_NO_VALUES = np.zeros((0, 0, 0), np.float32)
+_NO_BUDGET = np.zeros(1 << 16, np.int64)
+
+
+# --------------------------------------------------------------------------- context matching
+
+
+@_njit
+def _ngram_rows(cat, starts, n, q_min, q_max, k, w, V, window, ext, last, table_class, gpc, pad):
+    """``hostdraft.context_matches_np`` (``ext`` empty) or ``ngrammys_np`` (``ext [V, KE, WE]``
+    the extended table, ``last [B]``) on the rows ``cat[starts[b] : starts[b] + n[b]]``."""
+    B = n.shape[0]
+    paths = np.full((B, k, w), pad, np.int64)
+    group = np.zeros((B, k), np.int64)
+    kk = min(k, V)
+    for b in range(B):
+        s0, nb = starts[b], n[b]
+        f = 0  # context rows filled
+        if nb > q_min and nb >= 2:
+            y = cat[s0 + nb - 1]
+            # matches: (first continuation token, length, position), positions ascending
+            m_tok = np.empty(nb, np.int64)
+            m_len = np.empty(nb, np.int64)
+            m_pos = np.empty(nb, np.int64)
+            m = 0
+            for p in range(1, nb):
+                if q_min >= 1:
+                    if cat[s0 + p - 1] != y:
+                        continue
+                    ell = 1
+                    i = 1
+                else:
+                    ell = 0
+                    i = 0
+                while i < q_max:
+                    if p > i and nb - 1 > i and cat[s0 + p - 1 - i] == cat[s0 + nb - 1 - i]:
+                        ell += 1
+                        i += 1
+                    else:
+                        break
+                if ell >= q_min and p - ell >= nb - window:
+                    m_tok[m] = cat[s0 + p]
+                    m_len[m] = ell
+                    m_pos[m] = p
+                    m += 1
+            if m:
+                # per first token: its longest length, the matches of that length, the latest
+                order = np.argsort(m_tok[:m], kind="mergesort")  # positions stay ascending
+                t_best = np.empty(m, np.int64)
+                t_count = np.empty(m, np.int64)
+                t_recent = np.empty(m, np.int64)
+                nt = 0
+                j = 0
+                while j < m:
+                    tok = m_tok[order[j]]
+                    best, count, recent = -1, 0, -1
+                    while j < m and m_tok[order[j]] == tok:
+                        e = order[j]
+                        if m_len[e] > best:
+                            best, count, recent = m_len[e], 1, m_pos[e]
+                        elif m_len[e] == best:
+                            count += 1
+                            recent = m_pos[e]
+                        j += 1
+                    t_best[nt], t_count[nt], t_recent[nt] = best, count, recent
+                    nt += 1
+                # longest first, then the most matches, then the latest ((best, count, recent) is
+                # unique in a row: a position has one token)
+                key = np.empty(nt, np.int64)
+                for t in range(nt):
+                    key[t] = -((t_best[t] * (m + 1) + t_count[t]) * (nb + 1) + t_recent[t])
+                rank = np.argsort(key)
+                f = min(kk, nt)
+                cls_start, prev = 0, -1
+                for slot in range(f):
+                    t = rank[slot]
+                    st = t_recent[t]
+                    for c in range(w):
+                        if st + c < nb:
+                            paths[b, slot, c] = cat[s0 + st + c]
+                    cls = q_max - t_best[t]
+                    if cls != prev:
+                        cls_start, prev = slot, cls
+                    group[b, slot] = cls * gpc + min(slot - cls_start, gpc - 1)
+        if ext.shape[0] == 0:
+            continue
+        # N-Grammys: the extended rows of the last token after the context rows that exist
+        E = min(k, ext.shape[1])
+        ww = min(w, ext.shape[2])
+        y = last[b]
+        slot = f
+        for j in range(E):  # existing table rows, in order
+            if slot >= k:
+                break
+            if ext[y, j, 0] >= 0:
+                for c in range(ww):
+                    paths[b, slot, c] = ext[y, j, c]
+                group[b, slot] = table_class + min(j, gpc - 1)
+                slot += 1
+        # then the empty rows in order: the context rows past f (all PAD, group 0), then the
+        # table rows that are empty
+        slot = min(k, slot + k - f)  # (already PAD with group 0)
+        for j in range(E):
+            if slot >= k:
+                break
+            if ext[y, j, 0] < 0:
+                for c in range(ww):
+                    paths[b, slot, c] = ext[y, j, c]
+                group[b, slot] = table_class + min(j, gpc - 1)
+                slot += 1
+    return paths, group
+
+
+def ngram_rows(rows, q_min, q_max, k, w, vocab_size, window, ext=None, last=None, table_class=0):
+    """:func:`_ngram_rows` on a list of host token arrays."""
+    from redraft.infer.drafters.base import PAD
+    from redraft.infer.hostdraft import GROUPS_PER_CLASS
+
+    if len(rows) == 1:
+        cat = np.asarray(rows[0], np.int64)
+        n = np.array([len(cat)], np.int64)
+        starts = _ZERO
+    else:
+        n = np.array([len(r) for r in rows], np.int64)
+        cat = np.concatenate(rows).astype(np.int64, copy=False) if len(rows) else _ZERO
+        starts = np.cumsum(n) - n
+    if ext is None:
+        ext, last = _NO_EXT, _ZERO
+    else:
+        last = np.asarray(last, np.int64)
+    return _ngram_rows(
+        cat,
+        starts,
+        n,
+        q_min,
+        q_max,
+        k,
+        w,
+        vocab_size,
+        window,
+        ext,
+        last,
+        table_class,
+        GROUPS_PER_CLASS,
+        PAD,
+    )
+
+
+_ZERO = np.zeros(1, np.int64)
+_NO_EXT = np.zeros((0, 1, 1), np.int32)
