@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from redraft.infer import hostjit
 from redraft.infer.config import TYPICAL_DELTA, TYPICAL_EPS
 from redraft.infer.drafters.base import PAD
 from redraft.infer.tree import Tree
@@ -515,6 +516,11 @@ def walk(rule: str, tree, choices: np.ndarray) -> HostAcceptance:
     """Accept on the host: the deepest node of the (numpy) ``tree`` whose every ancestor step
     matches the rule (``choices [R, B, N]`` from :func:`step_choices`); ties go to the lower
     node index, as the device rules did."""
+    if hostjit.ENABLED:
+        path, num, last, bonus, emitted = hostjit.walk(rule, tree, choices)
+        return HostAcceptance(
+            path=path, num_accepted=num, last_node=last, bonus=bonus, emitted=emitted
+        )
     tokens, parent, depth, valid, anc = tree.tokens, tree.parent, tree.depth, tree.valid, tree.anc
     B, N = tokens.shape
     pick = choices[1] if rule == "typical" else choices[0]  # the token followed after each node

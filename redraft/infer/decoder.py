@@ -57,13 +57,7 @@ from redraft.infer.drafters.base import (
 )
 from redraft.infer.engine import Engine
 from redraft.infer.hostdraft import HostStats, best_budget_np
-from redraft.infer.hosttree import (
-    accepted_prefix_np,
-    build_tree_np,
-    clean_paths_np,
-    credit_np,
-    hit_np,
-)
+from redraft.infer.hosttree import build_tree_np, clean_paths_np, step_feedback_np
 from redraft.infer.rows import Clock
 from redraft.infer.stats import Generation, StreamEvent
 from redraft.infer.verify import Verifier, measure_batch_cost
@@ -477,9 +471,9 @@ class SpeculativeDecoder:
         nd = len(self.drafters)
         if P == 0:
             return np.zeros((B, nd), np.int64)
-        hit = hit_np(tree, acc.path)  # [B, P, L] path entries on the accepted path
-        credit = credit_np(tree, acc.path, prop.owner, nd, hit=hit)
-        prefix = accepted_prefix_np(hit)  # [B, P] accepted leading tokens per path
+        # path entries on the accepted path, accepted tokens per drafter, accepted leading
+        # tokens per path ([B, P])
+        _, credit, prefix = step_feedback_np(tree, acc.path, prop.owner, nd)
         kept = tree.path_node >= 0
         verified = kept.sum(axis=-1)
         fb = None

@@ -369,6 +369,19 @@ class HostStats:
         """``[B, P, L]`` float32 path-product of rates: ``owner`` an int or ``[P]`` (the drafter
         of every path), ``group [B, P]`` (default: the rank)."""
         B, P, L = shape
+        if hostjit.ENABLED:
+            return hostjit._stats_values(
+                self.hits,
+                self.tries,
+                np.float32(self.prior[0]),
+                np.float32(self.prior[1]),
+                _owners(owner, P),
+                _NO_GROUP if group is None else np.asarray(group, np.int64),
+                group is not None,
+                B,
+                P,
+                L,
+            )
         d = np.broadcast_to(np.asarray(owner, dtype=np.int64), (P,))[None]  # [1, P]
         depths = np.minimum(np.arange(L), self.max_depth - 1)
         per = self.rates()[d[:, :, None], self._groups(B, P, group)[:, :, None], depths[None, None]]
@@ -381,6 +394,18 @@ class HostStats:
         paths = np.asarray(paths)
         B, P, L = paths.shape
         if P == 0:
+            return
+        if hostjit.ENABLED:
+            hostjit._stats_update(
+                self.hits,
+                self.tries,
+                self.decay,
+                _owners(owner, P),
+                _NO_GROUP if group is None else np.asarray(group, np.int64),
+                group is not None,
+                (paths >= 0) if kept is None else np.asarray(kept, bool),
+                np.asarray(accepted_prefix, np.int64),
+            )
             return
         L_ = min(L, self.max_depth)
         depth = np.arange(L_)
@@ -399,6 +424,15 @@ class HostStats:
         # one add per entry, in order (as index_add_): repeated adds round like the torch ones
         np.add.at(self.hits.reshape(-1), flat.reshape(-1), hit.reshape(-1).astype(np.float32))
         np.add.at(self.tries.reshape(-1), flat.reshape(-1), tried.reshape(-1).astype(np.float32))
+
+
+def _owners(owner, P: int) -> np.ndarray:
+    """``[P]`` int64 the drafter of every path (``owner``: an int or ``[P]``)."""
+    o = np.asarray(owner, dtype=np.int64)
+    return o if o.ndim == 1 else np.full(P, int(o), np.int64)
+
+
+_NO_GROUP = np.zeros((1, 1), np.int64)
 
 
 def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0, batch_cost=None) -> int:

@@ -338,3 +338,175 @@ def ngram_rows(rows, q_min, q_max, k, w, vocab_size, window, ext=None, last=None
 
 _ZERO = np.zeros(1, np.int64)
 _NO_EXT = np.zeros((0, 1, 1), np.int32)
+
+
+# ------------------------------------------------------------------------- after the step
+
+
+@_njit
+def _walk(tokens, parent, depth, valid, anc, pick, ok_extra, has_extra, bonus_src, D):
+    """``accept.walk``: the deepest node whose path the rule accepts (ties: the lower index);
+    ``pick [B, N]`` the token followed after each node, ``ok_extra`` (typical) nodes that pass
+    on their own, ``bonus_src`` the token after each node that the step emits last."""
+    B, N = tokens.shape
+    path = np.full((B, D), -1, np.int64)
+    num = np.zeros(B, np.int64)
+    last = np.zeros(B, np.int64)
+    bonus = np.zeros(B, bonus_src.dtype)
+    out = np.zeros((B, D), np.int64)  # the emitted tokens, then the bonus
+    ok = np.empty(N, np.bool_)
+    for b in range(B):
+        for n in range(N):
+            o = n == 0 or tokens[b, n] == pick[b, max(parent[b, n], 0)]
+            if has_extra and ok_extra[b, n] != 0:
+                o = True
+            ok[n] = o and valid[b, n]
+        best, score = 0, -1
+        if N == 1:
+            best = 0
+        else:
+            for n in range(N):
+                if not valid[b, n]:
+                    continue
+                full = True
+                for m in range(N):
+                    if anc[b, n, m] and not ok[m]:
+                        full = False
+                        break
+                if full:
+                    s = depth[b, n] * N + (N - 1 - n)
+                    if s > score:
+                        best, score = n, s
+        last[b] = best
+        num[b] = depth[b, best]
+        bonus[b] = bonus_src[b, best]
+        if N == 1:
+            path[b, depth[b, 0]] = 0
+        else:
+            for m in range(N):
+                if anc[b, best, m]:
+                    path[b, depth[b, m]] = m
+        for i in range(num[b]):
+            out[b, i] = tokens[b, max(path[b, i + 1], 0)]
+        out[b, num[b]] = bonus_src[b, best]
+    return path, num, last, bonus, out
+
+
+def walk(rule: str, tree, choices: np.ndarray):
+    """``accept.walk``'s fields: ``(path, num_accepted, last_node, bonus, emitted)``."""
+    typical = rule == "typical"
+    pick = choices[1] if typical else choices[0]
+    extra = choices[0] if typical else pick
+    D = int(tree.max_depth) + 1
+    path, num, last, bonus, out = _walk(
+        tree.tokens,
+        tree.parent,
+        tree.depth,
+        tree.valid,
+        tree.anc,
+        pick,
+        extra,
+        typical,
+        choices[2] if typical else pick,
+        D,
+    )
+    emitted = [r[: n + 1] for r, n in zip(out.tolist(), num.tolist())]
+    return path, num, last, bonus, emitted
+
+
+@_njit
+def _feedback(path_node, path, owner, nd, N):
+    """``hosttree.hit_np``, ``credit_np`` and ``accepted_prefix_np`` in one pass."""
+    B, P, L = path_node.shape
+    hit = np.zeros((B, P, L), np.bool_)
+    credit = np.zeros((B, nd), np.int64)
+    prefix = np.zeros((B, P), np.int64)
+    on = np.zeros(N, np.bool_)
+    mark = np.zeros((nd, N), np.bool_)
+    for b in range(B):
+        on[:] = False
+        for i in range(path.shape[1]):
+            if 0 <= path[b, i] < N:
+                on[path[b, i]] = True
+        mark[:, :] = False
+        for p in range(P):
+            run = True
+            for lv in range(L):
+                n = path_node[b, p, lv]
+                h = 0 <= n < N and on[n]
+                hit[b, p, lv] = h
+                if h:
+                    if nd:
+                        mark[owner[p], n] = True
+                    if run:
+                        prefix[b, p] += 1
+                else:
+                    run = False
+        for d in range(nd):
+            c = 0
+            for n in range(1, N):
+                c += mark[d, n]
+            credit[b, d] = c
+    return hit, credit, prefix
+
+
+def feedback(tree, path, owner, num_drafters: int):
+    """``(hit [B, P, L], credit [B, drafters], prefix [B, P])`` of the step."""
+    owner = np.asarray(owner, np.int64)
+    if owner.ndim == 0:
+        owner = np.full(tree.path_node.shape[1], int(owner), np.int64)
+    return _feedback(
+        tree.path_node, np.asarray(path, np.int64), owner, num_drafters, tree.tokens.shape[1]
+    )
+
+
+# ------------------------------------------------------------------------- statistics
+
+
+@_njit
+def _stats_values(hits, tries, p0, p1, owner, group, has_group, B, P, L):
+    """``HostStats.values``: per path entry the product of the rates along the path (float64
+    products of the float32 rates, rounded once, as torch's CPU cumprod)."""
+    G, Dm = hits.shape[1], hits.shape[2]
+    out = np.empty((B, P, L), np.float32)
+    for b in range(B):
+        for p in range(P):
+            d = owner[p]
+            g = group[b, p] if has_group else p
+            g = min(max(g, 0), G - 1)
+            prod = 1.0
+            for lv in range(L):
+                ll = min(lv, Dm - 1)
+                r = (hits[d, g, ll] + p0) / (tries[d, g, ll] + p1)
+                prod *= np.float64(r)
+                out[b, p, lv] = np.float32(prod)
+    return out
+
+
+@_njit
+def _stats_update(hits, tries, decay, owner, group, has_group, kept, pre):
+    """``HostStats.update`` in place: the drafters seen are decayed once, then every entry whose
+    parent was accepted counts as tried, as hit if it was accepted itself."""
+    Dn, G, Dm = hits.shape
+    B, P, L = kept.shape
+    L_ = min(L, Dm)
+    seen = np.zeros(Dn, np.bool_)
+    for p in range(P):
+        seen[owner[p]] = True
+    for d in range(Dn):
+        if seen[d]:
+            for g in range(G):
+                for lv in range(Dm):
+                    hits[d, g, lv] *= decay
+                    tries[d, g, lv] *= decay
+    one = np.float32(1.0)
+    for b in range(B):
+        for p in range(P):
+            d = owner[p]
+            g = group[b, p] if has_group else p
+            g = min(max(g, 0), G - 1)
+            for lv in range(L_):
+                if kept[b, p, lv] and lv <= pre[b, p]:
+                    tries[d, g, lv] += one
+                    if lv < pre[b, p]:
+                        hits[d, g, lv] += one

@@ -323,3 +323,11 @@ def credit_np(
 def accepted_prefix_np(hit: np.ndarray) -> np.ndarray:
     """``[B, P]`` int64 accepted leading tokens per path (``feedback``'s ``prefix``)."""
     return np.logical_and.accumulate(hit, axis=-1).sum(axis=-1, dtype=np.int64)
+
+
+def step_feedback_np(tree: HostTree, path, owner, num_drafters: int):
+    """``(hit_np, credit_np, accepted_prefix_np)`` of the step, in one pass where compiled."""
+    if hostjit.ENABLED:
+        return hostjit.feedback(tree, path, owner, num_drafters)
+    hit = hit_np(tree, path)
+    return hit, credit_np(tree, path, owner, num_drafters, hit=hit), accepted_prefix_np(hit)

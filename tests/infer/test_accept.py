@@ -133,11 +133,19 @@ def test_rows_of_one_batch_sample_with_their_own_settings():
     assert a[2].tolist() == b[2].tolist()  # the seeded row does not depend on the others
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "numpy"])
 @pytest.mark.parametrize("rule", ["greedy", "rejection", "typical"])
-def test_the_host_walk_over_device_choices_equals_the_device_rules(rule):
+def test_the_host_walk_over_device_choices_equals_the_device_rules(rule, jit, monkeypatch):
     """The decoder's split (``step_choices`` on the device, ``walk`` on the host over the numpy
-    tree) accepts exactly what the device rules accept, path, count and bonus."""
+    tree) accepts exactly what the device rules accept, path, count and bonus; with the compiled
+    walk (``redraft.infer.hostjit``) and the numpy one."""
     import numpy as np
+
+    from redraft.infer import hostjit
+
+    if jit and hostjit.numba is None:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(hostjit, "ENABLED", jit)
 
     from redraft.infer.accept import ACCEPT, RowSampling, seed_uniforms, step_choices, walk
     from redraft.infer.hosttree import build_tree_np
@@ -172,3 +180,7 @@ def test_the_host_walk_over_device_choices_equals_the_device_rules(rule):
         assert got.last_node.tolist() == ref.last_node.tolist()
         assert got.bonus.tolist() == ref.bonus.tolist()
         assert got.path.tolist() == ref.path.tolist()
+        emitted = emitted_tokens(tree, ref)
+        assert got.emitted == [
+            r[: n + 1] for r, n in zip(emitted.tolist(), ref.num_accepted.tolist())
+        ]

@@ -32,6 +32,7 @@ from redraft.infer.hosttree import (
     credit_np,
     hit_np,
     packed_width,
+    step_feedback_np,
     unpack_tree,
 )
 from redraft.infer.tree import build_tree
@@ -474,6 +475,10 @@ def test_credit_hit_and_prefix_equal_a_brute_force_count(seed):
         assert_same(credit, credit_np(host, path, owner, nd))
         assert_same(credit, credit_np(host, path, owner, nd, hit=h))
         assert_same(prefix, accepted_prefix_np(h))
+        h2, credit2, prefix2 = step_feedback_np(host, path, owner, nd)  # the decoder's one call
+        assert_same(hit, h2)
+        assert_same(credit, credit2)
+        assert_same(prefix, prefix2)
 
 
 def test_credit_counts_a_shared_node_once_per_drafter():
