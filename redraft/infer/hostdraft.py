@@ -466,6 +466,19 @@ def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0, batch_
             f"best_budget_np: the cost table covers c(0..{len(table) - 1}) but a batch of {B} rows "
             f"with {M} candidate nodes needs c({n}); pass cost.table({n}, 'cpu').numpy() or larger."
         )
+    if batch_cost is not None and B >= 2:
+        secs = batch_cost(B, np.arange(1, M + 2)).astype(np.float32)
+    else:
+        secs = table[B * np.arange(1, M + 2)]
+    if hostjit.ENABLED:
+        return int(
+            hostjit._best_budget(
+                np.ascontiguousarray(values, np.float32),
+                M,
+                np.ascontiguousarray(secs, np.float32),
+                np.float32(overhead_s),
+            )
+        )
     top = -np.sort(-np.clip(values.astype(np.float32), 0, 1), axis=1)[:, :M]  # [B, M] descending
     total = top[0].copy()
     for b in range(1, B):  # the row sum in float32, row by row (torch's order over dim 0)
@@ -473,10 +486,6 @@ def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0, batch_
     gain = np.float32(B) + np.concatenate([[0], np.cumsum(total, dtype=np.float64)]).astype(
         np.float32
     )
-    if batch_cost is not None and B >= 2:
-        secs = batch_cost(B, np.arange(1, M + 2)).astype(np.float32)
-    else:
-        secs = table[B * np.arange(1, M + 2)]
     return int(np.argmax(gain / (secs + np.float32(overhead_s))))
 
 

@@ -510,3 +510,33 @@ def _stats_update(hits, tries, decay, owner, group, has_group, kept, pre):
                     tries[d, g, lv] += one
                     if lv < pre[b, p]:
                         hits[d, g, lv] += one
+
+
+# ------------------------------------------------------------------------- the budget
+
+
+@_njit
+def _best_budget(values, M, secs, overhead):
+    """``hostdraft.best_budget_np`` past its checks: the K in 0..M whose expected tokens per
+    second, B + the K best node values summed over rows, over ``secs[K] + overhead``, is the
+    largest (float32 like the torch rule: rows summed in order, the running sum in float64)."""
+    B = values.shape[0]
+    total = np.zeros(M, np.float32)
+    for b in range(B):
+        row = np.empty(values.shape[1], np.float32)
+        for j in range(values.shape[1]):
+            v = values[b, j]
+            row[j] = min(max(v, np.float32(0.0)), np.float32(1.0))
+        row = np.sort(row)[::-1]
+        for j in range(M):
+            total[j] += row[j]
+    fb = np.float32(B)
+    best, best_r = 0, np.float32(0.0)
+    acc = 0.0
+    for K in range(M + 1):
+        if K:
+            acc += np.float64(total[K - 1])
+        r = (fb + np.float32(acc)) / (secs[K] + overhead)
+        if K == 0 or r > best_r:
+            best, best_r = K, r
+    return best
