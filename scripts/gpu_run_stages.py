@@ -265,6 +265,8 @@ class Stages:
                 self.profile.overhead_tokens,
                 "--overhead-batches",
                 self.profile.overhead_batches,
+                "--overhead-kernels",  # numba's host kernels and the numpy code, same run
+                "jit,numpy",
                 "--out",
                 out,
             ),
@@ -607,7 +609,8 @@ def overhead_table(res: dict) -> list[str]:
     keys = list(dict.fromkeys(k for r in rows.values() for b in r.values() for k in b))
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = [
-        f"## host overhead per decode step ({res.get('device', '?')}; tiny random target)",
+        f"## host overhead per decode step ({res.get('device', '?')}; tiny random target; "
+        f"host kernels: {res.get('host_kernels', 'numpy')})",
         "",
         "| method | batch | " + " | ".join(keys) + " |",
         "|---|---:|" + "---:|" * len(keys),

@@ -202,6 +202,7 @@ def _overhead(bench: dict, device) -> int:
         dtype=bench["dtype"],
         batches=bench["overhead_batches"],
         new_tokens=bench["overhead_tokens"],
+        kernels=bench["overhead_kernels"],
     )
     import torch
 
@@ -209,7 +210,11 @@ def _overhead(bench: dict, device) -> int:
     result.update(
         device=desc,
         torch=torch.__version__,
-        config={"dtype": bench["dtype"], "new_tokens": bench["overhead_tokens"]},
+        config={
+            "dtype": bench["dtype"],
+            "new_tokens": bench["overhead_tokens"],
+            "kernels": bench["overhead_kernels"],
+        },
     )
     md = overhead_markdown(result, desc)
     print(md)

@@ -72,6 +72,12 @@ class BenchSettings(ModelSettings):
         default_factory=lambda: [1, 8], help="Batch sizes of --overhead, comma list."
     )
     overhead_tokens: int = setting(200, "New tokens per row in --overhead.", range=Range(1))
+    overhead_kernels: list[str] = setting(
+        default_factory=lambda: ["jit"],
+        help="Host kernels of --overhead: jit (numba, what the decoder uses where numba is "
+        "installed), numpy (the reference code, as with REDRAFT_JIT=0), or jit,numpy: both in "
+        "the same run, one after the other per method and batch (rows '<method> (numpy)').",
+    )
     # ---- outputs
     out: str | None = setting(None, "Write the results as JSON to this file.")
     markdown: str | None = setting(
@@ -89,6 +95,13 @@ class BenchSettings(ModelSettings):
             raise ConfigError(
                 f"--overhead-batches {self.overhead_batches!r}: use batch sizes >= 1, e.g. 1,8.",
                 param="overhead_batches",
+            )
+        bad = [k for k in self.overhead_kernels if k not in ("jit", "numpy")]
+        if bad or not self.overhead_kernels:
+            raise ConfigError(
+                f"--overhead-kernels {','.join(self.overhead_kernels)!r}: use jit, numpy or "
+                f"jit,numpy.",
+                param="overhead_kernels",
             )
         if self.cost_curve_ms:
             from redraft.infer.budget import CostCurve

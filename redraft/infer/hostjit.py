@@ -22,10 +22,19 @@ import numpy as np
 
 try:  # numba is a dependency; without it (or with REDRAFT_JIT=0) the numpy code runs
     import numba
-except ImportError:  # pragma: no cover - numba is installed with redraft
-    numba = None
+except Exception as exc:  # pragma: no cover - not installed, or built for another numpy
+    numba, _IMPORT_ERROR = None, f"{type(exc).__name__}: {exc}"
 
 ENABLED = numba is not None and os.environ.get("REDRAFT_JIT", "1") != "0"
+
+
+def status() -> str:
+    """Which host kernels run, in words (for benchmark tables and logs)."""
+    if numba is None:
+        return f"numpy (numba unavailable: {_IMPORT_ERROR})"
+    if os.environ.get("REDRAFT_JIT", "1") == "0":
+        return f"numpy (REDRAFT_JIT=0; numba {numba.__version__} installed)"
+    return f"numba {numba.__version__}" if ENABLED else "numpy (compiled kernels turned off)"
 
 
 def _njit(fn):

@@ -204,13 +204,24 @@ def overhead_benchmark(
     repeats: int = 3,
     methods=OVERHEAD_METHODS,
     progress=print,
+    kernels=("jit",),
 ) -> dict:
-    """``{"overhead": {method: {"batch_B": {"host_ms_per_step", "forward_ms", "steps"}}}}``."""
-    out = {}
+    """``{"overhead": {method: {"batch_B": {"host_ms_per_step", "forward_ms", "steps"}}},
+    "host_kernels": ...}``. ``kernels``: the host kernels each method runs with, ``"jit"`` (the
+    compiled ones of :mod:`redraft.infer.hostjit`) and/or ``"numpy"`` (rows ``"<method>
+    (numpy)"``), one after the other per method and batch: the baseline in the same run."""
+    from redraft.infer import hostjit
+
+    out, was = {}, hostjit.ENABLED
+    runs = [(name, k) for name in methods for k in kernels]
+    if "jit" in kernels and not hostjit.ENABLED:
+        progress(f"[overhead] compiled host kernels unavailable ({hostjit.status()}): numpy rows")
     with tempfile.TemporaryDirectory(prefix="redraft-overhead-") as tmp:
         target, tables = tiny_setup(Path(tmp), device, dtype)
-        for name in methods:
+        for name, kernel in runs:
+            key = name if kernel == "jit" and was else f"{name} (numpy)"
             for B in batches:
+                hostjit.ENABLED = was and kernel == "jit"
                 dec = make_method(name, target, tables)
                 prompts = _prompts(target, B)
                 measure(
@@ -233,12 +244,13 @@ def overhead_benchmark(
                 row["ops_per_step"] = round(ops_per_step(dec, prompts), 1)
                 row["captures"] = best["captures"]
                 row["captures_in_ops"] = _captures(dec) - c0
-                out.setdefault(name, {})[f"batch_{B}"] = row
+                out.setdefault(key, {})[f"batch_{B}"] = row
                 progress(
-                    f"[overhead] {name:12s} batch {B}: host {row['host_ms_per_step']:.2f} ms/step, "
+                    f"[overhead] {key:20s} batch {B}: host {row['host_ms_per_step']:.2f} ms/step, "
                     f"{row['ops_per_step']:.0f} ops/step, forward {row['forward_ms']:.2f} ms, {row['steps']} steps"
                 )
-    return {"overhead": out}
+    hostjit.ENABLED = was
+    return {"overhead": out, "host_kernels": hostjit.status()}
 
 
 def overhead_markdown(result: dict, device: str) -> str:
@@ -254,7 +266,8 @@ def overhead_markdown(result: dict, device: str) -> str:
         + " |"
     )
     lines = [
-        f"Host overhead per decode step, tiny random target (hidden 32, 1 layer), {device}.",
+        f"Host overhead per decode step, tiny random target (hidden 32, 1 layer), {device}; "
+        f"host kernels: {result.get('host_kernels', 'numpy')}.",
         "",
         head,
         "|---|" + "---:|---:|---:|" * len(batches),

@@ -186,6 +186,37 @@ def test_overhead_benchmark_reports_every_method_and_batch(capsys, tmp_path):
     assert "host ms/step" in stdout
 
 
+def test_overhead_benchmark_times_both_host_kernels_in_one_run(tmp_path):
+    """``--overhead-kernels jit,numpy``: each method's rows with the compiled host kernels and
+    with the numpy code (the baseline, same run); the decodes are the same, only the host time
+    differs, and the decoder's own setting is restored after."""
+    from redraft.infer import hostjit
+    from redraft.infer.overhead import overhead_benchmark
+
+    if not hostjit.ENABLED:
+        pytest.skip("numba is not installed or REDRAFT_JIT=0")
+    res = overhead_benchmark(
+        batches=(1,),
+        new_tokens=12,
+        repeats=1,
+        methods=("context-16", "ngrammys"),
+        progress=lambda _: None,
+        kernels=("jit", "numpy"),
+    )
+    rows = res["overhead"]
+    assert set(rows) == {"context-16", "context-16 (numpy)", "ngrammys", "ngrammys (numpy)"}
+    # a fixed budget verifies the same trees: the same decode, step for step (the auto budget
+    # of N-Grammys sizes trees from each decoder's own measured costs)
+    assert rows["context-16"]["batch_1"]["steps"] == rows["context-16 (numpy)"]["batch_1"]["steps"]
+    assert all(r["batch_1"]["steps"] < 12 for r in rows.values())  # speculation accepted drafts
+    assert res["host_kernels"].startswith("numba ") and hostjit.ENABLED
+
+
+def test_overhead_kernels_are_checked_before_any_work(capsys):
+    code, _, err = run(capsys, "--overhead", "--overhead-kernels", "jit,cython")
+    assert code != 0 and "--overhead-kernels" in err and "jit,numpy" in err
+
+
 def test_overhead_rows_count_the_graph_captures_inside_their_timing(tmp_path):
     """A capture in a timed decode is host time and ops of its step: the row says how many."""
     from redraft.infer.overhead import _prompts, make_method, measure, tiny_setup
