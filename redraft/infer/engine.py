@@ -387,17 +387,21 @@ class Engine:
         lps = token_logprobs(lp_table, self.sampling, acc.path, acc.num_accepted, acc.emitted)
         called_names = [names[i] for i, _, _ in prop.marks]
         joint = None if joint is None else joint.tolist()
+        # the per-row figures as Python lists at once (a numpy scalar read costs ~0.1 us each)
+        nums, nodes, kept = acc.num_accepted.tolist(), nodes.tolist(), kept.tolist()
+        raw = prop.raw_entries.tolist()
+        credits = credit.tolist() if len(names) else [()] * len(nums)
         for b, row in enumerate(self.rows):
-            n = int(acc.num_accepted[b])
+            n = nums[b]
             s = row.stats
             s.target_calls += 1
             s.accepted_hist[n] += 1
             s.draft_time += secs[0]
             s.verify_time += secs[1]
-            s.tree_nodes += int(nodes[b])
-            s.tree_entries += int(kept[b])
-            s.tree_entries_raw += int(prop.raw_entries[b])
-            for name, c in zip(names, credit[b].tolist() if len(names) else ()):
+            s.tree_nodes += nodes[b]
+            s.tree_entries += kept[b]
+            s.tree_entries_raw += raw[b]
+            for name, c in zip(names, credits[b]):
                 if c:
                     s.drafter_accepted[name] += c
             for name in called_names:

@@ -116,7 +116,7 @@ def context_matches_np(
         ``context_matches_multi(tokens, lengths, ...)``.
     """
     if hostjit.ENABLED:
-        return hostjit.ngram_rows(rows, q_min, q_max, k, w, vocab_size, window)
+        return hostjit.ngram_rows(rows, q_min, q_max, k, w, vocab_size, window, GROUPS_PER_CLASS)
     B = len(rows)
     paths = np.full((B, k, w), PAD, dtype=np.int64)
     group = np.zeros((B, k), dtype=np.int64)
@@ -288,7 +288,17 @@ def ngrammys_np(
     table_class = (q_max - q + 1) * GROUPS_PER_CLASS
     if hostjit.ENABLED and tables.ext is not None:
         return hostjit.ngram_rows(
-            rows, q, q_max, k, w, vocab_size, window, tables.ext, last, table_class
+            rows,
+            q,
+            q_max,
+            k,
+            w,
+            vocab_size,
+            window,
+            GROUPS_PER_CLASS,
+            tables.ext,
+            last,
+            table_class,
         )
     ctx, cgroup = context_matches_np(rows, q, q_max, k, w, vocab_size, window)
     ext = _pad_w(tables.extended(last)[:, :k, :w], w)  # [B, E, w]

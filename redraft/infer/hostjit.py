@@ -310,10 +310,12 @@ def _ngram_rows(cat, starts, n, q_min, q_max, k, w, V, window, ext, last, table_
     return paths, group
 
 
-def ngram_rows(rows, q_min, q_max, k, w, vocab_size, window, ext=None, last=None, table_class=0):
-    """:func:`_ngram_rows` on a list of host token arrays."""
+def ngram_rows(
+    rows, q_min, q_max, k, w, vocab_size, window, gpc, ext=None, last=None, table_class=0
+):
+    """:func:`_ngram_rows` on a list of host token arrays (``gpc``: statistics groups per match
+    length, ``hostdraft.GROUPS_PER_CLASS``)."""
     from redraft.infer.drafters.base import PAD
-    from redraft.infer.hostdraft import GROUPS_PER_CLASS
 
     if len(rows) == 1:
         cat = np.asarray(rows[0], np.int64)
@@ -340,7 +342,7 @@ def ngram_rows(rows, q_min, q_max, k, w, vocab_size, window, ext=None, last=None
         ext,
         last,
         table_class,
-        GROUPS_PER_CLASS,
+        gpc,
         PAD,
     )
 
