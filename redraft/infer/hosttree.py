@@ -209,20 +209,9 @@ def build_tree_np(
     paths = np.asarray(paths, dtype=np.int64)
     B, P, L = paths.shape
     if hostjit.ENABLED and P and L and (budget is None or values is not None):
-        tokens, parent, depth, valid, anc, path_node, num_nodes, num_entries = hostjit.build_tree(
-            np.ascontiguousarray(paths), values, budget, root, size
-        )
-        return HostTree(
-            tokens=tokens,
-            parent=parent,
-            depth=depth,
-            valid=valid,
-            anc=anc,
-            path_node=path_node,
-            num_nodes=num_nodes,
-            num_entries=num_entries,
-            max_depth=L,
-        )
+        # (tokens, parent, depth, valid, anc, path_node, num_nodes, num_entries): field order
+        fields = hostjit.build_tree(np.ascontiguousarray(paths), values, budget, root, size)
+        return HostTree(*fields, max_depth=L)
     if clean:
         paths = clean_paths_np(paths)
     valid = paths >= 0
