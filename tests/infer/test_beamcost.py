@@ -292,3 +292,50 @@ def test_the_bench_runs_fixed_and_auto_beams_side_by_side(
     assert res["config"]["decoder"]["redrafter_width"] == 3
     r = res["results"]["p"]
     assert r["redrafter"]["identical_to_ar"] and r["redrafter-auto"]["identical_to_ar"]
+
+
+def test_the_compiled_plan_and_groups_equal_the_numpy_code(monkeypatch):
+    """``hostjit``'s ``plan_beam`` and ``_groups``: the same choice as the numpy code (up to
+    float rounding in near-ties: the choice then scores as the best), the same split
+    frequencies and groups, bit for bit."""
+    from redraft.infer import hostjit
+
+    if hostjit.numba is None:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(4)
+    curves = [
+        CostCurve([1], [0.02]),
+        CostCurve([1, 8, 64, 512], [0.01, 0.012, 0.03, 0.2]),
+        CostCurve([1, 4, 16], sorted(rng.uniform(0.001, 0.05, 3))),
+    ]
+    cost = BeamCost.from_ms("1:2,8:4", "1:1,4:2,16:6,64:20")
+    for case in range(60):
+        rates = rng.uniform(0.0, 0.9, size=(32, int(rng.integers(1, 17))))
+        split = rng.dirichlet(np.ones(MAX_SPLIT + 1), size=16) * (rng.random((16, 1)) < 0.9)
+        widths = sorted(rng.choice(range(1, 17), int(rng.integers(1, 8)), replace=False))
+        lengths = sorted(rng.choice(range(1, 6), int(rng.integers(1, 5)), replace=False))
+        verify, B = curves[case % 3], int(rng.integers(1, 9))
+        fixed = float(rng.choice([0.0, 0.004, -0.001]))
+        args = (rates, split, cost, verify, B, widths, lengths, fixed)
+        monkeypatch.setattr(hostjit, "ENABLED", False)
+        want = plan_beam(*args)
+        monkeypatch.setattr(hostjit, "ENABLED", True)
+        got = plan_beam(*args)
+        assert got[2] == pytest.approx(want[2], rel=1e-9)
+        monkeypatch.setattr(hostjit, "ENABLED", False)
+        got_score = plan_beam(rates, split, cost, verify, B, [got[0]], [got[1]], fixed)[2]
+        assert got_score == pytest.approx(want[2], rel=1e-9)  # the kernel's choice is a best one
+    head_like = np.array([[[5, 6, 7], [5, 6, 8], [5, 9, 7], [4, 6, 7]]] * 3)
+    for tokens in (head_like, rng.integers(0, 3, (5, 8, 4)), rng.integers(0, 2, (1, 16, 6))):
+        drafters = []
+        for jit in (True, False):
+            monkeypatch.setattr(hostjit, "ENABLED", jit)
+            d = ReDrafterDrafter.__new__(ReDrafterDrafter)
+            d.split = np.zeros((16, MAX_SPLIT + 1))
+            d.split[:, 0] = 1
+            groups = [d._groups(tokens), d._groups(tokens[::-1].copy())]
+            drafters.append((d.split, groups))
+        (s1, g1), (s2, g2) = drafters
+        np.testing.assert_array_equal(s1, s2)
+        for a, b in zip(g1, g2):
+            np.testing.assert_array_equal(a, b)

@@ -21,9 +21,11 @@ from collections import Counter
 import numpy as np
 import torch
 
+from redraft.infer import hostjit
 from redraft.infer.beamcost import (
     MAX_SPLIT,
     MAX_WIDTH,
+    RANK_BUCKETS,
     beam_group,
     measure_beam_cost,
     plan_beam,
@@ -225,6 +227,14 @@ class ReDrafterDrafter(Drafter):
         :func:`~redraft.infer.beamcost.beam_group`); this step's split depths are folded into
         the running frequencies."""
         B, W, _ = tokens.shape
+        if hostjit.ENABLED:
+            return hostjit._beam_groups(
+                np.ascontiguousarray(tokens, np.int64),
+                self.split[:W],
+                self.SPLIT_EMA,
+                MAX_SPLIT,
+                RANK_BUCKETS,
+            )
         f = np.minimum(split_depth_np(tokens), MAX_SPLIT)  # [B, W]
         seen = np.zeros((W, MAX_SPLIT + 1))
         np.add.at(seen, (np.broadcast_to(np.arange(W), (B, W)), f), 1.0 / B)
