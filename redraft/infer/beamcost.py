@@ -41,7 +41,9 @@ Worked example (B = 1, both beams split at depth 0, a flat verify cost of 1 s, d
     W=2, L=1: (1 + 0.6 + 0.2) / (1 + 0.1)             = 1.64
     W=2, L=2: (1 + 0.6 + 0.3 + 0.2 + 0.1) / (1 + 0.1 + 0.15) = 1.76   <- chosen
 
-Everything here is numpy on the host, from numbers the host already has: no device work.
+Everything here runs on the host, from numbers the host already has: no device work (the plan
+and the beams' groups in numba-compiled loops, :mod:`redraft.infer.hostjit`, where numba is
+installed; this numpy code otherwise).
 """
 
 from __future__ import annotations

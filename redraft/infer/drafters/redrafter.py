@@ -133,9 +133,10 @@ class ReDrafterDrafter(Drafter):
     """
 
     REPLAN = 4  # steps between two choices of (W, L) ("auto") while the choice moves
-    # ... doubled after every plan that kept the last one, up to this: a plan is ~1 ms of numpy
-    # (80 candidates), 0.4 ms a step at every 4 steps, as much as the rest of a GPU step's host
-    # work; a settled choice is re-checked every 32 steps, and a change goes back to every 4
+    # ... doubled after every plan that kept the last one, up to this: a plan of 80 candidates
+    # is ~0.2 ms compiled (hostjit; 3 ms of numpy on a 2-core EPYC), so at every 4 steps it was
+    # as much as the rest of a GPU step's host work; a settled choice is re-checked every 32
+    # steps, and a change goes back to every 4
     MAX_REPLAN = 32
     SPLIT_EMA = 0.9  # weight of the past in the split-depth frequencies
 
