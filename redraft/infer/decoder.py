@@ -134,6 +134,8 @@ class SpeculativeDecoder:
         self.cost_curve = cost_curve
         self.eos = set(target.eos_token_ids)
         self.stats = HostStats(len(self.drafters))
+        if self.drafters:
+            warm_host_kernels()  # compiled now, not inside a timed or served step
         for i, d in enumerate(self.drafters):  # drafters that plan from the decoder's measurements
             if hasattr(d, "bind"):
                 d.bind(self, i)
@@ -516,6 +518,57 @@ class SpeculativeDecoder:
             len(n_acc), bool(called), int(n_acc.sum()) + len(n_acc), secs[0] + secs[1]
         )
         return gains if len(called) > 1 else None
+
+
+_WARM = threading.Lock()
+_warmed = False
+
+
+def warm_host_kernels() -> None:
+    """Compile (or load from numba's disk cache) the host kernels of ``hostjit`` with the
+    argument types decoding passes them, once per process: a kernel compiled at its first use
+    would stall that step for a second or more (all of them: ~12 s on a 2-core EPYC the first
+    time on a machine, ~0.1 s from the cache after). Signatures not met here (rarer dtypes)
+    still compile at first use. A no-op where numba is not in use."""
+    global _warmed
+    from redraft.infer import hostjit
+
+    if _warmed or not hostjit.ENABLED:
+        return
+    with _WARM:
+        if _warmed:
+            return
+        from redraft.infer.beamcost import BeamCost, plan_beam
+        from redraft.infer.hostdraft import HostTables, context_matches_np, ngrammys_np
+
+        paths = np.array([[[1, 2, -1], [1, 3, 4]]], np.int64)
+        values = np.array([[[0.5, 0.25, 0.0], [0.5, 0.2, 0.1]]], np.float32)
+        last = np.array([9], np.int64)
+        for tree in (
+            build_tree_np(paths, values, 3, root=last),
+            build_tree_np(paths, root=last, size=6),
+            build_tree_np(np.zeros((1, 0, 1), np.int64), root=last, size=1),  # plain step
+        ):
+            N = tree.tokens.shape[1]
+            for rule, R in (("greedy", 1), ("typical", 3)):
+                acc = walk(rule, tree, np.zeros((R, 1, N), np.int64))
+            step_feedback_np(tree, acc.path, np.array([0, 1], np.int64)[: paths.shape[1]], 2)
+        stats = HostStats(2)
+        for owner, group in ((np.array([0, 1], np.int64), np.zeros((1, 2), np.int64)), (0, None)):
+            stats.values(owner, paths.shape, group)
+            stats.update(owner, paths, np.ones((1, 2), np.int64), group, paths >= 0)
+        best_budget_np(np.ones((1, 4), np.float32), np.arange(10, dtype=np.float32), 4)
+        row = np.array([5, 1, 2, 5, 1], np.int64)
+        context_matches_np([row], 1, 3, 8, 12, 16)
+        context_matches_np([row, row[:3]], 1, 3, 8, 12, 16)
+        tables = HostTables(extended=np.zeros((16, 2, 3), np.int32))
+        ngrammys_np([row], last[:1] % 16, tables, 16, 8, 12, 1, 3)
+        curve = CostCurve([1, 8], [0.01, 0.02])
+        plan_beam(
+            np.full((32, 5), 0.3), np.eye(2, 6), BeamCost(curve, curve), curve, 1, [1, 2], [1]
+        )
+        hostjit._beam_groups(np.zeros((1, 2, 3), np.int64), np.eye(2, 6), 0.9, 5, 5)
+        _warmed = True
 
 
 def exclusive_gains(credit: np.ndarray, called: list[int], n_acc: np.ndarray) -> np.ndarray:
