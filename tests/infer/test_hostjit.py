@@ -5,7 +5,6 @@ import pytest
 
 from redraft.infer import hostjit
 
-
 KERNELS = (  # the kernels Python calls (helpers such as _rank_bucket compile into them)
     "_tree_nodes",
     "_tree_fill",
