@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from redraft.errors import ConfigError
+from redraft.infer import hostjit
 from redraft.infer.accept import (
     HostAcceptance,
     RowSampling,
@@ -56,7 +57,13 @@ from redraft.infer.drafters.base import (
     pad_paths_np,
 )
 from redraft.infer.engine import Engine
-from redraft.infer.hostdraft import HostStats, best_budget_np
+from redraft.infer.hostdraft import (
+    HostStats,
+    HostTables,
+    best_budget_np,
+    context_matches_np,
+    ngrammys_np,
+)
 from redraft.infer.hosttree import build_tree_np, clean_paths_np, step_feedback_np
 from redraft.infer.rows import Clock
 from redraft.infer.stats import Generation, StreamEvent
@@ -527,19 +534,17 @@ _warmed = False
 def warm_host_kernels() -> None:
     """Compile (or load from numba's disk cache) the host kernels of ``hostjit`` with the
     argument types decoding passes them, once per process: a kernel compiled at its first use
-    would stall that step for a second or more (all of them: ~12 s on a 2-core EPYC the first
-    time on a machine, ~0.1 s from the cache after). Signatures not met here (rarer dtypes)
-    still compile at first use. A no-op where numba is not in use."""
+    would stall that step for a second or more (all of them: ~13 s on a 2-core EPYC the first
+    time on a machine, ~0.2 s from the cache after; ``tests/infer/test_hostjit.py`` checks that
+    decoding then compiles nothing). Signatures not met here (rarer dtypes) still compile at
+    first use. A no-op where numba is not in use."""
     global _warmed
-    from redraft.infer import hostjit
-
     if _warmed or not hostjit.ENABLED:
         return
     with _WARM:
         if _warmed:
             return
         from redraft.infer.beamcost import BeamCost, plan_beam
-        from redraft.infer.hostdraft import HostTables, context_matches_np, ngrammys_np
 
         paths = np.array([[[1, 2, -1], [1, 3, 4]]], np.int64)
         values = np.array([[[0.5, 0.25, 0.0], [0.5, 0.2, 0.1]]], np.float32)
@@ -552,7 +557,7 @@ def warm_host_kernels() -> None:
             N = tree.tokens.shape[1]
             for rule, R in (("greedy", 1), ("typical", 3)):
                 acc = walk(rule, tree, np.zeros((R, 1, N), np.int64))
-            step_feedback_np(tree, acc.path, np.array([0, 1], np.int64)[: paths.shape[1]], 2)
+            step_feedback_np(tree, acc.path, np.array([0, 1], np.int64), 2)
         stats = HostStats(2)
         for owner, group in ((np.array([0, 1], np.int64), np.zeros((1, 2), np.int64)), (0, None)):
             stats.values(owner, paths.shape, group)

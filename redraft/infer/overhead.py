@@ -213,15 +213,26 @@ def overhead_benchmark(
     from redraft.infer import hostjit
 
     out, was = {}, hostjit.ENABLED
-    runs = [(name, k) for name in methods for k in kernels]
-    if "jit" in kernels and not hostjit.ENABLED:
+    if "jit" in kernels and not was:
         progress(f"[overhead] compiled host kernels unavailable ({hostjit.status()}): numpy rows")
+        kernels = ("numpy",)
+    runs = [(name, k) for name in methods for k in kernels]
+    try:
+        _overhead_runs(out, runs, batches, device, dtype, new_tokens, repeats, progress, was)
+    finally:
+        hostjit.ENABLED = was
+    return {"overhead": out, "host_kernels": hostjit.status()}
+
+
+def _overhead_runs(out, runs, batches, device, dtype, new_tokens, repeats, progress, jit) -> None:
+    from redraft.infer import hostjit
+
     with tempfile.TemporaryDirectory(prefix="redraft-overhead-") as tmp:
         target, tables = tiny_setup(Path(tmp), device, dtype)
         for name, kernel in runs:
-            key = name if kernel == "jit" and was else f"{name} (numpy)"
+            key = name if kernel == "jit" else f"{name} (numpy)"
             for B in batches:
-                hostjit.ENABLED = was and kernel == "jit"
+                hostjit.ENABLED = jit and kernel == "jit"
                 dec = make_method(name, target, tables)
                 prompts = _prompts(target, B)
                 measure(
@@ -249,8 +260,6 @@ def overhead_benchmark(
                     f"[overhead] {key:20s} batch {B}: host {row['host_ms_per_step']:.2f} ms/step, "
                     f"{row['ops_per_step']:.0f} ops/step, forward {row['forward_ms']:.2f} ms, {row['steps']} steps"
                 )
-    hostjit.ENABLED = was
-    return {"overhead": out, "host_kernels": hostjit.status()}
 
 
 def overhead_markdown(result: dict, device: str) -> str:
