@@ -95,13 +95,20 @@ def _load(bench: dict, cfg, device):
 def _decode_tables(bench: dict, cfg, device) -> int:
     import torch
 
+    from redraft.infer import hostjit
+
     methods, ctx = _load(bench, cfg, device)
     runners = {m: Runner(m, ctx, REGISTRY[m]) for m in methods}
     report = {
         "config": {**bench, "decoder": cfg.to_dict()},
         "device": ", ".join(
             filter(
-                None, [device_name(ctx.target.device), runners["greedy"].decoder.verifier.kernels]
+                None,
+                [
+                    device_name(ctx.target.device),
+                    runners["greedy"].decoder.verifier.kernels,
+                    f"host kernels: {hostjit.status()}",
+                ],
             )
         ),
         "torch": torch.__version__,

@@ -234,9 +234,11 @@ def serve(args) -> int:
     if args.gc_freeze:
         freeze_heap()
     host, port = sock.getsockname()[:2]
+    from redraft.infer import hostjit
+
     print(
         f"redraft-serve: serving {name!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "
-        f"(max batch {args.max_batch}, queue {args.max_queue})",
+        f"(max batch {args.max_batch}, queue {args.max_queue}; host kernels: {hostjit.status()})",
         flush=True,
     )
     try:
