@@ -517,14 +517,17 @@ class SpeculativeDecoder:
         for i, m0, m1 in prop.marks:
             self.gate.record_time(i, self._clock.seconds(m0, m1))
         called = [i for i, _, _ in prop.marks]
-        gains = exclusive_gains(credit, called, n_acc)
+        B, accepted = len(n_acc), int(n_acc.sum())
+        gains = None
+        if len(called) > 1:
+            gains = exclusive_gains(credit, called, n_acc)
+            exclusive = {i: float(g) / B for i, g in zip(called, gains.sum(axis=0).tolist())}
+        elif called:  # alone, every accepted token is the drafter's own
+            exclusive = {called[0]: accepted / B}
         if called:  # a plain step (the guard's) says nothing about the drafters
-            exclusive = {i: float(gains[:, k].mean()) for k, i in enumerate(called)}
-            self.gate.update(secs[0] + secs[1], float(n_acc.mean()) + 1.0, exclusive)
-        self.guard.record(
-            len(n_acc), bool(called), int(n_acc.sum()) + len(n_acc), secs[0] + secs[1]
-        )
-        return gains if len(called) > 1 else None
+            self.gate.update(secs[0] + secs[1], accepted / B + 1.0, exclusive)
+        self.guard.record(B, bool(called), accepted + B, secs[0] + secs[1])
+        return gains
 
 
 _WARM = threading.Lock()
