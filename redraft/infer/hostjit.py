@@ -183,8 +183,12 @@ def build_tree(paths: np.ndarray, values, budget, root, size):
         if v.dtype.kind != "f":
             v = v.astype(np.float32)
         neg = float(np.finfo(v.dtype).min)
-        bud = np.broadcast_to(np.asarray(budget, np.int64).reshape(-1), (B,))
-        bud = np.ascontiguousarray(bud)
+        if isinstance(budget, (int, np.integer)):
+            bud = np.full(B, int(budget), np.int64)  # (a third of broadcast_to's time)
+        else:
+            bud = np.ascontiguousarray(
+                np.broadcast_to(np.asarray(budget, np.int64).reshape(-1), (B,))
+            )
     else:
         v, neg, bud = _NO_VALUES, 0.0, _NO_BUDGET[:B]
     rep, keep, nid, num_nodes, num_entries = _tree_nodes(paths, v, bud, has_budget, neg)
