@@ -581,11 +581,9 @@ def warm_host_kernels() -> None:
 
 def exclusive_gains(credit: np.ndarray, called: list[int], n_acc: np.ndarray) -> np.ndarray:
     """``[B, len(called)]``: per row, the accepted draft tokens of the step that no other called
-    drafter had proposed (``credit [B, drafters]``: each drafter's accepted tokens); a drafter
-    called alone gets them all."""
+    drafter had proposed (``credit [B, drafters]``: each drafter's accepted tokens), for two or
+    more drafters called (one called alone has every accepted token to itself)."""
     c = credit[:, called]
-    if len(called) < 2:
-        return np.broadcast_to(n_acc[:, None], c.shape)
     best_other = np.stack([np.delete(c, k, axis=1).max(axis=1) for k in range(len(called))], 1)
     return np.maximum(0, n_acc[:, None] - best_other)
 

@@ -385,7 +385,7 @@ class HostStats:
                 self.tries,
                 np.float32(self.prior[0]),
                 np.float32(self.prior[1]),
-                _owners(owner, P),
+                hostjit.owners(owner, P),
                 _NO_GROUP if group is None else np.asarray(group, np.int64),
                 group is not None,
                 B,
@@ -410,7 +410,7 @@ class HostStats:
                 self.hits,
                 self.tries,
                 self.decay,
-                _owners(owner, P),
+                hostjit.owners(owner, P),
                 _NO_GROUP if group is None else np.asarray(group, np.int64),
                 group is not None,
                 (paths >= 0) if kept is None else np.asarray(kept, bool),
@@ -434,12 +434,6 @@ class HostStats:
         # one add per entry, in order (as index_add_): repeated adds round like the torch ones
         np.add.at(self.hits.reshape(-1), flat.reshape(-1), hit.reshape(-1).astype(np.float32))
         np.add.at(self.tries.reshape(-1), flat.reshape(-1), tried.reshape(-1).astype(np.float32))
-
-
-def _owners(owner, P: int) -> np.ndarray:
-    """``[P]`` int64 the drafter of every path (``owner``: an int or ``[P]``)."""
-    o = np.asarray(owner, dtype=np.int64)
-    return o if o.ndim == 1 else np.full(P, int(o), np.int64)
 
 
 _NO_GROUP = np.zeros((1, 1), np.int64)

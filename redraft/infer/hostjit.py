@@ -9,9 +9,10 @@ its numpy counterpart returns (tests compare them on random inputs, ties include
 functions stay as the reference and as the fallback where numba is missing or turned off
 (``REDRAFT_JIT=0``).
 
-Kernels are compiled on first use (about a second each, then cached on disk by numba) and
-release the GIL (``nogil``), so a server's event loop keeps running while the decode thread is in
-them.
+Building a speculative decoder compiles the kernels (``decoder.warm_host_kernels``: ~12-14 s
+the first time on a 2-core EPYC, then loaded from numba's disk cache in ~0.2 s), so no decode
+step compiles. They release the GIL (``nogil``), so a server's event loop keeps running while
+the decode thread is in them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
+from redraft.infer.drafters.base import PAD
 
 try:  # numba is a dependency; without it (or with REDRAFT_JIT=0) the numpy code runs
     import numba
@@ -174,8 +177,6 @@ def _tree_fill(paths, rep, keep, nid, num_nodes, N, root, has_root, pad):
 def build_tree(paths: np.ndarray, values, budget, root, size):
     """``hosttree.build_tree_np`` for ``P, L >= 1`` (the caller handles empty paths):
     ``(tokens, parent, depth, valid, anc, path_node, num_nodes, num_entries)``."""
-    from redraft.infer.drafters.base import PAD
-
     B = paths.shape[0]
     has_budget = budget is not None
     if has_budget:
@@ -319,8 +320,6 @@ def ngram_rows(
 ):
     """:func:`_ngram_rows` on a list of host token arrays (``gpc``: statistics groups per match
     length, ``hostdraft.GROUPS_PER_CLASS``)."""
-    from redraft.infer.drafters.base import PAD
-
     if len(rows) == 1:
         cat = np.asarray(rows[0], np.int64)
         n = np.array([len(cat)], np.int64)
@@ -376,31 +375,25 @@ def _walk(tokens, parent, depth, valid, anc, pick, ok_extra, has_extra, bonus_sr
             if has_extra and ok_extra[b, n] != 0:
                 o = True
             ok[n] = o and valid[b, n]
-        best, score = 0, -1
-        if N == 1:
-            best = 0
-        else:
-            for n in range(N):
-                if not valid[b, n]:
-                    continue
-                full = True
-                for m in range(N):
-                    if anc[b, n, m] and not ok[m]:
-                        full = False
-                        break
-                if full:
-                    s = depth[b, n] * N + (N - 1 - n)
-                    if s > score:
-                        best, score = n, s
+        best, score = 0, -1  # (the root is always valid and accepted)
+        for n in range(N):
+            if not valid[b, n]:
+                continue
+            full = True
+            for m in range(N):
+                if anc[b, n, m] and not ok[m]:
+                    full = False
+                    break
+            if full:
+                s = depth[b, n] * N + (N - 1 - n)
+                if s > score:
+                    best, score = n, s
         last[b] = best
         num[b] = depth[b, best]
         bonus[b] = bonus_src[b, best]
-        if N == 1:
-            path[b, depth[b, 0]] = 0
-        else:
-            for m in range(N):
-                if anc[b, best, m]:
-                    path[b, depth[b, m]] = m
+        for m in range(N):  # the accepted path: the best node's ancestors and itself
+            if anc[b, best, m]:
+                path[b, depth[b, m]] = m
         for i in range(num[b]):
             out[b, i] = tokens[b, max(path[b, i + 1], 0)]
         out[b, num[b]] = bonus_src[b, best]
@@ -467,12 +460,19 @@ def _feedback(path_node, path, owner, nd, N):
 
 def feedback(tree, path, owner, num_drafters: int):
     """``(hit [B, P, L], credit [B, drafters], prefix [B, P])`` of the step."""
-    owner = np.asarray(owner, np.int64)
-    if owner.ndim == 0:
-        owner = np.full(tree.path_node.shape[1], int(owner), np.int64)
     return _feedback(
-        tree.path_node, np.asarray(path, np.int64), owner, num_drafters, tree.tokens.shape[1]
+        tree.path_node,
+        np.asarray(path, np.int64),
+        owners(owner, tree.path_node.shape[1]),
+        num_drafters,
+        tree.tokens.shape[1],
     )
+
+
+def owners(owner, P: int) -> np.ndarray:
+    """``[P]`` int64 the drafter of every path (``owner``: an int or ``[P]``)."""
+    o = np.asarray(owner, dtype=np.int64)
+    return o if o.ndim == 1 else np.full(P, int(o), np.int64)
 
 
 # ------------------------------------------------------------------------- statistics
