@@ -167,6 +167,15 @@ class TrainConfig(Settings):
         "Held-out metrics are always on assistant tokens.",
         choices=("assistant", "all"),
     )
+    window_fraction: float = _f(
+        1.0,
+        "The share of each micro batch's windows (positions with something to learn) a training "
+        "step learns, drawn at random every step; the losses are means, so a sample is an "
+        "unbiased estimate. Below 1 a step costs that much less (the head's cost is per window): "
+        "worth it where records are plenty and steps are few, e.g. a CPU budget of minutes over "
+        "thousands of records. Held-out metrics use every window.",
+        range=Range(0, 1, lo_open=True),
+    )
     kd_top_k: int = _f(
         8,
         "KD teacher: the target's top-k next tokens, renormalised over those in the draft "

@@ -170,6 +170,20 @@ def window_positions(batch: Batch, cfg: TrainConfig, kd_w: float):
     return b.to(dev, non_blocking=True), t.to(dev, non_blocking=True)
 
 
+def sample_windows(
+    positions: tuple[torch.Tensor, torch.Tensor], fraction: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``round(fraction * P)`` of the positions ``(b [P], t [P])`` (at least one), drawn at
+    random (torch's generator: ``seed`` seeds it) and kept in order; all of them at 1."""
+    b, t = positions
+    P = int(b.numel())
+    k = max(1, round(fraction * P))
+    if fraction >= 1 or k >= P:
+        return positions
+    keep = torch.randperm(P)[:k].sort().values.to(b.device, non_blocking=True)
+    return b[keep], t[keep]
+
+
 def kd_positions_mask(batch: Batch, cfg: TrainConfig, kd_w: float) -> torch.Tensor | None:
     """``[B, T]`` the tokens the KD term learns besides the assistant ones: every real token with
     ``kd_positions: all`` (the teacher there is the target's own next-token distribution for
@@ -216,13 +230,13 @@ def batch_loss(
     else:
         hidden = target_hidden(target, ids, precision, model.config.hidden_layers)  # [B, T, F]
     ce_w, kd_w = loss_weights(cfg)
-    win = make_windows(
-        ids,
-        mask,
-        cfg.num_steps,
-        kd_mask=kd_positions_mask(batch, cfg, kd_w),
-        positions=window_positions(batch, cfg, kd_w),
-    )
+    kd_mask = kd_positions_mask(batch, cfg, kd_w)
+    positions = window_positions(batch, cfg, kd_w)
+    if cfg.window_fraction < 1:
+        if positions is None:  # the batch is on the CPU: nothing to wait for
+            positions = learn_positions(mask, cfg.num_steps, kd_mask)
+        positions = sample_windows(positions, cfg.window_fraction)
+    win = make_windows(ids, mask, cfg.num_steps, kd_mask=kd_mask, positions=positions)
     # [P, F], a normal tensor (indexing leaves inference mode); the head projects F to H
     ctx = hidden[win.batch_idx, win.pos_idx]
     targets_d = model.to_draft_ids(win.targets)

@@ -464,3 +464,57 @@ def test_evaluation_in_chunks_of_positions_equals_one_pass(
     assert chunked["eval_positions"] == whole["eval_positions"] > 0
     for key in ("eval_loss", "eval_top1", "eval_top5", "eval_tau_est"):
         assert chunked[key] == pytest.approx(whole[key], rel=1e-6), key
+
+
+def test_one_cpu_process_steps_like_plain_adamw_without_the_allreduce(tiny_target):
+    """On one CPU process without ZeRO the engine runs torch's fused AdamW and skips DeepSpeed's
+    gradient "all-reduce" with itself (flatten, reduce, copy back: fixed costs of every step);
+    a step still moves the weights exactly as plain one-tensor-at-a-time AdamW with the same
+    clipping does."""
+    from redraft.train.distributed import setup_distributed
+    from redraft.train.trainer import build_engine
+
+    cfg = make_config(
+        "tiny",
+        {
+            "precision": "fp32",
+            "grad_clip": 0.05,
+            "lr": 0.01,
+            "grad_accum": 1,
+            "micro_batch_size": 1,
+        },
+    )
+    setup_distributed(cfg)
+    torch.manual_seed(0)
+    model = ReDrafter(ReDrafterConfig.for_target(tiny_target, num_layers=1, num_steps=2))
+    ref = ReDrafter(ReDrafterConfig.for_target(tiny_target, num_layers=1, num_steps=2))
+    ref.load_state_dict(model.state_dict())
+    model.attach_target(tiny_target)
+    ref.attach_target(tiny_target)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    engine, _ = build_engine(cfg, model, total_steps=10, precision="fp32")
+    assert engine.optimizer.defaults["fused"] is True
+    assert engine.enable_backward_allreduce is False
+    opt = torch.optim.AdamW(
+        ref.parameters(),
+        lr=cfg.lr,
+        betas=tuple(cfg.adam_betas),
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
+    g = torch.Generator().manual_seed(1)
+    ctx = torch.randn(6, tiny_target.hidden_size, generator=g)
+    toks = torch.randint(0, tiny_target.vocab_size, (6, 2), generator=g)
+    for _ in range(3):
+        for group in opt.param_groups:  # the engine's warm-up/cosine schedule
+            group["lr"] = engine.optimizer.param_groups[0]["lr"]
+        engine.backward(engine(ctx, toks).float().pow(2).mean())
+        engine.step()
+        ref(ctx, toks).float().pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    moved = [k for k, v in model.state_dict().items() if not torch.equal(v, start[k])]
+    assert len(moved) >= 4
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
