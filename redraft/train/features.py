@@ -195,8 +195,11 @@ def check_features_match(meta: dict, path, cfg: TrainConfig, record: dict) -> No
     from redraft.train.config import FIELDS
 
     # a key a cache predates holds its default (self-distillation came later)
-    saved_data = {k: meta["data"].get(k, FIELDS[k].default) for k in DATA_KEYS}
-    diff = [k for k in DATA_KEYS if saved_data[k] != getattr(cfg, k)]
+    # without self-distillation the distill_* settings decide nothing (KD-only ShareGPT records
+    # stay valid when a recipe distils more first turns)
+    keys = [k for k in DATA_KEYS if cfg.self_distill or not k.startswith("distill_")]
+    saved_data = {k: meta["data"].get(k, FIELDS[k].default) for k in keys}
+    diff = [k for k in keys if saved_data[k] != getattr(cfg, k)]
     if diff:
         both = ", ".join(
             f"{k} (features {saved_data[k]!r}, this run {getattr(cfg, k)!r})" for k in diff

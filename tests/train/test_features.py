@@ -293,3 +293,22 @@ def test_the_cache_features_command_writes_what_train_reads(
     assert rec.top_k == 3 and rec.meta["data"]["max_length"] == 128  # the tiny recipe's records
     assert cache_features_main(argv) == 0  # complete: a second run has nothing to do
     assert "bytes/token" in capsys.readouterr().err
+
+
+def test_distill_settings_matter_only_to_self_distilled_features():
+    """KD-only features of plain records survive a recipe that distils more first turns; the
+    features of distilled records do not."""
+    from redraft.train.features import DATA_KEYS, check_features_match
+
+    def meta(cfg):
+        return {"target": {"name": "t"}, "data": {k: getattr(cfg, k) for k in DATA_KEYS}}
+
+    plain = make_config("tiny", {"self_distill": False, "distill_limit": 512})
+    check_features_match(meta(plain), "F", plain.replace(distill_limit=1024), {"name": "t"})
+    with pytest.raises(ConfigError, match="train_limit"):
+        check_features_match(meta(plain), "F", plain.replace(train_limit=7), {"name": "t"})
+    distilled = make_config("tiny", {"self_distill": True, "distill_limit": 512})
+    with pytest.raises(ConfigError, match="distill_limit"):
+        check_features_match(
+            meta(distilled), "F", distilled.replace(distill_limit=1024), {"name": "t"}
+        )
