@@ -178,7 +178,7 @@ def sample_windows(
     b, t = positions
     P = int(b.numel())
     k = max(1, round(fraction * P))
-    if fraction >= 1 or k >= P:
+    if k >= P:  # every window (fraction 1)
         return positions
     keep = torch.randperm(P)[:k].sort().values.to(b.device, non_blocking=True)
     return b[keep], t[keep]
