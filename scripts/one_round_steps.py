@@ -13,8 +13,12 @@ Prints one JSON line per level: output tokens/s, the last first token (``ttft_ma
 admission) and what came after it (``tail``), the forwards by kind (P: prefill of its own, V:
 verify, F: verify carrying a prefill piece) with their milliseconds, and ``per``: for every
 step kind (A: prompts being admitted, D: none) and batch size, ``[tokens, seconds, steps,
-tokens/s]``. Run "on" and "off" alternately (one process each) and compare: the engine alone
-has no HTTP, no client and a fixed arrival (all at once), so a difference here is the decoder's.
+tokens/s]``, and the pacing of the long prompts' pieces: ``F`` (each verify that carried a
+piece: piece tokens, verify tokens, ms), ``V`` (each plain verify: tokens, ms) and
+``fused_fit`` (the pacer's fit of a riding piece's own cost at the level's end: ms a token, us a
+token and attended column; null where it does not hold). Run "on" and "off" alternately (one
+process each) and compare: the engine alone has no HTTP, no client and a fixed arrival (all at
+once), so a difference here is the decoder's.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ from redraft.infer.engine import Engine
 from redraft.serve import cli
 from redraft.serve.loadtest import build_parser as loadtest_parser
 from redraft.serve.scheduler import Scheduler
+
+
+def fit_ms(ab):
+    return None if ab is None else [round(ab[0] * 1e3, 3), round(ab[1] * 1e6, 3)]
 
 
 def main() -> None:
@@ -65,7 +73,9 @@ def main() -> None:
         def run(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
-            forwards.append((kind, tokens(*a), (time.perf_counter() - t) * 1e3))
+            ms = (time.perf_counter() - t) * 1e3
+            verify = a[0].packed.shape[0] * a[0].size if kind != "P" else 0
+            forwards.append((kind, tokens(*a), ms, verify))
             return out
 
         return run
@@ -113,6 +123,13 @@ def main() -> None:
                             k: [v[0], round(v[1], 2), v[2], round(v[0] / v[1], 1)]
                             for k, v in sorted(per.items())
                         },
+                        # the pacer's fit of a riding piece's own cost (ms a token, us a token
+                        # and column)
+                        # [piece tokens, verify tokens, ms] of each verify that carried a piece
+                        "F": [[f[1], f[3], round(f[2], 1)] for f in forwards if f[0] == "F"],
+                        # [verify tokens, ms] of the plain verifies
+                        "V": [[f[3], round(f[2], 1)] for f in forwards if f[0] == "V"],
+                        "fused_fit": fit_ms(eng._pacer.fused_coefficients()),
                         "threads": torch.get_num_threads(),
                     }
                 ),
