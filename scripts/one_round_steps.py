@@ -40,6 +40,7 @@ from redraft.serve.scheduler import Scheduler
 
 
 def fit_ms(ab):
+    """The pacer's ``(a, b)`` in ms a token and us a token and column (None stays None)."""
     return None if ab is None else [round(ab[0] * 1e3, 3), round(ab[1] * 1e6, 3)]
 
 
@@ -123,12 +124,12 @@ def main() -> None:
                             k: [v[0], round(v[1], 2), v[2], round(v[0] / v[1], 1)]
                             for k, v in sorted(per.items())
                         },
-                        # the pacer's fit of a riding piece's own cost (ms a token, us a token
-                        # and column)
                         # [piece tokens, verify tokens, ms] of each verify that carried a piece
                         "F": [[f[1], f[3], round(f[2], 1)] for f in forwards if f[0] == "F"],
                         # [verify tokens, ms] of the plain verifies
                         "V": [[f[3], round(f[2], 1)] for f in forwards if f[0] == "V"],
+                        # the pacer's fit of a riding piece's own cost (ms a token, us a token
+                        # and column)
                         "fused_fit": fit_ms(eng._pacer.fused_coefficients()),
                         "threads": torch.get_num_threads(),
                     }
