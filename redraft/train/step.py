@@ -295,12 +295,28 @@ def dense_teacher(t_ids: torch.Tensor, t_probs: torch.Tensor, vocab: int) -> tor
 EVAL_LOGITS = 1 << 26  # logits values held at once by evaluate()
 
 
+def heldout_target(target, ids: torch.Tensor, layers=()) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's features ``[B, T, F]`` and greedy tokens ``[B, T]`` for held-out metrics,
+    computed as the decoder computes them: in the target's own dtype, no autocast (see
+    :func:`evaluate`)."""
+    hidden = target_hidden(target, ids, "fp32", layers)  # "fp32" = no autocast
+    return hidden, target_greedy(target, last_hidden(target, hidden), "fp32")
+
+
 @torch.no_grad()
 def evaluate(model: ReDrafter, forward, target, ds, cfg: TrainConfig, env, precision: str) -> dict:
     """Held-out metrics (:class:`~redraft.train.losses.EvalAccumulator`), summed over all ranks.
 
     Every rank runs the same number of batches (ZeRO-3 forwards are collective); a rank
     with nothing left repeats a batch and does not count it.
+
+    The target runs as the decoder runs it: in its weights' dtype, without autocast (float32 on
+    a CPU, where training autocasts it to bf16; on a GPU its weights are bf16 or fp16 already,
+    so nothing changes there). Its greedy tokens are what a greedy decode must reproduce, and
+    under bf16 autocast near-ties flip: on the demo's held-out set the bf16 greedy differed from
+    the float32 replies often enough to cost ~0.02 of ``eval_tau_est`` (docs/train.md, "The
+    held-out target in float32"). The head keeps the training precision (drafts are bf16 on
+    CPUs that multiply bf16 natively).
     """
     was_training = model.training
     model.eval()
@@ -316,8 +332,7 @@ def evaluate(model: ReDrafter, forward, target, ds, cfg: TrainConfig, env, preci
         if not count:
             idx = order[:1]
         ids, mask = collate(ds, idx, env.device)
-        hidden = target_hidden(target, ids, precision, model.config.hidden_layers)  # [B, T, F]
-        greedy = target_greedy(target, last_hidden(target, hidden), precision)  # [B, T]
+        hidden, greedy = heldout_target(target, ids, model.config.hidden_layers)
         win = make_windows(ids, mask, cfg.num_steps)
         ctx = hidden[win.batch_idx, win.pos_idx]
         b, j = target_next_positions(win, ids.shape[1])

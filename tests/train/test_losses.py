@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from redraft.train.losses import EvalAccumulator, drafter_loss, make_windows, target_next_positions
-from redraft.train.step import target_greedy, target_hidden
+from redraft.train.step import heldout_target, target_greedy, target_hidden
 
 
 def test_windows_pair_hidden_t_with_tokens_t1_and_targets_t2():
@@ -111,3 +111,19 @@ def test_target_greedy_windows_line_up_with_the_targets_own_continuation(tiny_ta
     b, j = target_next_positions(w, seq.shape[1])
     assert torch.equal(greedy[b, j][w.valid], w.targets[w.valid])
     assert w.valid.sum() > 20
+
+
+def test_heldout_greedy_is_the_float32_decoders_not_bf16_autocasts(tiny_target):
+    """Held-out metrics compare the head with the target's greedy tokens as the decoder makes
+    them (float32 on a CPU), even when training autocasts the target to bf16: there near-ties
+    flip, and a flipped token would count as a miss of the data the target itself wrote."""
+    torch.manual_seed(0)
+    prompts = torch.randint(3, tiny_target.config.vocab_size, (8, 4))
+    with torch.no_grad():
+        seq = tiny_target.model.generate(prompts, max_new_tokens=40, do_sample=False)
+    data = seq[:, 4:]  # the float32 greedy continuation: what the target wrote
+    _, greedy = heldout_target(tiny_target, seq)
+    assert torch.equal(greedy[:, 3:-1], data)
+    # the premise: bf16 autocast flips some of these (else the check above could not fail)
+    bf16 = target_greedy(tiny_target, target_hidden(tiny_target, seq, "amp-bf16"), "amp-bf16")
+    assert not torch.equal(bf16[:, 3:-1], data)
