@@ -24,6 +24,10 @@ Progress lines (one per level and server) go to stderr as the levels finish; std
 Markdown table alone, once, at the end (``... > table.md`` keeps just the table).
 
 The first server is the reference for the ratios (``x ref``); with ``--spawn`` it is "off".
+``--control`` (with ``--spawn``) starts a second reference server, "off2", measured like the
+others: its ratio is what two processes of the same code differ by in this run. On the 2-core
+development machine, one round of 64 tokens, it ranged 0.79-1.34 per run of a level (docs/serve.md,
+"A control server"): a ratio inside the control's range is not a difference.
 
 ``--scenario long-join`` (chunked prefill): ``C`` streams (``--concurrency``, one level) decode
 back to back; after ``--join-after`` seconds one request with a ``--long-tokens`` prompt joins
@@ -90,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --spawn: one more server, 'redraft-serve ARGS', labelled LABEL (repeatable), "
         "e.g. --also 'on-share2=--target default --prefill-share 2' to compare two settings of 'on' "
         "in the same run",
+    )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="with --spawn: one more server with the reference's own flags (labelled 'off2', or "
+        "'chunk-off2' in long-join), measured like the others: its ratio to the reference is the "
+        "run's noise (two processes of one code differ by tens of percent in one round on a small "
+        "CPU), so a ratio inside the control's range is not a difference",
     )
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument(
@@ -448,6 +460,18 @@ def measure_levels(args, servers: list, prompts: list, levels: list, headers: di
 # ---------------------------------------------------------------------------------- servers
 
 
+def spawn_lines(args, also: list) -> list[tuple[str, str]]:
+    """``(label, redraft-serve ARGS)`` of every server ``--spawn`` starts, the reference first:
+    the scenario's pair, the ``--control`` copy of the reference, then each ``--also``."""
+    if args.scenario == "long-join":
+        lines = [("chunk-off", args.spawn + " --prefill-chunk 0"), ("chunk-auto", args.spawn)]
+    else:
+        lines = [("off", args.spawn + " --no-speculation"), ("on", args.spawn)]
+    if args.control:
+        lines.append((lines[0][0] + "2", lines[0][1]))
+    return lines + list(also)
+
+
 def spawn(args_line: str, api_key: str | None) -> tuple[subprocess.Popen, str]:
     """Start ``redraft-serve ARGS --port 0``; returns (process, base URL)."""
     cmd = [
@@ -501,20 +525,19 @@ def main(argv=None) -> int:
     if also and not args.spawn or any(not label or not eq for label, eq, _ in also):
         print("loadtest: --also takes LABEL=ARGS, with --spawn.", file=sys.stderr)
         return 2
+    if args.control and not args.spawn:
+        print(
+            "loadtest: --control starts a second reference server: it needs --spawn.",
+            file=sys.stderr,
+        )
+        return 2
     key = args.api_key or os.environ.get("REDRAFT_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     procs = []
     try:
         if args.spawn:
             servers = []
-            if args.scenario == "long-join":
-                runs = (
-                    ("chunk-off", args.spawn + " --prefill-chunk 0"),
-                    ("chunk-auto", args.spawn),
-                )
-            else:
-                runs = (("off", args.spawn + " --no-speculation"), ("on", args.spawn))
-            for label, line in (*runs, *((label, line) for label, _, line in also)):
+            for label, line in spawn_lines(args, [(label, line) for label, _, line in also]):
                 proc, url = spawn(line, key)
                 procs.append(proc)
                 servers.append((label, url))

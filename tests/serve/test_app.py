@@ -453,3 +453,27 @@ def test_loadtest_repeats_levels_and_summarises_the_ratios(fake_server, tmp_path
     assert f"| {mean:.2f} [{lo:.2f}, {hi:.2f}] |" in line and line.endswith("| yes |")
     assert "| 2 | 1 | a |" in table and "| 2 | 2 | b |" in table  # the per-run rows
     assert loadtest.main(argv[:2] + ["--also", "x=--target default"]) == 2  # --also needs --spawn
+
+
+def test_loadtest_control_is_a_second_reference_server(capsys):
+    """``--control`` spawns the reference's own command line once more, after the pair and
+    before any ``--also``; without ``--spawn`` it is refused."""
+    from redraft.serve import loadtest
+
+    def lines(*extra):
+        args = loadtest.build_parser().parse_args(["--spawn", "--target T", *extra])
+        return loadtest.spawn_lines(args, [("x", "--target X")])
+
+    assert lines("--control") == [
+        ("off", "--target T --no-speculation"),
+        ("on", "--target T"),
+        ("off2", "--target T --no-speculation"),
+        ("x", "--target X"),
+    ]
+    assert lines("--control", "--scenario", "long-join")[2] == (
+        "chunk-off2",
+        "--target T --prefill-chunk 0",
+    )
+    assert [label for label, _ in lines()] == ["off", "on", "x"]
+    assert loadtest.main(["http://127.0.0.1:1", "--control"]) == 2
+    assert "--control" in capsys.readouterr().err
