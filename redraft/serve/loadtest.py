@@ -26,7 +26,7 @@ Markdown table alone, once, at the end (``... > table.md`` keeps just the table)
 The first server is the reference for the ratios (``x ref``); with ``--spawn`` it is "off".
 ``--control`` (with ``--spawn``) starts a second reference server, "off2", measured like the
 others: its ratio is what two processes of the same code differ by in this run. On the 2-core
-development machine, one round of 64 tokens, it ranged 0.79-1.34 per run of a level (docs/serve.md,
+development machine, one round of 64 tokens, it ranged 0.74-1.34 per run of a level (docs/serve.md,
 "A control server"): a ratio inside the control's range is not a difference.
 
 ``--scenario long-join`` (chunked prefill): ``C`` streams (``--concurrency``, one level) decode
