@@ -67,21 +67,23 @@ def main() -> None:
     warm = Scheduler(dec, max_batch=16, make_params=SamplingParams.checked)
     warm._warm(eng)
 
-    forwards = []  # (kind, tokens, ms) of this level's forwards
+    forwards = []  # (kind, tokens, ms, verify tokens) of this level's forwards
     verifier = eng.verifier
+
+    def verify_tokens(state, *a):
+        return state.packed.shape[0] * state.size
 
     def timed(kind, fn, tokens):
         def run(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
             ms = (time.perf_counter() - t) * 1e3
-            verify = a[0].packed.shape[0] * a[0].size if kind != "P" else 0
-            forwards.append((kind, tokens(*a), ms, verify))
+            forwards.append((kind, tokens(*a), ms, verify_tokens(*a) if kind != "P" else 0))
             return out
 
         return run
 
-    verifier.verify = timed("V", verifier.verify, lambda s, c: s.packed.shape[0] * s.size)
+    verifier.verify = timed("V", verifier.verify, verify_tokens)
     verifier.verify_with_piece = timed(
         "F", verifier.verify_with_piece, lambda s, c, toks, *a: len(toks) * len(toks[0])
     )
