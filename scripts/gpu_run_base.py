@@ -118,6 +118,11 @@ class Profile:
     speed_steps: int = 60
     dummy_speed_steps: int = 20
     full_steps: int | None = None  # None: the recipe's epochs, bounded by time
+    # stage e, when bounded by time: as many epochs as the time allows, the warm-up and cosine
+    # over that time. The tenth run's head saw its 1,586 conversations twice (the recipe's 2
+    # epochs) in 62 s and stopped with budget left (tau_est 1.51); on the CPU the same kind of
+    # small self-distilled set gained from up to ~12 epochs (docs/train.md, "Toward tau_est 1.8").
+    head_time_overrides: tuple = ("--epochs", "12", "--schedule-by-time")
     # stage e's self-distilled data, made as steps of their own (time-bounded) instead of inside
     # redraft-train (whose time budget counts training only): on a 135M target distilling is ~10x
     # slower per token than training, so the time goes to the replies

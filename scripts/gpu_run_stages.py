@@ -508,7 +508,7 @@ class Stages:
                     )
                     self.publish(st)
                     return
-                extra += ["--max-time-minutes", f"{prev / 60 + mine:.2f}"]
+                extra += ["--max-time-minutes", f"{prev / 60 + mine:.2f}", *p.head_time_overrides]
             self.run_step(
                 st, "train", self.train_argv(p.recipe, p.target, out, extra), min_s=120, grace_s=60
             )

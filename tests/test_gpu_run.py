@@ -419,6 +419,49 @@ def test_stage_e_with_distill_s_0_trains_on_the_replies_already_made(tmp_path):
     assert "train split" in st.steps[0].note
 
 
+def test_stage_e_bounded_by_time_trains_epochs_that_fill_the_time(tmp_path):
+    """Bounded by time (the GPU run), stage e asks the trainer for up to 12 epochs with the
+    schedule over that time (the tenth run's head stopped after its recipe's 2 epochs with budget
+    left), and those flags with the default recipe make a valid config."""
+    from redraft.train.cli import build_parser, config_from_args
+
+    gpu_run = _load_script("gpu_run")
+    args = gpu_run.build_parser().parse_args(
+        [
+            "--dry-run",
+            "--distill-s",
+            "0",
+            "--work",
+            str(tmp_path / "w"),
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    r = gpu_run.Runner(args)
+    r.profile.step_s["e/distill-heldout"] = 0
+    r.profile.full_steps = None  # the GPU profile's: bounded by the stage's time
+    r.profile.recipe = "default"
+    data = r.runs / "e-distilled"
+    data.mkdir(parents=True)
+    (data / "train.jsonl").write_text("")
+    calls = []
+
+    def run_step(st, name, argv, **kw):
+        calls.append((name, [str(a) for a in argv]))
+        return gpu_run.Step(name, argv, 0, 0.0, "ok")
+
+    r.run_step = run_step
+    r.stage_t0 = time.time()
+    r.stage_e(gpu_run.StageRun("e", "a test stage"))
+    (name, argv), *_ = calls
+    assert name == "train"
+    train_args = argv[argv.index("redraft-train") + 1 :]
+    cfg = config_from_args(build_parser().parse_args(train_args))
+    assert cfg.epochs == 12 and cfg.schedule_by_time
+    assert 1 < cfg.max_time_minutes < r.profile.budget_s / 60  # what the budget leaves
+    assert cfg.lr == 1e-3 and cfg.draft_vocab_size == 32768  # the rest is the default recipe's
+
+
 def _load_script(name):
     import importlib.util
 
