@@ -83,6 +83,10 @@ STEP_LIMITS = {
     # step stopped at its limit keeps every reply written), then training on them
     "e/distill-heldout": 90,
     "e/distill-train": 200,
+    # stage e: the target's features of the distilled records and of the KD-only records
+    # (a forward pass per token: seconds on a GPU for ~2M tokens)
+    "e/cache-main": 90,
+    "e/cache-kd": 90,
     "head-shards": 60,
     "head-join": 60,
 }
@@ -123,6 +127,10 @@ class Profile:
     # epochs) in 62 s and stopped with budget left (tau_est 1.51); on the CPU the same kind of
     # small self-distilled set gained from up to ~12 epochs (docs/train.md, "Toward tau_est 1.8").
     head_time_overrides: tuple = ("--epochs", "12", "--schedule-by-time")
+    # stage e: plain default-chat records whose cached features the head learns by KD only
+    # (redraft-cache-features, then --kd-features; 0: train online on the distilled replies alone)
+    head_kd_records: int = 1000
+    head_overrides: tuple = ()  # stage e's training only (the dry run's tiny recipe: ce+kd)
     # stage e's self-distilled data, made as steps of their own (time-bounded) instead of inside
     # redraft-train (whose time budget counts training only): on a 135M target distilling is ~10x
     # slower per token than training, so the time goes to the replies
@@ -174,6 +182,8 @@ class Profile:
             speed_steps=2,
             dummy_speed_steps=2,
             full_steps=4,
+            head_kd_records=8,
+            head_overrides=("--loss", "ce+kd"),  # --kd-features needs a KD term
             distill_args=("--max-new-tokens", "8", "--max-turns", "1", "--batch-size", "4"),
             distill_limit=8,
             distill_heldout=4,

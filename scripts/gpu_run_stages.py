@@ -444,8 +444,97 @@ class Stages:
             st.results[f"distilled_{split}"] = {"conversations": n, "seconds": step.seconds}
         return data
 
+    def cache_e(self, st: StageRun, out: Path, main_data: list, resume: bool) -> list:
+        """``--features`` / ``--kd-features`` flags for stage e's training, or none (it then trains
+        online, as before 2026-11-28). With ``Profile.head_kd_records``, the target's features of
+        the distilled records and of that many plain default-chat records (learnt by KD only: on
+        the CPU they added ~0.05 tau_est, docs/train.md "KD on every position and KD-only ShareGPT
+        records"), cached first, each step under its own limit; a step that fails or runs out of
+        time leaves the run online. A resumed run keeps what it started with."""
+        if resume:
+            cfg = out / "run_config.yaml"
+            text = cfg.read_text() if cfg.is_file() else ""
+            feats, kd = yaml_value(text, "features"), yaml_value(text, "kd_features")
+            if feats in ("?", "null", "", "None"):
+                return []
+            return ["--features", feats] + (
+                [] if kd in ("?", "null", "", "None") else ["--kd-features", kd]
+            )
+        p = self.profile
+        if not p.head_kd_records:
+            return []
+        dirs = {"cache-main": self.runs / "e-features", "cache-kd": self.runs / "e-kd-features"}
+        data = {
+            "cache-main": main_data,
+            "cache-kd": [
+                *("--data", "default-chat", "--set", "self_distill=false"),
+                *("--train-limit", p.head_kd_records),
+            ],
+        }
+        for name, d in dirs.items():
+            step = self.run_step(
+                st,
+                name,
+                self.py(
+                    "-m",
+                    "redraft.entry",
+                    "redraft-cache-features",
+                    *("--recipe", p.recipe, "--target", p.target, "--num-proc", p.num_proc),
+                    *data[name],
+                    *("--output-dir", d, "--overwrite"),
+                ),
+                min_s=20,
+                reserve_s=TRAIN_RESERVE_S + 60,  # as distillation: training keeps its minute
+                grace_s=10,
+            )
+            if step.status != "ok":
+                return []
+        return ["--features", dirs["cache-main"], "--kd-features", dirs["cache-kd"]]
+
+    def train_e(
+        self, st: StageRun, out: Path, data: Path, main_data: list, feats: list, resume: bool
+    ) -> Step | None:
+        """Stage e's ``train`` step (None, recorded and published, when no minute is left)."""
+        p = self.profile
+        extra = [
+            *p.train_overrides,
+            *main_data,
+            *p.head_overrides,
+            *feats,
+            "--eval-data",
+            f"sharegpt:{data / 'heldout.jsonl'}",
+            "--eval-every",
+            "0",
+            "--save-every",
+            "500",
+            "--resume" if resume else "--overwrite",
+        ]
+        if p.full_steps:
+            extra += ["--max-steps", p.full_steps]
+        else:
+            # the trainer stops when its cumulative training time reaches max_time_minutes: this run
+            # gets what its budget leaves after start-up and the final eval + save (TRAIN_RESERVE_S)
+            prev = max(
+                [
+                    (read_json(f) or {}).get("elapsed_s", 0.0)
+                    for f in out.glob("training_state/*/redraft_state.json")
+                ],
+                default=0.0,
+            )
+            mine = (self.deadline() - time.time() - TRAIN_RESERVE_S) / 60
+            if mine < 1:
+                st.steps.append(
+                    Step("train", [], None, 0.0, "no-time", "less than a minute of budget left")
+                )
+                self.publish(st)
+                return None
+            extra += ["--max-time-minutes", f"{prev / 60 + mine:.2f}", *p.head_time_overrides]
+        return self.run_step(
+            st, "train", self.train_argv(p.recipe, p.target, out, extra), min_s=120, grace_s=60
+        )
+
     def stage_e(self, st: StageRun) -> None:
-        out, p = self.head_dir(), self.profile
+        out = self.head_dir()
         m = read_json(out / "metrics.json") or {}
         done = m.get("status") == "completed" and m.get("global_step") == m.get("total_steps")
         if done:
@@ -476,42 +565,23 @@ class Stages:
                 )
                 self.publish(st)
                 return
-            extra = [
-                *p.train_overrides,
+            # (--set: redraft-cache-features has no --no-self-distill flag)
+            main_data = [
                 "--data",
                 f"sharegpt:{data / 'train.jsonl'}",
-                "--eval-data",
-                f"sharegpt:{data / 'heldout.jsonl'}",
-                "--no-self-distill",
-                "--eval-every",
-                "0",
-                "--save-every",
-                "500",
-                "--resume" if resume else "--overwrite",
+                "--set",
+                "self_distill=false",
             ]
-            if p.full_steps:
-                extra += ["--max-steps", p.full_steps]
-            else:
-                # the trainer stops when its cumulative training time reaches max_time_minutes: this run
-                # gets what its budget leaves after start-up and the final eval + save (TRAIN_RESERVE_S)
-                prev = max(
-                    [
-                        (read_json(f) or {}).get("elapsed_s", 0.0)
-                        for f in out.glob("training_state/*/redraft_state.json")
-                    ],
-                    default=0.0,
-                )
-                mine = (self.deadline() - time.time() - TRAIN_RESERVE_S) / 60
-                if mine < 1:
-                    st.steps.append(
-                        Step("train", [], None, 0.0, "no-time", "less than a minute of budget left")
-                    )
-                    self.publish(st)
+            feats = self.cache_e(st, out, main_data, resume)
+            step = self.train_e(st, out, data, main_data, feats, resume)
+            if step is None:
+                return
+            if step.status == "failed" and feats and not resume:
+                # no GPU run had trained from cached features before this (2026-11-28): a failure
+                # there must not cost the session its head, so what is left trains online
+                step.note = "from cached features; training online instead"
+                if self.train_e(st, out, data, main_data, [], resume) is None:
                     return
-                extra += ["--max-time-minutes", f"{prev / 60 + mine:.2f}", *p.head_time_overrides]
-            self.run_step(
-                st, "train", self.train_argv(p.recipe, p.target, out, extra), min_s=120, grace_s=60
-            )
             m = read_json(out / "metrics.json") or {}
         st.results["train"] = m
         made = [(k, v) for k, v in st.results.items() if k.startswith("distilled_")]

@@ -259,12 +259,16 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     assert "| micro x accum |" in d_md and "| 2 x 2 |" in d_md  # the tiny recipe, read back
     # e: a finished head with its held-out tau_est, back in shards; e2: its decode table
     e = res["e"]["results"]["train"]
-    # its data: the target's own replies, made by steps of their own before training
-    assert [x["name"] for x in res["e"]["steps"]][:3] == [
+    # its data: the target's own replies, made by steps of their own before training, then the
+    # target's features of those and of plain chat records (learnt by KD only)
+    assert [x["name"] for x in res["e"]["steps"]][:5] == [
         "distill-heldout",
         "distill-train",
+        "cache-main",
+        "cache-kd",
         "train",
     ]
+    assert e["features"] is True  # trained from the cached features, not online
     made = res["e"]["results"]
     assert made["distilled_heldout"]["conversations"] == 4
     assert made["distilled_train"]["conversations"] == 8
@@ -419,11 +423,13 @@ def test_stage_e_with_distill_s_0_trains_on_the_replies_already_made(tmp_path):
     assert "train split" in st.steps[0].note
 
 
-def test_stage_e_bounded_by_time_trains_epochs_that_fill_the_time(tmp_path):
-    """Bounded by time (the GPU run), stage e asks the trainer for up to 12 epochs with the
-    schedule over that time (the tenth run's head stopped after its recipe's 2 epochs with budget
-    left), and those flags with the default recipe make a valid config."""
-    from redraft.train.cli import build_parser, config_from_args
+def test_stage_e_caches_features_then_trains_epochs_that_fill_the_time(tmp_path):
+    """Stage e caches the target's features of its distilled records and of plain chat records
+    (KD only) and trains from them; bounded by time (the GPU run) it asks the trainer for up to 12
+    epochs with the schedule over that time (the tenth run's head stopped after its recipe's 2
+    epochs with budget left). The flags make valid configs with the default recipe; a resumed run
+    keeps its features; a failure from features falls back to training online."""
+    from redraft.train.cli import build_cache_parser, build_parser, config_from_args
 
     gpu_run = _load_script("gpu_run")
     args = gpu_run.build_parser().parse_args(
@@ -453,13 +459,60 @@ def test_stage_e_bounded_by_time_trains_epochs_that_fill_the_time(tmp_path):
     r.run_step = run_step
     r.stage_t0 = time.time()
     r.stage_e(gpu_run.StageRun("e", "a test stage"))
-    (name, argv), *_ = calls
-    assert name == "train"
-    train_args = argv[argv.index("redraft-train") + 1 :]
+    assert [name for name, _ in calls] == ["cache-main", "cache-kd", "train"]
+    argv = dict(calls)
+    train_args = argv["train"][argv["train"].index("redraft-train") + 1 :]
     cfg = config_from_args(build_parser().parse_args(train_args))
     assert cfg.epochs == 12 and cfg.schedule_by_time
     assert 1 < cfg.max_time_minutes < r.profile.budget_s / 60  # what the budget leaves
     assert cfg.lr == 1e-3 and cfg.draft_vocab_size == 32768  # the rest is the default recipe's
+    # trained from the features the two steps before cached: the distilled records' (the same
+    # records as the training's data) and plain chat records learnt by KD only
+    caches = {}
+    for name in ("cache-main", "cache-kd"):
+        a = argv[name][argv[name].index("redraft-cache-features") + 1 :]
+        caches[name] = (config_from_args(build_cache_parser().parse_args(a)), a)
+    main_cfg, main_args = caches["cache-main"]
+    kd_cfg, kd_args = caches["cache-kd"]
+    assert cfg.features == main_args[main_args.index("--output-dir") + 1]
+    assert cfg.kd_features == kd_args[kd_args.index("--output-dir") + 1]
+    assert (main_cfg.data, main_cfg.self_distill) == (cfg.data, False) and not cfg.self_distill
+    assert (kd_cfg.data, kd_cfg.self_distill) == ("default-chat", False)
+    assert kd_cfg.train_limit == r.profile.head_kd_records
+
+    # a resumed run (the next call) trains on what it started with: no caching again
+    out = r.head_dir()
+    (out / "training_state" / "step-9").mkdir(parents=True)
+    (out / "training_state" / "step-9" / "redraft_state.json").write_text('{"elapsed_s": 60}')
+    (out / "run_config.yaml").write_text(
+        f"features: {cfg.features}\nkd_features: {cfg.kd_features}\n"
+    )
+    calls.clear()
+    r.stage_t0 = time.time()
+    r.stage_e(gpu_run.StageRun("e", "a test stage"))
+    assert [name for name, _ in calls] == ["train"]
+    again = config_from_args(
+        build_parser().parse_args(calls[0][1][calls[0][1].index("redraft-train") + 1 :])
+    )
+    assert (again.features, again.kd_features) == (cfg.features, cfg.kd_features)
+    assert "--resume" in calls[0][1]
+
+    # training from the features fails (a first on a GPU): the same call trains online instead
+    shutil.rmtree(out)
+    calls.clear()
+
+    def fail_first_train(st, name, argv, **kw):
+        calls.append((name, [str(a) for a in argv]))
+        ok = name != "train" or sum(n == "train" for n, _ in calls) > 1
+        return gpu_run.Step(name, argv, 0 if ok else 1, 0.0, "ok" if ok else "failed")
+
+    r.run_step = fail_first_train
+    r.stage_t0 = time.time()
+    st = gpu_run.StageRun("e", "a test stage")
+    r.stage_e(st)
+    assert [name for name, _ in calls] == ["cache-main", "cache-kd", "train", "train"]
+    assert "--features" in calls[2][1] and "--features" not in calls[3][1]
+    assert "--kd-features" not in calls[3][1] and "--overwrite" in calls[3][1]
 
 
 def _load_script(name):
