@@ -395,20 +395,7 @@ def test_every_gpu_step_has_its_own_limit_within_a_call():
 def test_stage_e_with_distill_s_0_trains_on_the_replies_already_made(tmp_path):
     """The next call of a session that distilled for a whole call: no distilling, straight to
     training on the files the earlier call wrote."""
-    gpu_run = _load_script("gpu_run")
-    args = gpu_run.build_parser().parse_args(
-        [
-            "--dry-run",
-            "--distill-s",
-            "0",
-            "--work",
-            str(tmp_path / "w"),
-            "--out",
-            str(tmp_path / "o"),
-        ]
-    )
-    r = gpu_run.Runner(args)
-    r.profile.step_s["e/distill-heldout"] = 0
+    gpu_run, r = _stage_e_runner(tmp_path)
     r.stage_t0 = time.time()
     st = gpu_run.StageRun("e", "a test stage")
     data = r.distill_e(st, resume=False)
@@ -431,20 +418,7 @@ def test_stage_e_caches_features_then_trains_epochs_that_fill_the_time(tmp_path)
     keeps its features; a failure from features falls back to training online."""
     from redraft.train.cli import build_cache_parser, build_parser, config_from_args
 
-    gpu_run = _load_script("gpu_run")
-    args = gpu_run.build_parser().parse_args(
-        [
-            "--dry-run",
-            "--distill-s",
-            "0",
-            "--work",
-            str(tmp_path / "w"),
-            "--out",
-            str(tmp_path / "o"),
-        ]
-    )
-    r = gpu_run.Runner(args)
-    r.profile.step_s["e/distill-heldout"] = 0
+    gpu_run, r = _stage_e_runner(tmp_path)
     r.profile.full_steps = None  # the GPU profile's: bounded by the stage's time
     r.profile.recipe = "default"
     data = r.runs / "e-distilled"
@@ -513,6 +487,25 @@ def test_stage_e_caches_features_then_trains_epochs_that_fill_the_time(tmp_path)
     assert [name for name, _ in calls] == ["cache-main", "cache-kd", "train", "train"]
     assert "--features" in calls[2][1] and "--features" not in calls[3][1]
     assert "--kd-features" not in calls[3][1] and "--overwrite" in calls[3][1]
+
+
+def _stage_e_runner(tmp_path):
+    """A dry-run runner whose stage e distils nothing (``--distill-s 0``, no held-out split)."""
+    gpu_run = _load_script("gpu_run")
+    args = gpu_run.build_parser().parse_args(
+        [
+            "--dry-run",
+            "--distill-s",
+            "0",
+            "--work",
+            str(tmp_path / "w"),
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    r = gpu_run.Runner(args)
+    r.profile.step_s["e/distill-heldout"] = 0
+    return gpu_run, r
 
 
 def _load_script(name):
