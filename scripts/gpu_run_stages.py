@@ -514,12 +514,18 @@ class Stages:
         else:
             # the trainer stops when its cumulative training time reaches max_time_minutes: this run
             # gets what its budget leaves after start-up and the final eval + save (TRAIN_RESERVE_S)
-            prev = max(
-                [
-                    (read_json(f) or {}).get("elapsed_s", 0.0)
-                    for f in out.glob("training_state/*/redraft_state.json")
-                ],
-                default=0.0,
+            # (only a resumed run counts earlier time: an --overwrite run, the online fallback
+            # after a failed try, starts its clock at 0)
+            prev = (
+                max(
+                    [
+                        (read_json(f) or {}).get("elapsed_s", 0.0)
+                        for f in out.glob("training_state/*/redraft_state.json")
+                    ],
+                    default=0.0,
+                )
+                if resume
+                else 0.0
             )
             mine = (self.deadline() - time.time() - TRAIN_RESERVE_S) / 60
             if mine < 1:

@@ -478,6 +478,11 @@ def test_stage_e_caches_features_then_trains_epochs_that_fill_the_time(tmp_path)
     def fail_first_train(st, name, argv, **kw):
         calls.append((name, [str(a) for a in argv]))
         ok = name != "train" or sum(n == "train" for n, _ in calls) > 1
+        if not ok:  # it had trained a while and checkpointed before failing
+            (out / "training_state" / "step-5").mkdir(parents=True)
+            (out / "training_state" / "step-5" / "redraft_state.json").write_text(
+                '{"elapsed_s": 6000}'
+            )
         return gpu_run.Step(name, argv, 0 if ok else 1, 0.0, "ok" if ok else "failed")
 
     r.run_step = fail_first_train
@@ -487,6 +492,8 @@ def test_stage_e_caches_features_then_trains_epochs_that_fill_the_time(tmp_path)
     assert [name for name, _ in calls] == ["cache-main", "cache-kd", "train", "train"]
     assert "--features" in calls[2][1] and "--features" not in calls[3][1]
     assert "--kd-features" not in calls[3][1] and "--overwrite" in calls[3][1]
+    minutes = float(calls[3][1][calls[3][1].index("--max-time-minutes") + 1])
+    assert minutes < r.profile.budget_s / 60  # a fresh run's clock: the failed try's time not added
 
 
 def _stage_e_runner(tmp_path):
