@@ -454,12 +454,12 @@ class Stages:
         if resume:
             cfg = out / "run_config.yaml"
             text = cfg.read_text() if cfg.is_file() else ""
-            feats, kd = yaml_value(text, "features"), yaml_value(text, "kd_features")
-            if feats in ("?", "null", "", "None"):
-                return []
-            return ["--features", feats] + (
-                [] if kd in ("?", "null", "", "None") else ["--kd-features", kd]
-            )
+            flags = []
+            for key in ("features", "kd_features"):
+                value = yaml_value(text, key)
+                if value not in ("?", "null", "", "None"):  # "?": not in the file
+                    flags += ["--" + key.replace("_", "-"), value]
+            return flags
         p = self.profile
         if not p.head_kd_records:
             return []
