@@ -201,6 +201,33 @@ def distill_stream(
                 yield conv.result(counts)
 
 
+def split_chats(
+    records: Iterable[Record], split: str, heldout_fraction: float, counts=None
+) -> Iterator[Record]:
+    """The conversations of ``split`` (``all``, ``train``, ``heldout``) among ``records``, in source
+    order: what :func:`distill` reads, its ``limit`` counting them (the ``counts``, when given,
+    of documents skipped and conversations read)."""
+    for r in records:
+        if r.kind != "chat":
+            if counts is not None:
+                counts["not_a_conversation"] += 1
+            continue
+        if counts is not None:
+            counts["conversations_read"] += 1
+        if split != "all" and is_heldout(r.id, heldout_fraction) != (split == "heldout"):
+            continue
+        yield r
+
+
+def first_ids(spec: str, split: str, heldout_fraction: float, limit: int) -> set[str]:
+    """Ids of the first ``limit`` conversations of ``split`` in ``spec``: those a :func:`distill`
+    call with this ``limit`` replies to (reads the source, loads no model)."""
+    return {
+        r.id
+        for r in itertools.islice(split_chats(iter_records(spec), split, heldout_fraction), limit)
+    }
+
+
 def _prompt_limit(target, max_prompt_tokens: int, max_new_tokens: int) -> int:
     """The longest prompt a turn may have: ``max_prompt_tokens``, and room for the reply within
     the model's context (when it has a known one)."""
@@ -293,13 +320,7 @@ def distill(
 
     def todo():
         nonlocal seen
-        for r in records:
-            if r.kind != "chat":
-                counts["not_a_conversation"] += 1
-                continue
-            counts["conversations_read"] += 1
-            if split != "all" and is_heldout(r.id, heldout_fraction) != (split == "heldout"):
-                continue
+        for r in split_chats(records, split, heldout_fraction, counts):
             if limit is not None and seen >= limit:
                 return
             seen += 1

@@ -77,18 +77,33 @@ class Batch:
         )
 
 
-def load_datasets(cfg, tokenizer, env, train: bool = True):
-    """(train, heldout) token datasets from redraft.data; rank 0 tokenizes first (the cache).
-    With ``train=False`` only the held-out set is built (train is None)."""
-    from redraft.data import build_token_dataset
-
-    common = dict(
+def _data_kwargs(cfg) -> dict:
+    """``build_token_dataset`` settings every dataset of a run shares."""
+    return dict(
         max_length=cfg.max_length,
         pack=cfg.pack,
         heldout_fraction=cfg.heldout_fraction,
         num_proc=cfg.num_proc,
         cache_dir=cfg.data_cache_dir,
     )
+
+
+def _rank0_first(env, build):
+    """``build()`` on rank 0 first (it fills the tokenized cache), then on the other ranks."""
+    if not env.is_main:
+        env.barrier()
+    out = build()
+    if env.is_main:
+        env.barrier()
+    return out
+
+
+def load_datasets(cfg, tokenizer, env, train: bool = True):
+    """(train, heldout) token datasets from redraft.data; rank 0 tokenizes first (the cache).
+    With ``train=False`` only the held-out set is built (train is None)."""
+    from redraft.data import build_token_dataset
+
+    common = _data_kwargs(cfg)
 
     def build():
         tr = (
@@ -106,12 +121,19 @@ def load_datasets(cfg, tokenizer, env, train: bool = True):
             )
         return tr, held
 
-    if not env.is_main:
-        env.barrier()
-    out = build()
-    if env.is_main:
-        env.barrier()
-    return out
+    return _rank0_first(env, build)
+
+
+def load_kd_dataset(cfg, tokenizer, env):
+    """The ``--kd-data`` records (their train split, at most ``kd_limit``) as a token dataset."""
+    from redraft.data import build_token_dataset
+
+    return _rank0_first(
+        env,
+        lambda: build_token_dataset(
+            cfg.kd_data, tokenizer, split="train", limit=cfg.kd_limit, **_data_kwargs(cfg)
+        ),
+    )
 
 
 def check_dataset(ds, what: str):

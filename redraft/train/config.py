@@ -145,6 +145,14 @@ class TrainConfig(Settings):
         "the target's own next-token distribution over that text. Needs --features (the main "
         "records) and --loss kd or ce+kd.",
     )
+    kd_data: str | None = _f(
+        None,
+        "Like --kd-features for a run that trains online (the target reads them each step, "
+        "nothing is cached): a data spec (e.g. default-chat) whose train-split records are "
+        "mixed into the training records and trained with the KL term only, on every token. "
+        "Needs --loss kd or ce+kd; with --features, cache them and pass --kd-features.",
+    )
+    kd_limit: int | None = _f(None, "Use at most this many --kd-data records.", range=Range(1))
     init_head: str = _f(
         "random",
         "'random' (paper) or 'target': the output layer starts as the target's LM head "
@@ -361,6 +369,14 @@ class TrainConfig(Settings):
                 f"--kd-features {self.kd_features} needs --features (the main records, cached) "
                 f"and --loss kd or ce+kd (here: features {self.features!r}, loss {self.loss!r}).",
                 param="kd_features",
+            )
+        if self.kd_data and (self.features or self.loss == "ce"):
+            raise ConfigError(
+                f"--kd-data {self.kd_data} trains online with the KL term: it needs --loss kd or "
+                f"ce+kd and no --features (here: features {self.features!r}, loss {self.loss!r}); "
+                f"with cached features, cache these records too (redraft-cache-features --data "
+                f"{self.kd_data} --set self_distill=false) and pass them as --kd-features.",
+                param="kd_data",
             )
         per_process = self.micro_batch_size * self.grad_accum
         if self.gpu_micro_batch_size and per_process % self.gpu_micro_batch_size:

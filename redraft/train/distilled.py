@@ -12,7 +12,10 @@ float32; in bfloat16 rounding flips near-ties with the batch shape, whichever ge
 
     <distill_dir>/train.jsonl      the train split of --data, at most distill_limit conversations
     <distill_dir>/heldout.jsonl    its held-out split, at most eval_limit (unless --eval-data is set)
-    <distill_dir>/*.done.json      written when a file is complete: later runs read no source
+    <distill_dir>/*.done.json      written when a file is complete: later runs generate nothing
+    <distill_dir>/train.first-N.jsonl   a run asking for N conversations of a file made for more:
+                                   the replies to the first N source conversations, so a run's
+                                   records follow its settings, not what the cache holds
 
 ``distill_dir`` defaults to ``<redraft cache>/distilled/<target>-<hash>``, the hash over the
 target's tokenizer and weights fingerprints and every setting that changes the replies.
@@ -58,29 +61,65 @@ def distill_dir(cfg: TrainConfig, record: dict) -> Path:
     return CACHE_ROOT / "distilled" / f"{name}-{key}"
 
 
-def _complete(path: Path, settings: dict, limit: int | None) -> bool:
-    """``path`` was finished with these settings and at least ``limit`` conversations asked for."""
+def _asked(path: Path, settings: dict) -> tuple[bool, int | None]:
+    """``(finished, limit)``: ``path`` was finished with these settings for ``limit``
+    conversations (None: all of them)."""
     done = path.with_name(path.name + DONE_SUFFIX)
     if not (done.is_file() and path.is_file()):
-        return False
+        return False, None
     try:
         meta = json.loads(done.read_text())
     except (OSError, json.JSONDecodeError):
-        return False
-    asked = meta.get("limit")
-    return meta.get("settings") == settings and (
-        asked is None or (limit is not None and asked >= limit)
-    )
+        return False, None
+    return meta.get("settings") == settings, meta.get("limit")
+
+
+def _complete(path: Path, settings: dict, limit: int | None) -> bool:
+    """``path`` was finished with these settings and at least ``limit`` conversations asked for."""
+    finished, asked = _asked(path, settings)
+    return finished and (asked is None or (limit is not None and asked >= limit))
+
+
+def _view(path: Path, settings: dict, limit: int | None) -> Path:
+    """The file a run with ``limit`` reads: ``path``, or ``<stem>.first-<limit>.jsonl`` when
+    ``path`` was finished for more conversations (an earlier run asked for more)."""
+    finished, asked = _asked(path, settings)
+    if finished and limit is not None and (asked is None or asked > limit):
+        return path.with_name(f"{path.stem}.first-{limit}{path.suffix}")
+    return path
+
+
+def _write_first(path: Path, view: Path, cfg: TrainConfig, split: str, limit: int) -> None:
+    """``view``: the lines of ``path`` that answer the first ``limit`` source conversations of
+    ``split``: the records a run with this limit alone makes, whatever else the cache holds
+    (reading the source's ids costs well under a second; the file is rewritten only if it changed)."""
+    from redraft.data.distill import first_ids
+    from redraft.utils import atomic_write_text
+
+    keep = first_ids(cfg.data, split, cfg.heldout_fraction, limit)
+    with open(path, encoding="utf-8") as f:
+        text = "".join(line for line in f if json.loads(line).get("id") in keep)
+    if not (view.is_file() and view.read_text(encoding="utf-8") == text):
+        atomic_write_text(view, text)
 
 
 def ensure_split(
     target, cfg: TrainConfig, path: Path, split: str, limit: int | None, settings: dict, say
 ) -> None:
-    """Make (or finish) ``path``: the target's replies to ``split`` of ``cfg.data``."""
+    """Make (or finish) ``path``: the target's replies to ``split`` of ``cfg.data`` (and its
+    first-``limit`` view when it was made for more: :func:`_view`)."""
     from redraft.data.distill import distill
 
     if _complete(path, settings, limit):
-        say(f"redraft-train: self-distilled {split} data found in {path}")
+        view = _view(path, settings, limit)
+        if view != path:
+            _write_first(path, view, cfg, split, limit)
+            say(
+                f"redraft-train: self-distilled {split} data found in {path} (made for "
+                f"{_asked(path, settings)[1] or 'all'} conversations; the first {limit}: {view.name})"
+            )
+        else:
+            say(f"redraft-train: self-distilled {split} data found in {path}")
         return
     say(
         f"redraft-train: self-distilling the {split} split of {cfg.data} ({limit or 'all'} conversations, "
@@ -135,6 +174,8 @@ def distilled_data(cfg: TrainConfig, target, record: dict, env, train: bool = Tr
         if not cfg.eval_data:
             ensure_split(target, cfg, held_file, "heldout", cfg.eval_limit, settings, env.say)
     env.barrier()
+    train_file = _view(train_file, settings, cfg.distill_limit)  # rank 0 wrote the views
+    held_file = _view(held_file, settings, cfg.eval_limit)
     return dataclasses.replace(
         cfg, data=f"sharegpt:{train_file}", eval_data=cfg.eval_data or f"sharegpt:{held_file}"
     )

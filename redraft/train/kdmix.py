@@ -1,4 +1,5 @@
-"""Main cached records plus KD-only cached records (``--kd-features``), as one record source.
+"""Main records plus KD-only records (``--kd-features`` cached, ``--kd-data`` online), as one
+record source.
 
 The KD-only records are any text the target has read once (``redraft-cache-features`` over plain
 ShareGPT, say: a forward pass per token, where a self-distilled reply costs a generation step per
@@ -7,7 +8,8 @@ the target's own next-token distribution for that context, which is what the hea
 So their rows carry no loss mask (no cross-entropy) and ``kd_rows`` (the KL term counts on every
 real token, :func:`redraft.train.step.kd_positions_mask`).
 
-Record indices ``[0, len(main))`` are the main records, the rest the KD-only ones; an epoch
+Online (``--kd-data``) the target reads them each step like the main records and its LM head
+gives the teacher. Record indices ``[0, len(main))`` are the main records, the rest the KD-only ones; an epoch
 (:func:`redraft.train.batches.epoch_batches` over :attr:`lengths`) shuffles both together.
 """
 
@@ -36,13 +38,22 @@ def _pad_cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 class KDOnlyMix:
-    """``main`` (a :class:`FeatureRecords`) and the KD-only features in ``path``, checked to come
-    from the same target (fingerprints) with the same feature layout."""
+    """``main`` records plus the KD-only records ``extra``, one record source: two
+    :class:`FeatureRecords` (:meth:`of_features`, ``--kd-features``) or two token sources
+    (:class:`redraft.train.batches.TokenRecords`, ``--kd-data``: the target reads both online)."""
 
-    def __init__(self, main: FeatureRecords, path, record: dict):
-        self.main = main
-        self.extra = FeatureRecords(path, load_topk=True)
-        saved = self.extra.meta["target"]
+    def __init__(self, main, extra):
+        self.main, self.extra = main, extra
+        self.n_main = len(main)
+        self.lengths = np.concatenate([main.lengths, extra.lengths])
+        self.kd_tokens = int(extra.lengths.sum())
+
+    @classmethod
+    def of_features(cls, main: FeatureRecords, path, record: dict) -> KDOnlyMix:
+        """``main`` and the KD-only features in ``path``, checked to come from the same target
+        (fingerprints) with the same feature layout."""
+        extra = FeatureRecords(path, load_topk=True)
+        saved = extra.meta["target"]
         if record_mismatch(saved, record):
             raise FingerprintMismatchError(
                 f"--kd-features {path} were cached from target {describe(saved)}, but this run's "
@@ -56,16 +67,14 @@ class KDOnlyMix:
                 f"{r.hidden_dtype}, top-{r.top_k}"
             )
 
-        if layout(self.extra) != layout(main):
+        if layout(extra) != layout(main):
             raise ConfigError(
-                f"--kd-features {path} hold features of {layout(self.extra)}, --features "
+                f"--kd-features {path} hold features of {layout(extra)}, --features "
                 f"{main.path} of {layout(main)}; cache both with the same --head-features, "
                 f"--feature-layers, --hidden-dtype and --top-k.",
                 param="kd_features",
             )
-        self.n_main = len(main)
-        self.lengths = np.concatenate([main.lengths, self.extra.lengths])
-        self.kd_tokens = int(self.extra.lengths.sum())
+        return cls(main, extra)
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -222,11 +222,8 @@ def _load_records(run: _Run, train_dataset, eval_dataset) -> None:
         if cfg.kd_features:
             from redraft.train.kdmix import KDOnlyMix
 
-            records = KDOnlyMix(records, cfg.kd_features, run.record)
-            env.say(
-                f"redraft-train: + {len(records) - records.n_main} KD-only records "
-                f"({records.kd_tokens} tokens) from {cfg.kd_features} (the KL term on every token)"
-            )
+            records = KDOnlyMix.of_features(records, cfg.kd_features, run.record)
+            _say_kd_only(env, records, cfg.kd_features)
         if eval_dataset is None:
             data_cfg = distilled_data(cfg, target, record, env, train=False)
             _, eval_dataset = load_datasets(data_cfg, target.tokenizer, env, train=False)
@@ -238,9 +235,23 @@ def _load_records(run: _Run, train_dataset, eval_dataset) -> None:
             train_dataset = tr if train_dataset is None else train_dataset
             eval_dataset = ev if eval_dataset is None else eval_dataset
         records = TokenRecords(train_dataset)
+        if cfg.kd_data:
+            from redraft.train.batches import load_kd_dataset
+            from redraft.train.kdmix import KDOnlyMix
+
+            kd = check_dataset(load_kd_dataset(cfg, target.tokenizer, env), "--kd-data")
+            records = KDOnlyMix(records, TokenRecords(kd))
+            _say_kd_only(env, records, f"{cfg.kd_data} (the target reads them online)")
     check_dataset(eval_dataset, "held-out")
     run.records, run.eval_dataset = records, eval_dataset
     run.hidden_dtype = target_dtype(run.precision, env.device)
+
+
+def _say_kd_only(env, records, source: str) -> None:
+    env.say(
+        f"redraft-train: + {len(records) - records.n_main} KD-only records "
+        f"({records.kd_tokens} tokens) from {source} (the KL term on every token)"
+    )
 
 
 def _build_training(run: _Run) -> None:

@@ -59,3 +59,53 @@ def test_the_default_cache_folder_is_keyed_by_target_and_settings(tmp_path, tiny
     b = distill_dir(_cfg(tmp_path, chat_file, distill_dir="", distill_max_new_tokens="7"), rec)
     c = distill_dir(_cfg(tmp_path, chat_file, distill_dir="", lr="0.5"), rec)
     assert a != b and a == c and a.parent.name == "distilled"
+
+
+def test_a_file_made_for_more_conversations_gives_a_smaller_limit_its_first_ones(
+    tmp_path, tiny_target, chat_file
+):
+    """A cache extended by an earlier, larger run: a run asking for fewer reads the replies to
+    its own first N source conversations (the records a fresh run with N makes), not the lot."""
+    from types import SimpleNamespace
+
+    from redraft.train.distilled import distilled_data
+
+    said = []
+    env = SimpleNamespace(is_main=True, say=said.append, barrier=lambda: None)
+    rec = target_record(tiny_target)
+    cfg = _cfg(tmp_path, chat_file, distill_limit="12")
+    big = distilled_data(cfg, tiny_target, rec, env)
+    out = tmp_path / "distilled"
+    assert big.data == f"sharegpt:{out / 'train.jsonl'}"
+    small = distilled_data(_cfg(tmp_path, chat_file, distill_limit="5"), tiny_target, rec, env)
+    view = out / "train.first-5.jsonl"
+    assert small.data == f"sharegpt:{view}"
+    assert any("made for 12 conversations; the first 5: train.first-5.jsonl" in m for m in said)
+    # the eval file was made for the same eval_limit: read whole
+    assert small.eval_data == f"sharegpt:{out / 'heldout.jsonl'}"
+    ids = [json.loads(line)["id"] for line in view.read_text().splitlines()]
+    train_ids = [
+        json.loads(line)["id"]
+        for line in chat_file.read_text().splitlines()
+        if not is_heldout(json.loads(line)["id"], cfg.heldout_fraction)
+    ]
+    assert sorted(ids) == sorted(train_ids[:5]) and len(train_ids) > 5
+    # what a fresh cache with limit 5 holds: the same conversations, the same replies
+    fresh = distilled_data(
+        _cfg(tmp_path, chat_file, distill_limit="5", distill_dir=str(tmp_path / "fresh")),
+        tiny_target,
+        rec,
+        env,
+    )
+    fresh_file = tmp_path / "fresh" / "train.jsonl"
+    assert fresh.data == f"sharegpt:{fresh_file}"
+    by_id = {
+        json.loads(x)["id"]: json.loads(x)["conversations"]
+        for x in fresh_file.read_text().splitlines()
+    }
+    assert {
+        json.loads(x)["id"]: json.loads(x)["conversations"] for x in view.read_text().splitlines()
+    } == by_id
+    # asking for as many as were made reads the file itself
+    again = distilled_data(_cfg(tmp_path, chat_file, distill_limit="12"), tiny_target, rec, env)
+    assert again.data == big.data
