@@ -33,6 +33,31 @@ def cached(tmp_path_factory, tiny_target, tiny_target_dir, chat_file, tiny_data)
     return path
 
 
+def _loss_of(tmp_path, tiny_target, tiny_target_dir, chat_file, target):
+    """``loss(batch, **config overrides)`` of a fixed tiny head (``target``: None when the batch
+    carries cached features, else the target that reads it)."""
+    torch.manual_seed(0)
+    model = ReDrafter(ReDrafterConfig.for_target(tiny_target, num_layers=1, num_steps=3))
+    model.attach_target(tiny_target)
+
+    def loss(batch, **over):
+        cfg = _cfg(
+            tmp_path, tiny_target_dir, chat_file, num_steps=3, draft_vocab_size="none", **over
+        )
+        return float(batch_loss(model, model, target, batch, cfg, "fp32")[0])
+
+    return loss
+
+
+def _assert_kd_on_every_token(loss, kd_only, record, contrast: float) -> None:
+    """``kd_only`` (a KD-only row of ``record``) under ce+kd / assistant = ``record`` under
+    kd / all, and that differs from ``record`` under kd / assistant by more than ``contrast``
+    relative."""
+    expect = loss(record, loss="kd", kd_positions="all")
+    assert loss(kd_only, loss="ce+kd", kd_positions="assistant") == pytest.approx(expect, rel=1e-6)
+    assert loss(record, loss="kd", kd_positions="assistant") != pytest.approx(expect, rel=contrast)
+
+
 def test_kd_only_rows_lose_their_labels_and_learn_kd_on_every_token(
     tmp_path, cached, tiny_target, tiny_target_dir, chat_file
 ):
@@ -50,21 +75,9 @@ def test_kd_only_rows_lose_their_labels_and_learn_kd_on_every_token(
     assert torch.equal(b.hidden[1, :L], three.hidden[0])
     assert torch.equal(b.topk_logits[1, :L], three.topk_logits[0])
 
-    torch.manual_seed(0)
-    model = ReDrafter(ReDrafterConfig.for_target(tiny_target, num_layers=1, num_steps=3))
-    model.attach_target(tiny_target)
-
-    def loss(batch, **over):
-        cfg = _cfg(
-            tmp_path, tiny_target_dir, chat_file, num_steps=3, draft_vocab_size="none", **over
-        )
-        return float(batch_loss(model, model, None, batch, cfg, "fp32")[0])
-
     # a KD-only row under ce+kd / assistant = that record under kd / all: KD on every token
-    kd_only = mix.batch(np.array([n + 3]), "cpu")
-    expect = loss(three, loss="kd", kd_positions="all")
-    assert loss(kd_only, loss="ce+kd", kd_positions="assistant") == pytest.approx(expect, rel=1e-6)
-    assert abs(loss(three, loss="kd", kd_positions="assistant") - expect) > 1e-3
+    loss = _loss_of(tmp_path, tiny_target, tiny_target_dir, chat_file, None)
+    _assert_kd_on_every_token(loss, mix.batch(np.array([n + 3]), "cpu"), three, 1e-3)
     # a main row is untouched by the mix
     m = mix.batch(np.array([3]), "cpu")
     assert loss(m, loss="ce+kd") == pytest.approx(loss(three, loss="ce+kd"), rel=1e-6)
@@ -100,21 +113,10 @@ def test_online_kd_only_rows_learn_the_targets_kl_on_every_token(
     three = main.batch(np.array([3]), "cpu")
     assert b.kd_rows.tolist() == [False, True] and b.hidden is None
     assert b.mask[1].sum() == 0 and three.mask.sum() > 0
-    torch.manual_seed(0)
-    model = ReDrafter(ReDrafterConfig.for_target(tiny_target, num_layers=1, num_steps=3))
-    model.attach_target(tiny_target)
-
-    def loss(batch, **over):
-        cfg = _cfg(
-            tmp_path, tiny_target_dir, chat_file, num_steps=3, draft_vocab_size="none", **over
-        )
-        return float(batch_loss(model, model, tiny_target, batch, cfg, "fp32")[0])
-
-    kd_only = mix.batch(np.array([n + 3]), "cpu")
-    expect = loss(three, loss="kd", kd_positions="all")
-    assert loss(kd_only, loss="ce+kd", kd_positions="assistant") == pytest.approx(expect, rel=1e-6)
-    # (the tiny random target's KL differs little from place to place: 2.5e-4 relative here)
-    assert loss(three, loss="kd", kd_positions="assistant") != pytest.approx(expect, rel=2e-5)
+    # the same as from the cache, the teacher now the target's LM head (its random KL differs
+    # little from place to place: 2.5e-4 relative between assistant and every token here)
+    loss = _loss_of(tmp_path, tiny_target, tiny_target_dir, chat_file, tiny_target)
+    _assert_kd_on_every_token(loss, mix.batch(np.array([n + 3]), "cpu"), three, 2e-5)
 
 
 def test_a_run_with_kd_data_trains_online_on_both(
