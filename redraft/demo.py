@@ -109,31 +109,17 @@ def train_head(target_spec: str, out: Path, minutes: float, retrain: bool) -> Pa
     )
     # the target's features of the self-distilled records, cached once (like the records): the
     # budget then trains the head ~2x the tokens of a run that runs the target every step
-    # (docs/train.md, "Toward tau_est 1.8"); plus the target's features of plain ShareGPT
-    # records, trained with the KL term only (kd_features: a forward pass per token where a
-    # self-distilled reply costs a generation step; docs/train.md, "KD on every position")
+    # (docs/train.md, "Toward tau_est 1.8"). No KD-only ShareGPT records since 2026-11-28: with
+    # ~1,700 distilled conversations they no longer paid (docs/train.md, "Step decay").
     with use_replies(EngineReplies):  # the self-distilled data comes from redraft's engine
         feats = cache_demo_features(cfg, out.parent / f"{out.name}-features")
-        kd = cache_demo_features(kd_records_config(cfg), out.parent / f"{out.name}-kd-features")
-        metrics = train(
-            cfg.replace(features=str(feats), kd_features=str(kd)), resume=False, overwrite=True
-        )
+        metrics = train(cfg.replace(features=str(feats)), resume=False, overwrite=True)
     if metrics.get("status") == "interrupted":
         raise RedraftError(
             f"training was interrupted; the checkpoint in {out} can be resumed with "
             f"`redraft-train --output-dir {out} --resume`."
         )
     return out
-
-
-# plain ShareGPT records (train split) whose target features the demo head learns by KD only
-KD_RECORDS = 128
-
-
-def kd_records_config(cfg):
-    """``cfg`` for the KD-only records: the first :data:`KD_RECORDS` records of the train split
-    of ``cfg.data`` as they are (not self-distilled: no generation)."""
-    return cfg.replace(self_distill=False, train_limit=KD_RECORDS)
 
 
 def cache_demo_features(cfg, path: Path) -> Path:

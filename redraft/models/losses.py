@@ -37,12 +37,24 @@ IGNORE_INDEX = -100  # a label that takes no part in the loss (the transformers 
 DEFAULT_CHUNK_ROWS = 2048
 
 
-def step_weights(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def step_decay_factors(has: torch.Tensor, decay: float) -> torch.Tensor:
+    """``[n]`` factors ``decay**i`` renormalised to a mean of 1 over the steps ``has`` marks
+    (``[n]``, those with a position): a step's share of the loss under ``step_decay``."""
+    d = decay ** torch.arange(has.shape[0], device=has.device, dtype=torch.float32)
+    has = has.float()
+    return d * has.sum().clamp(min=1) / (d * has).sum().clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def step_weights(valid: torch.Tensor, decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight [P, n], count [n])``: ``sum(weight * per_token_loss)`` is the mean over the steps
-    that have a valid token of each step's mean loss. Pure tensor ops (no host read)."""
+    that have a valid token of each step's mean loss (``decay`` < 1: step i's mean weighted by
+    :func:`step_decay_factors`, the early steps, which every accepted chain needs, counting more).
+    Pure tensor ops (no host read)."""
     count = valid.float().sum(0)  # [n]
     has = (count > 0).float()
     per_step = has / (count.clamp(min=1) * has.sum().clamp(min=1))  # [n]
+    if decay != 1.0:
+        per_step = per_step * step_decay_factors(has, decay)
     return valid.float() * per_step, count
 
 
@@ -54,6 +66,7 @@ def drafter_loss(
     ce_weight: float = 1.0,
     kd_weight: float = 0.0,
     kd_valid: torch.Tensor | None = None,
+    step_decay: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
     """Mean over steps of the masked per-step loss, from dense logits.
 
@@ -66,17 +79,21 @@ def drafter_loss(
         kd_valid: ``[P, n]`` bool mask of the KL term's positions (a superset of ``valid``, e.g.
             every real token: ``kd_positions: all``); None = ``valid``. Each term is its own
             mean over the steps of its per-step means.
+        step_decay: step i's mean counts ``step_decay**i`` (renormalised to a mean of 1;
+            :func:`step_weights`); 1 = the plain mean.
 
     Returns:
         ``(loss, stats)``: a scalar, and ``stats["step_loss"]`` ``[n]`` (detached, per step: the
-        step's mean CE plus its mean KL, weighted), ``stats["step_count"]`` ``[n]`` valid targets
-        per step.
+        step's mean CE plus its mean KL, weighted by ce/kd_weight, not by the decay),
+        ``stats["step_count"]`` ``[n]`` valid targets per step.
     """
     P, n, V = logits.shape
     logp = logits.float().log_softmax(-1)  # [P, n, Vd]
     kd_mask = valid if kd_valid is None else kd_valid
-    weight, count = step_weights(valid)
-    kd_weights, kd_count = (weight, count) if kd_valid is None else step_weights(kd_valid)
+    weight, count = step_weights(valid, step_decay)
+    kd_weights, kd_count = (
+        (weight, count) if kd_valid is None else step_weights(kd_valid, step_decay)
+    )
     loss = logits.new_zeros((), dtype=torch.float32)
     step_loss = logits.new_zeros(n, dtype=torch.float32)
     if ce_weight:
@@ -195,6 +212,7 @@ def fused_drafter_loss(
     kd_weight: float = 0.0,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     kd_valid: torch.Tensor | None = None,
+    step_decay: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
     """:func:`drafter_loss` of ``logits = features @ weight.T`` without holding the logits.
 
@@ -205,18 +223,18 @@ def fused_drafter_loss(
         teacher_ids, teacher_probs: ``[P, n, k]`` the KD teacher (:func:`sparse_teacher`), or None.
         ce_weight, kd_weight: weights of the two terms.
         chunk_rows: rows of logits computed at once.
-        kd_valid: the KL term's positions, as in :func:`drafter_loss`.
+        kd_valid, step_decay: as in :func:`drafter_loss`.
 
     Returns:
         ``(loss, stats)`` as :func:`drafter_loss`, and ``stats["top1"]`` ``[P, n]`` bool: the
         drafter's top-1 equals the data token (for the training meter, free here).
     """
     P, n, D = features.shape
-    weights, count = step_weights(valid)
+    weights, count = step_weights(valid, step_decay)
     ce_valid = valid & (targets_draft >= 0)
     w_ce = (weights * ce_valid * ce_weight).reshape(-1)
     use_kd = bool(kd_weight) and teacher_ids is not None
-    kd_weights = weights if kd_valid is None else step_weights(kd_valid)[0]
+    kd_weights = weights if kd_valid is None else step_weights(kd_valid, step_decay)[0]
     w_kd = (kd_weights * kd_weight).reshape(-1) if use_kd else torch.zeros_like(w_ce)
     if use_kd:
         k = teacher_ids.shape[-1]  # explicit: P may be 0 (a batch with nothing to learn)
@@ -235,6 +253,8 @@ def fused_drafter_loss(
     # position it is the step's mean CE plus its mean KL (kd_valid covers valid: its steps)
     has = count > 0 if not use_kd or kd_valid is None else kd_valid.any(0)
     per_step = per_tok.view(P, n).sum(0) * has.sum() * has
+    if step_decay != 1.0:  # the stats are the steps' means, undecayed
+        per_step = per_step / step_decay_factors(has, step_decay)
     return loss, {
         "step_loss": per_step.detach(),
         "step_count": count.detach(),

@@ -145,6 +145,13 @@ class TrainConfig(Settings):
         "the target's own next-token distribution over that text. Needs --features (the main "
         "records) and --loss kd or ce+kd.",
     )
+    step_decay: float = _f(
+        1.0,
+        "Draft step i's mean loss counts step_decay^i (renormalised to a mean of 1 over the "
+        "steps): below 1 the early steps, which every accepted chain needs, count more; 1 = the "
+        "plain mean over the steps (the paper).",
+        range=Range(0, 1, lo_open=True),
+    )
     kd_data: str | None = _f(
         None,
         "Like --kd-features for a run that trains online (the target reads them each step, "

@@ -55,22 +55,27 @@ def _loss_fn():
 
 
 def liger_drafter_loss(
-    features: torch.Tensor, weight: torch.Tensor, targets_draft: torch.Tensor, valid: torch.Tensor
+    features: torch.Tensor,
+    weight: torch.Tensor,
+    targets_draft: torch.Tensor,
+    valid: torch.Tensor,
+    step_decay: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
     """The drafter's CE loss of ``features @ weight.T`` through Liger's kernel.
 
     Args:
         features: ``[P, n, D]``; weight: ``[Vd, D]``; targets_draft: ``[P, n]`` (-1 outside the
-            draft vocabulary); valid: ``[P, n]`` bool.
+            draft vocabulary); valid: ``[P, n]`` bool; step_decay: as in
+            :func:`redraft.models.losses.drafter_loss`.
 
     Returns:
         ``(loss, stats)`` as :func:`redraft.models.losses.drafter_loss`.
     """
     fn = _loss_fn()
-    weights, count = step_weights(valid)  # [P, n], [n]
+    weights, count = step_weights(valid, step_decay)  # [P, n], [n]
     learn = valid & (targets_draft >= 0)
     labels = torch.where(learn, targets_draft, IGNORE_INDEX)  # [P, n]
-    per_step_w = weights.sum(0)  # [n]: has_i / n_has
+    per_step_w = weights.sum(0)  # [n]: has_i / n_has (times the step's decay factor)
     step_loss, loss = [], features.new_zeros((), dtype=torch.float32)
     for i in range(features.shape[1]):  # n <= 8 kernel calls, each over P rows
         mean_i = fn(weight, features[:, i].contiguous(), labels[:, i])

@@ -258,6 +258,7 @@ def batch_loss(
             ce_weight=ce_w,
             kd_weight=kd_w,
             kd_valid=win.kd_valid,
+            step_decay=cfg.step_decay,
         )
         return loss, stats, logits, win, targets_d
     with head_autocast(ids.device, precision):
@@ -265,7 +266,9 @@ def batch_loss(
         if impl == "liger":
             from redraft.train.liger import liger_drafter_loss
 
-            loss, stats = liger_drafter_loss(feats, model.lm_head.weight, targets_d, win.valid)
+            loss, stats = liger_drafter_loss(
+                feats, model.lm_head.weight, targets_d, win.valid, cfg.step_decay
+            )
         else:
             loss, stats = fused_drafter_loss(
                 feats,
@@ -277,6 +280,7 @@ def batch_loss(
                 ce_weight=ce_w,
                 kd_weight=kd_w,
                 kd_valid=win.kd_valid,
+                step_decay=cfg.step_decay,
             )
     return loss, stats, None, win, targets_d
 

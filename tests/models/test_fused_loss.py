@@ -90,7 +90,8 @@ def test_fused_loss_under_bf16_autocast_is_close_to_fp32():
     assert abs(amp.item() - ref.item()) < 0.05 * abs(ref.item())
 
 
-def test_the_liger_wiring_gives_the_drafter_loss(monkeypatch):
+@pytest.mark.parametrize("decay", [1.0, 0.6])
+def test_the_liger_wiring_gives_the_drafter_loss(monkeypatch, decay):
     """liger-kernel cannot run here (CUDA, Triton): a stand-in with its interface (mean CE over the
     rows that are not ignore_index, from the weight and the features) checks how redraft combines
     its per-step means into the drafter loss."""
@@ -115,11 +116,45 @@ def test_the_liger_wiring_gives_the_drafter_loss(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
     feats, weight, targets, valid, *_ = _case()
     f1, w1 = feats.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref, ref_stats = drafter_loss(f1 @ w1.t(), targets, valid)
+    ref, ref_stats = drafter_loss(f1 @ w1.t(), targets, valid, step_decay=decay)
     ref.backward()
     f2, w2 = feats.clone().requires_grad_(), weight.clone().requires_grad_()
-    out, stats = liger.liger_drafter_loss(f2, w2, targets, valid)
+    out, stats = liger.liger_drafter_loss(f2, w2, targets, valid, decay)
     out.backward()
     torch.testing.assert_close(out.double(), ref.double())
     torch.testing.assert_close(w2.grad, w1.grad)
     torch.testing.assert_close(stats["step_loss"].double(), ref_stats["step_loss"].double())
+
+
+@pytest.mark.parametrize("ce_w,kd_w", [(1.0, 0.0), (1.0, 0.5)])
+def test_step_decay_weights_each_steps_mean_and_the_fused_loss_follows(ce_w, kd_w):
+    """``step_decay`` d: step i's mean counts d**i, renormalised over the steps that have a
+    position (here steps 0 and 1; step 2 has none): 1.25 and 0.75 at d = 0.6. The per-step
+    stats stay the undecayed means, and the fused loss equals the dense one."""
+    feats, weight, targets, valid, t_ids, t_logits = _case()
+    V = weight.shape[0]
+    teacher = _dense_teacher(t_ids, t_logits, V)
+    logits = feats @ weight.t()
+    kw = dict(ce_weight=ce_w, kd_weight=kd_w)
+    plain, plain_stats = drafter_loss(logits, targets, valid, teacher, **kw)
+    f1, w1 = feats.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref, ref_stats = drafter_loss(f1 @ w1.t(), targets, valid, teacher, step_decay=0.6, **kw)
+    ref.backward()
+    s = plain_stats["step_loss"].double()
+    assert plain_stats["step_count"][2] == 0 and plain_stats["step_count"][:2].min() > 0
+    torch.testing.assert_close(ref_stats["step_loss"], plain_stats["step_loss"])
+    torch.testing.assert_close(ref.double(), (1.25 * s[0] + 0.75 * s[1]) / 2)
+    torch.testing.assert_close(plain.double(), (s[0] + s[1]) / 2)
+    assert abs(float(ref) - float(plain)) > 1e-3
+    f2, w2 = feats.clone().requires_grad_(), weight.clone().requires_grad_()
+    ids, probs = sparse_teacher(t_ids, t_logits)
+    out, stats = fused_drafter_loss(
+        f2, w2, targets, valid, ids, probs.double(), chunk_rows=4, step_decay=0.6, **kw
+    )
+    out.backward()
+    torch.testing.assert_close(out.double(), ref.double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(f2.grad, f1.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w2.grad, w1.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        stats["step_loss"].double(), ref_stats["step_loss"].double(), rtol=1e-5, atol=1e-6
+    )

@@ -33,11 +33,3 @@ def test_demo_features_are_cached_once_and_replaced_for_other_records(
     assert shard.stat().st_mtime_ns == mtime
     demo.cache_demo_features(cfg(96), path)  # other records: cached again
     assert json.loads((path / "features.json").read_text())["data"]["max_length"] == 96
-
-
-def test_the_demo_kd_records_are_plain_records_of_the_same_data():
-    cfg = make_config("demo")
-    kd = demo.kd_records_config(cfg)
-    assert cfg.self_distill and not kd.self_distill  # the records as they are: no generation
-    assert kd.train_limit == demo.KD_RECORDS and kd.data == cfg.data
-    assert kd.max_length == cfg.max_length and kd.heldout_fraction == cfg.heldout_fraction
