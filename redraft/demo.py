@@ -3,8 +3,8 @@
 1. n-gram tables for the target (model unigram/bigram/extended + ShareGPT tri-grams), built
    once into ``checkpoints/ngrams-smollm2`` and reused when present;
 2. a ReDrafter head trained for a bounded time on the target's own replies to default-ShareGPT
-   prompts (recipe ``demo``: self-distilled once and cached, then 8 minutes of training on CPU,
-   from cached target features, with 128 plain ShareGPT records learnt by KD only), written to
+   prompts (recipe ``demo``: 2,048 first turns self-distilled once and cached, then 8 minutes
+   of training on CPU from cached target features), written to
    ``checkpoints/redrafter-smollm2`` and reused when present (``--retrain`` trains again);
 3. a few held-out ShareGPT prompts decoded with plain greedy decoding and with the unified
    speculative decoder (every drafter in one tree): it prints tokens per target call (tau),
