@@ -38,7 +38,7 @@ LAYERS = [
     {"data", "hub"},  # data tokenizes with the target's tokenizer; hub's push checks a drafter
     {"train", "ngrams"},
     {"infer"},
-    {"serve"},
+    {"serve", "vllm"},  # what users run: redraft's server, redraft's drafters inside vLLM
     # make demo: builds tables, trains, decodes; entry: the console scripts of data and train
     # that self-distill, run with infer's engine injected (redraft.data.replies.use_replies)
     {"demo", "entry"},
@@ -49,6 +49,8 @@ EXCEPTIONS = {
     ("redraft", "redraft.models.auto"),
     # the benchmark's prompt loaders (held-out ShareGPT, HumanEval)
     ("redraft.infer.bench", "redraft.data.prompts"),
+    # the benchmark runs vLLM (plain, its methods, redraft's proposer) beside redraft's engine
+    ("redraft.infer.bench_run", "redraft.vllm.peer"),
     # TODO(lead, infer owner): the overhead benchmark builds its tiny target with the test helper;
     # move make_tiny_target_dir (or use dummy:tiny) and drop this line
     ("redraft.infer.overhead", "redraft.testing"),

@@ -40,7 +40,15 @@ from redraft.infer.bench_config import (  # noqa: F401 (the CLI's API)
 )
 from redraft.infer.bench_methods import METHOD_NAMES, REGISTRY, Method, check_methods, list_methods  # noqa: F401
 from redraft.infer.bench_prompts import MT_BENCH_HINT, dataset_label, fit_context, load_prompts  # noqa: F401
-from redraft.infer.bench_run import Context, Runner, cost_curve, device_name, markdown, run_dataset  # noqa: F401
+from redraft.infer.bench_run import (  # noqa: F401
+    Context,
+    Runner,
+    cost_curve,
+    device_name,
+    markdown,
+    run_concurrent,
+    run_dataset,
+)
 
 
 def main(argv=None) -> int:
@@ -137,13 +145,29 @@ def _decode_tables(bench: dict, cfg, device) -> int:
             report["results"][label] = res
             _outputs(
                 report,
-                markdown(report["results"], bench, report["device"], report["skipped_prompts"]),
+                markdown(
+                    report["results"],
+                    bench,
+                    report["device"],
+                    report["skipped_prompts"],
+                    report.get("concurrent"),
+                ),
                 {**bench, "report": None},
             )
 
         report["results"][label] = run_dataset(runners, prompts, bench, ds, on_prompt=partial)
+        for c in (c for c in bench["concurrency"] if c > 1):
+            conc = report.setdefault("concurrent", {}).setdefault(label, {})
+            conc[str(c)] = run_concurrent(runners, prompts, bench, c)
+            partial(report["results"][label])
     report["complete"] = True
-    md = markdown(report["results"], bench, report["device"], report["skipped_prompts"])
+    md = markdown(
+        report["results"],
+        bench,
+        report["device"],
+        report["skipped_prompts"],
+        report.get("concurrent"),
+    )
     print(md)
     _outputs(report, md, bench)
     failed = sorted(

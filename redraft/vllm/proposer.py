@@ -1,0 +1,251 @@
+"""redraft's host drafters as a vLLM speculative proposer (``method: custom_class``).
+
+Each step vLLM hands the proposer, per running request (a *row* of its input batch), the tokens
+it sampled this step, the row's token count and a view of every row's tokens; it takes back one
+draft chain of at most ``k`` tokens per row, which its rejection sampler verifies (greedy:
+the output is the target's own). The proposer:
+
+1. **learns** from the last step: the tokens sampled since are the truth that every candidate of
+   the last step is scored against (not only the chain that was sent: each candidate's leading
+   tokens that equal the sampled ones were right, and positions past what was sampled are not
+   counted), into the per-(drafter, group, depth) acceptance rates of
+   :class:`redraft.infer.hostdraft.HostStats`;
+2. **drafts** candidates with redraft's host kernels: ``context`` (suffix matches of length
+   ``q_max .. q_min`` in the request's own tokens, grouped by match length and rank), ``ngrammys``
+   (the model's extended bigram chains from the tables) and ``trigram`` (greedy chains through
+   ADED's corpus tri-gram table, from the row's last two tokens);
+3. **picks** per row the candidate with the most expected accepted tokens (the sum over its
+   depths of the product of learned rates) and cuts it where that product falls below
+   ``min_value`` (+ ``min_value_per_row`` per extra row): with nothing worth verifying a row gets
+   an empty chain, and a step where no row has a candidate costs vLLM nothing.
+
+vLLM passes rows, not request ids, and moves requests between rows as others finish. A row's
+last chain is scored only when its token count grew by exactly the number of tokens sampled for
+it and its last token before the step is unchanged; anything else (a new request in that row)
+skips the update. That keeps the statistics correct without request ids; per-request adaptive
+state (ADED's tri-gram boosts, HSDDW's thresholds) is not kept here, for the same reason.
+
+Everything is deterministic numpy on the inputs every rank receives, so every tensor-parallel
+rank drafts the same chains.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from redraft.errors import ArtifactError, ConfigError
+from redraft.infer.drafters.base import PAD
+from redraft.infer.hostdraft import HostStats, HostTables, context_matches_np
+from redraft.vllm.settings import ENV_VAR, ProposerSettings, read_settings
+
+TRIGRAM_BRANCHES = 4  # first tokens of the tri-gram chains (each then followed greedily)
+
+
+class Proposer:
+    """vLLM's ``custom_class`` proposer backed by redraft's artifacts; see the module doc.
+
+    Built by vLLM in every worker as ``Proposer(vllm_config)``; settings from
+    :data:`redraft.vllm.settings.ENV_VAR`. A missing artifact, tables built for another tokenizer
+    or a bad setting raise here, while vLLM starts, never inside a step.
+    """
+
+    def __init__(self, vllm_config, settings: ProposerSettings | None = None):
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.settings = settings if settings is not None else read_settings()
+        s = self.settings
+        tokenizer = _tokenizer(vllm_config.model_config)
+        self.vocab_size = int(
+            getattr(vllm_config.model_config.hf_config, "vocab_size", 0) or len(tokenizer)
+        )
+        tables = _load_tables(s.ngrams, tokenizer, self.vocab_size) if s.ngrams else None
+        have = {"context"}
+        if tables is not None and "extended" in tables.kinds:
+            have.add("ngrammys")
+        if tables is not None and "trigram" in tables.kinds:
+            have.add("trigram")
+        if s.drafters is None:
+            self.drafters = [d for d in ("context", "ngrammys", "trigram") if d in have]
+        else:
+            missing = [d for d in s.drafters if d not in have]
+            if missing:
+                kinds = " and ".join("extended" if d == "ngrammys" else d for d in missing)
+                where = (
+                    "no ngrams are set"
+                    if tables is None
+                    else f"{s.ngrams} holds {', '.join(tables.kinds)}"
+                )
+                raise ConfigError(
+                    f"{ENV_VAR}: drafters {', '.join(missing)} need n-gram tables with the "
+                    f"{kinds} kind, but {where}; set ngrams to tables built with "
+                    f"redraft-build-ngrams --kinds {kinds.replace(' and ', ',')}."
+                )
+            self.drafters = list(s.drafters)
+        self.host_tables = HostTables(tables) if "ngrammys" in self.drafters else None
+        self.trigram = tables.trigram if "trigram" in self.drafters else None
+        self.stats = HostStats(len(self.drafters), max_depth=max(self.k, 1))
+        self._last = None  # what the last step proposed, to be scored by this one
+        self.steps = self.proposed_tokens = 0
+        self._warm()
+
+    def load_model(self, model) -> None:
+        """vLLM hands over the target; the host drafters draft from token ids alone."""
+
+    # ------------------------------------------------------------------ the step
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
+        """One chain (a list of at most ``k`` token ids, maybe empty) per row of the batch."""
+        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        rows = np.array(
+            [
+                i
+                for i, s in enumerate(sampled_token_ids)
+                if len(s) and 0 < num_tokens_no_spec[i] < self.max_model_len
+            ],
+            dtype=np.int64,
+        )
+        if self._last is not None:
+            self._learn(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            self._last = None
+        if not len(rows) or self.k < 1:
+            return out
+        n = np.asarray(num_tokens_no_spec, dtype=np.int64)[rows]
+        paths, owner, group = self._candidates(rows, n, token_ids_cpu)
+        if paths.shape[1] == 0:
+            return out
+        values = self.stats.values(owner, paths.shape, group)  # [B, P, k]
+        values = np.where(paths >= 0, values, 0.0)
+        best = values.sum(-1).argmax(-1)  # [B]
+        b = np.arange(len(rows))
+        chosen, v = paths[b, best], values[b, best]  # [B, k]
+        floor = self.settings.min_value + self.settings.min_value_per_row * (len(rows) - 1)
+        keep = np.cumprod((chosen >= 0) & (v >= floor) & (v > 0), axis=1).astype(bool)
+        lengths = keep.sum(1)
+        # never past the model's length: the chain's tokens and the bonus token must fit
+        lengths = np.minimum(lengths, np.maximum(self.max_model_len - n - 1, 0))
+        for j, i in enumerate(rows):
+            if lengths[j]:
+                out[i] = chosen[j, : lengths[j]].tolist()
+        self.steps += 1
+        self.proposed_tokens += int(lengths.sum())
+        self._last = (rows, n, token_ids_cpu[rows, n - 1].copy(), paths, owner, group)
+        return out
+
+    def _candidates(self, rows, n, tok):
+        """``(paths int64 [B, P, k], owner int64 [P], group int64 [B, P])`` of every drafter."""
+        s, k = self.settings, self.k
+        seqs = [tok[i, : n[j]] for j, i in enumerate(rows)]
+        last = tok[rows, n - 1].astype(np.int64)
+        parts = []
+        for d, name in enumerate(self.drafters):
+            if name == "context":
+                p, g = context_matches_np(
+                    seqs, s.q_min, s.q_max, s.paths, k, self.vocab_size, s.window
+                )
+            elif name == "ngrammys":
+                p = _fit(self.host_tables.extended(last)[:, : s.paths], k)
+                g = np.broadcast_to(np.arange(p.shape[1]), p.shape[:2])
+            else:
+                before = np.where(n >= 2, tok[rows, np.maximum(n - 2, 0)], -1).astype(np.int64)
+                p = trigram_chains(self.trigram, before, last, k, min(s.paths, TRIGRAM_BRANCHES))
+                g = np.broadcast_to(np.arange(p.shape[1]), p.shape[:2])
+            parts.append((p, np.full(p.shape[1], d, np.int64), np.minimum(g, 31)))
+        paths = np.concatenate([p for p, _, _ in parts], axis=1)
+        owner = np.concatenate([o for _, o, _ in parts])
+        group = np.concatenate([g for _, _, g in parts], axis=1).astype(np.int64)
+        return paths, owner, group
+
+    def _learn(self, sampled_token_ids, num_tokens_no_spec, tok) -> None:
+        """Score the last step's candidates of every row that still holds the same request
+        against the tokens sampled since (see the module doc)."""
+        rows, n0, last0, paths, owner, group = self._last
+        B, P, k = paths.shape
+        nrows = len(sampled_token_ids)
+        truth = np.full((B, k), -2, dtype=np.int64)  # -2: not known (never equals a token)
+        known = np.zeros(B, dtype=np.int64)
+        for j, i in enumerate(rows):
+            if i >= nrows:
+                continue
+            m = len(sampled_token_ids[i])
+            if not m or int(num_tokens_no_spec[i]) != n0[j] + m or tok[i, n0[j] - 1] != last0[j]:
+                continue  # another request now, or none sampled: nothing to learn
+            known[j] = min(m, k)
+            truth[j, : known[j]] = tok[i, n0[j] : n0[j] + known[j]]
+        if not known.any():
+            return
+        depth = np.arange(k)
+        right = np.cumprod(paths == truth[:, None, :], axis=2).sum(2)  # [B, P] leading matches
+        kept = (paths >= 0) & (depth < known[:, None, None])
+        self.stats.update(owner, paths, right, group, kept)
+
+    def _warm(self) -> None:
+        """Compile the host kernels (numba) with the argument types of a step, at start-up."""
+        tok = np.zeros((2, max(self.k + 8, 16)), dtype=np.int32)
+        tok[0, :8] = [5, 1, 2, 5, 1, 2, 5, 1]
+        tok[1, :3] = [5, 1, 2]
+        self.propose([[1], [2]], np.array([8, 3], np.int32), tok)
+        self.propose([[1], [2]], np.array([9, 4], np.int32), tok)
+        self.stats.reset()
+        self._last = None
+        self.steps = self.proposed_tokens = 0
+
+
+def trigram_chains(table, w1, w2, k: int, branches: int) -> np.ndarray:
+    """``[B, branches, k]`` chains through a tri-gram table: the ``branches`` most probable
+    successors of ``(w1, w2)``, each followed by its most probable successor ``k - 1`` times
+    (``PAD`` from the first context the table has not seen)."""
+    B = len(w2)
+    out = np.full((B, branches, k), PAD, dtype=np.int64)
+    ids, _ = table.successors(w1, w2, branches)  # [B, branches]
+    out[:, :, 0] = ids
+    a = np.broadcast_to(w2[:, None], (B, branches)).copy()
+    b = ids.copy()
+    for d in range(1, k):
+        nxt, _ = table.successors(a, b, 1)
+        nxt = np.where(b >= 0, nxt[..., 0], PAD)
+        out[:, :, d] = nxt
+        a, b = b, nxt
+    return out
+
+
+def _fit(paths: np.ndarray, k: int) -> np.ndarray:
+    """``[B, P, L]`` -> ``[B, P, k]``: cut or ``PAD``-padded."""
+    L = paths.shape[2]
+    if L >= k:
+        return np.ascontiguousarray(paths[:, :, :k])
+    pad = np.full((*paths.shape[:2], k - L), PAD, dtype=paths.dtype)
+    return np.concatenate([paths, pad], axis=2)
+
+
+def _tokenizer(model_config):
+    from transformers import AutoTokenizer
+
+    name = getattr(model_config, "tokenizer", None) or model_config.model
+    try:
+        return AutoTokenizer.from_pretrained(
+            name, trust_remote_code=bool(getattr(model_config, "trust_remote_code", False))
+        )
+    except Exception as e:  # noqa: BLE001 (any loader failure: say which tokenizer)
+        raise ArtifactError(
+            f"redraft's vLLM proposer could not load the tokenizer {name!r} to check the n-gram "
+            f"tables against it: {e}"
+        ) from e
+
+
+def _load_tables(spec: str, tokenizer, vocab_size: int):
+    """The n-gram tables, checked against the served model's tokenizer (fingerprint, vocab)."""
+    from types import SimpleNamespace
+
+    from redraft.models import tokenizer_fingerprint
+    from redraft.ngrams.tables import NGramTables
+
+    target = SimpleNamespace(
+        model_id=getattr(tokenizer, "name_or_path", "the served model"),
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=vocab_size,
+    )
+    try:
+        return NGramTables.load(spec, target=target)
+    except ArtifactError as e:
+        raise ArtifactError(f"{ENV_VAR}: ngrams={spec!r}: {e}") from e

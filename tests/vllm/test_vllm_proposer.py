@@ -1,0 +1,216 @@
+"""redraft's vLLM proposer without vLLM: settings, start-up errors, drafting, learning, export.
+The proposer reads only a few fields of vLLM's config, faked here (conftest.fake_vllm_config)."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import fake_vllm_config, save_test_tables
+
+from redraft.errors import ArtifactError, ConfigError, FingerprintMismatchError
+from redraft.vllm.proposer import Proposer, trigram_chains
+from redraft.vllm.settings import (
+    CLASS_PATH,
+    ProposerSettings,
+    read_settings,
+    speculative_config,
+)
+
+
+def _batch(rows, width=256):
+    """vLLM's inputs for rows of token lists: (sampled, num_tokens_no_spec, token_ids_cpu)."""
+    tok = np.zeros((max(len(rows), 4), width), dtype=np.int32)
+    n = np.zeros(len(tok), dtype=np.int32)
+    for i, r in enumerate(rows):
+        tok[i, : len(r)] = r
+        n[i] = len(r)
+    return [[r[-1]] if r else [] for r in rows], n, tok
+
+
+@pytest.fixture
+def proposer(tiny_target_dir, config_env):
+    return Proposer(fake_vllm_config(tiny_target_dir, k=4), ProposerSettings())
+
+
+# ------------------------------------------------------------------ settings
+
+
+def test_settings_from_json_and_yaml_file(tmp_path, config_env):
+    env = {config_env: '{"q_min": 2, "q_max": 3, "paths": 5}'}
+    s = read_settings(env)
+    assert (s.q_min, s.q_max, s.paths, s.ngrams) == (2, 3, 5, None)
+    f = tmp_path / "proposer.yaml"
+    f.write_text("ngrams: some/dir\nmin_value: 0.25\ndrafters: [context]\n")
+    s = read_settings({config_env: str(f)})
+    assert (s.ngrams, s.min_value, s.drafters) == ("some/dir", 0.25, ["context"])
+    assert read_settings({}) == ProposerSettings()
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ('{"q_mni": 2}', "q_mni"),
+        ('{"q_min": 3, "q_max": 2}', "q_min=3"),
+        ('{"min_value": 1.5}', "min_value=1.5"),
+        ('{"drafters": ["context", "eagle"]}', "eagle"),
+        ("{not json", "not valid JSON"),
+        ("/no/such/settings.yaml", "/no/such/settings.yaml"),
+    ],
+)
+def test_bad_settings_name_the_value(value, words, config_env):
+    with pytest.raises(ConfigError, match="REDRAFT_VLLM_CONFIG") as e:
+        read_settings({config_env: value})
+    assert words in str(e.value)
+
+
+def test_speculative_config_puts_the_settings_in_the_environment(monkeypatch, config_env):
+    import importlib
+    import os
+
+    spec = speculative_config(6, ngrams="tables/dir", paths=3)
+    assert spec == {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": 6}
+    assert json.loads(os.environ[config_env])["ngrams"] == "tables/dir"
+    module, _, name = CLASS_PATH.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is Proposer  # what vLLM imports
+    with pytest.raises(ConfigError, match="bogus"):
+        speculative_config(5, bogus=1)
+
+
+# ------------------------------------------------------------------ start-up errors
+
+
+def test_missing_tables_fail_at_start_naming_the_path(tiny_target_dir, config_env):
+    with pytest.raises(ArtifactError, match="/no/such/tables"):
+        Proposer(fake_vllm_config(tiny_target_dir), ProposerSettings(ngrams="/no/such/tables"))
+
+
+def test_tables_of_another_tokenizer_fail_at_start(tiny_target_dir, tmp_path, config_env):
+    from types import SimpleNamespace
+
+    from redraft.ngrams.tables import save_tables
+
+    other = SimpleNamespace(vocab_size=384)
+    d = save_tables(
+        tmp_path / "other",
+        {"vocab_size": other.vocab_size, "tokenizer_fingerprint": "sha256:0000000000000000"},
+        extended=np.zeros((384, 2, 3), np.int32),
+    )
+    with pytest.raises(FingerprintMismatchError, match="sha256:0000000000000000"):
+        Proposer(fake_vllm_config(tiny_target_dir), ProposerSettings(ngrams=str(d)))
+
+
+def test_drafters_without_their_tables_fail_at_start(tiny_target_dir, config_env):
+    with pytest.raises(ConfigError, match="ngrammys.*extended"):
+        Proposer(fake_vllm_config(tiny_target_dir), ProposerSettings(drafters=["ngrammys"]))
+
+
+# ------------------------------------------------------------------ drafting
+
+
+def test_context_chain_continues_the_earlier_occurrence(proposer):
+    row = [10, 11, 12, 13, 14, 20, 21, 10, 11, 12]
+    out = proposer.propose(*_batch([row]))
+    assert out[0] == [13, 14, 20, 21]  # what followed "10 11 12" before, k = 4 tokens
+    assert proposer.proposed_tokens == 4
+
+
+def test_rows_without_sampled_tokens_get_no_chain(proposer):
+    row = [10, 11, 12, 13, 10, 11, 12]
+    sampled, n, tok = _batch([row, row])
+    sampled[1] = []  # vLLM: no token sampled for this row (a prefill chunk)
+    out = proposer.propose(sampled, n, tok)
+    assert out[0] == [13, 10, 11, 12] and out[1] == []
+    assert proposer.propose([[], []], n, tok) == [[], []]
+
+
+def test_nothing_to_match_proposes_nothing(proposer):
+    assert proposer.propose(*_batch([[1, 2, 3, 4, 5]])) == [[]]
+
+
+def test_chain_never_passes_the_model_length(tiny_target_dir, config_env):
+    p = Proposer(fake_vllm_config(tiny_target_dir, k=4, max_model_len=12), ProposerSettings())
+    row = [10, 11, 12, 13, 14, 20, 21, 10, 11, 12]  # 10 tokens: room for 1 draft + the bonus
+    assert p.propose(*_batch([row])) == [[13]]
+
+
+def test_min_value_cuts_chains_below_the_estimated_acceptance(tiny_target_dir, config_env):
+    cfg = fake_vllm_config(tiny_target_dir, k=4)
+    row = [10, 11, 12, 13, 14, 20, 21, 10, 11, 12]
+    # the prior rate is 0.3 a depth: 0.3, 0.09, ... ; a floor of 0.2 keeps one token
+    assert Proposer(cfg, ProposerSettings(min_value=0.2)).propose(*_batch([row])) == [[13]]
+    assert Proposer(cfg, ProposerSettings(min_value=0.5)).propose(*_batch([row])) == [[]]
+    # a second row raises the floor by min_value_per_row
+    p = Proposer(cfg, ProposerSettings(min_value=0.05, min_value_per_row=0.3))
+    assert p.propose(*_batch([row]))[0] == [13, 14]
+    assert p.propose(*_batch([row, row])) == [[], []]
+
+
+def test_learning_from_what_was_sampled(proposer):
+    row = [10, 11, 12, 13, 14, 20, 21, 10, 11, 12]
+    proposer.propose(*_batch([row]))  # proposed 13 14 20 21
+    tries0 = proposer.stats.tries.sum()
+    # vLLM accepted 13 14 and sampled 99 after them: 3 new tokens
+    proposer.propose([[13, 14, 99]], *_batch([row + [13, 14, 99]])[1:])
+    assert proposer.stats.tries.sum() > tries0
+    # the chain's group (match of 3 tokens, rank 0) of the context drafter (owner 0)
+    hits, tries = proposer.stats.hits[0].sum(0), proposer.stats.tries[0].sum(0)  # [depth]
+    assert hits[0] > 0 and hits[1] > 0  # depths 0 and 1 were right
+    assert tries[2] > 0 and hits[2] == 0  # depth 2 was tried and wrong
+    assert tries[3] == 0  # never reached
+
+
+def test_a_new_request_in_the_row_is_not_learned_from(proposer):
+    row = [10, 11, 12, 13, 14, 20, 21, 10, 11, 12]
+    proposer.propose(*_batch([row]))
+    other = [7, 8, 9, 30, 31, 32, 33, 34, 35, 36, 40]  # the row now holds another request
+    proposer.propose([[40]], *_batch([other])[1:])
+    assert proposer.stats.tries.sum() == 0
+
+
+def test_deterministic_for_every_rank(tiny_target_dir, config_env):
+    rng = np.random.default_rng(1)
+    rows = [list(rng.integers(0, 20, 60)) for _ in range(3)]
+    a, b = (Proposer(fake_vllm_config(tiny_target_dir), ProposerSettings()) for _ in range(2))
+    for step in range(5):
+        batch = _batch([r[: 40 + step] for r in rows])
+        assert a.propose(*batch) == b.propose(*batch)
+
+
+def test_tables_add_model_and_corpus_candidates(tiny_target, tiny_target_dir, tmp_path, config_env):
+    d = save_test_tables(tmp_path / "tables", tiny_target)
+    p = Proposer(fake_vllm_config(tiny_target_dir, k=4), ProposerSettings(ngrams=str(d)))
+    assert p.drafters == ["context", "ngrammys", "trigram"]
+    row = [1, 2, 3]  # no context match: the chain comes from the tables
+    out = p.propose(*_batch([row]))
+    ext = p.host_tables.extended(np.array([3]))[0]  # [k, w] rows of token 3
+    tri = trigram_chains(p.trigram, np.array([2]), np.array([3]), 4, 4)[0]
+    cands = [list(r[:4]) for r in ext] + [list(r[r >= 0][:4]) for r in tri]
+    assert out[0] and out[0] in [c[: len(out[0])] for c in cands]
+
+
+def test_trigram_chains_follow_the_most_probable_successor():
+    from redraft.ngrams.trigrams import trigram_table_from_token_arrays
+
+    seqs = [np.array([1, 2, 3, 4, 5]), np.array([1, 2, 3, 4, 5]), np.array([1, 2, 6, 7])]
+    table = trigram_table_from_token_arrays(seqs, 10, t=4, progress=False)
+    chains = trigram_chains(table, np.array([1]), np.array([2]), 4, 2)
+    assert chains[0, 0].tolist() == [3, 4, 5, -1]  # (1,2)->3 twice, then 4, 5, then unseen
+    assert chains[0, 1].tolist() == [6, 7, -1, -1]
+
+
+# ------------------------------------------------------------------ export
+
+
+def test_export_target_writes_a_folder_transformers_loads(tiny_target, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from redraft.vllm.export import export_target
+
+    out = export_target(str(tiny_target.model.name_or_path), tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    x = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, tiny_target.model(x).logits)
+    with pytest.raises(ConfigError, match="already holds a model"):
+        export_target(str(tiny_target.model.name_or_path), out)
