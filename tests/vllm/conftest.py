@@ -1,41 +1,7 @@
-"""Fixtures of the vLLM proposer's tests: a fake ``VllmConfig`` (the fields the proposer reads)
-for the unit tests, which need no vLLM; the engine tests need vLLM (``make test-vllm``)."""
+"""Fixtures of the vLLM proposer's tests. The unit tests need no vLLM; the engine tests need it
+(``make test-vllm`` runs them in .venv-vllm)."""
 
-from types import SimpleNamespace
-
-import numpy as np
 import pytest
-
-
-def fake_vllm_config(model_dir, k: int = 4, max_model_len: int = 256, vocab_size=None):
-    """What :class:`redraft.vllm.Proposer` reads of vLLM's ``VllmConfig``."""
-    return SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        model_config=SimpleNamespace(
-            max_model_len=max_model_len,
-            tokenizer=str(model_dir),
-            model=str(model_dir),
-            trust_remote_code=False,
-            hf_config=SimpleNamespace(vocab_size=vocab_size),
-        ),
-    )
-
-
-def save_test_tables(path, target, seed: int = 0, kinds=("extended", "trigram")):
-    """A real n-gram artifact for ``target``'s tokenizer (``save_tables``), its rows random:
-    exactness never depends on what a drafter proposes, only loading and drafting are tested."""
-    from redraft.ngrams.tables import save_tables
-    from redraft.ngrams.trigrams import trigram_table_from_token_arrays
-
-    rng = np.random.default_rng(seed)
-    V = target.vocab_size
-    tables = {}
-    if "extended" in kinds:
-        tables["extended"] = rng.integers(0, V, (V, 4, 6)).astype(np.int32)
-    if "trigram" in kinds:
-        seqs = [rng.integers(0, V, 64) for _ in range(20)] + [np.array([5, 6, 7, 8, 9] * 4)]
-        tables["trigram"] = trigram_table_from_token_arrays(seqs, V, t=4, progress=False)
-    return save_tables(path, target.artifact_metadata() | {"vocab_size": V}, **tables)
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import fake_vllm_config, save_test_tables
+from vllm_helpers import fake_vllm_config, save_test_tables  # noqa: I001
 
 from redraft.errors import ArtifactError, ConfigError, FingerprintMismatchError
 from redraft.vllm.proposer import Proposer, trigram_chains
