@@ -63,6 +63,7 @@ REQUIRED = {
     "redraft-distill-data": ["--output", "x"],
     "redraft-export": ["a", "b"],
     "redraft-push": ["a", "o/r"],
+    "redraft-vllm": ["config"],
 }
 
 

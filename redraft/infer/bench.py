@@ -52,13 +52,16 @@ from redraft.infer.bench_run import (  # noqa: F401
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # recorded with --results-dir
     return run_cli("redraft-bench", lambda: _main(args))
 
 
 def _main(args) -> int:
     """The run ``main`` wraps in run_cli (a RedraftError: one line, exit 2; Ctrl-C: exit 130)."""
     bench, cfg = resolve_config(args)
+    bench = {**bench, "recipe": args.recipe, "argv": getattr(args, "argv", [])}
     if args.list_methods:
         print(list_methods())
         return 0
@@ -170,6 +173,13 @@ def _decode_tables(bench: dict, cfg, device) -> int:
     )
     print(md)
     _outputs(report, md, bench)
+    if bench["results_dir"]:
+        from redraft.infer.bench_results import run_metadata, write_result
+
+        name = Path(bench["recipe"]).stem if bench.get("recipe") else "redraft-bench"
+        meta = run_metadata(bench.get("argv", []))
+        paths = write_result(bench["results_dir"], name, report, md, meta)
+        print(f"results: {', '.join(map(str, paths))}")
     failed = sorted(
         {m for res in report["results"].values() for m, r in res.items() if r.get("error")}
     )

@@ -104,6 +104,12 @@ class BenchSettings(ModelSettings):
         None, "Write the Markdown table to this file (it is also printed)."
     )
     report: str | None = setting(None, "Write PNG plots and an index.md into this directory.")
+    results_dir: str | None = setting(
+        None,
+        "When the run completes, also write it as data into this directory (e.g. "
+        "benchmarks/results): <date>-<recipe>-<cpu>.json and .md, with the command, commit, "
+        "machine and library versions.",
+    )
 
     def check(self) -> None:
         if not self.datasets:

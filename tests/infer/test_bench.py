@@ -40,6 +40,7 @@ def test_list_methods_names_every_method_and_its_needs(capsys):
         (["--methods", "redrafter"], "needs drafter"),
         (["--methods", "ngrammys"], "needs ngrams:extended"),
         (["--prompts", "0"], "--prompts 0"),
+        (["--concurrency", "1,0"], "--concurrency"),
         (["--max-new-tokens", "-1"], "--max-new-tokens -1"),
         (["--budget", "lots"], "budget"),
         (["--max-nodes", "-3"], "max_nodes"),
@@ -532,3 +533,59 @@ def test_timers_sum_the_wrapped_calls_and_start_again():
     assert got["run"] >= 0.03 and "class" not in got  # the instance's own attribute wins
     assert Work().run(0.01) == 0.01 and set(timers.take()) == {"class"}
     assert timers.take() == {}
+
+
+def test_vllm_methods_need_vllm_and_say_how(capsys, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "vllm" else real(n, *a)
+    )
+    code, _, err = run(capsys, "--target", tmp_path / "t", "--methods", "greedy,vllm-ngram")
+    assert code == 2 and "needs vllm" in err and "make vllm-venv" in err
+
+
+def test_concurrent_requests_and_the_run_as_data(capsys, tiny_target_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    texts = ["The quick brown fox. The quick brown", "def add(a, b):", "a b c a b c a b", "x y z"]
+    prompts.write_text("\n".join(json.dumps({"prompt": t}) for t in texts))
+    results = tmp_path / "results"
+    code, stdout, err = run(
+        capsys,
+        "--target",
+        tiny_target_dir,
+        "--datasets",
+        prompts,
+        "--prompts",
+        4,
+        "--max-new-tokens",
+        10,
+        "--methods",
+        "greedy,context",
+        "--no-warmup",
+        "--cost-curve",
+        "1:1,8:1.2,64:2",
+        "--concurrency",
+        "1,3",
+        "--results-dir",
+        results,
+    )
+    assert code == 0, err
+    files = sorted(results.iterdir())
+    assert [f.suffix for f in files] == [".json", ".md"] and files[0].stem == files[1].stem
+    data = json.loads(files[0].read_text())
+    meta = data["meta"]
+    assert (
+        meta["command"].startswith("redraft-bench --target ")
+        and "--concurrency 1,3" in meta["command"]
+    )
+    assert (
+        meta["versions"]["torch"] and meta["machine"]["cores"] >= 1 and meta["date"][:4] >= "2025"
+    )
+    conc = data["concurrent"]["p"]["3"]
+    assert set(conc) == {"greedy", "context"}
+    # 3 at a time, then 1: every prompt decoded, float32 rows equal to plain decoding's
+    assert conc["context"]["identical_to_plain"] == "4/4" and conc["greedy"]["speedup_vs_ar"] == 1.0
+    md = files[1].read_text()
+    assert md.startswith("# redraft-bench: ") and "- commit: " in md and "| 3 req tok/s |" in md
