@@ -90,7 +90,10 @@ def _main(args) -> int:
         return 0
     from redraft.vllm.settings import ENV_VAR, ProposerSettings, speculative_config
 
-    settings = {"ngrams": args.ngrams, "min_value": args.min_value}
+    ngrams = args.ngrams
+    if ngrams and Path(ngrams).expanduser().exists():  # vLLM's workers may start elsewhere
+        ngrams = str(Path(ngrams).expanduser().resolve())
+    settings = {"ngrams": ngrams, "min_value": args.min_value}
     if args.drafters:
         settings["drafters"] = [d.strip() for d in args.drafters.split(",") if d.strip()]
     spec = speculative_config(args.num_speculative_tokens, **settings)  # checks the settings

@@ -214,3 +214,18 @@ def test_export_target_writes_a_folder_transformers_loads(tiny_target, tmp_path)
         torch.testing.assert_close(model(x).logits, tiny_target.model(x).logits)
     with pytest.raises(ConfigError, match="already holds a model"):
         export_target(str(tiny_target.model.name_or_path), out)
+
+
+def test_config_command_writes_the_settings_and_the_serve_line(tmp_path, capsys, config_env):
+    from redraft.vllm.cli import main
+
+    (tmp_path / "tables").mkdir()
+    out = tmp_path / "proposer.json"
+    assert main(["config", "--ngrams", str(tmp_path / "tables"), "-k", "6", "--out", str(out)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert json.loads(out.read_text())["ngrams"] == str((tmp_path / "tables").resolve())
+    assert line.startswith(f"{config_env}={out.resolve()} vllm serve MODEL --speculative-config ")
+    spec = json.loads(line.split("--speculative-config ", 1)[1].strip("'"))
+    assert spec == {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": 6}
+    assert main(["config", "--drafters", "context,bogus"]) == 2
+    assert "bogus" in capsys.readouterr().err
