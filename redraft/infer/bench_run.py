@@ -193,7 +193,7 @@ def summarise(agg: dict) -> dict:
         tps = sum(a.tokens) / max(sum(a.times), 1e-9)
         s, none = a.stats, a.hf or not n
         steps = s.verify_steps
-        steps_known = not (none or a.peer)
+        steps_known = not none
         res[name] = {
             "tokens_per_call": None if none else round(s.tokens_per_call, 3),
             "mean_accepted_length": round(s.mean_accepted_length, 3) if steps_known else None,

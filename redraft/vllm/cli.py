@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--min-value",
         type=float,
-        default=0.0,
+        default=0.03,
         help="cut a chain where its estimated chance of acceptance falls below this",
     )
     c.add_argument(

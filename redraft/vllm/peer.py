@@ -3,13 +3,14 @@
 redraft's own engine, in the same run (``vllm.inputs.TokensPrompt``: no second tokenisation).
 
 Each method is one ``vllm.LLM`` (its engine runs in processes of its own), built once and kept
-for the run. vLLM's spec-decode counters, read before and after each request, give the verify
-steps and accepted tokens behind tau.
+for the run. vLLM's per-request spec-decode metrics (``per_request_spec_decode_metrics``: the
+histogram of accepted draft tokens per verify step) give tau and the mean accepted length.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 from redraft.errors import ConfigError
@@ -66,39 +67,31 @@ class VLLMRunner:
             gpu_memory_utilization=bench["vllm_memory"],
             max_model_len=bench["vllm_max_model_len"],
             speculative_config=spec,
-            disable_log_stats=False,  # the spec-decode counters
-            # engines of one process share one metrics registry; the name labels this one's
-            served_model_name=method,
+            # per request, since engines of one process share one metrics registry
+            per_request_spec_decode_metrics="summary" if spec else "none",
             seed=0,
         )
         self.params = SamplingParams(temperature=0.0, max_tokens=bench["max_new_tokens"])
         self.decoder = None  # not one of redraft's decoders (redraft-bench checks this)
-
-    def counters(self) -> tuple[int, int]:
-        """``(accepted draft tokens, draft tokens)`` so far in this engine."""
-        got = {
-            m.name: getattr(m, "value", 0)
-            for m in self.llm.get_metrics()
-            if m.labels.get("model_name", self.name) == self.name
-        }
-        return (
-            int(got.get("vllm:spec_decode_num_accepted_tokens", 0) or 0),
-            int(got.get("vllm:spec_decode_num_draft_tokens", 0) or 0),
-        )
 
     def run(self, ids: list[int]):
         from vllm.inputs import TokensPrompt
 
         from redraft.infer.stats import RequestStats
 
-        acc0, _ = self.counters()
         out = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(ids))], self.params, use_tqdm=False
-        )
-        toks = list(out[0].outputs[0].token_ids)
-        acc = self.counters()[0] - acc0
+        )[0].outputs[0]
+        toks = list(out.token_ids)
+        m = getattr(out, "spec_decode_metrics", None)
+        hist = Counter({j: c for j, c in enumerate(m.histogram) if c} if m is not None else {})
+        accepted = sum(j * c for j, c in hist.items())
         # every target call makes one token plus the draft tokens it accepted
-        return toks, RequestStats(new_tokens=len(toks), target_calls=max(len(toks) - acc, 1))
+        st = RequestStats(
+            new_tokens=len(toks), target_calls=max(len(toks) - accepted, 1), accepted_hist=hist
+        )
+        st.tree_entries = st.tree_nodes = m.num_draft_tokens if m is not None else 0
+        return toks, st
 
     def run_batch(self, prompts: list[list[int]]) -> list[list[int]]:
         """All ``prompts`` submitted at once (vLLM batches them as it schedules)."""

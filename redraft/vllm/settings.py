@@ -35,7 +35,8 @@ class ProposerSettings:
         paths: candidate chains per drafter and request, of which one is sent to vLLM.
         window: the context drafter looks back this many tokens.
         min_value: a chain stops at the first token whose estimated probability of being
-            accepted (the product of the learned per-depth rates) is below this; 0 keeps
+            accepted (the product of the learned per-depth rates) is below this: a token that
+            is rarely accepted still costs the verify its slot. 0 keeps
             ``num_speculative_tokens`` tokens whenever a candidate is that long.
         min_value_per_row: added to ``min_value`` for every request beyond the first in the
             step: a bigger batch makes each drafted token cost more of the verify.
@@ -47,8 +48,8 @@ class ProposerSettings:
     q_max: int = 4
     paths: int = 8
     window: int = 4096
-    min_value: float = 0.0
-    min_value_per_row: float = 0.0
+    min_value: float = 0.03
+    min_value_per_row: float = 0.01
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +84,10 @@ class ProposerSettings:
         known = {f.name for f in fields(cls)} - {"extra"}
         kw = {k: v for k, v in d.items() if k in known}
         return cls(**kw, extra={k: v for k, v in d.items() if k not in known})
+
+    def replace(self, **changes) -> ProposerSettings:
+        """A copy with ``changes`` (checked like any other settings)."""
+        return ProposerSettings.from_dict({**self.to_dict(), **changes})
 
     def to_dict(self) -> dict:
         d = asdict(self)

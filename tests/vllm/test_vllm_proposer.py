@@ -27,9 +27,12 @@ def _batch(rows, width=256):
     return [[r[-1]] if r else [] for r in rows], n, tok
 
 
+FULL = ProposerSettings(min_value=0.0, min_value_per_row=0.0)  # every candidate token kept
+
+
 @pytest.fixture
 def proposer(tiny_target_dir, config_env):
-    return Proposer(fake_vllm_config(tiny_target_dir, k=4), ProposerSettings())
+    return Proposer(fake_vllm_config(tiny_target_dir, k=4), FULL)
 
 
 # ------------------------------------------------------------------ settings
@@ -44,6 +47,7 @@ def test_settings_from_json_and_yaml_file(tmp_path, config_env):
     s = read_settings({config_env: str(f)})
     assert (s.ngrams, s.min_value, s.drafters) == ("some/dir", 0.25, ["context"])
     assert read_settings({}) == ProposerSettings()
+    assert (read_settings({}).min_value, read_settings({}).min_value_per_row) == (0.03, 0.01)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +132,7 @@ def test_nothing_to_match_proposes_nothing(proposer):
 
 
 def test_chain_never_passes_the_model_length(tiny_target_dir, config_env):
-    p = Proposer(fake_vllm_config(tiny_target_dir, k=4, max_model_len=12), ProposerSettings())
+    p = Proposer(fake_vllm_config(tiny_target_dir, k=4, max_model_len=12), FULL)
     row = [10, 11, 12, 13, 14, 20, 21, 10, 11, 12]  # 10 tokens: room for 1 draft + the bonus
     assert p.propose(*_batch([row])) == [[13]]
 
@@ -170,7 +174,7 @@ def test_a_new_request_in_the_row_is_not_learned_from(proposer):
 def test_deterministic_for_every_rank(tiny_target_dir, config_env):
     rng = np.random.default_rng(1)
     rows = [list(rng.integers(0, 20, 60)) for _ in range(3)]
-    a, b = (Proposer(fake_vllm_config(tiny_target_dir), ProposerSettings()) for _ in range(2))
+    a, b = (Proposer(fake_vllm_config(tiny_target_dir), FULL) for _ in range(2))
     for step in range(5):
         batch = _batch([r[: 40 + step] for r in rows])
         assert a.propose(*batch) == b.propose(*batch)
@@ -178,7 +182,7 @@ def test_deterministic_for_every_rank(tiny_target_dir, config_env):
 
 def test_tables_add_model_and_corpus_candidates(tiny_target, tiny_target_dir, tmp_path, config_env):
     d = save_test_tables(tmp_path / "tables", tiny_target)
-    p = Proposer(fake_vllm_config(tiny_target_dir, k=4), ProposerSettings(ngrams=str(d)))
+    p = Proposer(fake_vllm_config(tiny_target_dir, k=4), FULL.replace(ngrams=str(d)))
     assert p.drafters == ["context", "ngrammys", "trigram"]
     row = [1, 2, 3]  # no context match: the chain comes from the tables
     out = p.propose(*_batch([row]))
