@@ -73,6 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the settings to this JSON file and print the REDRAFT_VLLM_CONFIG line "
         "that names it (default: print them inline)",
     )
+    r = sub.add_parser(
+        "replay",
+        help="tau and draft tokens per step of the proposer on replayed greedy outputs "
+        "(no vLLM timing; vLLM's ngram beside it when vLLM is installed)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    r.add_argument("--target", default="default", help="target spec, as for redraft-bench")
+    r.add_argument("--ngrams", default=None, help="n-gram tables for the target")
+    r.add_argument("--datasets", default="chat,code", help="comma list, as redraft-bench's")
+    r.add_argument("--prompts", type=int, default=20, help="prompts per dataset")
+    r.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens per prompt")
+    r.add_argument("-k", type=int, default=5, help="num_speculative_tokens")
+    r.add_argument(
+        "--min-values", default="0,0.03,0.1", help="comma list of min_value settings to replay"
+    )
+    r.add_argument("--threads", type=int, default=None, help="torch CPU threads for the target")
     return p
 
 
@@ -88,6 +104,8 @@ def _main(args) -> int:
         out = export_target(args.target, args.out, dtype=args.dtype, overwrite=args.overwrite)
         print(f"wrote {out}: vllm serve {out} ... (or LLM(model={str(out)!r}, ...))")
         return 0
+    if args.command == "replay":
+        return _replay(args)
     from redraft.vllm.settings import ENV_VAR, ProposerSettings, speculative_config
 
     ngrams = args.ngrams
@@ -104,6 +122,52 @@ def _main(args) -> int:
     else:
         env = f"{ENV_VAR}='{json.dumps(doc)}'"
     sys.stdout.write(f"{env} vllm serve MODEL --speculative-config '{json.dumps(spec)}'\n")
+    return 0
+
+
+def _replay(args) -> int:
+    import tempfile
+
+    from redraft.errors import ConfigError
+    from redraft.models import load_target
+    from redraft.vllm import replay as rp
+    from redraft.vllm.settings import ProposerSettings
+
+    try:
+        floors = [float(x) for x in args.min_values.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--min-values {args.min_values!r}: a comma list of numbers") from None
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target, dtype="float32", device="cpu")
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    pairs = rp.greedy_outputs(target, datasets, args.prompts, args.max_new_tokens)
+    rows = []
+    ngram = rp.vllm_ngram_propose(args.k)
+    if ngram is not None:
+        rows.append(("vLLM ngram (1-4)", ngram))
+    with tempfile.TemporaryDirectory() as tmp:  # the tokenizer the proposer checks tables with
+        target.tokenizer.save_pretrained(tmp)
+        for f in floors:
+            s = ProposerSettings(ngrams=args.ngrams, min_value=f)
+            rows.append(
+                (f"redraft min_value={f:g}", rp.redraft_propose(tmp, target.vocab_size, args.k, s))
+            )
+        print(
+            f"| proposer (k={args.k}) | "
+            + " | ".join(f"{d} tau | {d} drafted/step" for d in datasets)
+            + " |"
+        )
+        print("|---|" + "---:|---:|" * len(datasets))
+        for name, propose in rows:
+            cells = [rp.replay(propose, pairs[d]) for d in datasets]
+            print(
+                f"| {name} | "
+                + " | ".join(f"{c['tau']:.3f} | {c['drafted_per_step']:.2f}" for c in cells)
+                + " |"
+            )
     return 0
 
 

@@ -233,3 +233,19 @@ def test_config_command_writes_the_settings_and_the_serve_line(tmp_path, capsys,
     assert spec == {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": 6}
     assert main(["config", "--drafters", "context,bogus"]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_replay_scores_chains_against_the_real_continuation():
+    from redraft.vllm.replay import replay
+
+    out = [5, 6, 7, 8, 9, 10]
+
+    def oracle(ctx, sampled):  # proposes the true next two tokens, then one wrong token
+        n = len(ctx) - 3  # prompt of 3 tokens
+        return out[n : n + 2] + [0]
+
+    r = replay(oracle, [([1, 2, 3], out)])
+    # prefill -> 5; then 6 7 accepted + 8 sampled; 9 10 accepted (the chain is cut at the end)
+    assert r["tau"] == pytest.approx(6 / 3)
+    assert r["drafted_per_step"] == pytest.approx((3 + 2) / 3)
+    assert replay(lambda ctx, s: [], [([1], out)])["tau"] == 1.0
