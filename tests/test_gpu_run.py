@@ -1,4 +1,4 @@
-"""The offline GPU runner on the CPU (`scripts/gpu-run.sh --dry-run`): a tiny bundle of the real
+"""The offline GPU runner on the CPU (`dev/gpu/gpu-run.sh --dry-run`): a tiny bundle of the real
 form, staged part by part like runs on a warm machine, and every stage through the same code path
 with tiny settings, so the runner cannot rot between GPU sessions."""
 
@@ -31,7 +31,7 @@ def runner_cmd(*args):
         "OUT",
     ):
         env.pop(k, None)
-    return ["bash", str(REPO / "scripts" / "gpu-run.sh"), "--dry-run", *map(str, args)], env
+    return ["bash", str(REPO / "dev" / "gpu" / "gpu-run.sh"), "--dry-run", *map(str, args)], env
 
 
 def runner(*args, timeout=1200):
@@ -43,7 +43,7 @@ def runner(*args, timeout=1200):
 def bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-bundle")
     r = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "gpu_bundle.py"), "--dry-run", "--out", str(out)],
+        [sys.executable, str(REPO / "dev" / "gpu" / "gpu_bundle.py"), "--dry-run", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -286,7 +286,7 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     j = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "gpu_head.py"),
+            str(REPO / "dev" / "gpu" / "gpu_head.py"),
             "join",
             *map(str, files),
             "--out",
@@ -518,7 +518,7 @@ def _stage_e_runner(tmp_path):
 def _load_script(name):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "dev" / "gpu" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)

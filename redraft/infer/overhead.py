@@ -78,8 +78,8 @@ def tiny_setup(workdir: Path, device="cpu", dtype="float32"):
 
 
 class Timers:
-    """Wall seconds spent in wrapped calls, summed per key (``scripts/step_phases.py``,
-    ``scripts/long_join_steps.py``): ``wrap(obj, name, key)`` replaces ``obj.name`` (an instance
+    """Wall seconds spent in wrapped calls, summed per key (``dev/profile/step_phases.py``,
+    ``dev/profile/long_join_steps.py``): ``wrap(obj, name, key)`` replaces ``obj.name`` (an instance
     or a class) by a timed version; ``take()`` returns the sums and starts again."""
 
     def __init__(self):

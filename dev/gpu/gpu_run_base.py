@@ -1,6 +1,6 @@
 """The offline GPU runner's settings and data: paths and limits, the stages and the time limit
 of each step, the GPU and dry-run profiles, and the bundle parts staged in the work folder
-(``scripts/gpu_run.py`` is the runner; standard library only)."""
+(``dev/gpu/gpu_run.py`` is the runner; standard library only)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "scripts"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "dev" / "gpu"
 WORK = Path("/tmp/redraft-gpu")
 MIB = 1 << 20
 EXIT_MISSING = 3  # a stage could not run: parts missing (the message names them)
@@ -147,7 +147,7 @@ class Profile:
     quick_dummy: str = "dummy:llama-8b"
     quick_prompts: int = 10
     quick_methods: str = QUICK_METHODS
-    # stage quick's engine profile (scripts/engine_profile.py): the verify grid and engine run
+    # stage quick's engine profile (dev/gpu/engine_profile.py): the verify grid and engine run
     engine_profile_args: tuple = ()
 
     def step_limit(self, stage: str, step: str) -> float | None:

@@ -1,6 +1,6 @@
 """A closed-loop model of the drafter gate (`redraft.infer.budget.DrafterGate`) with two drafters.
 
-    python scripts/gate_model.py [--gate module:Class] [--seeds 8] [--steps 3000]
+    python dev/profile/gate_model.py [--gate module:Class] [--seeds 8] [--steps 3000]
 
 Each step the gate picks the drafters to call; each drafter "gets" a number of accepted tokens
 drawn from a correlated Poisson model (a shared per-step easiness seen with probability ``rho``,

@@ -1,7 +1,7 @@
 """8 streams x 3 rounds x 64 tokens through the engine, no HTTP: tokens/s and time to first token of
 the speculative decoder (the context drafter, batched costs measured) against a plain one, twice.
 
-    python scripts/engine_ttft.py
+    python dev/profile/engine_ttft.py
 
 The load test's arrival pattern without the server (docs/serve.md, "One round of 64 tokens per
 stream"): each stream sends its next held-out chat prompt when its previous request finishes.

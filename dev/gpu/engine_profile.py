@@ -1,10 +1,10 @@
 """Where a batched engine step's time goes on one device: the verify forward by batch and cache
 capacity, and a distillation-like engine run split into forward and host time.
 
-    python scripts/engine_profile.py --target default --device cuda --dtype bfloat16 \
+    python dev/gpu/engine_profile.py --target default --device cuda --dtype bfloat16 \
         --out engine.json --markdown engine.md
 
-Stage quick of ``scripts/gpu-run.sh``. Why it exists: on the H200 (2026-11-27, docs/gpu.md) the
+Stage quick of ``dev/gpu/gpu-run.sh``. Why it exists: on the H200 (2026-11-27, docs/gpu.md) the
 engine distilled at 22.2 ms per decode step with a mean batch of 40.8 rows, while one row's
 one-token verify replays in 3.45 ms. Two suspects, one part each:
 
@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_profile import _best_ms  # the same timing (scripts/ is the script's path)
+from gpu_profile import _best_ms  # the same timing (dev/gpu/ is the script's path)
 
 
 def grid(

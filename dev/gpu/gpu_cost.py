@@ -2,10 +2,10 @@
 (``SpeculativeDecoder.measure_cost``: one row, a cache of ``--context`` tokens, forwards of
 1..65 tokens, fastest of 3, synchronised on CUDA), plus how long the target took to load.
 
-    python scripts/gpu_cost.py --target dummy:llama-1b --target dummy:llama-8b --device cuda \
+    python dev/gpu/gpu_cost.py --target dummy:llama-1b --target dummy:llama-8b --device cuda \
         --dtype bfloat16 --context 512 --out cost.json
 
-Stage c of ``scripts/gpu-run.sh``; ``scripts/gpu_predict.py`` turns the curves into predicted
+Stage c of ``dev/gpu/gpu-run.sh``; ``dev/gpu/gpu_predict.py`` turns the curves into predicted
 speedups. Output JSON: ``{"device", "torch", "context", "targets": {spec: {"load_s", "params",
 "dtype", "cost_curve_ms": {"sizes": [...], "ms": [...]}, "peak_mem_mib"}}}``.
 """

@@ -1,6 +1,6 @@
 """The speedup that a target's verify-cost curve predicts for a measured tau (stage c).
 
-    python scripts/gpu_predict.py --cost cost.json [--overhead overhead.json] \
+    python dev/gpu/gpu_predict.py --cost cost.json [--overhead overhead.json] \
         [--bench bench-bfloat16.json ...] --out predict.json --markdown predict.md
 
 A speculative step emits tau tokens on average (the bench's ``tokens_per_call``) and costs one
@@ -9,7 +9,7 @@ token for a forward of one token plus its host work, so::
 
     predicted speedup = tau * (c(1) + h_plain) / (c(K + 1) + h_method)
 
-``c``: the target's curve from ``scripts/gpu_cost.py`` (interpolated by the decoder's own
+``c``: the target's curve from ``dev/gpu/gpu_cost.py`` (interpolated by the decoder's own
 ``CostCurve``). ``h``: host milliseconds per step at batch 1 from ``redraft-bench --overhead``,
 which decodes with a tiny random target so that only the decoder's own work is left: the same
 for every target (0 without an overhead file; the table says so). A bench method takes the
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--cost", required=True, help="scripts/gpu_cost.py output")
+    p.add_argument("--cost", required=True, help="dev/gpu/gpu_cost.py output")
     p.add_argument("--overhead", help="redraft-bench --overhead output")
     p.add_argument(
         "--bench",

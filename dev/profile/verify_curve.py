@@ -3,7 +3,7 @@ from the row count the verifier measured against packing fixed from 3 rows (the 
 it was measured), both in one process, alternated; the fastest of each (docs/infer.md, "CPU
 kernels").
 
-    python scripts/verify_curve.py [--threads 2] [--dtype float32] [--target default]
+    python dev/profile/verify_curve.py [--threads 2] [--dtype float32] [--target default]
 
 bfloat16 targets have no packed kernels: the script then prints the one curve.
 """

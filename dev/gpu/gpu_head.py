@@ -1,7 +1,7 @@
 """A trained drafter artifact as safetensors shards small enough for the GPU tool, and back.
 
-    python scripts/gpu_head.py split RUN_DIR SHARD_DIR [--max-mib 15] [--dtype bfloat16]
-    python scripts/gpu_head.py join SHARD_FILES_OR_DIRS... --out ARTIFACT_DIR
+    python dev/gpu/gpu_head.py split RUN_DIR SHARD_DIR [--max-mib 15] [--dtype bfloat16]
+    python dev/gpu/gpu_head.py join SHARD_FILES_OR_DIRS... --out ARTIFACT_DIR
 
 The device tool returns files of at most 16 MiB; the default head (full SmolLM2 vocabulary) has
 a 49152 x 1152 output layer, 113 MB even in bfloat16, so tensors are cut along their first

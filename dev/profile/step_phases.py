@@ -1,6 +1,6 @@
 """Where a speculating engine step's host time goes, phase by phase, on the tiny target.
 
-    python scripts/step_phases.py [--batch 64] [--tokens 100] [--threads 2] [--budget 4|auto]
+    python dev/profile/step_phases.py [--batch 64] [--tokens 100] [--threads 2] [--budget 4|auto]
         [--drafter context|ngrammys] [--prompt-tokens 64]
 
 Builds the tiny random target of ``redraft-bench --overhead`` (and its n-gram tables), a

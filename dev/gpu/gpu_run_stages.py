@@ -1,4 +1,4 @@
-"""The stages of the offline GPU runner (``scripts/gpu_run.py``): what each one runs and the
+"""The stages of the offline GPU runner (``dev/gpu/gpu_run.py``): what each one runs and the
 tables it writes. A mixin of :class:`gpu_run.Runner`, whose ``run_step``, ``publish`` and
 folders these use; standard library only."""
 
@@ -200,12 +200,12 @@ class Stages:
 
     def verify_profile(self, st: StageRun) -> None:
         """Eager and graph-replayed verify forwards of the target, the kernels they launch and
-        the slowest ones (``scripts/gpu_profile.py``): why a 2-token verify costs what it does."""
+        the slowest ones (``dev/gpu/gpu_profile.py``): why a 2-token verify costs what it does."""
         self.profile_step(st, "profile", "gpu_profile.py", "profile", "verify profile")
 
     def engine_profile(self, st: StageRun) -> None:
         """The one-token verify by batch and cache capacity, and an engine run at batch 64 split
-        into forward and host time (``scripts/engine_profile.py``): why distillation's engine
+        into forward and host time (``dev/gpu/engine_profile.py``): why distillation's engine
         step cost 22 ms on the H200 at a mean batch of 41 rows."""
         self.profile_step(
             st,
@@ -627,7 +627,7 @@ class Stages:
                 st.results["head_shards"] = [f.name for f in files]
                 st.md += [
                     f"The head goes back in {len(files)} safetensors shards (<= 15 MiB each); put them "
-                    f"together with `python scripts/gpu_head.py join FILES... --out DIR`.",
+                    f"together with `python dev/gpu/gpu_head.py join FILES... --out DIR`.",
                     "",
                 ]
 

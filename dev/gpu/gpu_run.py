@@ -1,7 +1,7 @@
-"""The offline GPU validation of redraft, one stage per ``run`` (``scripts/gpu-run.sh``).
+"""The offline GPU validation of redraft, one stage per ``run`` (``dev/gpu/gpu-run.sh``).
 
-    scripts/gpu-run.sh --stage a            # on the GPU machine, in the repository root
-    scripts/gpu-run.sh --dry-run --stage all --bundle B/part1 --bundle B/part2 ...   # CPU, tiny
+    dev/gpu/gpu-run.sh --stage a            # on the GPU machine, in the repository root
+    dev/gpu/gpu-run.sh --dry-run --stage all --bundle B/part1 --bundle B/part2 ...   # CPU, tiny
 
 What one invocation does:
 
@@ -475,7 +475,7 @@ class Runner(Stages):
                 for p, files in sorted(miss.items())
             )
             how = (
-                "pass the parts of a dry-run bundle: scripts/gpu_bundle.py --dry-run --out B, then --bundle "
+                "pass the parts of a dry-run bundle: dev/gpu/gpu_bundle.py --dry-run --out B, then --bundle "
                 "B/part1 --bundle B/part2 --bundle B/part3"
                 if self.dry
                 else f'carry the missing part(s), e.g. carry=[".gpu-bundle/part{min(miss) or 1}"], in runs that '

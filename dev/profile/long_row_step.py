@@ -1,6 +1,6 @@
 """Median engine step of 8 short rows, then with a long row among them (grouped attention).
 
-    python scripts/long_row_step.py [--long-tokens 4000] [--threads 2] [--steps 15]
+    python dev/profile/long_row_step.py [--long-tokens 4000] [--threads 2] [--steps 15]
 
 Plain steps (budget 0) of the default target in float32: 8 rows of ~10-token prompts decode;
 a ``--long-tokens`` prompt (README text) joins in one piece; prints both medians and the ratio,
@@ -55,7 +55,7 @@ def run(dec, args) -> tuple[float, float]:
 
     median_step(5)
     short = median_step(args.steps)
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text() * 4
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text() * 4
     eng.add(tok(text)["input_ids"][: args.long_tokens], params)
     eng.step()
     return short, median_step(args.steps)

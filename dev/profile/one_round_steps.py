@@ -1,6 +1,6 @@
 """The load test's one-round levels replayed through the engine alone, with where the time went.
 
-    python scripts/one_round_steps.py on|off [--reps 1] [--levels 1,2,4,8,16] [--max-tokens 64]
+    python dev/profile/one_round_steps.py on|off [--reps 1] [--levels 1,2,4,8,16] [--max-tokens 64]
         [-- SERVE FLAGS...]    e.g. -- --ngrams checkpoints/ngrams-smollm2
 
 The decoder is the one ``redraft-serve --target default --dtype float32 FLAGS`` builds ("off":

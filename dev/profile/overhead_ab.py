@@ -3,8 +3,8 @@ PYTHONPATH pointing at either checkout (e.g. a worktree of an older tag), then c
 lines. `redraft-bench --overhead` measures the current code; this script exists because older
 versions have no --overhead (it speaks both the old make_drafters API and DecoderConfig).
 
-    PYTHONPATH=/path/to/old python scripts/overhead_ab.py greedy,context-16,context-64,ngrammys,mix-aded
-    python scripts/overhead_ab.py greedy,context-16,context-64,ngrammys,mix-aded
+    PYTHONPATH=/path/to/old python dev/profile/overhead_ab.py greedy,context-16,context-64,ngrammys,mix-aded
+    python dev/profile/overhead_ab.py greedy,context-16,context-64,ngrammys,mix-aded
 """
 
 import inspect

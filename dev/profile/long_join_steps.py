@@ -1,6 +1,6 @@
 """The load test's long-join scenario replayed through the engine alone, step by step.
 
-    python scripts/long_join_steps.py [--streams 8] [--long-tokens 4000] [--join-after 15]
+    python dev/profile/long_join_steps.py [--streams 8] [--long-tokens 4000] [--join-after 15]
         [--threads 2] [--max-tokens 64] [--fuse-prefill auto|true|false]
 
 Eight streams (held-out chat prompts, greedy, ``--max-tokens`` each) decode back to back; a

@@ -1,10 +1,10 @@
 """Where a verify forward's time goes on one device: eager and graph-replayed forwards of a few
 tree sizes, the kernels each launches and the slowest ones.
 
-    python scripts/gpu_profile.py --target default --device cuda --dtype bfloat16 \
+    python dev/gpu/gpu_profile.py --target default --device cuda --dtype bfloat16 \
         --out profile.json --markdown profile.md
 
-Stage quick of ``scripts/gpu-run.sh``. Why it exists: the first H200 run (2026-11-26,
+Stage quick of ``dev/gpu/gpu-run.sh``. Why it exists: the first H200 run (2026-11-26,
 docs/gpu.md) measured the default target's verify at 3.8 ms for one token and 7.5 ms for 2-65
 (the same 2x from 2 tokens on), and a speculative step's time outside the timed forward at
 3-6 ms against 0.5 ms for plain decoding; which kernels make the difference needs a profile on
