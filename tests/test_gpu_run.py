@@ -43,7 +43,13 @@ def runner(*args, timeout=1200):
 def bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-bundle")
     r = subprocess.run(
-        [sys.executable, str(REPO / "dev" / "gpu" / "gpu_bundle.py"), "--dry-run", "--out", str(out)],
+        [
+            sys.executable,
+            str(REPO / "dev" / "gpu" / "gpu_bundle.py"),
+            "--dry-run",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
