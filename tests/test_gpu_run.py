@@ -385,7 +385,7 @@ def test_every_gpu_step_has_its_own_limit_within_a_call():
     ):
         assert 0 < p.step_limit(stage, step) < p.budget_s
     # quick: everything but the decode table bounded, and they leave it twice what it took on
-    # the H200 (80.7 s for 10 + 10 prompts, 2026-11-27)
+    # a GPU (80.7 s for 10 + 10 prompts)
     quick = sum(
         p.step_limit("quick", s)
         for s in ("cost-curves", "overhead", "profile", "engine-profile", "ngrams", "predict")
@@ -408,7 +408,7 @@ def test_stage_e_with_distill_s_0_trains_on_the_replies_already_made(tmp_path):
     assert st.steps == [] and data == r.runs / "e-distilled"
 
     # no train split made yet (here: none in this call): training is skipped with a reason, not
-    # started on a file that is not there (2026-11-27's fourth run: "train: failed")
+    # started on a file that is not there (which failed as "train: failed")
     r.stage_t0 = time.time()
     st = gpu_run.StageRun("e", "a test stage")
     r.stage_e(st)
@@ -419,7 +419,7 @@ def test_stage_e_with_distill_s_0_trains_on_the_replies_already_made(tmp_path):
 def test_stage_e_caches_features_then_trains_epochs_that_fill_the_time(tmp_path):
     """Stage e caches the target's features of its distilled records and of plain chat records
     (KD only) and trains from them; bounded by time (the GPU run) it asks the trainer for up to 12
-    epochs with the schedule over that time (the tenth run's head stopped after its recipe's 2
+    epochs with the schedule over that time (a run's head once stopped after its recipe's 2
     epochs with budget left). The flags make valid configs with the default recipe; a resumed run
     keeps its features; a failure from features falls back to training online."""
     from redraft.train.cli import build_cache_parser, build_parser, config_from_args

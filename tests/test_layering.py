@@ -49,9 +49,6 @@ EXCEPTIONS = {
     ("redraft", "redraft.models.auto"),
     # the benchmark's prompt loaders (held-out ShareGPT, HumanEval)
     ("redraft.infer.bench", "redraft.data.prompts"),
-    # TODO(lead, infer owner): the overhead benchmark builds its tiny target with the test helper;
-    # move make_tiny_target_dir (or use dummy:tiny) and drop this line
-    ("redraft.infer.overhead", "redraft.testing"),
 }
 # Test support: may import anything; production code never imports it.
 TEST_SUPPORT = {"redraft.testing"}

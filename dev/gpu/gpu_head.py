@@ -3,7 +3,7 @@
     python dev/gpu/gpu_head.py split RUN_DIR SHARD_DIR [--max-mib 15] [--dtype bfloat16]
     python dev/gpu/gpu_head.py join SHARD_FILES_OR_DIRS... --out ARTIFACT_DIR
 
-The device tool returns files of at most 16 MiB; the default head (full SmolLM2 vocabulary) has
+The command runner returns files of at most 16 MiB; the default head (full SmolLM2 vocabulary) has
 a 49152 x 1152 output layer, 113 MB even in bfloat16, so tensors are cut along their first
 dimension. ``split`` writes ``head-00001-of-0000N.safetensors`` ...: each one a plain safetensors
 file of whole tensors or row slices, named ``<tensor>@<row start>``; its metadata holds the

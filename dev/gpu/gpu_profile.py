@@ -4,8 +4,8 @@ tree sizes, the kernels each launches and the slowest ones.
     python dev/gpu/gpu_profile.py --target default --device cuda --dtype bfloat16 \
         --out profile.json --markdown profile.md
 
-Stage quick of ``dev/gpu/gpu-run.sh``. Why it exists: the first H200 run (2026-11-26,
-docs/gpu.md) measured the default target's verify at 3.8 ms for one token and 7.5 ms for 2-65
+Stage quick of ``dev/gpu/gpu-run.sh``. Why it exists: a GPU run
+measured the default target's verify at 3.8 ms for one token and 7.5 ms for 2-65
 (the same 2x from 2 tokens on), and a speculative step's time outside the timed forward at
 3-6 ms against 0.5 ms for plain decoding; which kernels make the difference needs a profile on
 the GPU itself. For each tree size (a chain of that many tokens over a ``--context``-token
@@ -60,7 +60,7 @@ def norm_kernels(target, device, n: int, repeats: int) -> dict:
     target runs, ``redraft.models.fused``) and ``torch.nn.functional.rms_norm``
     (one fused kernel where the build has one) on ``n`` tokens: kernels (CUDA) or aten ops
     (CPU), ms, and the largest difference. Whether swapping it would cut a forward's kernels
-    (1356 per eager forward of the default target on the H200) without changing its output."""
+    (1356 per eager forward of the default target on a GPU) without changing its output."""
     import torch
 
     layer = getattr(target.model, target.model.base_model_prefix).layers[0]

@@ -229,7 +229,7 @@ class Runner(Stages):
             "out['cuda'] = torch.version.cuda\n"
             # dry run: the tiny test target that stands in for the default one, made here (one process fewer)
             + (
-                f"from redraft.testing import make_tiny_target_dir\nmake_tiny_target_dir({self.profile.target!r})\n"
+                f"from redraft.models.tiny import make_tiny_target_dir\nmake_tiny_target_dir({self.profile.target!r})\n"
                 if self.dry and not (Path(self.profile.target) / "config.json").is_file()
                 else ""
             )
@@ -441,7 +441,7 @@ class Runner(Stages):
         return left
 
     def check_out_limits(self) -> None:
-        """Say which files the device tool will not bring back (more than 8, or too big)."""
+        """Say which files the command runner will not bring back (more than 8, or too big)."""
         files = sorted(
             (p for p in self.out.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime
         )
@@ -449,7 +449,7 @@ class Runner(Stages):
         big = [p.name for p in files if p.stat().st_size > OUT_MAX_FILE]
         if len(files) > OUT_MAX_FILES or total > OUT_MAX_TOTAL or big:
             self.say(
-                f"warning: $OUT holds {len(files)} files, {total / MIB:.1f} MiB; the device tool returns at most "
+                f"warning: $OUT holds {len(files)} files, {total / MIB:.1f} MiB; the command runner returns at most "
                 f"{OUT_MAX_FILES} files of <= 16 MiB, 64 MiB in all (too big: {big}); run fewer stages per run. "
                 f"Everything is also kept in {self.results}."
             )
@@ -554,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         default=os.environ.get("OUT") or str(REPO / "gpu-out"),
-        help="output folder (the device tool's $OUT)",
+        help="output folder (the command runner's $OUT)",
     )
     p.add_argument(
         "--work",

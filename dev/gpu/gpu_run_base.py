@@ -17,7 +17,7 @@ SCRIPTS = REPO / "dev" / "gpu"
 WORK = Path("/tmp/redraft-gpu")
 MIB = 1 << 20
 EXIT_MISSING = 3  # a stage could not run: parts missing (the message names them)
-# what the device tool brings back from $OUT
+# what the command runner brings back from $OUT
 OUT_MAX_FILES, OUT_MAX_FILE, OUT_MAX_TOTAL = 8, 16 * MIB, 64 * MIB
 LOG_KEEP = (
     2 * MIB
@@ -54,8 +54,8 @@ IMPORTS = (
     "uvicorn",
     "redraft",
 )
-# (hf-greedy and hsddw left out: on the H200 of 2026-11-26 they decoded at 20 and 5 tok/s, so a
-# 20 + 20 prompt table with them does not fit a 10-minute call; docs/gpu.md)
+# (hf-greedy and hsddw left out: on a GPU they decoded at 20 and 5 tok/s, so a
+# 20 + 20 prompt table with them does not fit a 10-minute call)
 BENCH_METHODS = "greedy,hf-prompt-lookup,context,ngrammys,aded,mix"
 QUICK_METHODS = "greedy,hf-prompt-lookup,ngrammys,mix"
 NGRAM_METHODS = {"bigram", "extended", "ngrammys", "aded", "mix+aded"}  # need the n-gram tables
@@ -67,7 +67,7 @@ STEP_LIMITS = {
     "cost-curves": 180,
     "overhead": 120,
     "predict": 30,
-    # quick, measured on the H200 (2026-11-27, fourth run): cost curves 16.2 s, overhead 19.6 s
+    # quick, measured on a GPU: cost curves 16.2 s, overhead 19.6 s
     # (before its redrafter row), profile 39.2 s, engine profile 27.7 s, n-grams 25.1 s (the
     # decode table 79.6 s); the engine profile's JSON is written after each part, so a cut run
     # keeps what it measured
@@ -111,19 +111,19 @@ class Profile:
     # redraft-train: (recipe, overrides) for the default target and the dummy target
     recipe: str = "default"
     # nothing: the recipe's global batch of 16 runs as one micro batch of 16 on a GPU
-    # (gpu_micro_batch_size: 1.75x the tokens/s of 4 x 4 on an H200, docs/gpu.md)
+    # (gpu_micro_batch_size: 1.75x the tokens/s of 4 x 4, docs/design/0007-gpu-step-shapes.md)
     train_overrides: tuple = ()
     dummy_recipe: str = "llama3-8b-8xh100"
     dummy_overrides: tuple = ("--data", "default-chat", "--train-limit", "2000")
     # stage d measures these; "default-4x4": the same global batch of 16 as 4 micro batches of 4
-    # (the one-GPU shape until 2026-11-27's tenth session: 49.9k tokens/s against 16 x 1's 87.5k)
+    # (the former one-GPU shape: 49.9k tokens/s against 16 x 1's 87.5k)
     speed_targets: tuple = ("default", "default-4x4", "dummy")
     m4x4_overrides: tuple = ("--micro-batch-size", "4", "--grad-accum", "4")
     speed_steps: int = 60
     dummy_speed_steps: int = 20
     full_steps: int | None = None  # None: the recipe's epochs, bounded by time
     # stage e, when bounded by time: as many epochs as the time allows, the warm-up and cosine
-    # over that time. The tenth run's head saw its 1,586 conversations twice (the recipe's 2
+    # over that time. One run's head saw its 1,586 conversations twice (the recipe's 2
     # epochs) in 62 s and stopped with budget left (tau_est 1.51); on the CPU the same kind of
     # small self-distilled set gained from up to ~12 epochs (docs/train.md, "Toward tau_est 1.8").
     head_time_overrides: tuple = ("--epochs", "12", "--schedule-by-time")
@@ -139,7 +139,7 @@ class Profile:
     distill_heldout: int = 100
     num_proc: int = 16
     budget_s: float = 540.0  # one stage
-    run_budget_s: float = 570.0  # the whole invocation: the device tool kills a command at 600 s
+    run_budget_s: float = 570.0  # the whole invocation: the command runner kills a command at 600 s
     # each step's own time limit, "<stage>/<step>" or "<step>" (seconds; a step not named here
     # may take what its stage has left): a step that hangs cannot eat the steps after it
     step_s: dict = field(default_factory=lambda: dict(STEP_LIMITS))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from gpu_run_base import NGRAM_METHODS, REPO, SCRIPTS, StageRun, Step, free_port, read_json
 
-# stage e's trainer: start-up and the final eval + save, besides its steps: 26 s + 12 s on the
-# H200 of 2026-11-27's tenth run (100.5 s in all for 61.6 s of steps); twice that, so that the
+# stage e's trainer: start-up and the final eval + save, besides its steps: 26 s + 12 s on a
+# GPU in one run (100.5 s in all for 61.6 s of steps); twice that, so that the
 # train split's distillation is not stopped early for time training then leaves unused (it had
 # 79 s of its 150 there, and training used 100 of the 300 s kept for it)
 TRAIN_RESERVE_S = 90
@@ -206,7 +206,7 @@ class Stages:
     def engine_profile(self, st: StageRun) -> None:
         """The one-token verify by batch and cache capacity, and an engine run at batch 64 split
         into forward and host time (``dev/gpu/engine_profile.py``): why distillation's engine
-        step cost 22 ms on the H200 at a mean batch of 41 rows."""
+        step cost 22 ms on a GPU at a mean batch of 41 rows."""
         self.profile_step(
             st,
             "engine-profile",
@@ -446,7 +446,7 @@ class Stages:
 
     def cache_e(self, st: StageRun, out: Path, main_data: list, resume: bool) -> list:
         """``--features`` / ``--kd-features`` flags for stage e's training, or none (it then trains
-        online, as before 2026-11-28). With ``Profile.head_kd_records``, the target's features of
+        online). With ``Profile.head_kd_records``, the target's features of
         the distilled records and of that many plain default-chat records (learnt by KD only: on
         the CPU they added ~0.05 tau_est beside 100 distilled conversations and nothing beside
         ~840 or more, docs/train.md "Step decay and 2,048 first turns"; kept here until a GPU run
@@ -584,8 +584,8 @@ class Stages:
             if step is None:
                 return
             if step.status == "failed" and feats and not resume:
-                # no GPU run had trained from cached features before this (2026-11-28): a failure
-                # there must not cost the session its head, so what is left trains online
+                # training from cached features is the newer path: a failure
+                # there must not cost the run its head, so what is left trains online
                 step.note = "from cached features; training online instead"
                 if self.train_e(st, out, data, main_data, [], resume) is None:
                     return

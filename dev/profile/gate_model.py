@@ -9,7 +9,7 @@ context n-grams) is silent for the first ``silent`` steps of every reply; the st
 best called drafter's tokens and costs ``verify + drafting``. Prints tokens per millisecond of
 the gate against fixed choices (drafter 0 alone, 1 alone, both) and how often each is called.
 
-Why it exists: the H200 run of 2026-11-27 showed the mix locked into a head that alone was
+Why it exists: a GPU run showed the mix locked into a head that alone was
 slower than N-Grammys (docs/infer.md). Two gate changes were tried on the CPU and reverted; a
 third (re-tries as 3-step trials side by side, gains measured only there) fixed the lock-in in a
 *deterministic* version of this model (0.370 -> 0.454 tokens/ms, N-Grammys alone 0.46) but was

@@ -21,6 +21,7 @@ torch.set_num_threads(1)
 from redraft.infer import loader
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.models import load_target
+from redraft.models.tiny import make_tiny_target_dir
 from redraft.ngrams import (
     NGramTables,
     build_bigram,
@@ -29,7 +30,6 @@ from redraft.ngrams import (
     count_trigrams,
     save_tables,
 )
-from redraft.testing import make_tiny_target_dir
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. def add(a, b):\n    return a + b\n"

@@ -537,8 +537,8 @@ _warmed = False
 def warm_host_kernels() -> None:
     """Compile (or load from numba's disk cache) the host kernels of ``hostjit`` with the
     argument types decoding passes them, once per process: a kernel compiled at its first use
-    would stall that step for a second or more (all of them: ~13 s on a 2-core EPYC the first
-    time on a machine, ~0.2 s from the cache after; ``tests/infer/test_hostjit.py`` checks that
+    would stall that step for a second or more (all of them: seconds on a small CPU the first
+    time on a machine, a fraction of a second from the cache after; ``tests/infer/test_hostjit.py`` checks that
     decoding then compiles nothing). Signatures not met here (rarer dtypes) still compile at
     first use. A no-op where numba is not in use."""
     global _warmed

@@ -553,8 +553,8 @@ def build_engine(cfg: TrainConfig, model: ReDrafter, total_steps: int, precision
     )
     if engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0:
         # one process, no ZeRO: nothing to reduce, but DeepSpeed still flattens every gradient,
-        # "all-reduces" it with itself and copies it back after each backward (~5 ms a step for
-        # the demo head on the 2-core CPU; its "allreduce_gradients" in a profile)
+        # "all-reduces" it with itself and copies it back after each backward (milliseconds a step for
+        # the demo head on a CPU; its "allreduce_gradients" in a profile)
         engine.enable_backward_allreduce = False
     return engine, sched
 
