@@ -9,17 +9,19 @@ What a step does (``redraft.infer.engine.Engine.step`` runs them in order):
 1. :meth:`SpeculativeDecoder.propose`: every drafter the gate lets through proposes paths
    continuing the last token ``y`` of each row; each entry gets a value, its estimated chance of
    being accepted (observed acceptance rate of its drafter, path group and depth);
-2. :meth:`SpeculativeDecoder.choose_budget` and ``tree.build_tree``: the node budget that
-   maximises expected tokens per unit of verify time, and one tree of the best nodes with shared
-   prefixes stored once;
+2. :meth:`SpeculativeDecoder.build_tree`: the node budget that maximises expected tokens per
+   unit of verify time, and one tree of the best nodes with shared prefixes stored once (numpy,
+   ``redraft.infer.hostdraft``);
 3. ``Verifier.verify``: one target forward over ``[y, tree nodes]`` with a 4D mask over cache +
    tree and depth-based position ids;
-4. :meth:`SpeculativeDecoder.accept`: greedy / rejection / typical acceptance picks the accepted
-   path and the bonus token; :meth:`SpeculativeDecoder.credit` counts each drafter's accepted
-   tokens;
+4. :meth:`SpeculativeDecoder.choices` (on the device) and :meth:`SpeculativeDecoder.accept` (on
+   the host): greedy / rejection / typical acceptance picks the accepted path and the bonus
+   token;
 5. the cache keeps only the accepted path's keys and values (``Engine._commit``), drafters
-   observe what was accepted (:meth:`SpeculativeDecoder.feedback`), the rates, the gate and the
-   per-request stats are updated, finished rows leave the batch and new ones join.
+   observe what was accepted and each drafter is credited with its accepted tokens
+   (:meth:`SpeculativeDecoder.feedback`), the rates, the gate and the per-request stats are
+   updated (:meth:`SpeculativeDecoder.after_step`), finished rows leave the batch and new ones
+   join.
 
 With no drafters the same loop is plain autoregressive decoding (the tree is the root alone),
 which is the baseline every speculative result is compared with.

@@ -8,9 +8,10 @@
 
 One :meth:`Engine.step` is a sequence of named calls, split between the host and the device::
 
-    host:   retire -> join (prefill) -> propose -> choose_budget -> build the tree -> upload
-    device: verify (one forward; one CUDA graph launch) -> logits -> the rule's choices
-    host:   read the choices (the step's one device read) -> accept -> commit -> feedback -> emit
+    host:   retire -> join (prefill) -> propose -> build_tree (budget, then tree) -> upload
+    device: verify (one forward; one CUDA graph launch) -> logits -> choices (the rule's picks)
+    host:   read the choices (the step's one device read) -> accept -> commit -> feedback
+            -> after_step -> emit
 
 The host keeps every row's tokens, so the learning-free drafters (context n-grams, model
 tables) draft from host memory and the tree is built in numpy (``redraft.infer.hostdraft``); the
