@@ -1,6 +1,6 @@
 """``make gpu-bundle``: what the offline GPU machine lacks, in parts that each fit one ``run``.
 
-The GPU machine (docs/gpu.md) has Python 3.12 with torch, transformers, peft, safetensors, numpy,
+The GPU machine (dev/gpu/README.md) has Python 3.12 with torch, transformers, peft, safetensors, numpy,
 pyarrow, pytest... but no network, and a run carries at most 64 MiB (the working tree included).
 This script writes ``.gpu-bundle/`` (ignored by git)::
 
@@ -53,7 +53,7 @@ MANIFEST = "MANIFEST.json"
 SUMS = "SHA256SUMS"
 FORMAT = 1
 
-# What the GPU machine lacks (docs/gpu.md). Each is downloaded for CPython 3.12 manylinux x86_64
+# What the GPU machine lacks (dev/gpu/README.md). Each is downloaded for CPython 3.12 manylinux x86_64
 # at the version installed here; (name, how): "download" or "build" (sdist -> wheel here).
 WHEELS = [
     ("deepspeed", "build"),
@@ -662,7 +662,7 @@ def main(argv=None) -> int:
         say(f"part{i}: {size:5.1f} MiB  {', '.join(sorted(files))}")
     say(
         f"bundle {manifest['bundle_id']} in {out} ({time.time() - t0:.0f} s); carry one part per run: "
-        f"see docs/gpu.md"
+        f"see dev/gpu/README.md"
     )
     return 0
 

@@ -24,7 +24,7 @@ What one invocation does:
    steps, machine and versions) and ``<stage>.log``; then files still waiting to go back (the
    trained head's shards), within the tool's limits (8 files, 16 MiB each, 64 MiB in all).
 
-Stages (docs/gpu.md has the procedure and the time each takes):
+Stages (dev/gpu/README.md has the procedure and the time each takes):
 
     quick cost curve of dummy:llama-8b, host overhead, 10+10-prompt bf16 decode table   all parts
     a     pytest -m "cuda and not slow"                 wheels
@@ -479,7 +479,7 @@ class Runner(Stages):
                 "B/part1 --bundle B/part2 --bundle B/part3"
                 if self.dry
                 else f'carry the missing part(s), e.g. carry=[".gpu-bundle/part{min(miss) or 1}"], in runs that '
-                f"each start within 30 s of the previous one's end (see docs/gpu.md)"
+                f"each start within 30 s of the previous one's end (see dev/gpu/README.md)"
             )
             self.say(f"stage {s} cannot run yet: missing {what}. To run it, {how}.")
         if any(STAGES[s][1] for s, _ in runnable):

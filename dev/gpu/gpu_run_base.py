@@ -60,7 +60,7 @@ BENCH_METHODS = "greedy,hf-prompt-lookup,context,ngrammys,aded,mix"
 QUICK_METHODS = "greedy,hf-prompt-lookup,ngrammys,mix"
 NGRAM_METHODS = {"bigram", "extended", "ngrammys", "aded", "mix+aded"}  # need the n-gram tables
 # GPU run: each step's own limit in seconds (the dry run sets none: the CPU is slower, the
-# mechanism is tested on its own). Estimates for one H100 are in docs/gpu.md; these leave ~2x.
+# mechanism is tested on its own). Estimates for one H100 are in dev/gpu/README.md; these leave ~2x.
 STEP_LIMITS = {
     "b/pytest": 180,
     "ngrams": 180,
