@@ -125,7 +125,7 @@ class Profile:
     # stage e, when bounded by time: as many epochs as the time allows, the warm-up and cosine
     # over that time. One run's head saw its 1,586 conversations twice (the recipe's 2
     # epochs) in 62 s and stopped with budget left (tau_est 1.51); on the CPU the same kind of
-    # small self-distilled set gained from up to ~12 epochs (docs/train.md, "Toward tau_est 1.8").
+    # small self-distilled set gained from up to ~12 epochs (docs/design/0006-demo-recipe.md).
     head_time_overrides: tuple = ("--epochs", "12", "--schedule-by-time")
     # stage e: plain default-chat records whose cached features the head learns by KD only
     # (redraft-cache-features, then --kd-features; 0: train online on the distilled replies alone)

@@ -449,7 +449,7 @@ class Stages:
         online). With ``Profile.head_kd_records``, the target's features of
         the distilled records and of that many plain default-chat records (learnt by KD only: on
         the CPU they added ~0.05 tau_est beside 100 distilled conversations and nothing beside
-        ~840 or more, docs/train.md "Step decay and 2,048 first turns"; kept here until a GPU run
+        ~840 or more, docs/design/0006-demo-recipe.md; kept here until a GPU run
         compares), cached first, each step under its own limit; a step that fails or runs out of
         time leaves the run online. A resumed run keeps what it started with."""
         if resume:

@@ -531,8 +531,8 @@ def build_engine(cfg: TrainConfig, model: ReDrafter, total_steps: int, precision
 
     params = list(model.parameters())
     # On a CPU torch's AdamW defaults to one tensor at a time (foreach is a CUDA default): the
-    # fused kernel takes 11 -> 2.7 ms a step off the demo head's 8M parameters (docs/train.md,
-    # "Half the windows a step"); the state is the same, so checkpoints load either way. CUDA keeps
+    # fused kernel takes 11 -> 2.7 ms a step off the demo head's 8M parameters (measured with
+    # the demo recipe); the state is the same, so checkpoints load either way. CUDA keeps
     # torch's default (foreach), which DeepSpeed's ZeRO optimizers have always been run with here.
     fused = all(p.device.type == "cpu" for p in params)
     opt = torch.optim.AdamW(
