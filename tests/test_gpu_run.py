@@ -1,6 +1,6 @@
 """The offline GPU runner on the CPU (`dev/gpu/gpu-run.sh --dry-run`): a tiny bundle of the real
 form, staged part by part like runs on a warm machine, and every stage through the same code path
-with tiny settings, so the runner cannot rot between GPU sessions."""
+with tiny settings, so the runner cannot rot between GPU runs."""
 
 import hashlib
 import json
