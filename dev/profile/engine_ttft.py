@@ -3,7 +3,9 @@ the speculative decoder (the context drafter, batched costs measured) against a 
 
     python dev/profile/engine_ttft.py
 
-The load test's arrival pattern without the server (benchmarks/results/cpu/serve-02-one-round-of-64-tokens-per-stream.md): each stream sends its next held-out chat prompt when its previous request finishes.
+The load test's arrival pattern without the server
+(benchmarks/results/cpu/serve-02-one-round-of-64-tokens-per-stream.md): each stream sends its
+next held-out chat prompt when its previous request finishes.
 """
 
 import time
