@@ -5,8 +5,8 @@ ones, and ``importlib.import_module("literal")``; names a package re-exports (ea
 ``__init__`` or lazily through a ``{name: module}`` table) count as imports of the module that
 defines them. Imports under ``if TYPE_CHECKING:`` do not run and do not count.
 
-Checked: (a) no import cycle between redraft's modules; (b) the layering rule of the README
-("Layout"): a stage imports only the shared modules and the stages to its left,
+Checked: (a) no import cycle between redraft's modules; (b) the layering rule of
+docs/architecture.md: a stage imports only the shared modules and the stages to its left,
 ``models -> data, hub -> train, ngrams -> infer -> serve -> demo, entry``, with the exceptions
 listed here; and production code never imports ``redraft.testing``.
 """
