@@ -1,7 +1,7 @@
 # make demo / make test / make bench / make serve: each creates .venv when missing and installs what it needs.
 # make test runs make lint (ruff check + ruff format --check) first, then the suite in .venv, then the
 # vLLM tests (tests/vllm) in .venv-vllm: vLLM pins its own versions, so it gets a venv of its own.
-# make gpu-bundle: the offline GPU run's parts in .gpu-bundle/ (docs/gpu.md).
+# make gpu-bundle: the offline GPU run's parts in .gpu-bundle/ (dev/gpu/README.md).
 # Installation is skipped when pyproject.toml has not changed since the last install (stamp file).
 PY      ?= python3
 VENV    := .venv
@@ -79,7 +79,7 @@ serve: install
 # wheels for what the GPU machine lacks (versions from .venv), redraft, the default GGUF in two
 # parts, the ShareGPT JSON xz-compressed, a manifest with SHA-256s: parts of <= 58 MiB, one per run
 gpu-bundle: install
-	$(BIN)/python scripts/gpu_bundle.py --out .gpu-bundle
+	$(BIN)/python dev/gpu/gpu_bundle.py --out .gpu-bundle
 
 clean:
 	rm -rf $(VENV) $(VVENV) *.egg-info

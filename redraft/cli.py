@@ -96,7 +96,7 @@ class ModelSettings(Settings):
     )
     threads: int | None = setting(
         None,
-        "Torch CPU threads; none = torch's choice (on a CPU shared with other jobs "
+        "Torch CPU threads; none = torch's choice (on a CPU busy with other work "
         "1 thread can be several times faster).",
         range=Range(1),
     )

@@ -109,8 +109,8 @@ def train_head(target_spec: str, out: Path, minutes: float, retrain: bool) -> Pa
     )
     # the target's features of the self-distilled records, cached once (like the records): the
     # budget then trains the head ~2x the tokens of a run that runs the target every step
-    # (docs/train.md, "Toward tau_est 1.8"). No KD-only ShareGPT records since 2026-11-28: with
-    # ~1,700 distilled conversations they no longer paid (docs/train.md, "Step decay").
+    # (docs/design/0006-demo-recipe.md). No KD-only ShareGPT records: with
+    # ~1,700 distilled conversations they no longer paid.
     with use_replies(EngineReplies):  # the self-distilled data comes from redraft's engine
         feats = cache_demo_features(cfg, out.parent / f"{out.name}-features")
         metrics = train(cfg.replace(features=str(feats)), resume=False, overwrite=True)

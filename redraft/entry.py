@@ -51,7 +51,7 @@ def cache_features_main(argv: list[str] | None = None) -> int:
 
 
 # `python -m redraft.entry redraft-train ARGS...`: for launchers that take a module, not a
-# console script (the deepspeed launcher's --module in scripts/gpu_run_stages.py)
+# console script (the deepspeed launcher's --module in dev/gpu/gpu_run_stages.py)
 COMMANDS = {
     "redraft-train": train_main,
     "redraft-cache-features": cache_features_main,

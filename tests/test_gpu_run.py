@@ -1,6 +1,6 @@
-"""The offline GPU runner on the CPU (`scripts/gpu-run.sh --dry-run`): a tiny bundle of the real
+"""The offline GPU runner on the CPU (`dev/gpu/gpu-run.sh --dry-run`): a tiny bundle of the real
 form, staged part by part like runs on a warm machine, and every stage through the same code path
-with tiny settings, so the runner cannot rot between GPU sessions."""
+with tiny settings, so the runner cannot rot between GPU runs."""
 
 import hashlib
 import json
@@ -31,7 +31,7 @@ def runner_cmd(*args):
         "OUT",
     ):
         env.pop(k, None)
-    return ["bash", str(REPO / "scripts" / "gpu-run.sh"), "--dry-run", *map(str, args)], env
+    return ["bash", str(REPO / "dev" / "gpu" / "gpu-run.sh"), "--dry-run", *map(str, args)], env
 
 
 def runner(*args, timeout=1200):
@@ -43,7 +43,13 @@ def runner(*args, timeout=1200):
 def bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-bundle")
     r = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "gpu_bundle.py"), "--dry-run", "--out", str(out)],
+        [
+            sys.executable,
+            str(REPO / "dev" / "gpu" / "gpu_bundle.py"),
+            "--dry-run",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -286,7 +292,7 @@ def test_dry_run_of_every_stage(bundle, tmp_path):
     j = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "gpu_head.py"),
+            str(REPO / "dev" / "gpu" / "gpu_head.py"),
             "join",
             *map(str, files),
             "--out",
@@ -379,7 +385,7 @@ def test_every_gpu_step_has_its_own_limit_within_a_call():
     ):
         assert 0 < p.step_limit(stage, step) < p.budget_s
     # quick: everything but the decode table bounded, and they leave it twice what it took on
-    # the H200 (80.7 s for 10 + 10 prompts, 2026-11-27)
+    # a GPU (80.7 s for 10 + 10 prompts)
     quick = sum(
         p.step_limit("quick", s)
         for s in ("cost-curves", "overhead", "profile", "engine-profile", "ngrams", "predict")
@@ -402,7 +408,7 @@ def test_stage_e_with_distill_s_0_trains_on_the_replies_already_made(tmp_path):
     assert st.steps == [] and data == r.runs / "e-distilled"
 
     # no train split made yet (here: none in this call): training is skipped with a reason, not
-    # started on a file that is not there (2026-11-27's fourth run: "train: failed")
+    # started on a file that is not there (which failed as "train: failed")
     r.stage_t0 = time.time()
     st = gpu_run.StageRun("e", "a test stage")
     r.stage_e(st)
@@ -413,7 +419,7 @@ def test_stage_e_with_distill_s_0_trains_on_the_replies_already_made(tmp_path):
 def test_stage_e_caches_features_then_trains_epochs_that_fill_the_time(tmp_path):
     """Stage e caches the target's features of its distilled records and of plain chat records
     (KD only) and trains from them; bounded by time (the GPU run) it asks the trainer for up to 12
-    epochs with the schedule over that time (the tenth run's head stopped after its recipe's 2
+    epochs with the schedule over that time (a run's head once stopped after its recipe's 2
     epochs with budget left). The flags make valid configs with the default recipe; a resumed run
     keeps its features; a failure from features falls back to training online."""
     from redraft.train.cli import build_cache_parser, build_parser, config_from_args
@@ -518,7 +524,7 @@ def _stage_e_runner(tmp_path):
 def _load_script(name):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, REPO / "dev" / "gpu" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)

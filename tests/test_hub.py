@@ -925,7 +925,7 @@ def test_console_script_points_at_push_main():
 
 def test_push_refuses_a_head_whose_weights_disagree_with_its_config(tmp_path, tiny_target):
     """A head saved with 2 layers whose config is edited to say 3 is refused before any request,
-    naming the missing tensor (issue 17: such a head loaded with random layers and was uploaded)."""
+    naming the missing tensor (such a head would load with random layers and be uploaded)."""
     import json as _json
 
     import torch

@@ -5,8 +5,8 @@ ones, and ``importlib.import_module("literal")``; names a package re-exports (ea
 ``__init__`` or lazily through a ``{name: module}`` table) count as imports of the module that
 defines them. Imports under ``if TYPE_CHECKING:`` do not run and do not count.
 
-Checked: (a) no import cycle between redraft's modules; (b) the layering rule of the README
-("Layout"): a stage imports only the shared modules and the stages to its left,
+Checked: (a) no import cycle between redraft's modules; (b) the layering rule of
+docs/architecture.md: a stage imports only the shared modules and the stages to its left,
 ``models -> data, hub -> train, ngrams -> infer -> serve -> demo, entry``, with the exceptions
 listed here; and production code never imports ``redraft.testing``.
 """
@@ -51,9 +51,6 @@ EXCEPTIONS = {
     ("redraft.infer.bench", "redraft.data.prompts"),
     # the benchmark runs vLLM (plain, its methods, redraft's proposer) beside redraft's engine
     ("redraft.infer.bench_run", "redraft.vllm.peer"),
-    # TODO(lead, infer owner): the overhead benchmark builds its tiny target with the test helper;
-    # move make_tiny_target_dir (or use dummy:tiny) and drop this line
-    ("redraft.infer.overhead", "redraft.testing"),
 }
 # Test support: may import anything; production code never imports it.
 TEST_SUPPORT = {"redraft.testing"}

@@ -495,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="torch CPU threads (default: torch's choice; on a "
-        "CPU shared with other jobs 1 thread can be several times faster)",
+        "CPU busy with other work 1 thread can be several times faster)",
     )
     p.add_argument(
         "--sort-window",

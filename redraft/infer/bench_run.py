@@ -66,7 +66,7 @@ class Runner:
         x = torch.tensor([ids], device=target.device)
         eos = target.eos_token_ids
         # on CUDA no cuDNN attention, like redraft's own forwards (it plans anew for every shape:
-        # ~30 ms a call on the first H100 run), so the hf-* baselines are not slowed by it
+        # ~30 ms of CPU a call on a GPU), so the hf-* baselines are not slowed by it
         with torch.no_grad(), sdpa_backends(target.device, flash=True):
             out = target.model.generate(
                 x,
@@ -238,8 +238,8 @@ def summarise(agg: dict) -> dict:
             res[name]["graphs"] = {k: round(v, 3) for k, v in a.graphs.items()}
             if base.graphs is not None and n and n == len(base.times):
                 # what a long-running server sees: each graph shape is captured once in its life,
-                # so a short run's first-use captures (a third of a method's time in 6 prompts x
-                # 128 tokens on an H200, docs/gpu.md) are left out of both sides
+                # so a short run's first-use captures (up to a third of a method's time in a run
+                # of a few prompts on a GPU) are left out of both sides
                 t = sum(a.times) - a.graphs.get("capture_s", 0.0)
                 tb = sum(base.times) - base.graphs.get("capture_s", 0.0)
                 if t > 0 and tb > 0:

@@ -120,8 +120,8 @@ def measure_cost_curve(
     always be padded to m >= n tokens (the padding filled with more draft candidates, which
     only helps: :meth:`~redraft.infer.verify.Verifier.tree_size`), so a size dearer than a
     larger one (a noisy measurement, or a kernel that is slow at that shape) never prices the
-    sizes around it. (The envelope from the left, ``max over m <= n``, did: on the first H200
-    run a 2-token forward measured at 2x a one-token one priced every tree up to 65 tokens at
+    sizes around it. (The envelope from the left, ``max over m <= n``, did: on a GPU a
+    2-token forward measured at 2x a one-token one priced every tree up to 65 tokens at
     that, while trees of ~32 nodes verified in 5.2 ms against greedy's 4.1 ms.) With
     ``padded=False`` (work that cannot be padded, like a beam search) the envelope is taken
     from the left, ``max over m <= n``.
@@ -307,7 +307,7 @@ class PrefillPacer:
         if len(cost.sizes) > 1:  # the curve's cost per token past one, for the first fits
             self.slope = float((cost.seconds[-1] - cost.seconds[0]) / (cost.sizes[-1] - 1))
         # the fixed cost: an eager prefill forward's (the curve's one-token forward unless its
-        # verifies replay graphs: on the H200 an eager forward of the default target cost far
+        # verifies replay graphs: on a GPU an eager forward of the default target cost far
         # more than its 3.8 ms replay, and that difference read as a per-token cost made the
         # pieces small), but never more than a timed forward
         fixed = cost.seconds[0] if cost.prefill_c0 is None else cost.prefill_c0
@@ -386,8 +386,8 @@ class PrefillPacer:
         """``(a, b)`` of the cost model (see the class doc). Until forwards of ``MIN_TOKENS``
         tokens in all are timed: the cost curve's cost per token, ``b = 0`` (a server's first
         piece is its warm-up's one token, whose time past the fixed cost is noise: read as the
-        cost per token, it held an engine's first long prompt to pieces of 48 tokens on the
-        2-core EPYC)."""
+        cost per token, it held an engine's first long prompt to pieces of 48 tokens on a
+        small CPU)."""
         N, S, secs = (np.array(v, np.float64) for v in zip(*self.obs))
         if N.sum() < self.MIN_TOKENS and self.slope is not None:
             return self.slope, 0.0
@@ -426,7 +426,7 @@ class PrefillPacer:
             budget = self.share * steps * self.ref
             return lambda tokens, span: tokens <= cap and tokens * (a + b * span) <= budget
         # a forward's fixed cost is paid whatever its size: when it alone exceeds the share (an
-        # eager prefill of 34 ms against 3.5 ms graph replays, H200 2026-11-27), pieces that fit
+        # eager prefill of 34 ms against 3.5 ms graph replays on a GPU), pieces that fit
         # "nothing" became one token each and a 300-token prompt took 2.5 s; then a piece may
         # add as much work as the fixed cost (at least half its time does prefill)
         budget = max(self.share * steps * self.ref - self.c0, self.c0)

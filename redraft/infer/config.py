@@ -100,8 +100,8 @@ class DecoderConfig(Settings):
         "With static_verify: a captured verify attends over the shortest power-of-two span "
         "(at least 256 columns) that holds the longest row, one graph per span, instead of "
         "the cache's whole capacity (fewer keys read when a cache grown for long prompts "
-        "holds short rows; more captures): 'auto' (on wherever static_verify is: 5.2x "
-        "cheaper steps for 64 rows in a 4,000-column cache on an H200), true or false.",
+        "holds short rows; more captures): 'auto' (on wherever static_verify is: "
+        "several times cheaper steps for many rows in a long cache), true or false.",
     )
     prefill_chunk: Any = _f(
         "auto",

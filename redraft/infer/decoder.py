@@ -9,17 +9,19 @@ What a step does (``redraft.infer.engine.Engine.step`` runs them in order):
 1. :meth:`SpeculativeDecoder.propose`: every drafter the gate lets through proposes paths
    continuing the last token ``y`` of each row; each entry gets a value, its estimated chance of
    being accepted (observed acceptance rate of its drafter, path group and depth);
-2. :meth:`SpeculativeDecoder.choose_budget` and ``tree.build_tree``: the node budget that
-   maximises expected tokens per unit of verify time, and one tree of the best nodes with shared
-   prefixes stored once;
+2. :meth:`SpeculativeDecoder.build_tree`: the node budget that maximises expected tokens per
+   unit of verify time, and one tree of the best nodes with shared prefixes stored once (numpy,
+   ``redraft.infer.hostdraft``);
 3. ``Verifier.verify``: one target forward over ``[y, tree nodes]`` with a 4D mask over cache +
    tree and depth-based position ids;
-4. :meth:`SpeculativeDecoder.accept`: greedy / rejection / typical acceptance picks the accepted
-   path and the bonus token; :meth:`SpeculativeDecoder.credit` counts each drafter's accepted
-   tokens;
+4. :meth:`SpeculativeDecoder.choices` (on the device) and :meth:`SpeculativeDecoder.accept` (on
+   the host): greedy / rejection / typical acceptance picks the accepted path and the bonus
+   token;
 5. the cache keeps only the accepted path's keys and values (``Engine._commit``), drafters
-   observe what was accepted (:meth:`SpeculativeDecoder.feedback`), the rates, the gate and the
-   per-request stats are updated, finished rows leave the batch and new ones join.
+   observe what was accepted and each drafter is credited with its accepted tokens
+   (:meth:`SpeculativeDecoder.feedback`), the rates, the gate and the per-request stats are
+   updated (:meth:`SpeculativeDecoder.after_step`), finished rows leave the batch and new ones
+   join.
 
 With no drafters the same loop is plain autoregressive decoding (the tree is the root alone),
 which is the baseline every speculative result is compared with.
@@ -537,8 +539,8 @@ _warmed = False
 def warm_host_kernels() -> None:
     """Compile (or load from numba's disk cache) the host kernels of ``hostjit`` with the
     argument types decoding passes them, once per process: a kernel compiled at its first use
-    would stall that step for a second or more (all of them: ~13 s on a 2-core EPYC the first
-    time on a machine, ~0.2 s from the cache after; ``tests/infer/test_hostjit.py`` checks that
+    would stall that step for a second or more (all of them: seconds on a small CPU the first
+    time on a machine, a fraction of a second from the cache after; ``tests/infer/test_hostjit.py`` checks that
     decoding then compiles nothing). Signatures not met here (rarer dtypes) still compile at
     first use. A no-op where numba is not in use."""
     global _warmed

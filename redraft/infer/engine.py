@@ -8,9 +8,10 @@
 
 One :meth:`Engine.step` is a sequence of named calls, split between the host and the device::
 
-    host:   retire -> join (prefill) -> propose -> choose_budget -> build the tree -> upload
-    device: verify (one forward; one CUDA graph launch) -> logits -> the rule's choices
-    host:   read the choices (the step's one device read) -> accept -> commit -> feedback -> emit
+    host:   retire -> join (prefill) -> propose -> build_tree (budget, then tree) -> upload
+    device: verify (one forward; one CUDA graph launch) -> logits -> choices (the rule's picks)
+    host:   read the choices (the step's one device read) -> accept -> commit -> feedback
+            -> after_step -> emit
 
 The host keeps every row's tokens, so the learning-free drafters (context n-grams, model
 tables) draft from host memory and the tree is built in numpy (``redraft.infer.hostdraft``); the
@@ -652,7 +653,7 @@ class Engine:
         starts = [r.filled for r in rows]
         # the columns the rows need to their end, at their first piece: the cache grows once per
         # long prompt (growing copies every row's columns: 136-214 ms a time for 8 chats and a
-        # 4,000-token prompt's pieces on the 2-core EPYC, and it drops captured graphs), not at
+        # 4,000-token prompt's pieces on a small CPU, and it drops captured graphs), not at
         # each doubling its pieces reach; a CPU buffer's new columns take no memory until written
         cache.reserve(cache.slots, max(max(starts) + T + 1, self._width(rows)), self._used_columns)
         if starts[0] + T >= len(rows[0].prompt):  # every row taken finishes: they join
@@ -699,7 +700,7 @@ class Engine:
             # fewer distinct shapes, except where the piece rides in the verify forward: its
             # shape changes with the tree every step anyway, and rounding made budgets that give
             # 8-57-token pieces 16 or 32 by the fit's wobble (one engine admitted the same prompt
-            # in 61 steps once and in 30 the next time, 8 prompts added together, 2-core EPYC)
+            # in 61 steps once and in 30 the next time, 8 prompts added together)
             riding = self.fuse and bool(self.rows)
             if self.dec.config.prefill_chunk == "auto" and lo >= PREFILL_CHUNK_MIN and not riding:
                 lo = lo // PREFILL_CHUNK_MIN * PREFILL_CHUNK_MIN
@@ -850,8 +851,8 @@ def check_thread(decoder) -> None:
     """Warn (once per decoder) when a CPU engine is made on another thread than the one that
     built the decoder. PyTorch's CPU kernels run in a GNU OpenMP team that belongs to the thread
     that opened it; a second thread's team leaves more OpenMP threads than cores, and libgomp's
-    idle workers then stop spinning between kernels, so every kernel pays a wake-up: on the
-    2-core AMD EPYC a step of the default target took 1.2-1.5x as long on the other thread
+    idle workers then stop spinning between kernels, so every kernel pays a wake-up: on a
+    small CPU a step of the default target took 1.2-1.5x as long on the other thread
     (``redraft.serve.scheduler.ComputeThread``, which ``redraft-serve`` loads and decodes on)."""
     home = getattr(decoder, "home_thread", None)
     if home in (None, threading.get_ident()) or torch.get_num_threads() < 2:

@@ -1,7 +1,7 @@
 """A device function captured in a CUDA graph per input shape and replayed (drafting on CUDA).
 
 A ReDrafter beam search is ~190 small kernels per step (5 head steps, top-k, gathers); launched
-one by one from Python that is ~3 ms of host time a step on an H200 (docs/gpu.md, stage e2),
+one by one from Python that is milliseconds of host time a step on a GPU,
 more than the verify it feeds. Its shapes are fixed by ``(rows, width, length)`` and it reads
 nothing back to the host, so one graph per shape replays it as a single launch. The verify's
 own graphs (:class:`~redraft.infer.verify.GraphSet`) are tied to a KV cache's buffer; these
@@ -10,7 +10,7 @@ depend only on the function's weights and their static input buffers.
 :class:`GraphStore` holds the policy both follow: a shape is captured the second call in a row
 it is used, or its :data:`CAPTURE_AFTER`-th use in all (a server's batch changes often, so a
 shape used once never pays a capture; a speculating engine's tree sizes alternate from step to
-step, so "in a row" alone left 147 of 432 steps of a distillation run eager on the H200), every
+step, so "in a row" alone left a third of a distillation run's steps eager), every
 capture shares one memory pool, at most ``max_graphs`` graphs are kept (the least recently
 replayed is dropped; once full, only a shape used twice in a row displaces one), and **a
 capture that fails never changes the result**: it is logged once, the shape runs eagerly from
@@ -60,7 +60,7 @@ def no_cyclic_gc():
     ``torch.cuda.graph`` no longer collects before a capture (``force_cudagraph_gc`` is off by
     default: too slow), so a collection that a capture's own allocations trigger can free the
     graphs of a dead decoder in mid-capture, and destroying a graph while a stream captures is
-    not permitted: that capture fails. Seen on an H200 (docs/gpu.md, 2026-11-27 tenth run: eight
+    not permitted: that capture fails. Seen on a GPU (eight
     "operation not permitted when stream is capturing (function reset)" warnings, then "operation
     failed due to a previous error during capture", in a test that makes a decoder per drafter).
     The garbage is collected after the capture instead."""

@@ -2,8 +2,8 @@
 
 The verify forward attends every row over the batch's longest row (``span`` columns; a row's
 own mask hides the rest). When one 4,000-token prompt joins eight 100-token chats, every row
-reads 4,000 columns of keys and values per layer: on a 2-core CPU a step of the eight chats
-took 2.3x longer (scripts in docs/serve.md). Here the rows are split in two groups by length,
+reads 4,000 columns of keys and values per layer: on a small CPU a step of the eight chats
+took 2.3x longer. Here the rows are split in two groups by length,
 each attended over its own longest row, one SDPA call per group; masked columns carry no
 weight, so the output is what one call over the whole span gives.
 

@@ -72,7 +72,7 @@ def _order(keys: list[tuple[np.ndarray, int]]) -> np.ndarray:
     bound it stays below: one ``argsort`` of their mixed-radix combination where it fits in
     int64 (the keys are unique together, so no tie needs a stable sort) and the arrays are long,
     else ``lexsort``. (10,000 keys: 0.37 ms against 0.98 for two keys, 1.61 for four; below
-    ~2,000 lexsort is faster; 2-core EPYC.)"""
+    ~2,000 lexsort is faster.)"""
     total = 1
     for _, bound in keys:
         total *= max(int(bound), 1)

@@ -1,16 +1,16 @@
 """Compiled (numba) kernels of the decode step's host work: the same results as the numpy code.
 
 A speculative step's host work at one row is a few hundred numpy calls of a few elements each
-(context matching, the tree, the walk, the statistics), each costing ~1-3 us of dispatch: on the
-H200 it was 1.7 ms of host time a step for N-Grammys against a 2.9 ms verify of the default
-target (docs/gpu.md). Loops compiled by numba do the same work per row in microseconds, the way
+(context matching, the tree, the walk, the statistics), each costing ~1-3 us of dispatch: on a
+GPU that was more host time a step for N-Grammys than the verify of the default target
+(docs/design/0003-host-kernels.md). Loops compiled by numba do the same work per row in microseconds, the way
 vLLM's n-gram proposer does (numba, for the same reason). Each kernel here returns exactly what
 its numpy counterpart returns (tests compare them on random inputs, ties included); the numpy
 functions stay as the reference and as the fallback where numba is missing or turned off
 (``REDRAFT_JIT=0``).
 
-Building a speculative decoder compiles the kernels (``decoder.warm_host_kernels``: ~12-14 s
-the first time on a 2-core EPYC, then loaded from numba's disk cache in ~0.2 s), so no decode
+Building a speculative decoder compiles the kernels (``decoder.warm_host_kernels``: seconds
+the first time on a machine, then loaded from numba's disk cache in a fraction of a second), so no decode
 step compiles. They release the GIL (``nogil``), so a server's event loop keeps running while
 the decode thread is in them.
 """

@@ -26,8 +26,8 @@ def zeroed(shape, dtype, device) -> torch.Tensor:
     """A zero tensor; on a CPU, backed by an anonymous memory map: the kernel supplies zero pages
     as they are first touched, so making a cache grown for one long prompt in every slot costs
     nothing until columns are written (``torch.zeros`` writes every page at once: 0.94 s for the
-    3.3 GB of 17 slots x 4,267 columns of the default target in float32 on the 2-core EPYC, 1-8
-    s under load, on the cores the decoding runs on), and columns no row reaches never take
+    3.3 GB of 17 slots x 4,267 columns of the default target in float32 on a small CPU, more
+    under load, on the cores the decoding runs on), and columns no row reaches never take
     memory. CUDA: ``torch.zeros`` (a device memset)."""
     device = torch.device(device)
     if device.type != "cpu":
@@ -221,8 +221,8 @@ class SlotKVCache(Cache):
         moved. ``used()``: slot -> columns that hold data (the engine knows its rows' lengths),
         asked only when the buffer grows: only those are copied; default: every slot's columns
         any forward wrote. After a long
-        prompt joined, the default copies every slot up to its length (3 GB and 5.8 s on the
-        2-core EPYC for 17 slots of the default target in float32, touching every page)."""
+        prompt joined, the default copies every slot up to its length (3 GB and seconds on a
+        small CPU for 17 slots of the default target in float32, touching every page)."""
         if slots <= self.slots and capacity <= self.capacity:
             return False
         new = zeroed(self._grown(slots, capacity), self.kv.dtype, self.kv.device)

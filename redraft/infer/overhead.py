@@ -47,6 +47,7 @@ def tiny_setup(workdir: Path, device="cpu", dtype="float32"):
     from its own weights, tri-grams counted over its own greedy continuations)."""
     from redraft.infer.decoder import plain_greedy
     from redraft.models import load_target
+    from redraft.models.tiny import make_tiny_target_dir
     from redraft.ngrams import (
         NGramTables,
         build_bigram,
@@ -55,7 +56,6 @@ def tiny_setup(workdir: Path, device="cpu", dtype="float32"):
         count_trigrams,
         save_tables,
     )
-    from redraft.testing import make_tiny_target_dir
 
     target = load_target(
         str(make_tiny_target_dir(workdir / "target", hidden_size=32, num_layers=1)),
@@ -78,8 +78,8 @@ def tiny_setup(workdir: Path, device="cpu", dtype="float32"):
 
 
 class Timers:
-    """Wall seconds spent in wrapped calls, summed per key (``scripts/step_phases.py``,
-    ``scripts/long_join_steps.py``): ``wrap(obj, name, key)`` replaces ``obj.name`` (an instance
+    """Wall seconds spent in wrapped calls, summed per key (``dev/profile/step_phases.py``,
+    ``dev/profile/long_join_steps.py``): ``wrap(obj, name, key)`` replaces ``obj.name`` (an instance
     or a class) by a timed version; ``take()`` returns the sums and starts again."""
 
     def __init__(self):
@@ -186,8 +186,8 @@ def measure(decoder, prompts: list[list[int]], new_tokens: int) -> dict:
     wall = time.perf_counter() - t0
     v.timing = False
     # CUDA graph captures in the timed decode (a tree size seen for the first time): their
-    # forwards count as host time and their ops as the step's (2026-11-27, H200: mix-aded at
-    # batch 1 read 34.6 ops and 5.85 ms per step, 13.4 and 1.88 the day before)
+    # forwards count as host time and their ops as the step's (on a GPU that
+    # more than doubled the ops and tripled the host time a step of a short run reads)
     return {
         "wall_s": wall,
         "forward_s": v.forward_seconds,

@@ -45,8 +45,8 @@ class EngineReplies:
         sample = settings.temperature > 0
         # speculate: the context n-gram drafter (prompt lookup: replies repeat their prompts and
         # themselves; no artifact needed) with the cost-aware budget and the speculation guard,
-        # which runs plain steps at the batch sizes where drafting does not pay (2-core CPU,
-        # float32: 1.03-1.19x at batch 16, 0.98x at batch 64; docs/train.md). Greedy replies are the
+        # which runs plain steps at the batch sizes where drafting does not pay (on a small
+        # CPU in float32: 1.03-1.19x at batch 16, 0.98x at batch 64). Greedy replies are the
         # same tokens; sampling uses the lossless rule (with no draft, plain sampling). Without
         # it every step verifies the root alone (budget 0). Prefill is not chunked
         # (prefill_chunk 0): chunks keep a server's running rows responsive, but here only
@@ -112,8 +112,8 @@ class EngineReplies:
 
     def group(self, flying: int) -> int:
         """How many replies :meth:`poll` waits for while ``flying`` are in flight. Each prefill
-        forward pays a fixed cost ``c0`` (on the H200 an eager forward of the default target:
-        34 ms, against a 3.5 ms graph-replayed step); prompts that join one at a time pay it per
+        forward pays a fixed cost ``c0`` (on a GPU an eager forward of the default target costs
+        ~10x a graph-replayed step); prompts that join one at a time pay it per
         reply. Waiting for ``k`` replies leaves on average ``k / 2`` rows idle for ``k / rate``
         steps (``rate``: replies per step), so per reply the cost is ``k / (2 rate)`` row-steps
         idle plus ``flying c0 / (k step)`` row-steps of prefill stall; the least is at

@@ -91,7 +91,7 @@ def backend_decoder(tokenizer):
     clean_up_tokenization_spaces=False)`` is exactly ``backend.decode(ids, skip_special_tokens=
     True)``: ``TokenizersBackend._decode``), else None. Calling it directly skips transformers'
     argument conversion: 0.96 us a call instead of 3.24 (the default target's tokenizer, a
-    6-token window, 2-core EPYC), two calls per row and step, so a 64-row plain step's host time
+    6-token window, a small CPU), two calls per row and step, so a 64-row plain step's host time
     went from 1.11-1.14 to 0.84-0.89 ms (``redraft-bench --overhead --overhead-batches 8,64``,
     tiny target, two runs each, alternating)."""
     try:
@@ -114,8 +114,8 @@ def backend_decoder(tokenizer):
 class NoText:
     """A :class:`TextStream` that decodes nothing: an engine whose callers read only token ids
     (``Engine(text=False)``: distillation) skips the two tokenizer calls per row and step that
-    incremental detokenisation costs (2-core EPYC, tiny target, 40 rows: host time per step
-    0.80-0.88 -> 0.46-0.63 ms; docs/train.md). No stop strings: they need the text."""
+    incremental detokenisation costs (tiny target, 40 rows: host time per step
+    0.80-0.88 -> 0.46-0.63 ms on a small CPU). No stop strings: they need the text."""
 
     text = ""
     stopped = False

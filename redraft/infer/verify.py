@@ -25,7 +25,7 @@ eager forward (a CPU test injects a failing capture).
 Attention backend: the mask is an explicit tree mask, so FlashAttention cannot run it; on CUDA
 the forwards run under ``sdpa_kernel([EFFICIENT_ATTENTION, MATH])``. PyTorch's cuDNN SDPA backend
 (which it may otherwise pick) builds a new execution plan for every new masked shape, ~30 ms of
-CPU per call on an H100 (docs/infer.md, "Attention backend").
+CPU per call on a GPU (docs/infer.md, "Attention backend").
 """
 
 from __future__ import annotations
@@ -364,7 +364,7 @@ class Verifier:
         ``first_slot ..`` in one forward (chunked prefill's piece beside the running rows' step,
         as vLLM and SGLang batch them): the tokens of both are one flattened row, so every
         weight is read once (a CPU forward's fixed cost, ~47-64 ms for the default target on
-        the 2-core EPYC, is that read) and no part is padded to the other's length; the
+        a small CPU, is that read) and no part is padded to the other's length; the
         attention and the cache take the two parts apart (:class:`~redraft.infer.kv.Piece`).
         Returns the verify's hidden ``[B, N, F]`` and the piece rows' last hidden ``[n, F]``;
         the same values as the two forwards (up to the matrix products' summation order).

@@ -1,7 +1,7 @@
 """The checks every drafter artifact passes on load, whatever its layout (redraft's or Apple's).
 
 A drafter loads exactly or fails with an :class:`~redraft.errors.ArtifactError` that names the
-file and the key at fault (issue 17):
+file and the key at fault (a head with missing layers must never load with random ones):
 
 * ``config.json`` is a JSON object (its values' types are checked by the config class);
 * every weights file is a complete safetensors file;

@@ -1,6 +1,6 @@
 """Chat templates (Jinja, as ``tokenizer.chat_template`` holds them) that redraft gives the
 tokenizers it makes itself: the dummy targets' (:mod:`redraft.models.dummy`) and the tiny test
-targets' (:mod:`redraft.testing`). Real targets bring their own template.
+targets' (:mod:`redraft.models.tiny`). Real targets bring their own template.
 """
 
 # ChatML (SmolLM2, Qwen): <|im_start|>role\ncontent<|im_end|>\n

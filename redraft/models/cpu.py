@@ -1,11 +1,11 @@
 """Faster float32 linear layers on CPU for multi-token forwards (tree verification).
 
 Why: a verify forward runs every linear layer on ``n`` tokens at once. With float32 weights
-that do not fit in cache, PyTorch's default CPU GEMM is poor at small ``n``: on the 2-core
-Xeon of this project one 576x1536 layer costs 0.28 ms for 1 token but 0.65 ms for 8 (a
+that do not fit in cache, PyTorch's default CPU GEMM is poor at small ``n``: on a small
+AMX CPU one 576x1536 layer costs 0.28 ms for 1 token but 0.65 ms for 8 (a
 memory-bound read turns into a badly blocked compute). oneDNN's prepacked weight layout
 (``torch.ops.mkldnn._reorder_linear_weight``, what TorchInductor's CPU freezing pass uses)
-brings 8 tokens down to 0.41 ms, while it is slower for 1 token (0.34 ms). On an AMD EPYC
+brings 8 tokens down to 0.41 ms, while it is slower for 1 token (0.34 ms). On an AMD CPU
 (avx512, no AMX) it is the other way round at 1-2 tokens: the default 2-row GEMM costs about
 twice the 1-row one, and the packed kernel wins from 1 token. So :func:`pack_linears` makes a
 packed copy of each weight, :func:`packed_from` / :func:`head_packed_from` measure from how
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 _ATTR = "_redraft_packed"
-# forwards of MIN..MAX rows use the packed weight by default: on the Xeon the default
+# forwards of MIN..MAX rows use the packed weight by default: on some CPUs the default
 # (memory-bound) kernel is still faster at 1-2 rows, above 128 (prefill) it is as fast. Which
 # kernel is faster at 1 and 2 rows depends on the CPU: the verifier measures it (packed_from,
 # head_packed_from below)
@@ -128,8 +128,8 @@ def packed_from(packs: dict, max_bytes: int = 256 << 20, repeats: int = 3) -> in
     """The fewest rows from which the packed weights of ``packs`` run faster than the default
     kernels on this CPU: 1, 2, or :data:`MIN_PACKED_ROWS` when packing loses at 2 rows.
 
-    Why measured: on the Xeon the default kernel wins at 1-2 rows (the module doc); on an AMD
-    EPYC (avx512, no AMX) its 2-row GEMM costs about twice its 1-row one while the packed
+    Why measured: on some CPUs the default kernel wins at 1-2 rows (the module doc); on an
+    AVX-512 CPU without AMX its 2-row GEMM costs about twice its 1-row one while the packed
     kernel costs about the same for 1 to 4 rows, which made a 2-token verify forward cost 1.6x
     a plain step (docs/infer.md, "CPU kernels"). Timed over the layers of ``packs`` in order,
     up to ``max_bytes`` of weights (a real forward reads its weights from memory, not from

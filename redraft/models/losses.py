@@ -24,7 +24,7 @@ Per-token weights come from the masks alone (:func:`step_weights`), so neither p
 device on the host.
 
 It lives in the models layer because the head's ``forward`` needs it and ``models`` must not
-import ``train`` (README.md, "Layout": a stage depends only on stages to its left).
+import ``train`` (docs/architecture.md: a stage depends only on stages to its left).
 """
 
 from __future__ import annotations

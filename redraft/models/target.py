@@ -115,7 +115,7 @@ class Target:
         return ids
 
     def artifact_metadata(self) -> dict:
-        """The fields every artifact records about its target (README.md, "Layout"; docs/hub.md)."""
+        """The fields every artifact records about its target (docs/architecture.md, "Artifacts"; docs/hub.md)."""
         return {
             "target_model": self.model_id,
             "target_vocab_size": self.vocab_size,

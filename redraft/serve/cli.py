@@ -215,7 +215,7 @@ def serve(args) -> int:
 
         torch.set_num_threads(args.threads)
     # the decoder is loaded on the thread that will decode: a process's torch kernels on one
-    # thread (ComputeThread's doc: decoding on another cost 1.2-1.5x a step on the 2-core EPYC)
+    # thread (ComputeThread's doc: decoding on another cost 1.2-1.5x a step on a small CPU)
     compute = ComputeThread()
     decoder = compute.call(load, args)
     name = args.served_model_name or str(getattr(decoder.target, "spec", "") or "default")

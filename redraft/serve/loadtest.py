@@ -25,15 +25,15 @@ Markdown table alone, once, at the end (``... > table.md`` keeps just the table)
 
 The first server is the reference for the ratios (``x ref``); with ``--spawn`` it is "off".
 ``--control`` (with ``--spawn``) starts a second reference server, "off2", measured like the
-others: its ratio is what two processes of the same code differ by in this run. On the 2-core
-development machine, one round of 64 tokens, it ranged 0.74-1.34 per run of a level (docs/serve.md,
-"A control server"): a ratio inside the control's range is not a difference.
+others: its ratio is what two processes of the same code differ by in this run. On a small
+CPU, one round of 64 tokens, it ranged 0.74-1.34 per run of a level
+(docs/design/0005-serving-speculation-guard.md): a ratio inside the control's range is not a difference.
 
 ``--scenario long-join`` (chunked prefill): ``C`` streams (``--concurrency``, one level) decode
 back to back; after ``--join-after`` seconds one request with a ``--long-tokens`` prompt joins
 them. Per server: the streams' ITL median before the join, their ITL p50 / p99 while the long
 request runs (from its sending to its end: its prefill, then 8 tokens) and the ratio p99-during / median-before
-(issue 24's aim: <= 3), the long request's TTFT. With ``--spawn`` the servers are "chunk-off"
+(it should stay <= 3), the long request's TTFT. With ``--spawn`` the servers are "chunk-off"
 (``ARGS --prefill-chunk 0``: every prompt in one forward) and "chunk-auto" (``ARGS``).
 """
 

@@ -52,8 +52,8 @@ class ComputeThread:
     belongs to the thread that opened it. A model loaded on the main thread and decoded on
     another leaves two teams, more OpenMP threads than cores on a small machine, and libgomp
     then stops its idle workers from spinning between parallel regions: every kernel pays a
-    wake-up. Measured on the 2-core AMD EPYC (default target, float32, one row decoding, 2
-    threads, 2026-11-27): 48-52 ms a step on the thread that loaded the model (62 in one run of
+    wake-up. Measured on a small CPU (default target, float32, one row decoding, 2
+    threads): 48-52 ms a step on the thread that loaded the model (62 in one run of
     six) against 69-87 ms on another thread of the same process (the verify forward's ``_linear_pointwise`` 144 ->
     208 us a call, its CPU flash attention 50 -> 115 us); the server decoded on such a thread.
 

@@ -281,7 +281,7 @@ class TrainConfig(Settings):
     threads: int | None = _f(
         None,
         "CPU threads per process; none = the cores split between local ranks. "
-        "On a CPU shared with other jobs 1 thread can be several times faster.",
+        "On a CPU busy with other work 1 thread can be several times faster.",
         range=Range(1),
     )
 

@@ -318,9 +318,9 @@ def evaluate(model: ReDrafter, forward, target, ds, cfg: TrainConfig, env, preci
     a CPU, where training autocasts it to bf16; on a GPU its weights are bf16 or fp16 already,
     so nothing changes there). Its greedy tokens are what a greedy decode must reproduce, and
     under bf16 autocast near-ties flip: on the demo's held-out set the bf16 greedy differed from
-    the float32 replies often enough to cost ~0.02 of ``eval_tau_est`` (docs/train.md, "The
-    held-out target in float32"). The head keeps the training precision (drafts are bf16 on
-    CPUs that multiply bf16 natively).
+    the float32 replies often enough to cost ~0.02 of ``eval_tau_est``
+    (docs/design/0006-demo-recipe.md). The head keeps the training precision (drafts are bf16
+    on CPUs that multiply bf16 natively).
     """
     was_training = model.training
     model.eval()

@@ -531,8 +531,8 @@ def build_engine(cfg: TrainConfig, model: ReDrafter, total_steps: int, precision
 
     params = list(model.parameters())
     # On a CPU torch's AdamW defaults to one tensor at a time (foreach is a CUDA default): the
-    # fused kernel takes 11 -> 2.7 ms a step off the demo head's 8M parameters (docs/train.md,
-    # "Half the windows a step"); the state is the same, so checkpoints load either way. CUDA keeps
+    # fused kernel takes 11 -> 2.7 ms a step off the demo head's 8M parameters (measured with
+    # the demo recipe); the state is the same, so checkpoints load either way. CUDA keeps
     # torch's default (foreach), which DeepSpeed's ZeRO optimizers have always been run with here.
     fused = all(p.device.type == "cpu" for p in params)
     opt = torch.optim.AdamW(
@@ -553,8 +553,8 @@ def build_engine(cfg: TrainConfig, model: ReDrafter, total_steps: int, precision
     )
     if engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0:
         # one process, no ZeRO: nothing to reduce, but DeepSpeed still flattens every gradient,
-        # "all-reduces" it with itself and copies it back after each backward (~5 ms a step for
-        # the demo head on the 2-core CPU; its "allreduce_gradients" in a profile)
+        # "all-reduces" it with itself and copies it back after each backward (milliseconds a step for
+        # the demo head on a CPU; its "allreduce_gradients" in a profile)
         engine.enable_backward_allreduce = False
     return engine, sched
 

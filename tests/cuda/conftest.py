@@ -1,7 +1,7 @@
 """Fixtures of the CUDA tests: a tiny random target on the GPU (4 layers, so the HSDDW early-exit
 hierarchy has two levels), real n-gram tables built on the GPU by redraft-build-ngrams, and a
 random ReDrafter artifact. Every test here is marked `cuda` and skipped where torch sees no CUDA
-device (tests/conftest.py); scripts/gpu-run.sh runs them on the GPU machine (stage a)."""
+device (tests/conftest.py); dev/gpu/gpu-run.sh runs them on the GPU machine (stage a)."""
 
 import pytest
 from cuda_helpers import DEVICE, write_chats

@@ -1,5 +1,5 @@
 """`slow` + `cuda`: the real default target (SmolLM2-135M-Instruct) on the GPU, as
-tests/infer/test_default_target.py does on the CPU (stage b of scripts/gpu-run.sh runs these:
+tests/infer/test_default_target.py does on the CPU (stage b of dev/gpu/gpu-run.sh runs these:
 they need the GGUF, which travels in parts 2 and 3 of the bundle)."""
 
 import pytest

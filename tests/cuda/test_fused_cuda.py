@@ -31,7 +31,7 @@ def test_the_fused_norm_launches_fewer_kernels_and_gives_the_same_values_in_bf16
     with torch.no_grad():
         want = LlamaRMSNorm.forward(norm, x)
         got = fused_rms_norm_forward(norm, x)
-        assert torch.equal(got, want)  # 2026-11-27 (H200): 0 of 1.5M elements differed
+        assert torch.equal(got, want)  # bfloat16: identical on the GPUs measured
         plain = _kernels(lambda: LlamaRMSNorm.forward(norm, x))
         fused = _kernels(lambda: fused_rms_norm_forward(norm, x))
     assert fused <= 2 < plain, (fused, plain)
@@ -41,7 +41,7 @@ def test_the_fused_norm_launches_fewer_kernels_and_gives_the_same_values_in_bf16
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_fused_norm_on_cuda_gives_transformers_numbers_bit_for_bit(dtype):
     """Whatever ``fuse_rms_norms`` decides on this device and dtype, a fused norm's output equals
-    transformers' (float32 on an H200 differed by a few ulps: it must stay unfused there)."""
+    transformers' (float32 on a GPU may differ by a few ulps: it must stay unfused there)."""
     g = torch.Generator().manual_seed(1)
     norm = LlamaRMSNorm(576, 1e-5).to(DEVICE, dtype)
     norm.weight.data = (torch.randn(576, generator=g) * 0.5 + 1).to(DEVICE, dtype)

@@ -217,7 +217,7 @@ def test_sampled_distillation_is_seeded(tiny_target_dir, tmp_path):
 def test_sigterm_ends_a_distillation_as_ctrl_c_does_and_says_what_the_engine_made(
     tiny_target_dir, tmp_path
 ):
-    """A time limit's SIGTERM (scripts/gpu-run.sh stops steps so): exit 130, every reply written
+    """A time limit's SIGTERM (dev/gpu/gpu-run.sh stops steps so): exit 130, every reply written
     so far kept whole, and one line with what was made and the engine's time split."""
     import os
     import signal

@@ -262,7 +262,7 @@ PROMPTS = [
 def test_a_failing_method_keeps_the_others_and_the_file_holds_what_was_measured(
     capsys, tiny_target_dir, tmp_path, monkeypatch
 ):
-    """A method that raises (the first GPU run: a CUDA-graph capture assert at the first speculative
+    """A method that raises (e.g. a CUDA-graph capture assert at the first speculative
     step) costs its own rows only; the JSON and Markdown hold every method's figures."""
     from redraft.infer import bench_run
 
@@ -445,8 +445,8 @@ def test_the_redrafter_overhead_row_runs_its_beam_search_every_step(tmp_path):
 
 
 def test_first_use_captures_are_left_out_of_the_steady_speedup():
-    """On CUDA a short run pays each graph shape's capture once (a third of a method's time in
-    6 prompts x 128 tokens on an H200); the table also gives the speedup without those seconds,
+    """On CUDA a short run pays each graph shape's capture once (up to a third of a method's time
+    in a run of a few prompts); the table also gives the speedup without those seconds,
     on both sides."""
     from redraft.infer.bench_run import _Agg, markdown, summarise
     from redraft.infer.stats import RequestStats

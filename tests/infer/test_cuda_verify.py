@@ -78,7 +78,7 @@ def test_the_beam_search_is_replayed_from_graphs_and_decodes_as_eager(cuda_targe
 
 def test_a_collection_cannot_destroy_a_dead_graph_in_mid_capture():
     """A dead graph in a reference cycle, collected by an automatic collection that the captured
-    call's own allocations trigger, must not break the capture (2026-11-27, H200: "operation not
+    call's own allocations trigger, must not break the capture (on a GPU: "operation not
     permitted when stream is capturing (function reset)", then the capture failed): cuda_capture
     keeps the cyclic collector off while it captures."""
     import gc

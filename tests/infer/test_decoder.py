@@ -403,7 +403,7 @@ def test_guard_plain_steps_keep_the_output_and_call_no_drafter(
 def test_the_same_seed_gives_the_same_text_on_one_decoder_and_with_any_drafts(
     tiny_target, tiny_tables, tiny_prompts
 ):
-    """Issue 24: a seed is the request's own (per-token uniforms), so a decoder that adapts its
+    """A seed is the request's own (per-token uniforms), so a decoder that adapts its
     tree between calls (auto budget, rates, gate, guard) repeats itself, and equals plain sampling
     with no drafter at all."""
     V = tiny_target.vocab_size

@@ -389,7 +389,7 @@ def _engine_warnings(dec, thread: bool) -> list:
 
 def test_an_engine_on_another_thread_than_its_decoders_warns_once(tiny_target):
     """PyTorch's OpenMP team belongs to the thread that opened it: on a CPU, decoding on another
-    thread than the one that built the decoder made each step 1.2-1.5x as long (2-core EPYC)."""
+    thread than the one that built the decoder made each step 1.2-1.5x as long."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -55,7 +55,7 @@ def test_a_shape_is_captured_on_its_second_call_in_a_row_and_replays_new_values(
 
 def test_shapes_that_alternate_are_captured_on_their_third_use():
     """A speculating engine's tree size changes from step to step: "the second call in a row"
-    alone never captured those shapes (147 of 432 eager steps on the H200)."""
+    alone never captured those shapes (a third of a distillation run's steps stayed eager)."""
     captured = []
     g = ShapeGraphs(lambda key, x: x * key, "cpu", replaying_capture(captured), enabled=True)
     x = torch.ones(2)
@@ -143,7 +143,7 @@ def test_a_full_store_captures_only_shapes_used_twice_in_a_row():
 
 def test_a_capture_runs_with_the_cyclic_garbage_collector_off(monkeypatch):
     """A collection in mid-capture can destroy a dead decoder's graphs, which a capturing stream
-    does not permit (the capture then fails: an H200, 2026-11-27): cuda_capture turns the cyclic
+    does not permit (the capture then fails): cuda_capture turns the cyclic
     collector off for the capture and back on after it, also when the capture raises."""
     import gc
 

@@ -298,8 +298,8 @@ def test_the_pacer_predicts_a_chunks_cost_from_its_tokens_and_span():
 
 
 def test_the_pacer_takes_an_eager_prefills_fixed_cost_where_verifies_replay_graphs():
-    """On a GPU the curve's one-token verify is a graph replay (3.8 ms for the default target
-    on the H200) while prefill pieces run eagerly, with a larger fixed cost: read as a per-token
+    """On a GPU the curve's one-token verify is a graph replay (a few ms for the default target
+    on a GPU) while prefill pieces run eagerly, with a larger fixed cost: read as a per-token
     cost, that difference made every piece small."""
     replayed = CostCurve([1, 64], [0.004, 0.005], prefill_c0=0.012)
     assert CostCurve.from_ms(replayed.to_dict()).prefill_c0 == pytest.approx(0.012)
@@ -316,7 +316,7 @@ def test_the_pacer_takes_an_eager_prefills_fixed_cost_where_verifies_replay_grap
 
 
 def test_a_fixed_cost_above_the_share_still_lets_pieces_amortise_it():
-    """The H200 (2026-11-27): eager prefill forwards cost 34 ms fixed, the decode steps 3.5-4 ms
+    """On a GPU eager prefill forwards cost 34 ms fixed, the decode steps 3.5-4 ms
     replays, so 8 reference steps (the idle allowance) were less than the fixed cost alone:
     every piece fit nothing and was cut to one token (2.5 s to prefill a chat prompt)."""
     curve = CostCurve([1, 64], [0.0035, 0.0045], prefill_c0=0.034)
@@ -654,7 +654,7 @@ def test_a_growing_cache_copies_the_columns_its_rows_use(tiny_target):
 def test_the_growth_cap_starts_at_the_largest_forward_the_curve_timed():
     """A server's warm-up prompt is one token: from that first timed piece the cap doubled piece
     by piece, and the first requests' 40-token prompts took 14 forwards of 2-4 tokens (through the
-    engine on the 2-core EPYC; now one). The cost curve timed forwards of up to 64 tokens."""
+    engine on a small CPU; now one). The cost curve timed forwards of up to 64 tokens."""
     curve = CostCurve([1, 8, 64], [0.010, 0.012, 0.074])
     pacer = PrefillPacer()
     pacer.observe(1, 1, 0.011, curve)

@@ -1,7 +1,7 @@
 """The decode step's device budget and its graph capture, checked on the CPU.
 
 * ops per step: tensor ops a step dispatches outside the target forward (each one a kernel
-  launch on a GPU) stay within the budget of issue 22;
+  launch on a GPU) stay within a budget of a few dozen;
 * CUDA-graph capture: a capture that fails leaves that shape eager with one warning and the
   output unchanged; captured graphs are replayed, reused across requests and dropped with their
   pool when the cache buffer grows (a fake capture replays the forward on the static buffers, so
@@ -23,7 +23,7 @@ from redraft.infer.opcount import OpCounter
 
 CURVE = CostCurve([1, 8, 64], [1.0, 1.1, 1.5])
 
-# issue 22's aims: plain greedy <= 10 ops per step, N-Grammys <= 60 at batch 1 and 8
+# the budget: plain greedy <= 10 ops per step, N-Grammys <= 60 at batch 1 and 8
 BUDGET = {"greedy": 10, "ngrammys": 60}
 
 
@@ -130,7 +130,7 @@ def test_a_failing_capture_warns_once_and_decoding_goes_on_eagerly(
 
     def broken(fn, device, pool):
         attempts.append(1)
-        fn()  # half-way through a capture, like CUBLAS_STATUS_EXECUTION_FAILED on the H100
+        fn()  # half-way through a capture, like CUBLAS_STATUS_EXECUTION_FAILED on a GPU
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
     dec = _static_decoder(

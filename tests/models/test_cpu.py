@@ -86,9 +86,9 @@ def test_packing_starts_at_the_fewest_rows_where_it_is_measured_to_win():
         calls = [(4, cost(default), cost(packed))] * 3
         return cpu._fastest_from(calls, repeats=2, clock=lambda: now[0])
 
-    assert pick({1: 1.0, 2: 2.0}, {1: 1.2, 2: 1.2}) == 2  # the EPYC: the 2-row GEMM is slow
+    assert pick({1: 1.0, 2: 2.0}, {1: 1.2, 2: 1.2}) == 2  # an AVX-512 CPU: the 2-row GEMM is slow
     assert pick({1: 1.0, 2: 2.0}, {1: 0.9, 2: 1.0}) == 1
-    assert pick({1: 1.0, 2: 1.1}, {1: 1.3, 2: 1.4}) == cpu.MIN_PACKED_ROWS  # the Xeon
+    assert pick({1: 1.0, 2: 1.1}, {1: 1.3, 2: 1.4}) == cpu.MIN_PACKED_ROWS  # an AMX CPU
     assert pick({1: 1.0, 2: 1.1}, {1: 0.5, 2: 1.4}) == cpu.MIN_PACKED_ROWS  # ranges start low
 
 

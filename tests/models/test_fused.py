@@ -67,8 +67,8 @@ def test_a_norm_that_differs_in_the_last_place_keeps_its_own_forward():
     """Fusing is all or nothing on bit-exactness: a norm that sums its squares in another order
     (sequentially: a running sum) moves about a fifth of its outputs by up to two units of float32's
     last place, which a tolerance of two units would have let through; it is not fused, so a device
-    whose ``F.rms_norm`` rounds differently keeps the model's numbers (float32 on an H200 did:
-    docs/gpu.md)."""
+    whose ``F.rms_norm`` rounds differently keeps the model's numbers (float32 on a GPU
+    did)."""
 
     class SequentialSumRMSNorm(LlamaRMSNorm):
         def forward(self, x):

@@ -218,7 +218,7 @@ def test_the_compute_thread_runs_calls_in_order_and_outlives_their_errors():
 
 def test_redraft_serve_decodes_on_the_thread_that_loaded_its_decoder(monkeypatch):
     """PyTorch's OpenMP team belongs to the thread that opened it: a model loaded on the main
-    thread and decoded on another made every step 1.2-1.5x slower on a 2-core CPU
+    thread and decoded on another made every step 1.2-1.5x slower on a small CPU
     (``ComputeThread``'s doc). The server loads and decodes on one thread."""
     from fakes import FakeDecoder
 

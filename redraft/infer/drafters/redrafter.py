@@ -124,7 +124,7 @@ class ReDrafterDrafter(Drafter):
             at the first planned step (only with an ``"auto"`` width or length).
         graphs: replay the beam search from a CUDA graph per (rows, width, length)
             (:class:`~redraft.infer.graphs.ShapeGraphs`; default: the head is on CUDA). Eager,
-            its ~190 kernel launches a step cost ~3 ms of host time on an H200.
+            its ~190 kernel launches a step cost milliseconds of host time.
         capture: the capture function (tests inject their own).
 
     "auto" needs the decoder's measurements: :class:`~redraft.infer.decoder.SpeculativeDecoder`
@@ -134,7 +134,7 @@ class ReDrafterDrafter(Drafter):
 
     REPLAN = 4  # steps between two choices of (W, L) ("auto") while the choice moves
     # ... doubled after every plan that kept the last one, up to this: a plan of 80 candidates
-    # is ~0.2 ms compiled (hostjit; 3 ms of numpy on a 2-core EPYC), so at every 4 steps it was
+    # is ~0.2 ms compiled (hostjit; ~15x that in numpy), so at every 4 steps it was
     # as much as the rest of a GPU step's host work; a settled choice is re-checked every 32
     # steps, and a change goes back to every 4
     MAX_REPLAN = 32

@@ -1,7 +1,0 @@
-#!/usr/bin/env bash
-# The offline GPU validation of redraft: stage the carried bundle parts, install them into a
-# private prefix, run the requested stages, write everything to $OUT. docs/gpu.md has the
-# procedure; `scripts/gpu-run.sh --help` lists the options; the logic is scripts/gpu_run.py.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" scripts/gpu_run.py "$@"
