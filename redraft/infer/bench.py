@@ -158,7 +158,11 @@ def _decode_tables(bench: dict, cfg, device) -> int:
                 {**bench, "report": None},
             )
 
-        report["results"][label] = run_dataset(runners, prompts, bench, ds, on_prompt=partial)
+        report["results"][label] = (
+            run_dataset(runners, prompts, bench, ds, on_prompt=partial)
+            if 1 in bench["concurrency"]
+            else {}  # only the concurrent runs were asked for
+        )
         for c in (c for c in bench["concurrency"] if c > 1):
             conc = report.setdefault("concurrent", {}).setdefault(label, {})
             conc[str(c)] = run_concurrent(runners, prompts, bench, c)

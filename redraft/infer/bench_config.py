@@ -68,7 +68,8 @@ class BenchSettings(ModelSettings):
         default_factory=lambda: [1],
         help="Comma list of concurrent requests: 1 decodes the prompts one at a time (the "
         "table with tau); each larger value submits the prompts that many at a time to every "
-        "method and reports tokens/s over the whole set (e.g. 1,4,16).",
+        "method and reports tokens/s over the whole set (e.g. 1,4,16; leave 1 out to run only "
+        "those).",
     )
     vllm_k: int = setting(
         5,

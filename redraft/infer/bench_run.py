@@ -273,37 +273,38 @@ def markdown(
                 f"(prompts {', '.join(str(x['prompt']) for x in skipped[ds])}).",
                 "",
             ]
-        # graphs captured during the run (CUDA): the speedup without their seconds as well
-        steady = any(r.get("graphs", {}).get("captures") for r in res.values())
-        peer = any("speedup_vs_vllm" in r for r in res.values())  # vLLM plain in the run
-        lines += [
-            "| method | tau | MAL | tokens/s | speedup vs AR |"
-            + (" without captures |" if steady else "")
-            + (" vs vLLM plain | identical to vLLM |" if peer else "")
-            + " identical to AR |",
-            "|---|---:|---:|---:|---:|"
-            + ("---:|" if steady else "")
-            + ("---:|:---:|" if peer else "")
-            + ":---:|",
-        ]
-        for name, r in res.items():
-            tau = "-" if r["tokens_per_call"] is None else f"{r['tokens_per_call']:.2f}"
-            mal = "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
-            same = f"{'yes' if r['identical_to_ar'] else 'no'} ({r['identical_prompts']})"
-            if r.get("error"):
-                same += f"; failed after {r.get('prompts', 0)} prompt(s): {r['error'][:120]}"
-            nocap = r.get("speedup_without_captures")
-            extra = (" - |" if nocap is None else f" {nocap:.2f}x |") if steady else ""
-            if peer:
-                v = r.get("speedup_vs_vllm")
-                extra += (
-                    f" {'-' if v is None else f'{v:.2f}x'} | {r.get('identical_to_vllm', '-')} |"
+        if res:  # (empty: --concurrency without 1)
+            # graphs captured during the run (CUDA): the speedup without their seconds as well
+            steady = any(r.get("graphs", {}).get("captures") for r in res.values())
+            peer = any("speedup_vs_vllm" in r for r in res.values())  # vLLM plain in the run
+            lines += [
+                "| method | tau | MAL | tokens/s | speedup vs AR |"
+                + (" without captures |" if steady else "")
+                + (" vs vLLM plain | identical to vLLM |" if peer else "")
+                + " identical to AR |",
+                "|---|---:|---:|---:|---:|"
+                + ("---:|" if steady else "")
+                + ("---:|:---:|" if peer else "")
+                + ":---:|",
+            ]
+            for name, r in res.items():
+                tau = "-" if r["tokens_per_call"] is None else f"{r['tokens_per_call']:.2f}"
+                mal = (
+                    "-" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
                 )
-            lines.append(
-                f"| {name} | {tau} | {mal} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x |"
-                f"{extra} {same} |"
-            )
-        lines += ["", *time_split(res), ""]
+                same = f"{'yes' if r['identical_to_ar'] else 'no'} ({r['identical_prompts']})"
+                if r.get("error"):
+                    same += f"; failed after {r.get('prompts', 0)} prompt(s): {r['error'][:120]}"
+                nocap = r.get("speedup_without_captures")
+                extra = (" - |" if nocap is None else f" {nocap:.2f}x |") if steady else ""
+                if peer:
+                    v = r.get("speedup_vs_vllm")
+                    extra += f" {'-' if v is None else f'{v:.2f}x'} | {r.get('identical_to_vllm', '-')} |"
+                lines.append(
+                    f"| {name} | {tau} | {mal} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x |"
+                    f"{extra} {same} |"
+                )
+            lines += ["", *time_split(res), ""]
         if (concurrent or {}).get(ds):
             lines += [*concurrency_table(concurrent[ds]), ""]
         mixes = drafter_split(res)
