@@ -89,11 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-values", default="0,0.03,0.1", help="comma list of min_value settings to replay"
     )
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads for the target")
+    r.add_argument(
+        "--results-dir",
+        default=None,
+        help="also write the table as data (JSON + Markdown with command, commit, machine, "
+        "versions) into this directory, e.g. benchmarks/results/cpu",
+    )
     return p
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return run_cli("redraft-vllm", lambda: _main(args))
 
 
