@@ -33,12 +33,23 @@ from __future__ import annotations
 
 import numpy as np
 
+try:  # numba is a dependency; the plain Python loop is the fallback
+    from numba import njit as _njit
+except ImportError:  # pragma: no cover
+
+    def _njit(f):
+        return f
+
+
 from redraft.errors import ArtifactError, ConfigError
 from redraft.infer.drafters.base import PAD
 from redraft.infer.hostdraft import HostStats, HostTables, context_matches_np
 from redraft.vllm.settings import ENV_VAR, ProposerSettings, read_settings
 
 TRIGRAM_BRANCHES = 4  # first tokens of the tri-gram chains (each then followed greedily)
+# the context drafter's extra candidate, the earliest place of the longest match: a group of its
+# own, so the learned rates judge it apart from the (count, recency)-ranked matches
+EARLIEST_GROUP = 31
 
 
 class Proposer:
@@ -143,6 +154,9 @@ class Proposer:
                 p, g = context_matches_np(
                     seqs, s.q_min, s.q_max, s.paths, k, self.vocab_size, s.window
                 )
+                e = earliest_longest_match(seqs, s.q_min, s.q_max, k, s.window)  # [B, k]
+                p = np.concatenate([p, e[:, None]], axis=1)
+                g = np.concatenate([g, np.full((len(seqs), 1), EARLIEST_GROUP, g.dtype)], axis=1)
             elif name == "ngrammys":
                 p = _fit(self.host_tables.extended(last)[:, : s.paths], k)
                 g = np.broadcast_to(np.arange(p.shape[1]), p.shape[:2])
@@ -189,6 +203,33 @@ class Proposer:
         self.stats.reset()
         self._last = None
         self.steps = self.proposed_tokens = 0
+
+
+def earliest_longest_match(seqs, q_min: int, q_max: int, k: int, window: int) -> np.ndarray:
+    """``[B, k]``: per row, what followed the earliest place (within the last ``window``
+    tokens) where the row's longest suffix of ``q_min .. q_max`` tokens occurred before (vLLM's
+    ``ngram`` rule; ``PAD`` where no suffix recurs)."""
+    out = np.full((len(seqs), k), PAD, dtype=np.int64)
+    for b, row in enumerate(seqs):
+        _earliest(np.asarray(row, dtype=np.int64), q_min, q_max, k, window, out[b])
+    return out
+
+
+@_njit
+def _earliest(row, q_min, q_max, k, window, out):
+    n = row.shape[0]
+    best, where = 0, -1
+    for p in range(max(1, n - window), n):  # a match ends at p - 1; its continuation starts at p
+        m = 0
+        while m < q_max and p - 1 - m >= 0 and row[p - 1 - m] == row[n - 1 - m] and p < n:
+            m += 1
+        if p == n:
+            break
+        if m > best and m >= q_min:  # strictly longer: the earliest of the longest is kept
+            best, where = m, p
+    if where >= 0:
+        for j in range(min(k, n - where)):
+            out[j] = row[where + j]
 
 
 def trigram_chains(table, w1, w2, k: int, branches: int) -> np.ndarray:

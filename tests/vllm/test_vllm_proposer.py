@@ -249,3 +249,16 @@ def test_replay_scores_chains_against_the_real_continuation():
     assert r["tau"] == pytest.approx(6 / 3)
     assert r["drafted_per_step"] == pytest.approx((3 + 2) / 3)
     assert replay(lambda ctx, s: [], [([1], out)])["tau"] == 1.0
+
+
+def test_earliest_longest_match_is_vllms_rule():
+    from redraft.vllm.proposer import earliest_longest_match
+
+    row = [7, 1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]  # "1 2 3" twice before: the earliest wins
+    assert earliest_longest_match([row], 1, 4, 3, 4096)[0].tolist() == [9, 1, 2]
+    # a longer match later beats a shorter one earlier
+    row = [4, 3, 9, 6, 4, 3, 8, 0, 4, 3]  # "3" at 1 and 5, "4 3" at 0-1 and 4-5: earliest "4 3"
+    assert earliest_longest_match([row], 1, 4, 2, 4096)[0].tolist() == [9, 6]
+    assert earliest_longest_match([[1, 2, 3]], 1, 4, 2, 4096)[0].tolist() == [-1, -1]
+    # outside the window nothing is found
+    assert earliest_longest_match([[5, 6, 0, 0, 0, 5]], 1, 4, 1, 3)[0].tolist() == [-1]
