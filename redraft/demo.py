@@ -76,10 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt")
     p.add_argument(
         "--dtypes",
-        default="float32,bfloat16",
-        help="comma list of target dtypes to decode in (float32: output identical to "
-        "plain greedy; bfloat16: AMX/tensor-core speed, may differ at near-ties); "
-        "the baseline runs in the same dtype",
+        default="float32",
+        help="comma list of target dtypes to decode in, each a decoding stage of its own "
+        "(float32: output identical to plain greedy; bfloat16: AMX/tensor-core speed, may differ "
+        "at near-ties, each difference explained); the baseline runs in the same dtype",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for every stage (default: torch's choice, one per core). On a "
+        "CPU shared with other jobs 1 thread can be several times faster: threads that wait "
+        "for each other at every operation lose most when another job holds a core",
     )
     return p
 
@@ -91,6 +99,8 @@ def check_args(args, parser) -> None:
     """Refuse bad values at once, before the minutes the stages take, naming the flag."""
     if args.prompts < 1:
         parser.error(f"--prompts {args.prompts} must be >= 1 (held-out prompts to decode)")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads} must be >= 1 (leave it out for torch's choice)")
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     if not args.skip_train and args.train_minutes is not None and not args.train_minutes > 0:
@@ -104,12 +114,13 @@ def _banner(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
 
-def build_ngrams(target_spec: str, out: Path) -> Path:
+def build_ngrams(target_spec: str, out: Path, threads: int | None = None) -> Path:
     from redraft.ngrams.cli import main as ngrams_main
 
     # the builder skips kinds already in `out`, so an interrupted demo resumes where it stopped
     rc = ngrams_main(
         [
+            *(["--threads", str(threads)] if threads else []),
             "--target",
             target_spec,
             "--kinds",
@@ -165,7 +176,7 @@ def train_head(
     ``<out>-features``), train the head into ``out``; the target is loaded once for the three.
     Each part is timed into ``stages``. A finished head in ``out`` is reused unless ``retrain``.
     ``minutes``: the training budget (None: the recipe's); ``overrides``: settings over the
-    recipe (tests)."""
+    recipe (``--threads``, tests)."""
     import types
 
     from redraft.data.replies import use_replies
@@ -364,6 +375,24 @@ def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int, refe
     return summary
 
 
+def busy_cpu_hint() -> None:
+    """Say so when other jobs already keep the cores busy (the 1-minute load average, before
+    the demo's own work): torch's threads, one per core, then wait on each other."""
+    import os
+
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not on this platform
+        return
+    if cores > 1 and load >= cores / 2:
+        print(
+            f"note: the CPU is busy (load average {load:.1f} on {cores} cores); if the stages "
+            f"crawl, --threads 1 can be several times faster on a shared CPU",
+            flush=True,
+        )
+
+
 def ngram_summary(path: Path) -> str:
     """The kinds in an n-gram tables directory, and whether this run built them."""
     import json
@@ -394,12 +423,18 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.output_root)
 
     def work() -> None:
+        import torch
+
         from redraft.models import load_target
 
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        else:
+            busy_cpu_hint()
         stages = Stages()
         _banner("1/3 n-gram tables (model unigram/bigram/extended + ShareGPT tri-grams)")
         t = time.perf_counter()
-        ngrams = build_ngrams(args.target, root / "ngrams-smollm2")
+        ngrams = build_ngrams(args.target, root / "ngrams-smollm2", args.threads)
         stages.add("n-gram tables", time.perf_counter() - t, ngram_summary(ngrams))
         drafters = []
         if not args.skip_train:
@@ -414,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"2/3 ReDrafter head on the target's own replies (recipe {recipe}: self-distilled "
                 f"ShareGPT first turns, their features cached, {minutes:g} min of training)"
             )
-            run = train_head(args.target, out, recipe, minutes, args.retrain, stages)
+            over = {"threads": args.threads} if args.threads else None
+            run = train_head(args.target, out, recipe, minutes, args.retrain, stages, over)
             print_head_metrics(run)
             drafters = [str(run)]
         dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]

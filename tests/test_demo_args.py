@@ -15,6 +15,7 @@ from redraft import demo
         (["--train-minutes", "nan"], "--train-minutes nan"),
         (["--max-new-tokens", "0", "--skip-train"], "--max-new-tokens 0"),
         (["--dtypes", "float32,int4", "--skip-train"], "--dtypes"),
+        (["--threads", "0"], "--threads 0"),
     ],
 )
 def test_bad_values_are_refused_at_once(argv, flag, capsys, monkeypatch, tmp_path):
@@ -94,8 +95,8 @@ def _stub_stages(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(demo, "build_ngrams", lambda *a: tmp_path / "ngrams")
 
-    def train_head(target, out, recipe, minutes, retrain, stages):
-        calls.append((out.name, recipe, minutes))
+    def train_head(target, out, recipe, minutes, retrain, stages, over=None):
+        calls.append((out.name, recipe, minutes, over))
         stages.add("head", None, "stub")
         return out
 
@@ -122,9 +123,11 @@ def test_full_selects_the_quality_recipe_and_its_own_head(
     argv = [*flags, "--dtypes", "float32", "--output-root", str(tmp_path)]
     assert demo.main(argv) == 0
     assert demo.main([*argv, "--train-minutes", "1.5"]) == 0
+    assert demo.main([*argv, "--threads", "1"]) == 0
     assert calls == [
-        (run, recipe, load_recipe(recipe)["max_time_minutes"]),
-        (run, recipe, 1.5),
+        (run, recipe, load_recipe(recipe)["max_time_minutes"], None),
+        (run, recipe, 1.5, None),
+        (run, recipe, load_recipe(recipe)["max_time_minutes"], {"threads": 1}),
     ]
     out = capsys.readouterr().out
     assert f"recipe {recipe}:" in out
