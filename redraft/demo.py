@@ -241,8 +241,8 @@ def train_head(
 
 
 def distilled_summary(data_cfg) -> str:
-    """One line on the self-distilled train split: conversations and new tokens, made now or
-    found in the cache (from its ``.done.json``)."""
+    """One line on the self-distilled train split: conversations kept, and the new tokens and
+    their rate when the file was made (its ``.done.json``; the same when found in the cache)."""
     import json
 
     from redraft.train.distilled import DONE_SUFFIX
@@ -253,10 +253,12 @@ def distilled_summary(data_cfg) -> str:
         res = json.loads(done.read_text())["result"]
     except (OSError, ValueError, KeyError):
         return str(path)
-    n = sum(1 for _ in open(path, encoding="utf-8"))
+    with open(path, encoding="utf-8") as f:
+        n = sum(1 for _ in f)
+    made = res.get("new_tokens", 0)
     return (
-        f"{n:,} conversations ({res.get('new_tokens', 0):,} new tokens made in "
-        f"{res.get('seconds', 0):.0f} s when first made); {path.parent}"
+        f"{n:,} conversations, {made:,} new tokens "
+        f"({made / max(res.get('seconds', 0), 1e-9):.0f} tokens/s, {res.get('generator', '?')})"
     )
 
 
