@@ -183,3 +183,12 @@ def test_help_gives_each_recipes_size_from_its_file(capsys):
             f"the target, replies of at most {r['distill_max_new_tokens']} tokens, "
             f"{r['max_time_minutes']:g} minutes of training" in text
         ), name
+
+
+@pytest.mark.parametrize("load,says", [(0.3, False), (1.2, True)])
+def test_a_busy_cpu_is_named_with_the_flag_that_helps(load, says, monkeypatch, capsys):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.getloadavg", lambda: (load, load, load))
+    demo.busy_cpu_hint()
+    out = capsys.readouterr().out
+    assert ("--threads 1" in out and f"load average {load:.1f} on 2 cores" in out) == says, out
