@@ -85,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads for every stage (default: torch's choice, one per core). On a "
-        "CPU shared with other jobs 1 thread can be several times faster: threads that wait "
-        "for each other at every operation lose most when another job holds a core",
+        help="torch CPU threads for every stage (default: torch's choice, one per core). When "
+        "other jobs keep the cores busy, 1 thread can be several times faster: threads that "
+        "wait for each other at every operation lose most when another job holds a core",
     )
     return p
 
