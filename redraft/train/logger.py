@@ -12,6 +12,7 @@ call for every backend and handle each one's quirks, which we would otherwise co
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -156,3 +157,111 @@ class Meter:
             "train/grad_norm": None if self.grad_norm is None else float(self.grad_norm),
             "train/tokens_per_s": float(tok_s),
         }
+
+
+def clock(seconds: float) -> str:
+    """``m:ss`` (or ``h:mm:ss``) of a duration, as tqdm writes it."""
+    s = max(0, round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
+
+
+class TrainBar:
+    """The training progress bar: what is left of the run, by what will actually end it.
+
+    A run ends at its step total or at its time budget (``max_time_minutes``), whichever comes
+    first. Without a budget the bar counts steps against the step total (tqdm's own ETA). With
+    one it counts seconds: the run's end is expected at ``min(budget, elapsed + steps left /
+    steps per second)``, so a bounded CPU run whose step total is out of reach shows the budget
+    (``3:26 of 8:00, 4:34 left``), and a run whose steps run out first shows their end. The
+    steps done, their rate and the last logged figures follow as text.
+
+    Args:
+        total_steps: the run's step total (``max_steps`` or epochs x steps per epoch).
+        budget_s: the time budget in seconds, or None.
+        step0, elapsed0: where a resumed run starts (steps done, seconds spent).
+        enabled: False on ranks other than 0 (nothing is drawn).
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        budget_s: float | None,
+        step0: int = 0,
+        elapsed0: float = 0.0,
+        enabled: bool = True,
+    ):
+        from tqdm.auto import tqdm
+
+        self.total_steps, self.budget_s = total_steps, budget_s
+        self.step0, self.elapsed0 = step0, elapsed0
+        self.step, self.elapsed = step0, elapsed0
+        self.figures = ""
+        if budget_s is None:
+            self.bar = tqdm(
+                total=total_steps,
+                initial=step0,
+                disable=not enabled,
+                unit="step",
+                dynamic_ncols=True,
+                desc="train",
+            )
+        else:
+            self.bar = tqdm(
+                total=budget_s,
+                initial=min(elapsed0, budget_s),
+                disable=not enabled,
+                dynamic_ncols=True,
+                # tqdm puts ", " before a postfix: the text goes in as the description instead
+                bar_format="train: {percentage:3.0f}%|{bar}| {desc}",
+            )
+
+    def expected_end_s(self) -> float:
+        """Seconds from the run's start at which it is expected to end (the budget, or sooner
+        where the step total runs out first at the rate so far)."""
+        if self.budget_s is None:
+            return math.inf
+        done, spent = self.step - self.step0, self.elapsed - self.elapsed0
+        if done <= 0 or spent <= 0:
+            return self.budget_s
+        by_steps = self.elapsed + (self.total_steps - self.step) * spent / done
+        return min(self.budget_s, by_steps)
+
+    def text(self, final: bool = False) -> str:
+        """What the bar says after its percentage (with a time budget); ``final``: once ended."""
+        end = self.expected_end_s()
+        spent = self.elapsed - self.elapsed0
+        rate = (self.step - self.step0) / spent if spent > 0 else 0.0
+        if final:
+            when = f"{clock(self.elapsed)} (budget {clock(self.budget_s)})"
+        else:
+            limit = "budget" if end >= self.budget_s else f"{self.total_steps:,} steps"
+            when = (
+                f"{clock(self.elapsed)} of {clock(end)} ({limit}), {clock(end - self.elapsed)} left"
+            )
+        out = f"{when}; step {self.step:,}, {rate:.1f} steps/s"
+        return out + (f", {self.figures}" if self.figures else "")
+
+    def update(self, step: int, elapsed: float) -> None:
+        """After an optimizer step: ``step`` steps done, ``elapsed`` seconds of the run spent."""
+        self.step, self.elapsed = step, elapsed
+        if self.budget_s is None:
+            self.bar.update(step - self.bar.n)
+            return
+        self.bar.total = self.expected_end_s()
+        self.bar.set_description_str(self.text(), refresh=False)
+        self.bar.update(min(elapsed, self.bar.total) - self.bar.n)  # tqdm redraws at its interval
+
+    def set_figures(self, **figures: str) -> None:
+        """The last logged figures (loss, tokens/s, lr), shown after the steps."""
+        if self.budget_s is None:
+            self.bar.set_postfix(**figures)
+        else:
+            self.figures = ", ".join(f"{k} {v}" for k, v in figures.items())
+
+    def close(self) -> None:
+        if self.budget_s is not None:
+            self.bar.total = self.bar.n = max(self.elapsed, 1e-9)  # ended: 100% of what it took
+            self.bar.set_description_str(self.text(final=True), refresh=False)
+            self.bar.refresh()
+        self.bar.close()

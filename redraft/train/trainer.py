@@ -45,7 +45,7 @@ from redraft.train.config import TrainConfig, config_diff, for_device, parse_rep
 from redraft.train.distilled import distilled_data
 from redraft.train.distributed import DistEnv, setup_distributed
 from redraft.train.fingerprint import describe, record_mismatch, target_record
-from redraft.train.logger import Meter, Trackers, memory_mb
+from redraft.train.logger import Meter, Trackers, TrainBar, memory_mb
 from redraft.train.precision import autocast, deepspeed_config, resolve_precision, target_dtype
 from redraft.train.schedule import WarmupCosine
 from redraft.train.step import (
@@ -289,6 +289,11 @@ def _build_training(run: _Run) -> None:
         f"redraft-train: {len(records)} training records ({int(records.lengths.sum())} tokens), "
         f"{len(run.eval_dataset)} held-out; {model.num_trainable_parameters() / 1e6:.2f}M trainable "
         f"parameters; {run.steps_per_epoch} steps/epoch, {run.total_steps} steps"
+        + (
+            f" or {cfg.max_time_minutes:g} minutes, whichever ends first"
+            if cfg.max_time_minutes
+            else ""
+        )
     )
     run.state = state
 
@@ -316,15 +321,13 @@ def _run_loop(run: _Run, on_step) -> None:
     status = "running"
     t_start = time.perf_counter() - state["elapsed_s"]
     run.run_tokens0, run.run_t0 = state["tokens"], time.perf_counter()
-    from tqdm.auto import tqdm
-
-    bar = tqdm(
-        total=total_steps,
-        initial=state["global_step"],
-        disable=not env.is_main,
-        unit="step",
-        dynamic_ncols=True,
-        desc="train",
+    # the bar counts against what ends the run: the time budget, unless the steps run out first
+    bar = TrainBar(
+        total_steps,
+        cfg.max_time_minutes * 60 if cfg.max_time_minutes else None,
+        state["global_step"],
+        state["elapsed_s"],
+        enabled=env.is_main,
     )
     with StopSignal() as stop:
         while status == "running" and state["global_step"] < total_steps:
@@ -353,7 +356,7 @@ def _run_loop(run: _Run, on_step) -> None:
                 state["global_step"] += 1
                 state["batch_in_epoch"] += 1
                 state["elapsed_s"] = time.perf_counter() - t_start
-                bar.update(1)
+                bar.update(state["global_step"], state["elapsed_s"])
                 if log_now or state["global_step"] == total_steps:
                     log_progress(meter, engine, run.sched, env, trackers, bar, state["global_step"])
                 if on_step is not None:
@@ -613,14 +616,15 @@ def optimizer_step(
 def log_progress(
     meter: Meter, engine, sched: WarmupCosine, env: DistEnv, trackers: Trackers, bar, step: int
 ) -> None:
-    """Read the meter (one host sync), send it to the trackers and the progress bar, reset it."""
+    """Read the meter (one host sync), send it to the trackers and the progress bar (a
+    :class:`~redraft.train.logger.TrainBar`), reset it."""
     vals = meter.read(env)
     if engine.zero_optimization_stage() != 0:
         vals["train/grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
     vals["train/lr"] = sched.get_last_lr()[0]
     vals["train/memory_mb"] = memory_mb(env.device)
     trackers.log(vals, step)
-    bar.set_postfix(
+    bar.set_figures(
         loss=f"{vals['train/loss']:.3f}",
         tok_s=f"{vals['train/tokens_per_s']:.0f}",
         lr=f"{vals['train/lr']:.2e}",
