@@ -67,6 +67,11 @@ def run_metadata(argv: list[str], prog: str = "redraft-bench") -> dict:
             "cores": os.cpu_count(),
             "memory_gib": None if mem is None else round(mem, 1),
             "system": platform.platform(),
+            # other jobs on the machine when the run ended (1, 5, 15 minutes): a busy machine
+            # slows every method, and a block-wise run more than a prompt-major one
+            "load_average": [round(x, 2) for x in os.getloadavg()]
+            if hasattr(os, "getloadavg")
+            else None,
         },
         "versions": _versions(),
     }
@@ -97,10 +102,11 @@ def write_result(directory, name: str, report: dict, md: str, meta: dict) -> tup
         "",
         f"- command: `{meta['command']}`",
         f"- commit: {meta['commit'] or 'not a git checkout'}",
-        f"- machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory_gib']} GiB, {mach['system']}",
+        f"- machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory_gib']} GiB, {mach['system']}"
+        + (f"; load average {mach['load_average']}" if mach.get("load_average") else ""),
         f"- versions: {v}",
         f"- date: {meta['date']}",
         "",
     ]
-    atomic_write_text(m, "\n".join(header) + md.rstrip() + "\n")
+    atomic_write_text(m, "\n".join(header) + "\n" + md.rstrip() + "\n")
     return j, m
