@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--min-values", default="0,0.03,0.1", help="comma list of min_value settings to replay"
     )
+    r.add_argument(
+        "--drafters",
+        default=None,
+        help="comma list of the proposer's drafters (default: every one the tables allow)",
+    )
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads for the target")
     r.add_argument(
         "--results-dir",
@@ -159,23 +164,38 @@ def _replay(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:  # the tokenizer the proposer checks tables with
         target.tokenizer.save_pretrained(tmp)
         for f in floors:
-            s = ProposerSettings(ngrams=args.ngrams, min_value=f)
-            rows.append(
-                (f"redraft min_value={f:g}", rp.redraft_propose(tmp, target.vocab_size, args.k, s))
-            )
-        print(
+            drafters = [d.strip() for d in args.drafters.split(",")] if args.drafters else None
+            s = ProposerSettings(ngrams=args.ngrams, min_value=f, drafters=drafters)
+            name = f"redraft {'+'.join(drafters) + ' ' if drafters else ''}min_value={f:g}"
+            rows.append((name, rp.redraft_propose(tmp, target.vocab_size, args.k, s)))
+        lines = [
+            f"redraft-vllm replay: target {args.target}, {args.prompts} prompts per dataset, "
+            f"{args.max_new_tokens} greedy tokens; tau = tokens per target call (prefill "
+            f"included), drafted/step = chain tokens sent per verify",
+            "",
             f"| proposer (k={args.k}) | "
             + " | ".join(f"{d} tau | {d} drafted/step" for d in datasets)
-            + " |"
-        )
-        print("|---|" + "---:|---:|" * len(datasets))
+            + " |",
+            "|---|" + "---:|---:|" * len(datasets),
+        ]
+        results = {}
         for name, propose in rows:
-            cells = [rp.replay(propose, pairs[d]) for d in datasets]
-            print(
+            results[name] = {d: rp.replay(propose, pairs[d]) for d in datasets}
+            lines.append(
                 f"| {name} | "
-                + " | ".join(f"{c['tau']:.3f} | {c['drafted_per_step']:.2f}" for c in cells)
+                + " | ".join(
+                    f"{c['tau']:.3f} | {c['drafted_per_step']:.2f}" for c in results[name].values()
+                )
                 + " |"
             )
+    md = "\n".join(lines) + "\n"
+    print(md, end="")
+    if args.results_dir:
+        from redraft.infer.bench_results import run_metadata, write_result
+
+        meta = run_metadata(args.argv, prog="redraft-vllm")
+        paths = write_result(args.results_dir, "vllm-replay", {"results": results}, md, meta)
+        print(f"results: {', '.join(map(str, paths))}")
     return 0
 
 
