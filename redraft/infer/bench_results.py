@@ -1,6 +1,7 @@
 """Measured runs as data: ``redraft-bench --results-dir DIR`` writes each finished run as
-``DIR/<date>-<name>-<cpu>.json`` and ``.md``, with what makes a figure reproducible: the
-command, the commit, the machine, the library versions and the date."""
+``DIR/<name>-<cpu>-<NN>.json`` and ``.md`` (``NN`` counts the runs of that name), with what
+makes a figure reproducible: the command, the commit, the machine, the library versions and the
+date (inside the files: names stay stable for links)."""
 
 from __future__ import annotations
 
@@ -83,16 +84,15 @@ def _slug(text: str) -> str:
 
 def write_result(directory, name: str, report: dict, md: str, meta: dict) -> tuple[Path, Path]:
     """Write ``report`` (+ ``meta``) as JSON and ``md`` under a Markdown header of ``meta``;
-    returns both paths. An existing file of the same name gets a numbered sibling."""
+    returns both paths, ``<name>-<cpu>-<NN>`` with the first ``NN`` not yet taken."""
     from redraft.utils import atomic_write_text
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    stem = f"{meta['date'][:10]}-{_slug(name)}-{_slug(meta['machine']['cpu'])}"
-    base, i = stem, 1
-    while (d / f"{stem}.json").exists():
+    base, i = f"{_slug(name)}-{_slug(meta['machine']['cpu'])}", 1
+    while (d / f"{base}-{i:02d}.json").exists() or (d / f"{base}-{i:02d}.md").exists():
         i += 1
-        stem = f"{base}-{i}"
+    stem = f"{base}-{i:02d}"
     j, m = d / f"{stem}.json", d / f"{stem}.md"
     atomic_write_text(j, json.dumps({"meta": meta, **report}, indent=2) + "\n")
     v = ", ".join(f"{k} {x}" for k, x in meta["versions"].items())
