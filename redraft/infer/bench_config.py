@@ -82,6 +82,11 @@ class BenchSettings(ModelSettings):
         "the machine's memory on vLLM's CPU build) it may take for weights and KV cache.",
         range=Range(0.01, 1.0),
     )
+    vllm_redraft: str | None = setting(
+        None,
+        "Settings of redraft's proposer in the vllm-redraft method, a JSON object (the keys of "
+        "REDRAFT_VLLM_CONFIG, docs/vllm.md), e.g. '{\"min_value_per_row\": 0.05}'.",
+    )
     vllm_max_model_len: int = setting(
         2048, "max_model_len of the vllm-* engines (prompt + new tokens).", range=Range(64)
     )

@@ -59,7 +59,15 @@ class VLLMRunner:
         from vllm import LLM, SamplingParams
 
         self.name = method
-        spec = speculative_config_for(method, bench["vllm_k"], ngrams, bench.get("vllm_redraft"))
+        extra = bench.get("vllm_redraft")
+        if isinstance(extra, str):
+            import json
+
+            try:
+                extra = json.loads(extra)
+            except ValueError as e:
+                raise ConfigError(f"--vllm-redraft {extra!r} is not a JSON object ({e}).") from e
+        spec = speculative_config_for(method, bench["vllm_k"], ngrams, extra)
         self.llm = LLM(
             model=str(model_dir),
             dtype=bench["dtype"] or "float32",
