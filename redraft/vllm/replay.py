@@ -56,11 +56,10 @@ def replay(propose, pairs) -> dict:
     return {"tau": tokens / max(calls, 1), "drafted_per_step": drafted / max(calls, 1)}
 
 
-def redraft_propose(model_dir, vocab_size: int, k: int, settings, max_len: int = 8192):
-    """A ``propose(context, sampled)`` of :class:`redraft.vllm.Proposer` with ``settings``."""
-    from redraft.vllm.proposer import Proposer
-
-    cfg = SimpleNamespace(
+def vllm_config(model_dir, vocab_size, k: int, max_len: int):
+    """The fields of vLLM's ``VllmConfig`` that :class:`redraft.vllm.Proposer` reads, for using
+    the proposer outside vLLM (the replay, tests)."""
+    return SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
         model_config=SimpleNamespace(
             max_model_len=max_len,
@@ -70,6 +69,13 @@ def redraft_propose(model_dir, vocab_size: int, k: int, settings, max_len: int =
             hf_config=SimpleNamespace(vocab_size=vocab_size),
         ),
     )
+
+
+def redraft_propose(model_dir, vocab_size: int, k: int, settings, max_len: int = 8192):
+    """A ``propose(context, sampled)`` of :class:`redraft.vllm.Proposer` with ``settings``."""
+    from redraft.vllm.proposer import Proposer
+
+    cfg = vllm_config(model_dir, vocab_size, k, max_len)
     p = Proposer(cfg, settings)
     tok = np.zeros((1, max_len), dtype=np.int32)
 

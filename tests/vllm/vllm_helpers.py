@@ -1,23 +1,14 @@
 """Helpers of the vLLM proposer's tests: a fake ``VllmConfig`` (the fields the proposer reads)
 and a real n-gram artifact with random rows."""
 
-from types import SimpleNamespace
-
 import numpy as np
 
 
 def fake_vllm_config(model_dir, k: int = 4, max_model_len: int = 256, vocab_size=None):
     """What :class:`redraft.vllm.Proposer` reads of vLLM's ``VllmConfig``."""
-    return SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        model_config=SimpleNamespace(
-            max_model_len=max_model_len,
-            tokenizer=str(model_dir),
-            model=str(model_dir),
-            trust_remote_code=False,
-            hf_config=SimpleNamespace(vocab_size=vocab_size),
-        ),
-    )
+    from redraft.vllm.replay import vllm_config
+
+    return vllm_config(model_dir, vocab_size, k, max_model_len)
 
 
 def save_test_tables(path, target, seed: int = 0, kinds=("extended", "trigram")):
