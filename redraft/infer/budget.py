@@ -440,6 +440,14 @@ class AcceptanceStats:
     accepted | its parent was). A path's group is what its drafter says it is
     (``Draft.group``, e.g. the length of the context match behind it), else its rank. Counts
     decay (``decay`` per update of a drafter) so the estimate follows the request.
+
+    The Beta prior (``prior_weight`` pseudo-tries) has the mean ``prior_rate`` at depth 0 and,
+    below it, the estimated rate of the depth above: a depth never verified is expected to be
+    accepted as often as its parent's depth, not at a flat ``prior_rate``. With a flat prior the
+    budget, which verifies a node only when its expected value pays for its cost, never tries a
+    depth whose prior says it loses, so that depth's rate is never learnt: drafts that are
+    right for 20 tokens (a repeated answer) were cut at the depth the prior first made too
+    expensive.
     """
 
     def __init__(
@@ -464,7 +472,12 @@ class AcceptanceStats:
 
     def rates(self) -> torch.Tensor:
         """``[drafters, groups, depths]`` estimated acceptance rates."""
-        return (self.hits + self.prior[0]) / (self.tries + self.prior[1])
+        p0, p1 = self.prior
+        r = torch.empty_like(self.hits)
+        r[..., 0] = (self.hits[..., 0] + p0) / (self.tries[..., 0] + p1)
+        for lv in range(1, r.shape[-1]):  # the prior of depth l: the rate of depth l - 1
+            r[..., lv] = (self.hits[..., lv] + p1 * r[..., lv - 1]) / (self.tries[..., lv] + p1)
+        return r
 
     def _groups(self, B: int, P: int, group: torch.Tensor | None) -> torch.Tensor:
         dev = self.hits.device

@@ -341,7 +341,9 @@ class HostStats:
     """``budget.AcceptanceStats`` in host float32 arrays: the same rates after the same updates.
 
     ``rate[d, g, l]`` estimates P(the entry at depth l of a drafter-d path of group g is
-    accepted | its parent was), with a Beta prior and a decay per update of a drafter.
+    accepted | its parent was), with a Beta prior and a decay per update of a drafter; the
+    prior's mean is ``prior_rate`` at depth 0 and the rate of depth ``l - 1`` below it (see
+    :class:`redraft.infer.budget.AcceptanceStats`).
     """
 
     def __init__(
@@ -365,7 +367,12 @@ class HostStats:
 
     def rates(self) -> np.ndarray:
         """``[drafters, groups, depths]`` float32 estimated acceptance rates."""
-        return (self.hits + np.float32(self.prior[0])) / (self.tries + np.float32(self.prior[1]))
+        p0, p1 = np.float32(self.prior[0]), np.float32(self.prior[1])
+        r = np.empty_like(self.hits)
+        r[..., 0] = (self.hits[..., 0] + p0) / (self.tries[..., 0] + p1)
+        for lv in range(1, r.shape[-1]):  # the prior of depth l: the rate of depth l - 1
+            r[..., lv] = (self.hits[..., lv] + p1 * r[..., lv - 1]) / (self.tries[..., lv] + p1)
+        return r
 
     def _groups(self, B: int, P: int, group) -> np.ndarray:
         g = (

@@ -481,7 +481,8 @@ def owners(owner, P: int) -> np.ndarray:
 @_njit
 def _stats_values(hits, tries, p0, p1, owner, group, has_group, B, P, L):
     """``HostStats.values``: per path entry the product of the rates along the path (float64
-    products of the float32 rates, rounded once, as torch's CPU cumprod)."""
+    products of the float32 rates, rounded once, as torch's CPU cumprod); each depth's rate has
+    the one above it as its prior's mean (``HostStats.rates``)."""
     G, Dm = hits.shape[1], hits.shape[2]
     out = np.empty((B, P, L), np.float32)
     for b in range(B):
@@ -490,9 +491,12 @@ def _stats_values(hits, tries, p0, p1, owner, group, has_group, B, P, L):
             g = group[b, p] if has_group else p
             g = min(max(g, 0), G - 1)
             prod = 1.0
+            r = np.float32(0.0)
             for lv in range(L):
-                ll = min(lv, Dm - 1)
-                r = (hits[d, g, ll] + p0) / (tries[d, g, ll] + p1)
+                if lv == 0:
+                    r = np.float32((hits[d, g, 0] + p0) / (tries[d, g, 0] + p1))
+                elif lv < Dm:  # the prior of depth lv: the rate of depth lv - 1
+                    r = np.float32((hits[d, g, lv] + p1 * r) / (tries[d, g, lv] + p1))
                 prod *= np.float64(r)
                 out[b, p, lv] = np.float32(prod)
     return out

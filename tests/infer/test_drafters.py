@@ -1,5 +1,6 @@
 """Drafters against brute-force references; the budget model."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,3 +152,22 @@ def test_acceptance_stats_learn_rates_per_group():
     assert r[2, 0] == 1.0 and r[2, 1] == 0.0
     v = st.values(0, (1, 2, 2), group=torch.tensor([[2, 7]]))
     assert v[0].tolist() == [[1.0, 0.0], [0.5, 0.5]]
+
+
+def test_an_untried_depth_is_expected_to_be_accepted_like_the_depth_above_it():
+    from redraft.infer.hostdraft import HostStats
+
+    toks = torch.tensor([[[1, 2, 3, 4]]])
+    kept = torch.tensor([[[True, False, False, False]]])  # only depth 0 was verified
+    for st, conv in (
+        (AcceptanceStats(1, decay=1.0), torch.as_tensor),
+        (HostStats(1, decay=1.0), np.asarray),
+    ):
+        for _ in range(8):  # accepted 8 times out of 8
+            st.update(0, conv(toks), conv(torch.tensor([[1]])), kept=conv(kept))
+        r = torch.as_tensor(st.rates())[0, 0]
+        assert float(r[0]) == pytest.approx((8 + 0.6) / (8 + 2))  # the prior: 0.3, weight 2
+        # never verified: each deeper depth has the depth above as its prior's mean
+        assert r[1:4].tolist() == pytest.approx([float(r[0])] * 3)
+        v = torch.as_tensor(st.values(0, (1, 1, 4)))[0, 0]
+        assert v.tolist() == pytest.approx([float(r[0]) ** (i + 1) for i in range(4)])

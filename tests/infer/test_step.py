@@ -107,6 +107,13 @@ def test_replayed_graphs_give_plain_greedy_and_are_reused_across_requests(
         fake_capture(captures),
         [NGrammysDrafter(tiny_tables, V), ContextNGramDrafter(V)],
     )
+    keys, capture_key = [], dec.verifier._capture  # which shape each capture was for
+
+    def spy(key, *a):
+        keys.append(key)
+        return capture_key(key, *a)
+
+    dec.verifier._capture = spy
     ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=30)
     out = dec.generate(tiny_prompts, max_new_tokens=30)
     assert [g.tokens for g in out] == [g.tokens for g in ref]
@@ -119,8 +126,10 @@ def test_replayed_graphs_give_plain_greedy_and_are_reused_across_requests(
     assert stats["eager"] > 0 and stats["replays"] + stats["eager"] <= steps  # rows share steps
     again = dec.generate(tiny_prompts, max_new_tokens=30)  # the same engine, cache and graphs
     assert [g.tokens for g in again] == [g.tokens for g in ref]
-    assert len(captures) == n  # nothing captured twice
-    assert stats["captures"] == n and stats["replays"] == sum(g.replays for g in captures)
+    # nothing captured twice (a shape first seen often enough in the second run is captured then)
+    assert len(captures) == len(keys) == len(set(keys)) >= n
+    assert stats["captures"] == len(captures)
+    assert stats["replays"] == sum(g.replays for g in captures)
 
 
 def test_a_failing_capture_warns_once_and_decoding_goes_on_eagerly(
@@ -398,13 +407,13 @@ def test_a_caches_graphs_are_capped_the_least_recently_replayed_dropped(
             ContextNGramDrafter(tiny_target.vocab_size),
         ],
     )
-    dec.verifier.max_graphs = 2
+    dec.verifier.max_graphs = 1
     ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=40)
     assert [g.tokens for g in dec.generate(tiny_prompts, max_new_tokens=40)] == [
         g.tokens for g in ref
     ]
     eng = dec._engine
     graphs = eng.cache.graph_set
-    assert graphs.max_graphs == 2 and len(graphs) == 2
-    # every capture past the second dropped one (the cache never grew: one generation)
-    assert dec.verifier.graph_stats["dropped"] == graphs.dropped == len(captures) - 2 >= 1
+    assert graphs.max_graphs == 1 and len(graphs) == 1
+    # every capture past the first dropped one (the cache never grew: one generation)
+    assert dec.verifier.graph_stats["dropped"] == graphs.dropped == len(captures) - 1 >= 1
