@@ -130,7 +130,7 @@ def _decode_tables(bench: dict, cfg, device) -> int:
     }
     context = getattr(ctx.target.model.config, "max_position_embeddings", None)
     for ds in bench["datasets"]:
-        label = dataset_label(ds)
+        label = dataset_label(ds) + (f" x{bench['repeat']}" if bench["repeat"] > 1 else "")
         encoded = [
             runners["greedy"].decoder.encode(p)[0]
             for p in load_prompts(ds, bench["prompts"], bench["chat_spec"])
@@ -143,6 +143,9 @@ def _decode_tables(bench: dict, cfg, device) -> int:
                 file=sys.stderr,
             )
             report["skipped_prompts"][label] = [{**x, "context": context} for x in skipped]
+        # every prompt again after the whole set: earlier requests' outputs matter (the suffix
+        # drafter's global tree, vLLM's suffix cache), and no request directly follows its twin
+        prompts = prompts * bench["repeat"]
 
         def partial(res, label=label):  # after every prompt: what was measured survives a stop
             report["results"][label] = res

@@ -35,6 +35,13 @@ class BenchSettings(ModelSettings):
         "default-chat", "The data spec 'chat' prompts are held out from.", cli=False
     )
     prompts: int = setting(20, "Prompts per dataset.", range=Range(1))
+    repeat: int = setting(
+        1,
+        "Ask every prompt this many times (the whole set, then the whole set again): a server's "
+        "workload where earlier requests' outputs matter (repeated questions, retries; the "
+        "suffix method's global tree, vLLM's suffix cache).",
+        range=Range(1),
+    )
     max_new_tokens: int = setting(128, "New tokens per prompt.", range=Range(1))
     methods: list[str] = setting(
         default_factory=lambda: [
@@ -73,7 +80,9 @@ class BenchSettings(ModelSettings):
     )
     vllm_k: int = setting(
         5,
-        "num_speculative_tokens of the vllm-* methods (vLLM's draft chain length).",
+        "num_speculative_tokens of the vllm-ngram and vllm-redraft methods (vLLM's draft chain "
+        "length; vllm-suffix keeps vLLM's own default, its tree depth 24, cut by the match "
+        "length).",
         range=Range(1),
     )
     vllm_memory: float = setting(

@@ -93,6 +93,12 @@ def _aded(ctx):
     return [ADEDDrafter(_ngram_table(ctx, "trigram"))]
 
 
+def _suffix(ctx):
+    from redraft.infer.loader import suffix_drafter
+
+    return [suffix_drafter(ctx.cfg)]
+
+
 def _retrieval(ctx):
     from redraft.infer.drafters.retrieval import DraftRetrieverDrafter
 
@@ -128,6 +134,10 @@ REGISTRY: dict[str, Method] = {
     "aded": Method(
         "ADED: MCTS over the corpus tri-gram table, adapted per request", _aded, ("ngrams:trigram",)
     ),
+    "suffix": Method(
+        "SuffixDecoding: suffix trees over the request and over earlier requests' outputs",
+        _suffix,
+    ),
     "hsddw": Method(
         "HSDDW: early-exit M1 -> early-exit M2 -> target, entropy self-verify",
         lambda ctx: [_hierarchy(ctx)],
@@ -146,6 +156,10 @@ REGISTRY: dict[str, Method] = {
         "the mix plus ADED over every table set with tri-grams",
         lambda ctx: _mix(ctx, ctx.cfg.replace(aded=True)),
         ("ngrams:trigram",),
+    ),
+    "mix+suffix": Method(
+        "the mix plus the suffix drafter (its global tree kept over the run's prompts)",
+        lambda ctx: _mix(ctx, ctx.cfg.replace(suffix=True)),
     ),
     "mix+hsddw": Method(
         "the mix plus the HSDDW early-exit hierarchy", lambda ctx: _mix(ctx) + [_hierarchy(ctx)]

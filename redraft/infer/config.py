@@ -156,6 +156,25 @@ class DecoderConfig(Settings):
     aded: bool = _f(
         False, "Also draft with ADED's MCTS over every n-gram table set that holds tri-grams."
     )
+    suffix: bool = _f(
+        False,
+        "Also draft with SuffixDecoding's suffix trees (arctic-inference): one over each "
+        "request's prompt and output, one over the outputs of earlier requests, kept as long as "
+        "the decoder or server runs (repeated prompts, shared code and phrasing draft from what "
+        "was already written).",
+    )
+    suffix_w: int = _f(
+        24,
+        "Suffix drafter: tokens per draft path at most (a long match earns a long draft: at most "
+        "one token per matched token).",
+        range=Range(1, 1024),
+    )
+    suffix_tokens: int = _f(
+        1_000_000,
+        "Suffix drafter: output tokens of earlier requests its global tree holds (about 250 bytes "
+        "each at most); the oldest requests leave first. 0: each request drafts from itself only.",
+        range=Range(0, 10**10),
+    )
 
     def __post_init__(self):
         self.validate()

@@ -447,6 +447,11 @@ class Engine:
             return
         # few moves: rows above the new end fill the holes the leaving rows leave (rows being
         # prefilled are not in these slots: nothing of theirs moves)
+        if any(d.host for d in self.dec.drafters):
+            host, gone = self._host_state(), [i for i, r in enumerate(self.rows) if r.done]
+            for d in self.dec.drafters:
+                if d.host:
+                    d.retire_rows_host(host, gone)
         keep = _fill_holes(keep, 0)
         lengths = self.cache.host_lengths
         moved = [lengths[i] for t, i in enumerate(keep) if i != t]

@@ -66,10 +66,20 @@ def ngram_drafters(tables, target, cfg: DecoderConfig, name_prefix: str = "") ->
     return out
 
 
+def suffix_drafter(cfg: DecoderConfig):
+    """The suffix-tree drafter of ``cfg`` (``ngram_k`` paths of up to ``suffix_w`` tokens)."""
+    from redraft.infer.drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter(
+        max_paths=cfg.ngram_k, max_tokens_per_path=cfg.suffix_w, max_tokens=cfg.suffix_tokens
+    )
+
+
 def make_drafters(target, heads=(), tables=(), cfg: DecoderConfig | None = None) -> list:
     """The unified mix over loaded artifacts: every ReDrafter head (``heads``: drafters from
     :func:`load_redrafter`), the N-Grammys drafters of every n-gram table set (``tables``), ADED
-    over table sets with tri-grams when ``cfg.aded``, and a context matcher when ``cfg.context``
+    over table sets with tri-grams when ``cfg.aded``, the suffix trees when ``cfg.suffix``, and a
+    context matcher when ``cfg.context``
     (default: only when there are no tables, which already include context matches).
     ``load_decoder`` and ``redraft-bench``'s ``mix`` both build their drafters here."""
     cfg = cfg or DecoderConfig()
@@ -83,6 +93,8 @@ def make_drafters(target, heads=(), tables=(), cfg: DecoderConfig | None = None)
             d = ADEDDrafter(tables_i)
             d.name = f"{prefix}aded"
             ds.append(d)
+    if cfg.suffix:
+        ds.append(suffix_drafter(cfg))
     if cfg.context if cfg.context is not None else not tables:
         ds.append(
             ContextNGramDrafter(

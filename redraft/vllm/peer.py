@@ -37,7 +37,9 @@ def speculative_config_for(method: str, k: int, ngrams: str | None, settings: di
             "prompt_lookup_max": 4,
         }
     if method == "vllm-suffix":
-        return {"method": "suffix", "num_speculative_tokens": k}
+        # vLLM's own default: drafts as long as its trees are deep (24), cut by the match length
+        # (SuffixDecoding's adaptive length); k would cap what a vLLM user gets out of the box
+        return {"method": "suffix"}
     if method == "vllm-redraft":
         from redraft.vllm.settings import speculative_config
 

@@ -13,6 +13,7 @@ Life cycle (rows join and leave the batch at step boundaries, as in a server)::
         draft = drafter.propose(state)        # Draft(tokens [B, P, L], ...)
         ... verify ...
         drafter.observe(state, draft, feedback)
+        drafter.retire_rows_host(host, gone)  # host drafters: rows about to leave, final tokens
         drafter.select_rows(keep)             # finished rows left the batch
 
 Shapes: ``B`` rows, ``P`` paths per row, ``L`` tokens per path, ``V`` target vocab size.
@@ -184,6 +185,12 @@ class Drafter:
         ``state`` is the state the draft was made from. Adaptive drafters update here (ADED's
         tri-gram boosts, HSDDW's entropy threshold from rejected tokens).
         """
+
+    def retire_rows_host(self, host, rows) -> None:
+        """A host drafter's view of the rows about to leave the batch (finished or cancelled):
+        ``rows`` (indices into ``host``, which holds their final tokens). Called before
+        :meth:`select_rows`; drafters that learn across requests (the suffix drafter's global
+        tree) take the rows' last tokens here."""
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Rows ``keep`` ([B'] long indices into the current batch) stay; drop the others'
