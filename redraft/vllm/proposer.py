@@ -13,7 +13,8 @@ the output is the target's own). The proposer:
 2. **drafts** candidates with redraft's host kernels: ``context`` (suffix matches of length
    ``q_max .. q_min`` in the request's own tokens, grouped by match length and rank), ``ngrammys``
    (the model's extended bigram chains from the tables) and ``trigram`` (greedy chains through
-   ADED's corpus tri-gram table, from the row's last two tokens);
+   ADED's corpus tri-gram table, from the row's last two tokens) and ``suffix`` (SuffixDecoding's
+   suffix trees over the request and over the outputs of earlier requests, arctic-inference);
 3. **picks** per row the candidate with the most expected accepted tokens (the sum over its
    depths of the product of learned rates) and cuts it where that product falls below
    ``min_value`` (+ ``min_value_per_row`` per extra row): with nothing worth verifying a row gets
@@ -23,7 +24,10 @@ vLLM passes rows, not request ids, and moves requests between rows as others fin
 last chain is scored only when its token count grew by exactly the number of tokens sampled for
 it and its last token before the step is unchanged; anything else (a new request in that row)
 skips the update. That keeps the statistics correct without request ids; per-request adaptive
-state (ADED's tri-gram boosts, HSDDW's thresholds) is not kept here, for the same reason.
+state (ADED's tri-gram boosts, HSDDW's thresholds) is not kept here, for the same reason. The
+suffix drafter tells requests apart the same way: a row whose tokens do not continue what it
+held last step is a new request (its tokens so far start a new local tree; the row's earlier
+request stops, its output staying in the global tree).
 
 Everything is deterministic numpy on the inputs every rank receives, so every tensor-parallel
 rank drafts the same chains.
@@ -44,7 +48,7 @@ except ImportError:  # pragma: no cover
 from redraft.errors import ArtifactError, ConfigError
 from redraft.infer.drafters.base import PAD
 from redraft.infer.hostdraft import HostStats, HostTables, context_matches_np
-from redraft.vllm.settings import ENV_VAR, ProposerSettings, read_settings
+from redraft.vllm.settings import DRAFTERS, ENV_VAR, ProposerSettings, read_settings
 
 TRIGRAM_BRANCHES = 4  # first tokens of the tri-gram chains (each then followed greedily)
 # the context drafter's extra candidate, the earliest place of the longest match: a group of its
@@ -71,15 +75,20 @@ class Proposer:
             getattr(vllm_config.model_config.hf_config, "vocab_size", 0) or len(tokenizer)
         )
         tables = _load_tables(s.ngrams, tokenizer, self.vocab_size) if s.ngrams else None
-        have = {"context"}
+        have = {"context"} | ({"suffix"} if _suffix_available() else set())
         if tables is not None and "extended" in tables.kinds:
             have.add("ngrammys")
         if tables is not None and "trigram" in tables.kinds:
             have.add("trigram")
         if s.drafters is None:
-            self.drafters = [d for d in ("context", "ngrammys", "trigram") if d in have]
+            self.drafters = [d for d in DRAFTERS if d in have]
         else:
             missing = [d for d in s.drafters if d not in have]
+            if "suffix" in missing:
+                raise ConfigError(
+                    f"{ENV_VAR}: the suffix drafter needs the package arctic-inference "
+                    f"(pip install arctic-inference)."
+                )
             if missing:
                 kinds = " and ".join("extended" if d == "ngrammys" else d for d in missing)
                 where = (
@@ -96,6 +105,7 @@ class Proposer:
         self.host_tables = HostTables(tables) if "ngrammys" in self.drafters else None
         self.trigram = tables.trigram if "trigram" in self.drafters else None
         self.stats = HostStats(len(self.drafters), max_depth=max(self.k, 1))
+        self.suffix = SuffixRows(s.suffix_tokens) if "suffix" in self.drafters else None
         self._last = None  # what the last step proposed, to be scored by this one
         self.steps = self.proposed_tokens = 0
         self._warm()
@@ -160,6 +170,8 @@ class Proposer:
             elif name == "ngrammys":
                 p = _fit(self.host_tables.extended(last)[:, : s.paths], k)
                 g = np.broadcast_to(np.arange(p.shape[1]), p.shape[:2])
+            elif name == "suffix":
+                p, g = self.suffix.candidates(rows, n, tok, s.paths, k)
             else:
                 before = np.where(n >= 2, tok[rows, np.maximum(n - 2, 0)], -1).astype(np.int64)
                 p = trigram_chains(self.trigram, before, last, k, min(s.paths, TRIGRAM_BRANCHES))
@@ -203,6 +215,56 @@ class Proposer:
         self.stats.reset()
         self._last = None
         self.steps = self.proposed_tokens = 0
+        if self.suffix is not None:  # the warm-up's requests are not the server's
+            self.suffix = SuffixRows(self.settings.suffix_tokens)
+
+
+def _suffix_available() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("arctic_inference") is not None
+
+
+class SuffixRows:
+    """The suffix drafter's trees (:class:`redraft.infer.drafters.suffix.SuffixTrees`) over
+    vLLM's rows: a row whose tokens continue what it held at the last step (its token count did
+    not shrink and the token it ended with is still there) is the same request, anything else a
+    new one."""
+
+    def __init__(self, max_tokens: int):
+        from redraft.infer.drafters.suffix import SuffixTrees
+
+        self.trees = SuffixTrees(max_tokens=max_tokens)
+        self.held: dict[int, tuple[int, int, int]] = {}  # row -> (request, tokens held, last)
+
+    def _sync(self, rows, n, tok) -> None:
+        seen = set()
+        for j, i in enumerate(rows):
+            i, nj = int(i), int(n[j])
+            seen.add(i)
+            rid, m, last = self.held.get(i, (-1, 0, -1))
+            if rid >= 0 and m <= nj and int(tok[i, m - 1]) == last:
+                self.trees.append(rid, tok[i, m:nj])
+            else:
+                if rid >= 0:
+                    self.trees.stop(rid)
+                # the last token is the first one sampled (vLLM's first step after the
+                # prompt): output, for the global tree too
+                rid = self.trees.start(tok[i, : nj - 1])
+                self.trees.append(rid, tok[i, nj - 1 : nj])
+            self.held[i] = (rid, nj, int(tok[i, nj - 1]))
+        for i in [i for i in self.held if i not in seen]:  # rows no longer in the batch
+            self.trees.stop(self.held.pop(i)[0])
+
+    def candidates(self, rows, n, tok, paths: int, k: int):
+        """``(paths int64 [B, paths, k], group int64 [B, paths])`` of every row."""
+        self._sync(rows, n, tok)
+        out = np.full((len(rows), paths, k), PAD, np.int64)
+        group = np.zeros((len(rows), paths), np.int64)
+        for j, i in enumerate(rows):
+            p, g = self.trees.paths(self.held[int(i)][0], tok[i, : n[j]], paths, k)
+            out[j, : len(p)], group[j, : len(p)] = p, g
+        return out, group
 
 
 def earliest_longest_match(seqs, q_min: int, q_max: int, k: int, window: int) -> np.ndarray:

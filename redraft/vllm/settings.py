@@ -19,7 +19,7 @@ from redraft.errors import ConfigError
 
 ENV_VAR = "REDRAFT_VLLM_CONFIG"
 CLASS_PATH = "redraft.vllm.Proposer"
-DRAFTERS = ("context", "ngrammys", "trigram")
+DRAFTERS = ("context", "ngrammys", "trigram", "suffix")
 
 
 @dataclass
@@ -30,7 +30,9 @@ class ProposerSettings:
         ngrams: an n-gram tables artifact (directory or hub id) built for the served model's
             tokenizer; ``None`` drafts from the request's own tokens only (``context``).
         drafters: which of :data:`DRAFTERS` propose candidates; default every one the tables
-            allow (``ngrammys`` needs the ``extended`` kind, ``trigram`` the ``trigram`` kind).
+            allow (``ngrammys`` needs the ``extended`` kind, ``trigram`` the ``trigram`` kind)
+            and ``suffix`` where arctic-inference is installed (SuffixDecoding's trees over the
+            request and over earlier requests' outputs).
         q_min, q_max: shortest and longest suffix the context drafter matches.
         paths: candidate chains per drafter and request, of which one is sent to vLLM.
         window: the context drafter looks back this many tokens.
@@ -40,6 +42,8 @@ class ProposerSettings:
             ``num_speculative_tokens`` tokens whenever a candidate is that long.
         min_value_per_row: added to ``min_value`` for every request beyond the first in the
             step: a bigger batch makes each drafted token cost more of the verify.
+        suffix_tokens: tokens of earlier requests the suffix drafter's global tree holds (the
+            oldest requests leave first); 0: each request drafts from itself only.
     """
 
     ngrams: str | None = None
@@ -50,6 +54,7 @@ class ProposerSettings:
     window: int = 4096
     min_value: float = 0.03
     min_value_per_row: float = 0.01
+    suffix_tokens: int = 1_000_000
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +77,8 @@ class ProposerSettings:
         for name in ("paths", "window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{ENV_VAR}: {name}={getattr(self, name)} must be >= 1.")
+        if self.suffix_tokens < 0:
+            raise ConfigError(f"{ENV_VAR}: suffix_tokens={self.suffix_tokens} must be >= 0.")
         for name in ("min_value", "min_value_per_row"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:

@@ -183,13 +183,47 @@ def test_deterministic_for_every_rank(tiny_target_dir, config_env):
 def test_tables_add_model_and_corpus_candidates(tiny_target, tiny_target_dir, tmp_path, config_env):
     d = save_test_tables(tmp_path / "tables", tiny_target)
     p = Proposer(fake_vllm_config(tiny_target_dir, k=4), FULL.replace(ngrams=str(d)))
-    assert p.drafters == ["context", "ngrammys", "trigram"]
+    assert p.drafters == ["context", "ngrammys", "trigram", "suffix"]
+    p = Proposer(
+        fake_vllm_config(tiny_target_dir, k=4),
+        FULL.replace(ngrams=str(d), drafters=["ngrammys", "trigram"]),
+    )
     row = [1, 2, 3]  # no context match: the chain comes from the tables
     out = p.propose(*_batch([row]))
     ext = p.host_tables.extended(np.array([3]))[0]  # [k, w] rows of token 3
     tri = trigram_chains(p.trigram, np.array([2]), np.array([3]), 4, 4)[0]
     cands = [list(r[:4]) for r in ext] + [list(r[r >= 0][:4]) for r in tri]
     assert out[0] and out[0] in [c[: len(out[0])] for c in cands]
+
+
+def test_a_later_request_gets_an_earlier_ones_output_from_the_suffix_trees(
+    tiny_target_dir, config_env
+):
+    out1 = [40, 41, 42, 43, 44, 45, 46, 47]
+    first = [1, 2, 3] + out1
+    cfg = fake_vllm_config(tiny_target_dir, k=4)
+    chains = {}
+    for drafters in (["context", "suffix"], ["context"]):
+        p = Proposer(cfg, FULL.replace(drafters=drafters))
+        for n in range(4, len(first) + 1):  # the first request decodes in row 0
+            p.propose(*_batch([first[:n]]))
+        # row 0 now holds another prompt whose output so far repeats the start of out1
+        second = [9, 9, 9, 9, 40, 41, 42]
+        chains[drafters[-1]] = p.propose(*_batch([second]))[0]
+    assert chains["suffix"] == [43, 44, 45]  # 3 matched tokens earn 3 (SuffixDecoding's rule)
+    assert chains["context"] == []  # the request's own tokens hold no match
+
+
+def test_the_suffix_drafter_without_arctic_inference_fails_at_start(
+    tiny_target_dir, config_env, monkeypatch
+):
+    import redraft.vllm.proposer as proposer_module
+
+    monkeypatch.setattr(proposer_module, "_suffix_available", lambda: False)
+    cfg = fake_vllm_config(tiny_target_dir)
+    assert Proposer(cfg, FULL).drafters == ["context"]
+    with pytest.raises(ConfigError, match="arctic-inference"):
+        Proposer(cfg, FULL.replace(drafters=["context", "suffix"]))
 
 
 def test_trigram_chains_follow_the_most_probable_successor():
