@@ -121,8 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     ModelSettings.add_arguments(m, only=MODEL_FLAGS, shown=MODEL_SHOWN)
     DecoderConfig.add_arguments(
         m,
-        only=("acceptance", "prefill_chunk", "prefill_share", "fuse_prefill"),
+        only=(
+            "acceptance",
+            "prefill_chunk",
+            "prefill_share",
+            "fuse_prefill",
+            "suffix",
+            "suffix_tokens",
+        ),
         shown={
+            "suffix": "the preset's, else on where arctic-inference is installed: one global "
+            "tree over every request the server answers",
+            "suffix_tokens": "the preset's, else 1,000,000",
             "prefill_chunk": "the preset's, else 'auto'",
             "prefill_share": "the preset's, else 1.0",
             "fuse_prefill": "the preset's, else 'auto'",
@@ -151,6 +161,7 @@ def check_args(args, parser) -> None:
 def load(args):
     """The decoder the flags describe: the preset (if any) with the flags' overrides."""
     from redraft.infer import load_decoder, load_preset, read_preset
+    from redraft.infer.drafters.suffix import suffix_available
 
     overrides = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
     acceptance = args.acceptance
@@ -160,11 +171,16 @@ def load(args):
         preset = read_preset(args.preset).get("acceptance") if args.preset else None
         acceptance = "rejection" if preset in (None, "greedy") else preset
     overrides["acceptance"] = acceptance
-    for key in ("prefill_chunk", "prefill_share", "fuse_prefill"):
+    for key in ("prefill_chunk", "prefill_share", "fuse_prefill", "suffix", "suffix_tokens"):
         if getattr(args, key, None) is not None:
             overrides[key] = DecoderConfig.coerce(key, getattr(args, key))
+    if "suffix" not in overrides and "suffix" not in (
+        read_preset(args.preset) if args.preset else {}
+    ):
+        # a server answers many requests: what it wrote for earlier ones drafts for later ones
+        overrides["suffix"] = suffix_available()
     if not args.speculation:  # plain decoding: no artifacts, no context matcher, no tree
-        overrides.update(drafters=[], ngrams=[], context=False, budget=0)
+        overrides.update(drafters=[], ngrams=[], context=False, suffix=False, budget=0)
     if args.preset:
         return load_preset(args.preset, **overrides)
     return load_decoder(**{"target": "default", **overrides})

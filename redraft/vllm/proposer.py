@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover
 
 from redraft.errors import ArtifactError, ConfigError
 from redraft.infer.drafters.base import PAD
+from redraft.infer.drafters.suffix import suffix_available
 from redraft.infer.hostdraft import HostStats, HostTables, context_matches_np
 from redraft.vllm.settings import DRAFTERS, ENV_VAR, ProposerSettings, read_settings
 
@@ -75,7 +76,7 @@ class Proposer:
             getattr(vllm_config.model_config.hf_config, "vocab_size", 0) or len(tokenizer)
         )
         tables = _load_tables(s.ngrams, tokenizer, self.vocab_size) if s.ngrams else None
-        have = {"context"} | ({"suffix"} if _suffix_available() else set())
+        have = {"context"} | ({"suffix"} if suffix_available() else set())
         if tables is not None and "extended" in tables.kinds:
             have.add("ngrammys")
         if tables is not None and "trigram" in tables.kinds:
@@ -217,12 +218,6 @@ class Proposer:
         self.steps = self.proposed_tokens = 0
         if self.suffix is not None:  # the warm-up's requests are not the server's
             self.suffix = SuffixRows(self.settings.suffix_tokens)
-
-
-def _suffix_available() -> bool:
-    from importlib.util import find_spec
-
-    return find_spec("arctic_inference") is not None
 
 
 class SuffixRows:

@@ -219,7 +219,7 @@ def test_the_suffix_drafter_without_arctic_inference_fails_at_start(
 ):
     import redraft.vllm.proposer as proposer_module
 
-    monkeypatch.setattr(proposer_module, "_suffix_available", lambda: False)
+    monkeypatch.setattr(proposer_module, "suffix_available", lambda: False)
     cfg = fake_vllm_config(tiny_target_dir)
     assert Proposer(cfg, FULL).drafters == ["context"]
     with pytest.raises(ConfigError, match="arctic-inference"):

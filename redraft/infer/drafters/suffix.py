@@ -40,6 +40,13 @@ MATCH_CLASSES = np.array([3, 6, 12])  # match lengths < 3, < 6, < 12, >= 12 toke
 PROB_CLASSES = np.array([0.25, 0.5, 0.8])  # the path's estimated probability
 
 
+def suffix_available() -> bool:
+    """Whether arctic-inference (the suffix trees) is installed."""
+    from importlib.util import find_spec
+
+    return find_spec("arctic_inference") is not None
+
+
 def suffix_cache(max_depth: int, global_tree: bool = True):
     """A ``SuffixDecodingCache`` without arctic-inference's own request bound (the drafter keeps
     a token bound), with or without the global tree; a clear error when the package is
