@@ -548,12 +548,17 @@ class DrafterGate:
     ``gain * seconds_per_token >= drafting seconds``; one that is not waits ``explore`` steps
     before it is tried again, and every try that finds it still not worth it doubles the wait
     (up to ``MAX_WAIT_FACTOR * explore``), so a useless drafter ends up costing almost nothing.
-    Unknown gains count as worth it. Gating never changes the output, only the speed.
+    Unknown gains count as worth it, and so does a drafter whose drafting costs at most
+    ``FREE_SHARE`` of an output token's time: skipping it could save no more than that, while
+    skipping it wrongly loses its tokens (two drafters that propose many of the same tokens each
+    show little exclusive gain, and the one left alone then looks like the only one that
+    works). Gating never changes the output, only the speed.
     """
 
     TIME_EMA = 0.8  # weight of the past in the drafting-time and seconds-per-token averages
     GAIN_EMA = 0.7  # weight of the past in the exclusive-gain average
     MAX_WAIT_FACTOR = 16
+    FREE_SHARE = 0.01  # drafting under 1% of a token's time is always worth calling
 
     def __init__(self, num_drafters: int, explore: int = 8, enabled: bool = True):
         self.n, self.explore, self.enabled = num_drafters, max(int(explore), 1), enabled
@@ -574,9 +579,10 @@ class DrafterGate:
         if not self.enabled or self.sec_per_token is None:
             return list(range(self.n))
         net = [self.net(i) for i in range(self.n)]
+        free = self.FREE_SHARE * self.sec_per_token
         active = []
         for i in range(self.n):
-            if net[i] >= 0:
+            if net[i] >= 0 or self.secs[i] <= free:
                 self.wait[i] = self.explore
                 active.append(i)
             elif self.idle[i] + 1 >= self.wait[i]:  # re-run; back off if still not worth it
@@ -639,6 +645,7 @@ class SpeculationGuard:
 
     RUN = 4  # steps of one mode per measurement (the first one not counted)
     MAX_WAIT_FACTOR = 16
+    FREE_SHARE = 0.01  # drafting under 1% of a token's time is always worth calling
     REPROBE = 128  # steps of winning speculation between plain re-measurements
     PRIOR_WAIT = 4  # a bucket predicted to lose: plain steps (x explore) before the first check
 

@@ -307,6 +307,16 @@ def test_gate_calls_every_drafter_until_it_knows_the_cost_of_a_token():
     assert DrafterGate(3, enabled=False).active() == [0, 1, 2]
 
 
+def test_gate_keeps_calling_a_drafter_that_costs_under_one_percent_of_a_token():
+    gate = DrafterGate(3, explore=4)
+    gate.update(step_secs=0.1, tokens_per_row=2.0, exclusive={0: 0.0, 1: 0.0, 2: 1.0})
+    # a token costs 50 ms: 0.4 ms of drafting is free, 0.6 ms with no exclusive gain is not
+    for i, secs in enumerate((0.0004, 0.0006, 0.002)):
+        gate.record_time(i, secs)
+    assert gate.active() == [0, 2]
+    assert [0 in gate.active() for _ in range(20)] == [True] * 20
+
+
 def _drive(guard, batch, tps, steps):
     """Run ``steps`` steps at ``batch`` where a speculative step yields tps[True] tokens per
     second and a plain one tps[False]; returns the modes chosen."""
