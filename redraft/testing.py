@@ -36,3 +36,22 @@ def decode_state(rows, temperature: float = 0.0, generator=None):
         request_ids=torch.arange(len(rows)),
         sampling=RowSampling.uniform(len(rows), temperature, generator=generator),
     )
+
+
+def declared_scripts() -> dict[str, str]:
+    """``{console script: "module:function"}`` as this checkout's ``pyproject.toml`` declares them
+    (a source checkout: its installed metadata may be older than the file), else as the installed
+    distribution records them (a wheel)."""
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = None
+    if tomllib is not None and pyproject.is_file():
+        return dict(tomllib.loads(pyproject.read_text())["project"]["scripts"])
+    from importlib.metadata import distribution
+
+    eps = distribution("redraft").entry_points
+    return {ep.name: ep.value for ep in eps if ep.group == "console_scripts"}

@@ -4,14 +4,17 @@ every one answers a mistyped flag or a missing argument with one line on stderr 
 
 import subprocess
 import sys
-from importlib.metadata import distribution
+from types import SimpleNamespace
 
 import pytest
 
-SCRIPTS = sorted(
-    (ep for ep in distribution("redraft").entry_points if ep.group == "console_scripts"),
-    key=lambda ep: ep.name,
-)
+from redraft.testing import declared_scripts
+
+# name, module, attr of each console script (as ``importlib.metadata.EntryPoint`` names them)
+SCRIPTS = [
+    SimpleNamespace(name=name, module=value.partition(":")[0], attr=value.partition(":")[2])
+    for name, value in sorted(declared_scripts().items())
+]
 # Runs the entry point as its console script would, and reports on exit whether torch was imported.
 WRAPPER = """
 import atexit, sys

@@ -1,4 +1,4 @@
-"""redraft.hub: resolving REPO_ID[@rev] through a fake Hub cache, model cards, and pushes.
+"""redraft.hub (resolve, card, push): resolving REPO_ID[@rev] through a fake Hub cache, model cards, and pushes.
 
 The real Hub is not reachable from CI. Snapshots are laid out by hand in a temporary
 HF_HUB_CACHE; pushes run the real ``HfApi`` against a fake Hub behind huggingface_hub's own HTTP
@@ -22,8 +22,10 @@ from huggingface_hub.errors import OfflineModeIsEnabled
 from huggingface_hub.utils import _http as hf_http
 from safetensors.torch import save_file
 
-from redraft import hub, hub_card
+from redraft import hub
 from redraft.errors import ArtifactError
+from redraft.hub import card as hub_card
+from redraft.hub import push, resolve
 from redraft.utils import split_revision
 
 TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -860,7 +862,7 @@ def test_push_main_cli(tmp_path, fake_hub, capsys):
 
 
 def test_push_help_prints_each_default_once_and_bare_flags():
-    text = hub.build_parser().format_help()
+    text = push.build_parser().format_help()
     assert "--private, --no-private" in text and "--allow-unfinished, --no-allow-unfinished" in text
     assert text.count("(default: apache-2.0)") == 1 and "(default: None)" not in text
     assert "(default: False)" in text  # booleans say their default, once
@@ -892,35 +894,36 @@ def _redraft_imports(module) -> tuple[set, set]:
 
 def test_hub_resolve_imports_no_other_stage():
     # every stage resolves artifacts through it, so it must sit below all of them
-    from redraft import hub_resolve
-
-    assert _redraft_imports(hub_resolve) == ({"redraft.errors", "redraft.utils"}, set())
+    assert _redraft_imports(resolve) == ({"redraft.errors", "redraft.utils"}, set())
     assert _redraft_imports(hub_card) == (
-        {"redraft.errors", "redraft.hub_resolve", "redraft.utils"},
+        {"redraft.errors", "redraft.hub.resolve", "redraft.utils"},
         set(),
     )
 
 
-def test_hub_module_reaches_the_drafter_stage_only_for_its_push_check():
-    top, lazy = _redraft_imports(hub)
+def test_hub_push_reaches_the_drafter_stage_only_for_its_push_check():
+    top, lazy = _redraft_imports(push)
     assert top == {
         "redraft.cli",
         "redraft.errors",
-        "redraft.hub_card",
-        "redraft.hub_resolve",
+        "redraft.hub.card",
+        "redraft.hub.resolve",
         "redraft.utils",
     }
     assert lazy == {"redraft.models.redrafter"}  # check_finished's drafter check
-    assert (
-        hub.resolve_artifact is __import__("redraft.hub_resolve").hub_resolve.resolve_artifact
-    )  # re-exported
+
+
+def test_the_hub_package_reexports_its_modules_names_on_first_use():
+    assert _redraft_imports(hub) == (set(), set())  # importing redraft.hub loads no module
+    assert hub.resolve_artifact is resolve.resolve_artifact
+    assert hub.write_model_card is hub_card.write_model_card
+    assert hub.push_artifact is push.push_artifact
 
 
 def test_console_script_points_at_push_main():
-    from importlib.metadata import entry_points
+    from redraft.testing import declared_scripts
 
-    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "redraft-push"]
-    assert ep.load() is hub.push_main
+    assert declared_scripts()["redraft-push"] == "redraft.hub.push:push_main"
 
 
 def test_push_refuses_a_head_whose_weights_disagree_with_its_config(tmp_path, tiny_target):

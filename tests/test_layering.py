@@ -28,8 +28,8 @@ SHARED = {
     "redraft.errors",
     "redraft.utils",
     "redraft.resources",
-    "redraft.hub_resolve",
-    "redraft.hub_card",
+    "redraft.hub.resolve",  # the hub package's loading half: every stage resolves artifacts
+    "redraft.hub.card",
     "redraft.settings",
     "redraft.cli",
 }
@@ -197,10 +197,11 @@ def layer(name: str) -> int:
 
 def test_the_import_reader_sees_every_kind_of_import():
     # a function-level import, a lazy package export, importlib with a literal, TYPE_CHECKING
-    assert "redraft.models.redrafter" in imports("redraft.hub")  # inside check_finished
+    assert "redraft.models.redrafter" in imports("redraft.hub.push")  # inside check_finished
     assert "redraft.ngrams.tables" in imports("redraft.ngrams")  # the lazy _EXPORTS table
+    assert "redraft.hub.push" in imports("redraft.hub")
     assert "redraft.infer.decoder" in imports("redraft.infer")  # _WHERE, module names relative
-    assert "redraft.hub_resolve" in imports("redraft.models.drafter_io")  # importlib.import_module
+    assert "redraft.hub.resolve" in imports("redraft.models.drafter_io")  # importlib.import_module
     assert "redraft.models.redrafter" not in imports("redraft.models.apple")  # TYPE_CHECKING only
     assert exports("redraft.data")["heldout_prompts"] == "redraft.data.prompts"  # eager re-export
 

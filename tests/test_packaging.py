@@ -118,7 +118,7 @@ def test_wheel_holds_every_module_and_the_shipped_files(wheel):
             if p.suffix in (".yaml", ".json")
         }
         assert shipped and shipped <= names, sorted(shipped - names)
-    assert "redraft/configs/train/recipes/tiny.yaml" in names and "redraft/hub_card.md" in names
+    assert "redraft/configs/train/recipes/tiny.yaml" in names and "redraft/hub/card.md" in names
     # development tooling (dev/: the GPU harness, profiling helpers), tests and docs stay out
     tops = {n.split("/", 1)[0] for n in names}
     assert not tops & {"dev", "tests", "docs", "benchmarks", "scripts"}, sorted(tops)

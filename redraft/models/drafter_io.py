@@ -33,13 +33,13 @@ __all__ = ["check_artifact", "expected_shapes", "load_drafter", "parse_config", 
 
 
 def _resolve(path) -> Path:
-    """A local directory, or ``REPO_ID[@rev]`` through ``redraft.hub_resolve.resolve_artifact`` when the
+    """A local directory, or ``REPO_ID[@rev]`` through ``redraft.hub.resolve.resolve_artifact`` when the
     hub module exists."""
     p = Path(os.path.expanduser(str(path)))
     if p.exists():
         return p
     try:
-        hub = importlib.import_module("redraft.hub_resolve")
+        hub = importlib.import_module("redraft.hub.resolve")
     except ImportError:
         hub = None
     if hub is not None and hasattr(hub, "resolve_artifact"):

@@ -133,7 +133,7 @@ def _resolve(path_or_dir) -> Path:
     if path.is_dir():
         return path
     try:
-        from redraft.hub_resolve import resolve_artifact
+        from redraft.hub.resolve import resolve_artifact
     except ImportError:
         resolve_artifact = None
     if resolve_artifact is not None and not path.exists():

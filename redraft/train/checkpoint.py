@@ -239,16 +239,16 @@ def swap_in_artifact(out: Path) -> None:
 
 
 def write_card(out: Path) -> None:
-    """README.md from ``redraft.hub_card.write_model_card`` (the one card writer). A card that cannot
+    """README.md from ``redraft.hub.card.write_model_card`` (the one card writer). A card that cannot
     be written is a warning: the artifact itself is already whole."""
-    from redraft.hub_card import write_model_card
+    from redraft.hub.card import write_model_card
 
     try:
         write_model_card(out)
     except Exception as exc:  # noqa: BLE001 - the weights are safe; say how to make the card later
         logger.warning(
             "model card not written (%s: %s); write it later with "
-            "redraft.hub_card.write_model_card(%r)",
+            "redraft.hub.card.write_model_card(%r)",
             type(exc).__name__,
             exc,
             str(out),

@@ -1,19 +1,11 @@
-"""Publish redraft artifacts to, and load them from, the Hugging Face Hub.
+"""Publish a finished redraft artifact to the Hugging Face Hub: the finished-artifact check, the
+push (``huggingface_hub.HfApi.create_commit``, which retries transient errors itself, so this
+module adds no retries) and ``redraft-push``.
 
-Everything that takes an artifact directory (a ReDrafter head, n-gram tables) also takes
-``REPO_ID[@revision]``: :func:`resolve_artifact` turns either into a local directory
-(``resolve_artifact("my-org/redrafter-smollm2@v1", kind="drafter")``). The Hub side is
-huggingface_hub's: ``snapshot_download`` (its cache, ``HF_HUB_OFFLINE``, ``HF_TOKEN``),
-``validate_repo_id``, ``ModelCard`` and ``HfApi.create_commit``, which retries transient errors
-itself (so this module adds no retries). What it adds is what the Hub cannot know: which files
-make a finished artifact (its manifest, ``config.json`` or ``ngrams.json``), and a card built
-from what the trainer (``run_config.yaml``, ``metrics.json``) and the n-gram builder wrote.
-
-Three modules, in import order (none imports one after it): :mod:`redraft.hub_resolve` (the
-artifact kinds, their manifests, resolving and downloading; no other redraft stage),
-:mod:`redraft.hub_card` (the model card) and this one (the finished-artifact check, push and
-``redraft-push``; it re-exports the resolving names, so ``redraft.hub.resolve_artifact`` works).
-Stages that only load artifacts import :mod:`redraft.hub_resolve`.
+What it adds to the Hub's client is what the Hub cannot know: which files make a finished
+artifact (:mod:`redraft.hub.resolve`'s manifests) and a card built from what the trainer and the
+n-gram builder wrote (:mod:`redraft.hub.card`). Its check of a drafter loads it with
+:mod:`redraft.models`, so this module sits in the ``hub`` stage; the other two are shared.
 """
 
 from __future__ import annotations
@@ -33,26 +25,19 @@ from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 
 from redraft.cli import run_cli
 from redraft.errors import ArtifactError
-from redraft.hub_card import generate_model_card
-from redraft.hub_resolve import (  # noqa: F401  (re-exported: redraft.hub.resolve_artifact and friends)
-    BENCH_FILE,
+from redraft.hub.card import generate_model_card
+from redraft.hub.resolve import (
     CARD_FILE,
     KIND_DRAFTER,
     KIND_NGRAMS,
-    KINDS,
     METRICS_FILE,
     NGRAMS_FILE,
-    NOT_ARTIFACT,
     RUN_CONFIG_FILE,
-    artifact_kind,
     first_line,
-    hub_cache_dir,
     hub_offline,
-    looks_like_repo_id,
     manifest,
     read_json,
     require_kind,
-    resolve_artifact,
     safetensors_header,
 )
 from redraft.utils import ArgumentParser, HelpFormatter, atomic_write_text, split_revision

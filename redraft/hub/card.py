@@ -1,5 +1,5 @@
 """The model card of a published artifact (``README.md``), built with huggingface_hub's
-``ModelCard`` / ``ModelCardData`` from the template shipped as ``redraft/hub_card.md``.
+``ModelCard`` / ``ModelCardData`` from the template shipped as ``redraft/hub/card.md``.
 
 It reads exactly what the stages wrote: for a drafter ``config.json``, ``run_config.yaml`` and
 ``metrics.json`` (redraft-train), for n-gram tables ``ngrams.json`` (redraft-build-ngrams), and
@@ -19,7 +19,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from redraft.errors import ArtifactError
-from redraft.hub_resolve import (
+from redraft.hub.resolve import (
     BENCH_FILE,
     CARD_FILE,
     KIND_DRAFTER,
@@ -34,7 +34,7 @@ from redraft.hub_resolve import (
 from redraft.utils import atomic_write_text, split_revision
 
 CARD_TEMPLATE = (
-    "hub_card.md"  # Jinja, shipped with the package (huggingface_hub.ModelCard.from_template)
+    "card.md"  # Jinja, shipped with the package (huggingface_hub.ModelCard.from_template)
 )
 # Data specs (redraft.data grammar) that name a Hub dataset, and the embedded default's source.
 DEFAULT_DATASETS = {"default-chat": "anon8231489123/ShareGPT_Vicuna_unfiltered"}

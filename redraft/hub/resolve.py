@@ -3,8 +3,8 @@ manifests, and :func:`resolve_artifact` (a local directory, or ``REPO_ID[@revisi
 huggingface_hub's ``snapshot_download`` and its cache).
 
 The lowest of the Hub modules: it imports no other redraft stage, so every stage (models,
-ngrams, infer) can resolve artifacts through it. :mod:`redraft.hub_card` builds the model card
-from the files named here, and :mod:`redraft.hub` publishes (its push checks a drafter with
+ngrams, infer) can resolve artifacts through it. :mod:`redraft.hub.card` builds the model card
+from the files named here, and :mod:`redraft.hub.push` publishes (its push checks a drafter with
 :mod:`redraft.models`).
 """
 
