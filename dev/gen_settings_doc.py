@@ -18,8 +18,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from redraft.bench.config import BenchSettings  # noqa: E402
 from redraft.cli import ModelSettings  # noqa: E402
-from redraft.infer.bench_config import BenchSettings  # noqa: E402
 from redraft.infer.config import DecoderConfig  # noqa: E402
 from redraft.serve.cli import ServeSettings  # noqa: E402
 from redraft.settings import Settings, _type_name  # noqa: E402

@@ -293,12 +293,12 @@ def print_head_metrics(run: Path) -> None:
 def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int, referee=None) -> dict:
     """Plain greedy against the unified decoder on held-out prompts, printed and returned.
     ``referee``: a callable giving a float32 copy of the target, asked only where an output
-    differs (bfloat16): where, and whether it is a near-tie (``redraft.infer.ties``)."""
+    differs (bfloat16): where, and whether it is a near-tie (``redraft.bench.ties``)."""
     import torch
 
+    from redraft.bench.ties import first_divergence
     from redraft.data import heldout_prompts
     from redraft.infer import load_decoder, plain_greedy
-    from redraft.infer.ties import first_divergence
 
     prompts = heldout_prompts("default-chat", n=n_prompts)
     dec = load_decoder(target, drafters=drafter_dirs, ngrams=ngram_dirs)

@@ -7,8 +7,8 @@ defines them. Imports under ``if TYPE_CHECKING:`` do not run and do not count.
 
 Checked: (a) no import cycle between redraft's modules; (b) the layering rule of
 docs/architecture.md: a stage imports only the shared modules and the stages to its left,
-``models -> data, hub -> train, ngrams -> infer -> serve -> demo, entry``, with the exceptions
-listed here; and production code never imports ``redraft.testing``.
+``models -> data, hub -> train, ngrams -> infer -> serve, vllm -> bench -> demo, entry``, with
+the exceptions listed here; and production code never imports ``redraft.testing``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ LAYERS = [
     {"train", "ngrams"},
     {"infer"},
     {"serve", "vllm"},  # what users run: redraft's server, redraft's drafters inside vLLM
+    {"bench"},  # redraft-bench: redraft's engine beside Hugging Face's and vLLM's
     # make demo: builds tables, trains, decodes; entry: the console scripts of data and train
     # that self-distill, run with infer's engine injected (redraft.data.replies.use_replies)
     {"demo", "entry"},
@@ -47,10 +48,8 @@ LAYERS = [
 EXCEPTIONS = {
     # `import redraft` installs the Auto-class hook (redraft/models/auto.py imports no torch)
     ("redraft", "redraft.models.auto"),
-    # the benchmark's prompt loaders (held-out ShareGPT, HumanEval)
-    ("redraft.infer.bench", "redraft.data.prompts"),
-    # the benchmark runs vLLM (plain, its methods, redraft's proposer) beside redraft's engine
-    ("redraft.infer.bench_run", "redraft.vllm.peer"),
+    # `redraft-vllm replay --results-dir` files its table as redraft-bench's result files
+    ("redraft.vllm.cli", "redraft.bench.results"),
 }
 # Test support: may import anything; production code never imports it.
 TEST_SUPPORT = {"redraft.testing"}

@@ -111,7 +111,7 @@ class Stages:
             ]
         argv = self.py(
             "-m",
-            "redraft.infer.bench",
+            "redraft.bench",
             "--target",
             self.profile.target,
             "--device",
@@ -255,7 +255,7 @@ class Stages:
             "overhead",
             self.py(
                 "-m",
-                "redraft.infer.bench",
+                "redraft.bench",
                 "--overhead",
                 "--device",
                 self.profile.device,

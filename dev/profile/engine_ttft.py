@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from redraft.infer.bench import load_prompts
+from redraft.data.prompts import load_prompts
 from redraft.infer.decoder import SpeculativeDecoder
 from redraft.infer.loader import load_decoder
 

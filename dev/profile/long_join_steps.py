@@ -20,10 +20,10 @@ import time
 import numpy as np
 import torch
 
-from redraft.infer.bench import load_prompts
+from redraft.bench.overhead import Timers
+from redraft.data.prompts import load_prompts
 from redraft.infer.engine import Engine
 from redraft.infer.loader import load_decoder
-from redraft.infer.overhead import Timers
 from redraft.serve.loadtest import long_prompt_text
 
 

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from redraft.infer.bench import load_prompts
+from redraft.data.prompts import load_prompts
 from redraft.infer.config import SamplingParams
 from redraft.infer.engine import Engine
 from redraft.serve import cli

@@ -41,12 +41,12 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
+    from redraft.bench.overhead import Timers, _prompts, tiny_setup
     from redraft.infer import decoder, engine, verify
     from redraft.infer.config import DecoderConfig, SamplingParams
     from redraft.infer.decoder import SpeculativeDecoder
     from redraft.infer.drafters.ngram import ContextNGramDrafter
     from redraft.infer.loader import make_drafters
-    from redraft.infer.overhead import Timers, _prompts, tiny_setup
 
     timers = Timers()
 

@@ -9,7 +9,7 @@ The trainer and the n-gram builder read data only through this package::
 See :mod:`redraft.data.sources` for the data spec grammar and docs/data.md for the guide.
 """
 
-from redraft.data.prompts import heldout_prompts, humaneval_prompts
+from redraft.data.prompts import heldout_prompts, humaneval_prompts, load_prompts
 from redraft.data.records import SKIP_REASONS, DataStats, Record, is_heldout
 from redraft.data.sources import default_chat_path, default_code_dir, iter_records, parse_spec
 from redraft.data.tokens import ChatRenderer, build_token_dataset, iter_token_arrays
@@ -27,5 +27,6 @@ __all__ = [
     "is_heldout",
     "iter_records",
     "iter_token_arrays",
+    "load_prompts",
     "parse_spec",
 ]

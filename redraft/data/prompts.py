@@ -1,4 +1,6 @@
-"""Prompts for benchmarks: held-out ShareGPT conversations and HumanEval, both offline."""
+"""Prompts for benchmarks: held-out ShareGPT conversations and HumanEval, both offline, MT-Bench's
+first turns and JSONL files; :func:`load_prompts` is the one loader every benchmark uses
+(``redraft-bench``, the server's load test, ``redraft-vllm replay``)."""
 
 from __future__ import annotations
 
@@ -66,3 +68,66 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
     with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
     return prompts if n is None else prompts[:n]
+
+
+MT_BENCH_HINT = (
+    "MT-Bench's questions are FastChat's fastchat/llm_judge/data/mt_bench/question.jsonl (80 lines); "
+    "download it and pass --datasets mt-bench:PATH."
+)
+
+
+def load_prompts(dataset: str, n: int, chat_spec: str = "default-chat") -> list:
+    """Prompts of a dataset: "chat" (held-out ShareGPT, chat messages), "code" (HumanEval, plain
+    text to complete), "mt-bench:PATH" (the first turns of MT-Bench's ``question.jsonl``) or a
+    JSONL file (lines with "messages", "prompt" or "text")."""
+    if dataset == "chat":
+        return heldout_prompts(chat_spec, n=n)
+    if dataset == "code":
+        return humaneval_prompts(n)
+    if dataset.startswith("mt-bench"):
+        path = Path(dataset.partition(":")[2])
+        if not dataset.partition(":")[2] or not path.is_file():
+            raise DataError(
+                f"MT-Bench questions file {str(path) or '(none given)'!r} does not exist. {MT_BENCH_HINT}"
+            )
+        return [[{"role": "user", "content": rec["turns"][0]}] for rec in _jsonl(path, ("turns",))][
+            :n
+        ]
+    path = Path(dataset)
+    if not path.is_file():
+        raise DataError(
+            f"dataset {dataset!r} is neither 'chat', 'code', 'mt-bench:PATH' nor an existing JSONL file."
+        )
+    out = []
+    for rec in _jsonl(path, ("messages", "prompt", "text")):
+        out.append(rec.get("messages") or rec.get("prompt") or rec.get("text"))
+        if len(out) >= n:
+            break
+    return out
+
+
+def _jsonl(path: Path, keys: tuple[str, ...]) -> list[dict]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"{path}:{i} is not JSON ({exc}); each line must be an object with one of "
+                    f"{list(keys)}."
+                ) from exc
+            ok = isinstance(rec, dict) and any(
+                isinstance(rec.get(k), str) and rec[k] or isinstance(rec.get(k), list) and rec[k]
+                for k in keys
+            )
+            if not ok:
+                raise DataError(
+                    f"{path}:{i} has none of {list(keys)} (a non-empty string or list)."
+                )
+            out.append(rec)
+    if not out:
+        raise DataError(f"{path} holds no prompts.")
+    return out

@@ -12,7 +12,7 @@ distribution, each request seeded from the run's seed and its key.
 
 ``redraft.entry`` injects it into ``redraft-distill-data``, ``redraft-train`` and
 ``redraft-cache-features`` (``data`` and ``train`` may not import ``infer``);
-``python -m redraft.infer.bench_replies`` measures it against ``generate``.
+``python -m redraft.bench.replies`` measures it against ``generate``.
 """
 
 from __future__ import annotations

@@ -549,7 +549,7 @@ def main(argv=None) -> int:
             servers = list(zip(labels, [u.rstrip("/") for u in args.urls]))
         for _, url in servers:
             wait_ready(url)
-        from redraft.infer.bench import load_prompts
+        from redraft.data.prompts import load_prompts
 
         prompts = load_prompts(args.dataset, args.prompts)
         if args.scenario == "long-join":

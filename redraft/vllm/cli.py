@@ -191,7 +191,7 @@ def _replay(args) -> int:
     md = "\n".join(lines) + "\n"
     print(md, end="")
     if args.results_dir:
-        from redraft.infer.bench_results import run_metadata, write_result
+        from redraft.bench.results import run_metadata, write_result
 
         meta = run_metadata(args.argv, prog="redraft-vllm")
         paths = write_result(args.results_dir, "vllm-replay", {"results": results}, md, meta)

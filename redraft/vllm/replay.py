@@ -18,7 +18,7 @@ import numpy as np
 
 def greedy_outputs(target, datasets, n: int, max_new_tokens: int) -> dict:
     """``{dataset: [(prompt ids, greedy output ids), ...]}`` (redraft's plain greedy)."""
-    from redraft.infer.bench_prompts import load_prompts
+    from redraft.data.prompts import load_prompts
     from redraft.infer.decoder import plain_greedy
 
     out = {}

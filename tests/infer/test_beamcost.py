@@ -275,7 +275,7 @@ def test_the_bench_runs_fixed_and_auto_beams_side_by_side(
 ):
     import json
 
-    from redraft.infer.bench import main
+    from redraft.bench.cli import main
 
     head = tmp_path / "head"
     tiny_head.save_pretrained(head)

@@ -2,9 +2,9 @@
 
 import pytest
 
+from redraft.bench.ties import first_divergence
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter
-from redraft.infer.ties import first_divergence
 
 pytestmark = pytest.mark.slow
 

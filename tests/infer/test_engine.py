@@ -266,8 +266,8 @@ def test_static_verify_gives_the_eager_output(
 def test_a_decode_step_reads_the_device_once(tiny_target, tmp_path, monkeypatch):
     """With device-side drafters and static trees, a step's only device-to-host transfer is
     the packed result (on a GPU every other read would be a sync that stops the host)."""
+    from redraft.bench.overhead import tiny_setup
     from redraft.infer.loader import make_drafters
-    from redraft.infer.overhead import tiny_setup
 
     target, tables = tiny_setup(tmp_path)
     dec = SpeculativeDecoder(

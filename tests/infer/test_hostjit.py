@@ -29,9 +29,9 @@ def test_building_a_decoder_compiles_every_kernel_a_decode_then_uses(tmp_path):
     inside a step."""
     if not hostjit.ENABLED:
         pytest.skip("numba is not installed or REDRAFT_JIT=0")
+    from redraft.bench.overhead import _prompts, make_method, tiny_setup
     from redraft.infer.config import SamplingParams
     from redraft.infer.decoder import warm_host_kernels
-    from redraft.infer.overhead import _prompts, make_method, tiny_setup
 
     warm_host_kernels()
     before = _compiled()

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from redraft.bench.replies import run_generator
 from redraft.data.distill import _prompt_ids, distill
 from redraft.data.replies import HFReplies, ReplySettings, make_replies, use_replies
-from redraft.infer.bench_replies import run_generator
 from redraft.infer.replies import EngineReplies
 
 # ShareGPT records: one turn, two turns with a system prompt, three turns
@@ -165,7 +165,7 @@ def test_sampled_EngineReplies_do_not_depend_on_the_batch(tiny_target, prompts):
 
 
 def test_the_benchmark_times_both_generators_on_the_same_prompts(tiny_target, prompts):
-    from redraft.infer.bench_replies import measure
+    from redraft.bench.replies import measure
 
     res = measure(tiny_target, prompts, {"hf": HFReplies, "engine": EngineReplies}, 5, 2, rounds=2)
     (n_hf, t_hf, r_hf, _), (n_en, t_en, r_en, _) = res["hf"], res["engine"]

@@ -29,7 +29,7 @@ BUDGET = {"greedy": 10, "ngrammys": 60}
 
 @pytest.fixture(scope="module")
 def overhead_setup(tmp_path_factory):
-    from redraft.infer.overhead import tiny_setup
+    from redraft.bench.overhead import tiny_setup
 
     return tiny_setup(tmp_path_factory.mktemp("ops"))
 
@@ -37,7 +37,7 @@ def overhead_setup(tmp_path_factory):
 @pytest.mark.parametrize("method", ["greedy", "ngrammys"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_a_step_dispatches_few_ops_outside_the_forward(overhead_setup, method, batch):
-    from redraft.infer.overhead import _prompts, make_method
+    from redraft.bench.overhead import _prompts, make_method
 
     target, tables = overhead_setup
     dec = make_method(method, target, tables)
@@ -184,8 +184,8 @@ def test_a_redrafter_step_costs_its_beam_search_and_auto_adds_no_ops(overhead_se
     """The beam search dispatches a fixed number of ops per draft step, whatever the width and
     batch (beams are batched); an "auto" width and length plans on the host: once its beam-cost
     measurement is done, a step runs exactly the ops of a fixed search of the chosen size."""
+    from redraft.bench.overhead import _prompts
     from redraft.infer.drafters.redrafter import ReDrafterDrafter
-    from redraft.infer.overhead import _prompts
     from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 
     target, _ = overhead_setup

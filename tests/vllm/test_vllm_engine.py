@@ -33,7 +33,7 @@ def tables(default_target, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts(default_target):
     """5 held-out ShareGPT chats and 5 HumanEval prompts, as token ids."""
-    from redraft.infer.bench_prompts import load_prompts
+    from redraft.data.prompts import load_prompts
 
     chats = [default_target.chat_ids(p) for p in load_prompts("chat", 5)]
     code = [

@@ -1,6 +1,6 @@
 """Distillation throughput: redraft's engine vs Hugging Face ``generate``, same run, same prompts.
 
-    python -m redraft.infer.bench_replies --prompts 16 --max-new-tokens 64 --dtype float32 \\
+    python -m redraft.bench.replies --prompts 16 --max-new-tokens 64 --dtype float32 \\
         --dtype bfloat16 --threads 1
 
 For each dtype, the first user turn of ``--prompts`` held-out conversations of ``--data``
@@ -56,7 +56,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="python -m redraft.infer.bench_replies", description=__doc__)
+    p = ArgumentParser(prog="python -m redraft.bench.replies", description=__doc__)
     p.add_argument("--target", default="default")
     p.add_argument("--data", default="default-chat")
     p.add_argument("--prompts", type=int, default=16)

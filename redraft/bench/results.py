@@ -53,7 +53,7 @@ def _versions() -> dict:
 
 def run_metadata(argv: list[str], prog: str = "redraft-bench") -> dict:
     """What a result file records beside its figures."""
-    from redraft.infer.bench_run import cpu_name
+    from redraft.bench.run import cpu_name
 
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

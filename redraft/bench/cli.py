@@ -17,10 +17,10 @@ is reported with its error and left out of the later prompts (exit code 1 at the
 longer than the target's context less ``--max-new-tokens`` is skipped with a note
 (``skipped_prompts``).
 
-Methods come from one explicit registry (:mod:`redraft.infer.bench_methods`; ``--list-methods``
+Methods come from one explicit registry (:mod:`redraft.bench.methods`; ``--list-methods``
 prints it with what each needs); a requested method that cannot run (a missing artifact, a
 table without the kind it needs) is an error before any work. Settings are
-:mod:`redraft.infer.bench_config`'s; the runner is :mod:`redraft.infer.bench_run`.
+:mod:`redraft.bench.config`'s; the runner is :mod:`redraft.bench.run`.
 """
 
 from __future__ import annotations
@@ -29,18 +29,16 @@ import json
 import sys
 from pathlib import Path
 
-from redraft.cli import run_cli
-from redraft.errors import ConfigError
-from redraft.infer.bench_config import (  # noqa: F401 (the CLI's API)
+from redraft.bench.config import (  # noqa: F401 (the CLI's API)
     BENCH_DEFAULTS,
     build_parser,
     check_outputs,
     resolve_artifacts,
     resolve_config,
 )
-from redraft.infer.bench_methods import METHOD_NAMES, REGISTRY, Method, check_methods, list_methods  # noqa: F401
-from redraft.infer.bench_prompts import MT_BENCH_HINT, dataset_label, fit_context, load_prompts  # noqa: F401
-from redraft.infer.bench_run import (  # noqa: F401
+from redraft.bench.methods import METHOD_NAMES, REGISTRY, Method, check_methods, list_methods  # noqa: F401
+from redraft.bench.prompts import dataset_label, fit_context
+from redraft.bench.run import (  # noqa: F401
     Context,
     Runner,
     cost_curve,
@@ -49,6 +47,9 @@ from redraft.infer.bench_run import (  # noqa: F401
     run_concurrent,
     run_dataset,
 )
+from redraft.cli import run_cli
+from redraft.data.prompts import MT_BENCH_HINT, load_prompts  # noqa: F401
+from redraft.errors import ConfigError
 
 
 def main(argv=None) -> int:
@@ -181,7 +182,7 @@ def _decode_tables(bench: dict, cfg, device) -> int:
     print(md)
     _outputs(report, md, bench)
     if bench["results_dir"]:
-        from redraft.infer.bench_results import run_metadata, write_result
+        from redraft.bench.results import run_metadata, write_result
 
         name = Path(bench["recipe"]).stem if bench.get("recipe") else "redraft-bench"
         meta = run_metadata(bench.get("argv", []))
@@ -211,7 +212,7 @@ def _outputs(report: dict, md: str, bench: dict) -> None:
     if bench["markdown"]:
         _write(bench["markdown"], md)
     if bench["report"]:
-        from redraft.infer.report import write_report
+        from redraft.bench.report import write_report
 
         index = write_report(report, bench["report"])
         print(f"report: {index}")
@@ -243,7 +244,7 @@ def _from_json(path: Path, bench: dict) -> int:
 
 
 def _overhead(bench: dict, device) -> int:
-    from redraft.infer.overhead import overhead_benchmark, overhead_markdown
+    from redraft.bench.overhead import overhead_benchmark, overhead_markdown
 
     result = overhead_benchmark(
         device=device,
@@ -268,7 +269,3 @@ def _overhead(bench: dict, device) -> int:
     print(md)
     _outputs(result, md, bench)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from redraft.infer.bench import load_prompts, main
+from redraft.bench.cli import main
+from redraft.data.prompts import load_prompts
 
 
 def run(capsys, *argv):
@@ -191,8 +192,8 @@ def test_overhead_benchmark_times_both_host_kernels_in_one_run(tmp_path):
     """``--overhead-kernels jit,numpy``: each method's rows with the compiled host kernels and
     with the numpy code (the baseline, same run); the decodes are the same, only the host time
     differs, and the decoder's own setting is restored after."""
+    from redraft.bench.overhead import overhead_benchmark
     from redraft.infer import hostjit
-    from redraft.infer.overhead import overhead_benchmark
 
     if not hostjit.ENABLED:
         pytest.skip("numba is not installed or REDRAFT_JIT=0")
@@ -220,7 +221,7 @@ def test_overhead_kernels_are_checked_before_any_work(capsys):
 
 def test_overhead_rows_count_the_graph_captures_inside_their_timing(tmp_path):
     """A capture in a timed decode is host time and ops of its step: the row says how many."""
-    from redraft.infer.overhead import _prompts, make_method, measure, tiny_setup
+    from redraft.bench.overhead import _prompts, make_method, measure, tiny_setup
 
     target, tables = tiny_setup(tmp_path)
     dec = make_method("greedy", target, tables)
@@ -237,7 +238,7 @@ def test_overhead_rows_count_the_graph_captures_inside_their_timing(tmp_path):
 
 def test_overhead_methods_time_speculative_steps_only(tmp_path):
     """The guard would swap losing speculative steps for plain ones and hide their cost."""
-    from redraft.infer.overhead import make_method, tiny_setup
+    from redraft.bench.overhead import make_method, tiny_setup
 
     target, tables = tiny_setup(tmp_path)
     for name in ("ngrammys", "mix-aded"):
@@ -264,7 +265,7 @@ def test_a_failing_method_keeps_the_others_and_the_file_holds_what_was_measured(
 ):
     """A method that raises (e.g. a CUDA-graph capture assert at the first speculative
     step) costs its own rows only; the JSON and Markdown hold every method's figures."""
-    from redraft.infer import bench_run
+    from redraft.bench import run as bench_run
 
     real, calls = bench_run.Runner.run, {"n": 0}
 
@@ -319,7 +320,7 @@ def test_a_run_stopped_midway_keeps_every_finished_prompt(
     capsys, tiny_target_dir, tmp_path, monkeypatch
 ):
     """The runner stops a step at its time limit: the files hold the prompts finished before."""
-    from redraft.infer import bench_run
+    from redraft.bench import run as bench_run
 
     real, calls = bench_run.Runner.run, {"n": 0}
 
@@ -429,8 +430,8 @@ def test_a_prompt_longer_than_the_context_is_skipped_with_a_note(capsys, tiny_ta
 def test_the_redrafter_overhead_row_runs_its_beam_search_every_step(tmp_path):
     """The ``redrafter`` row is a random head's beam search + tree each step: a step proposes
     beams (the drafter counts its steps) and the output is plain greedy's."""
+    from redraft.bench.overhead import _prompts, make_method, measure, tiny_setup
     from redraft.infer.decoder import plain_greedy
-    from redraft.infer.overhead import _prompts, make_method, measure, tiny_setup
 
     target, tables = tiny_setup(tmp_path)
     dec = make_method("redrafter", target, tables)
@@ -448,7 +449,7 @@ def test_first_use_captures_are_left_out_of_the_steady_speedup():
     """On CUDA a short run pays each graph shape's capture once (up to a third of a method's time
     in a run of a few prompts); the table also gives the speedup without those seconds,
     on both sides."""
-    from redraft.infer.bench_run import _Agg, markdown, summarise
+    from redraft.bench.run import _Agg, markdown, summarise
     from redraft.infer.stats import RequestStats
 
     def agg(times, tokens, captures, capture_s):
@@ -479,7 +480,7 @@ def test_the_gate_view_sums_over_prompts():
     follows one drafter)."""
     from collections import Counter
 
-    from redraft.infer.bench_run import _Agg, summarise
+    from redraft.bench.run import _Agg, summarise
     from redraft.infer.stats import RequestStats
 
     def stats(steps, calls, excl, joint):
@@ -506,7 +507,7 @@ def test_the_gate_view_sums_over_prompts():
     assert res["drafter_called"] == {"head": 1.0, "ngrammys": 0.25}  # 40 and 10 of 40 steps
     assert res["drafter_exclusive_per_joint_step"] == {"head": 0.8, "ngrammys": 0.1}  # of 10
     assert res["joint_steps"] == 10
-    from redraft.infer.bench_run import drafter_split
+    from redraft.bench.run import drafter_split
 
     rows = drafter_split({"greedy": summarise(aggs)["greedy"], "mix": res})
     assert rows[2:] == [  # accepted: head 7 + 22 of 40 tokens, ngrammys 3 + 4
@@ -518,7 +519,7 @@ def test_the_gate_view_sums_over_prompts():
 def test_timers_sum_the_wrapped_calls_and_start_again():
     import time
 
-    from redraft.infer.overhead import Timers
+    from redraft.bench.overhead import Timers
 
     class Work:
         def run(self, secs):

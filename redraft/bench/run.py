@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from redraft.infer.bench_methods import Method
+from redraft.bench.methods import Method
 from redraft.infer.config import DecoderConfig
 
 

@@ -1,8 +1,8 @@
-"""redraft.infer.ties: the first divergence and the float32 referee's verdict on it."""
+"""redraft.bench.ties: the first divergence and the float32 referee's verdict on it."""
 
 import torch
 
-from redraft.infer.ties import NEAR_TIE, Divergence, first_divergence
+from redraft.bench.ties import NEAR_TIE, Divergence, first_divergence
 
 
 def _logits(target, ids):

@@ -101,7 +101,7 @@ class BenchSettings(ModelSettings):
     )
     overhead: bool = setting(
         False,
-        "Instead: host time per decode step with a tiny random target (redraft.infer.overhead).",
+        "Instead: host time per decode step with a tiny random target (redraft.bench.overhead).",
     )
     overhead_batches: list[int] = setting(
         default_factory=lambda: [1, 8], help="Batch sizes of --overhead, comma list."
