@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from redraft.errors import RedraftError
 from redraft.settings import Range, Settings, setting
+from redraft.utils import command_name
 
 EXIT_ERROR = 2  # what argparse uses for a bad command line, and every redraft error
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports after Ctrl-C
@@ -47,7 +48,10 @@ def run_cli(
 
     A RedraftError (or one of ``errors``) prints one line and returns 2; a KeyboardInterrupt
     prints ``prog: interrupted`` plus ``interrupted`` (what was kept, what to do) and returns 130.
+    ``prog`` is said as the user typed it (``redraft bench`` for ``redraft-bench``:
+    :func:`redraft.utils.command_name`).
     """
+    prog = command_name(prog)
     try:
         status = work()
     except (RedraftError, *errors) as exc:

@@ -156,9 +156,38 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+_SUBCOMMAND: list[str] = []  # the command `redraft <command>` runs now (redraft.commands)
+
+
+@contextlib.contextmanager
+def subcommand(name: str):
+    """While this block runs console script ``redraft-<name>``'s main as ``redraft <name>``, its
+    parsers and errors call it so (:func:`command_name`)."""
+    _SUBCOMMAND.append(name)
+    try:
+        yield
+    finally:
+        _SUBCOMMAND.pop()
+
+
+def command_name(prog: str) -> str:
+    """``prog`` as the user typed it: ``redraft-bench`` (or ``redraft-bench ...``, a parser of
+    its subcommand) is ``redraft bench`` inside :func:`subcommand` ``("bench")``."""
+    if _SUBCOMMAND:
+        script = f"redraft-{_SUBCOMMAND[-1]}"
+        if prog == script or prog.startswith(script + " "):
+            return "redraft " + prog.removeprefix("redraft-")
+    return prog
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with one-line errors (``prog: error: ...``), exit status 2, no usage dump: what
-    every redraft command line uses, so a mistyped flag reads like any other redraft error."""
+    every redraft command line uses, so a mistyped flag reads like any other redraft error. Its
+    ``prog`` is the name the command was typed as (:func:`command_name`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prog = command_name(self.prog)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
