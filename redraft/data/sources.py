@@ -55,7 +55,8 @@ from redraft.data.records import (
     stack_record,
     ultrachat_record,
 )
-from redraft.errors import DataError
+from redraft.errors import DataError, RedraftError
+from redraft.utils import require_extra
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,7 @@ def _iter_hub(src: SourceSpec, stats: DataStats | None) -> Iterator[dict]:
             )
             yield from iter_file(Path(local), stats)
             return
+        require_extra("train", "datasets", what=f"the Hub dataset {repo!r}")
         import datasets
 
         data_dir = opts.get("data_dir")
@@ -223,7 +225,7 @@ def _iter_hub(src: SourceSpec, stats: DataStats | None) -> Iterator[dict]:
         )
         rows = iter(ds)
         first = next(rows, None)
-    except DataError:
+    except RedraftError:  # DataError, or the 'train' extra missing (require_extra)
         raise
     except Exception as exc:
         offline = any(

@@ -29,6 +29,7 @@ from redraft.data.encode import END_OF_TURN_TOKENS, ChatRenderer, Chunk, Encoder
 from redraft.data.records import DataStats, Record, is_heldout
 from redraft.data.sources import iter_records, source_state
 from redraft.errors import DataError
+from redraft.utils import require_extra
 
 logger = logging.getLogger(__name__)
 
@@ -338,6 +339,7 @@ def build_token_dataset(
     Raises:
         DataError: bad spec or file, no rows, a tokenizer without what the data needs.
     """
+    require_extra("train", "datasets", what="build_token_dataset (the training data)")
     from datasets import Dataset
 
     entry = _build(

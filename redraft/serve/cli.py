@@ -22,7 +22,7 @@ from redraft.cli import ModelSettings, one_line, run_cli
 from redraft.errors import ConfigError
 from redraft.infer.config import DecoderConfig
 from redraft.settings import Range, Settings, setting
-from redraft.utils import ArgumentParser, HelpFormatter
+from redraft.utils import ArgumentParser, HelpFormatter, require_extra
 
 
 @dataclass
@@ -212,6 +212,7 @@ def freeze_heap() -> int:
 
 def serve(args) -> int:
     """Bind, load the decoder, serve until SIGTERM/SIGINT; the exit status."""
+    require_extra("serve", what="redraft-serve")
     from redraft.serve.server import bind, run
 
     try:

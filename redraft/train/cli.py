@@ -35,7 +35,7 @@ from redraft.train.config import (
     parse_set,
     recipe_names,
 )
-from redraft.utils import ArgumentParser
+from redraft.utils import ArgumentParser, require_extra
 
 DEFAULT_RECIPE = "default"
 # the settings redraft-cache-features takes (which records, which target, where it runs)
@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.data_cache_dir:
             check_writable(cfg.data_cache_dir, "--data-cache-dir")
         check_run_dir(cfg.resolved_output_dir(), args.resume, args.overwrite)
+        require_extra("train", "deepspeed", "datasets", what="redraft-train")
         from redraft.train.trainer import train
 
         metrics = train(cfg, resume=args.resume, overwrite=args.overwrite)
@@ -280,6 +281,7 @@ def cache_features_main(argv: list[str] | None = None) -> int:
         check_writable(args.output_dir, "--output-dir")
         if cfg.data_cache_dir:
             check_writable(cfg.data_cache_dir, "--data-cache-dir")
+        require_extra("train", "datasets", what="redraft-cache-features")
         from redraft.train.features import cache_features, disk_bytes
 
         meta = cache_features(

@@ -430,7 +430,12 @@ def parse_report_to(report_to: str | None) -> list[str]:
         if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
             raise ConfigError(
                 f"--report-to {name} needs the {TRACKER_PACKAGES[name]} package: "
-                f"pip install {TRACKER_PACKAGES[name]} (or drop it from --report-to).",
+                + (
+                    "pip install 'redraft[train]'"  # the train extra's tracker
+                    if name == "tensorboard"
+                    else f"pip install {TRACKER_PACKAGES[name]}"
+                )
+                + " (or drop it from --report-to).",
                 param="report_to",
             )
     return list(dict.fromkeys(names))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from redraft.utils import resolve_device
+from redraft.utils import require_extra, resolve_device
 
 
 @dataclass
@@ -75,6 +75,7 @@ def setup_distributed(cfg) -> DistEnv:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not use_cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    require_extra("train", "deepspeed", what="training (DeepSpeed)")
     import deepspeed
 
     if not torch.distributed.is_initialized():
