@@ -126,7 +126,7 @@ def test_replayed_graphs_give_plain_greedy_and_are_reused_across_requests(
     assert stats["eager"] > 0 and stats["replays"] + stats["eager"] <= steps  # rows share steps
     again = dec.generate(tiny_prompts, max_new_tokens=30)  # the same engine, cache and graphs
     assert [g.tokens for g in again] == [g.tokens for g in ref]
-    # nothing captured twice (a shape first seen often enough in the second run is captured then)
+    # nothing captured twice (a shape first met often enough by the second generate is captured then)
     assert len(captures) == len(keys) == len(set(keys)) >= n
     assert stats["captures"] == len(captures)
     assert stats["replays"] == sum(g.replays for g in captures)
