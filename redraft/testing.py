@@ -13,13 +13,14 @@ from redraft.models.tiny import (  # noqa: F401 (re-exported for tests)
 
 
 def decode_state(rows, temperature: float = 0.0, generator=None):
-    """A :class:`redraft.infer.drafters.base.DecodeState` over token rows of any lengths (the
+    """A :class:`redraft.infer.spec.drafter.DecodeState` over token rows of any lengths (the
     whole row is the prompt; ``PAD`` after a row's end), every row sampled at ``temperature``
     from ``generator``, for drafter tests."""
     import torch
 
-    from redraft.infer.accept import RowSampling
-    from redraft.infer.drafters.base import PAD, DecodeState
+    from redraft.infer.spec.accept import RowSampling
+    from redraft.infer.spec.drafter import DecodeState
+    from redraft.infer.spec.paths import PAD
 
     T = max(len(r) for r in rows)
     toks = torch.full((len(rows), T), PAD, dtype=torch.long)

@@ -8,7 +8,10 @@ defines them. Imports under ``if TYPE_CHECKING:`` do not run and do not count.
 Checked: (a) no import cycle between redraft's modules; (b) the layering rule of
 docs/architecture.md: a stage imports only the shared modules and the stages to its left,
 ``models -> data, hub -> train, ngrams -> infer -> serve, vllm -> bench -> demo, entry ->
-commands``, with the exceptions listed here; and production code never imports ``redraft.testing``.
+commands``, with the exceptions listed here; and production code never imports ``redraft.testing``;
+(c) inside ``redraft.infer``, the rooms' order ``runner -> spec -> engine, drafters -> the
+facade``, with ``TYPE_CHECKING`` imports counted too (an annotation that names an upper room is a
+dependency on it), and no cycle between infer's modules even then.
 """
 
 from __future__ import annotations
@@ -71,14 +74,19 @@ def _is_package(name: str) -> bool:
     return modules()[name].name == "__init__.py"
 
 
-def _walk_runtime(tree: ast.AST):
-    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` blocks."""
+def _walk_runtime(tree: ast.AST, typing: bool = False):
+    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` blocks (with
+    ``typing``: every node)."""
     stack = [tree]
     while stack:
         node = stack.pop()
         yield node
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if (
+                not typing
+                and isinstance(child, ast.If)
+                and "TYPE_CHECKING" in ast.unparse(child.test)
+            ):
                 stack.extend(child.orelse)
                 continue
             stack.append(child)
@@ -131,11 +139,12 @@ def _resolve(module: str, name: str | None) -> str | None:
 
 
 @cache
-def imports(name: str) -> frozenset[str]:
-    """The redraft modules that module ``name`` imports, at any level of its code."""
+def imports(name: str, typing: bool = False) -> frozenset[str]:
+    """The redraft modules that module ``name`` imports, at any level of its code (with
+    ``typing``: its ``TYPE_CHECKING`` imports too)."""
     tree = ast.parse(modules()[name].read_text())
     found = set()
-    for node in _walk_runtime(tree):
+    for node in _walk_runtime(tree, typing):
         if isinstance(node, ast.Import):
             found |= {_resolve(a.name, None) for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -153,15 +162,17 @@ def imports(name: str) -> frozenset[str]:
     return frozenset(found - {None, name})
 
 
-def _cycles() -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
+def _cycles(names=None, typing: bool = False) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), over ``names``
+    (default: every module)."""
+    names = set(modules()) if names is None else set(names)
     index, low, stack, on_stack, out = {}, {}, [], set(), []
 
     def visit(v):
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in imports(v):
+        for w in imports(v, typing) & names:
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -178,7 +189,7 @@ def _cycles() -> list[list[str]]:
             if len(group) > 1:
                 out.append(sorted(group))
 
-    for v in modules():
+    for v in sorted(names):
         if v not in index:
             visit(v)
     return out
@@ -234,3 +245,54 @@ def test_a_module_imports_only_shared_modules_and_stages_to_its_left(name):
         elif stage(dep) != stage(name) and layer(dep) >= layer(name):
             bad.append(f"{dep} (stage {stage(dep)!r} is not to the left of {stage(name)!r})")
     assert bad == [], f"{name} imports {bad}"
+
+
+# Inside redraft.infer: the rooms, lowest first. A module imports its own room, the shared
+# modules of infer and the rooms of lower levels; rooms of one level do not import each other.
+INFER_SHARED = {"redraft.infer.config", "redraft.infer.stats"}  # settings and output types
+INFER_ROOMS = [
+    {"runner"},  # the target's forwards: verifier, KV cache, graphs, attention, cost curve
+    {"spec"},  # the speculator, the drafter interface, acceptance, gate, host kernels
+    {"engine", "drafters"},  # continuous batching; the drafters (they implement spec's interface)
+    {"facade"},  # redraft.infer itself, decoder, loader, replies: what users import
+]
+
+
+def room(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[2] in {r for level in INFER_ROOMS for r in level}:
+        return parts[2]
+    return "facade"
+
+
+def room_level(name: str) -> int:
+    return next(i for i, level in enumerate(INFER_ROOMS) if room(name) in level)
+
+
+INFER = sorted(n for n in modules() if n == "redraft.infer" or n.startswith("redraft.infer."))
+
+
+def test_every_infer_module_has_a_room():
+    assert {room(n) for n in INFER} == {r for level in INFER_ROOMS for r in level}
+    assert room("redraft.infer.runner.verify") == "runner" and room("redraft.infer") == "facade"
+    assert room("redraft.infer.engine") == "engine"  # a room's package is in the room
+
+
+def test_no_import_cycle_inside_infer_even_counting_type_checking_imports():
+    assert _cycles(INFER, typing=True) == []
+
+
+@pytest.mark.parametrize("name", [n for n in INFER if n not in INFER_SHARED])
+def test_an_infer_module_imports_only_its_room_and_rooms_below(name):
+    bad = []
+    for dep in sorted(imports(name, typing=True)):
+        if dep not in INFER or dep in INFER_SHARED or room(dep) == room(name):
+            continue
+        if room_level(dep) >= room_level(name):
+            bad.append(f"{dep} (room {room(dep)!r} is not below {room(name)!r})")
+    assert bad == [], f"{name} imports {bad}"
+
+
+@pytest.mark.parametrize("name", sorted(INFER_SHARED))
+def test_infer_shared_modules_import_no_room(name):
+    assert {d for d in imports(name, typing=True) if d in INFER} - INFER_SHARED == set()

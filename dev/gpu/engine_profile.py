@@ -19,12 +19,12 @@ one-token verify replays in 3.45 ms. Two suspects, one part each:
    the rest (host work: sampling, commit, detokenisation, events), with the cache's shape and
    the graph counts.
 
-Both parts also run with ``span_buckets`` (``redraft.infer.verify.Verifier.static_span``: a
+Both parts also run with ``span_buckets`` (``redraft.infer.runner.verify.Verifier.static_span``: a
 captured verify attends over the power-of-two span holding the longest row, not the capacity):
 the grid for the largest batch, the engine a second time; the engine runs a third time
 speculating, as ``redraft-distill-data`` does by default. And the grid's largest batch verifies
 a ``--tree``-token chain per row at every capacity twice: with redraft's attention (the query
-heads of a key/value head packed into its rows, ``redraft.infer.grouped_attention``) and with
+heads of a key/value head packed into its rows, ``redraft.infer.runner.grouped_attention``) and with
 transformers' ``sdpa``, which for a masked forward of more than one token copies the keys and
 values once per query head (``repeat_kv``) in every layer: what packing saves on this device.
 
@@ -55,8 +55,8 @@ def grid(
     largest point."""
     import torch
 
-    from redraft.infer.grouped_attention import NAME
-    from redraft.infer.verify import Verifier, chain_step
+    from redraft.infer.runner.grouped_attention import NAME
+    from redraft.infer.runner.verify import Verifier, chain_step
 
     ver = Verifier(target, static=True)  # (switches the target to redraft's attention, NAME)
     cuda = ver.device.type == "cuda"

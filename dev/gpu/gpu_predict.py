@@ -75,7 +75,7 @@ def predict(cost: dict, overhead: dict, rows: list[dict], nodes: list[int]) -> d
     """``{target: {"curve_ms", "host_ms_plain", "rows": [{..., "speedup": {K: x}}], "host_share"}}``."""
     import torch
 
-    from redraft.infer.budget import CostCurve
+    from redraft.infer.runner.cost import CostCurve
 
     out = {}
     for spec, t in cost["targets"].items():

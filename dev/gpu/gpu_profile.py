@@ -30,7 +30,7 @@ ATTENTION_WORDS = ("fmha", "flash", "attention", "efficient", "softmax", "sdpa")
 
 def _best_ms(fn, sync, repeats: int) -> float:
     """The fastest of ``repeats`` synchronised calls, in ms (the decoder's own timing)."""
-    from redraft.infer.budget import measure_cost_curve
+    from redraft.infer.runner.cost import measure_cost_curve
 
     return round(1e3 * float(measure_cost_curve(lambda _: fn(), [1], repeats, sync).raw[0]), 3)
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     import torch
 
     from redraft.errors import RedraftError
-    from redraft.infer.verify import Verifier, chain_step
+    from redraft.infer.runner.verify import Verifier, chain_step
     from redraft.models import load_target
     from redraft.utils import atomic_write_text, resolve_device
 

@@ -1,4 +1,4 @@
-"""A closed-loop model of the drafter gate (`redraft.infer.budget.DrafterGate`) with two drafters.
+"""A closed-loop model of the drafter gate (`redraft.infer.spec.gate.DrafterGate`) with two drafters.
 
     python dev/profile/gate_model.py [--gate module:Class] [--seeds 8] [--steps 3000]
 
@@ -75,7 +75,7 @@ def simulate(gate, means, rho, cost, verify, silent=6, reply=60, steps=3000, see
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gate", default="redraft.infer.budget:DrafterGate", help="module:Class")
+    p.add_argument("--gate", default="redraft.infer.spec.gate:DrafterGate", help="module:Class")
     p.add_argument("--seeds", type=int, default=8)
     p.add_argument("--steps", type=int, default=3000)
     args = p.parse_args()

@@ -22,7 +22,6 @@ import torch
 
 from redraft.bench.overhead import Timers
 from redraft.data.prompts import load_prompts
-from redraft.infer.engine import Engine
 from redraft.infer.loader import load_decoder
 from redraft.serve.loadtest import long_prompt_text
 
@@ -52,7 +51,7 @@ def main() -> None:
 
 
 def run(dec, ids: list, long_ids: list, args) -> None:
-    eng = Engine(dec)
+    eng = dec.engine()
     params = {"max_new_tokens": args.max_tokens}
     timers = Timers()
     timers.wrap(dec.verifier, "prefill", "prefill")

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from redraft.infer.engine import Engine
 from redraft.infer.loader import load_decoder
 
 
@@ -40,7 +39,7 @@ def main() -> None:
 def run(dec, args) -> tuple[float, float]:
     """(median ms per step of the 8 short rows, then with the long row among them)."""
     tok = dec.target.tokenizer
-    eng = Engine(dec)
+    eng = dec.engine()
     params = {"max_new_tokens": 1000, "min_tokens": 1000}
     for i in range(8):
         eng.add(tok(f"Tell me a story about the number {i}.")["input_ids"], params)

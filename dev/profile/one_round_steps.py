@@ -33,7 +33,6 @@ import torch
 
 from redraft.data.prompts import load_prompts
 from redraft.infer.config import SamplingParams
-from redraft.infer.engine import Engine
 from redraft.serve import cli
 from redraft.serve.loadtest import build_parser as loadtest_parser
 from redraft.serve.scheduler import Scheduler
@@ -63,7 +62,7 @@ def main() -> None:
     levels = [int(x) for x in args.levels.split(",")]
     held = load_prompts(lt.dataset, lt.prompts)  # the load test's prompts, stream i gets i
     prompts = [dec.encode(held[j % len(held)])[0] for j in range(max(levels))]
-    eng = Engine(dec)
+    eng = dec.engine()
     warm = Scheduler(dec, max_batch=16, make_params=SamplingParams.checked)
     warm._warm(eng)
 

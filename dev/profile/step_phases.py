@@ -42,11 +42,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from redraft.bench.overhead import Timers, _prompts, tiny_setup
-    from redraft.infer import decoder, engine, verify
+    from redraft.infer import decoder
     from redraft.infer.config import DecoderConfig, SamplingParams
     from redraft.infer.decoder import SpeculativeDecoder
     from redraft.infer.drafters.ngram import ContextNGramDrafter
+    from redraft.infer.engine import engine
     from redraft.infer.loader import make_drafters
+    from redraft.infer.runner import verify
 
     timers = Timers()
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from redraft.infer.verify import Verifier, chain_step
+from redraft.infer.runner.verify import Verifier, chain_step
 from redraft.models import cpu, load_target
 
 SIZES = (1, 2, 3, 4, 8, 16, 32)

@@ -107,7 +107,7 @@ def _load(bench: dict, cfg, device):
 def _decode_tables(bench: dict, cfg, device) -> int:
     import torch
 
-    from redraft.infer import hostjit
+    from redraft.infer.spec import hostjit
 
     methods, ctx = _load(bench, cfg, device)
     runners = {m: Runner(m, ctx, REGISTRY[m]) for m in methods}

@@ -150,7 +150,7 @@ class BenchSettings(ModelSettings):
                 param="overhead_kernels",
             )
         if self.cost_curve_ms:
-            from redraft.infer.budget import CostCurve
+            from redraft.infer.runner.cost import CostCurve
 
             try:
                 CostCurve.from_ms(self.cost_curve_ms)

@@ -32,7 +32,7 @@ def _ngram_table(ctx, kind):
 
 
 def _hierarchy(ctx, **kw):
-    from redraft.infer.drafters.hsddw import default_hierarchy
+    from redraft.infer.drafters.hsddw.drafter import default_hierarchy
 
     return default_hierarchy(ctx.target, **kw)
 
@@ -44,8 +44,8 @@ def _mix(ctx, cfg=None):
 
 
 def _auto_beams(ctx):
-    """The loaded heads again, planning their beam width and length (``redraft.infer.beamcost``)."""
-    from redraft.infer.drafters.redrafter import ReDrafterDrafter
+    """The loaded heads again, planning their beam width and length (``redraft.infer.drafters.redrafter.beamcost``)."""
+    from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter
 
     return [ReDrafterDrafter(d.head, "auto", "auto", name=d.name) for d in ctx.heads]
 
@@ -88,7 +88,7 @@ def _ngrammys(ctx):
 
 
 def _aded(ctx):
-    from redraft.infer.drafters.aded import ADEDDrafter
+    from redraft.infer.drafters.aded.drafter import ADEDDrafter
 
     return [ADEDDrafter(_ngram_table(ctx, "trigram"))]
 

@@ -9,7 +9,7 @@ the time the device waits for the host each step.
 Per method and batch size it reports ``host_ms_per_step`` = (decode wall time - time inside
 target forwards) / steps, ``forward_ms`` = the mean forward time per step of the same tiny
 model (the tree sizes the method verified), best of ``repeats`` runs, and ``ops_per_step``: the
-tensor ops a step dispatches outside the target forward (``redraft.infer.opcount``; on a GPU
+tensor ops a step dispatches outside the target forward (``redraft.infer.runner.opcount``; on a GPU
 each is a kernel launch, so this is the figure that bounds host time there, and it is the same
 on every machine). Methods:
 
@@ -126,7 +126,7 @@ def make_method(name: str, target, tables):
         cfg = cfg.replace(aded=name == "mix-aded")
         return SpeculativeDecoder(target, make_drafters(target, (), [tables], cfg), cfg)
     if name == "redrafter":
-        from redraft.infer.drafters.redrafter import ReDrafterDrafter
+        from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter
         from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 
         with torch.random.fork_rng(devices=[]):
@@ -147,7 +147,7 @@ def ops_per_step(decoder, prompts: list[list[int]], steps: int = 8) -> float:
     """Mean tensor ops per decode step outside the target forward (after the join and a warm-up
     step), over ``steps`` steps."""
     from redraft.infer.config import SamplingParams
-    from redraft.infer.opcount import OpCounter
+    from redraft.infer.runner.opcount import OpCounter
 
     decoder.eos = set()
     engine = decoder.engine()
@@ -208,9 +208,9 @@ def overhead_benchmark(
 ) -> dict:
     """``{"overhead": {method: {"batch_B": {"host_ms_per_step", "forward_ms", "steps"}}},
     "host_kernels": ...}``. ``kernels``: the host kernels each method runs with, ``"jit"`` (the
-    compiled ones of :mod:`redraft.infer.hostjit`) and/or ``"numpy"`` (rows ``"<method>
+    compiled ones of :mod:`redraft.infer.spec.hostjit`) and/or ``"numpy"`` (rows ``"<method>
     (numpy)"``), one after the other per method and batch: the baseline in the same run."""
-    from redraft.infer import hostjit
+    from redraft.infer.spec import hostjit
 
     out, was = {}, hostjit.ENABLED
     if "jit" in kernels and not was:
@@ -225,7 +225,7 @@ def overhead_benchmark(
 
 
 def _overhead_runs(out, runs, batches, device, dtype, new_tokens, repeats, progress, jit) -> None:
-    from redraft.infer import hostjit
+    from redraft.infer.spec import hostjit
 
     with tempfile.TemporaryDirectory(prefix="redraft-overhead-") as tmp:
         target, tables = tiny_setup(Path(tmp), device, dtype)

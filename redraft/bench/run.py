@@ -60,7 +60,7 @@ class Runner:
             return g.tokens, g.stats
         import torch
 
-        from redraft.infer.verify import sdpa_backends
+        from redraft.infer.runner.verify import sdpa_backends
 
         target = self.ctx.target
         x = torch.tensor([ids], device=target.device)
@@ -391,7 +391,7 @@ def device_name(device) -> str:
 
 def cost_curve(runners: dict, bench: dict) -> dict:
     """One verify-cost curve for every method of the run (measured once, or given)."""
-    from redraft.infer.budget import CostCurve
+    from redraft.infer.runner.cost import CostCurve
 
     curve = CostCurve.from_ms(bench["cost_curve_ms"]) if bench["cost_curve_ms"] else None
     for r in runners.values():

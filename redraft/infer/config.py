@@ -271,7 +271,7 @@ class SamplingParams:
     Penalties, bias and ``min_tokens`` change the logits (greedy rows too); then come the
     temperature, ``min_p``, ``top_k`` and ``top_p`` (sampled rows). Under speculation every
     tree node sees the counts of the output so far plus its own ancestors, so the output is
-    exactly what plain decoding with the same settings gives (``redraft.infer.processors``).
+    exactly what plain decoding with the same settings gives (``redraft.infer.engine.processors``).
     """
 
     max_new_tokens: int = 128

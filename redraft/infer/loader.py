@@ -19,7 +19,7 @@ from redraft.errors import ConfigError
 from redraft.infer.config import FIELDS, DecoderConfig
 from redraft.infer.decoder import SpeculativeDecoder
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
-from redraft.infer.drafters.redrafter import ReDrafterDrafter
+from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter
 from redraft.settings import read_yaml_mapping, split_keys
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def make_drafters(target, heads=(), tables=(), cfg: DecoderConfig | None = None)
         prefix = "" if len(tables) == 1 else f"t{i}-"
         ds += ngram_drafters(tables_i, target, cfg, name_prefix=prefix)
         if cfg.aded and "trigram" in getattr(tables_i, "kinds", ()):
-            from redraft.infer.drafters.aded import ADEDDrafter
+            from redraft.infer.drafters.aded.drafter import ADEDDrafter
 
             d = ADEDDrafter(tables_i)
             d.name = f"{prefix}aded"

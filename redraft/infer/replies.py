@@ -1,7 +1,7 @@
 """Distillation replies from redraft's own engine: continuous batching, the target's dtype.
 
 :class:`EngineReplies` is a ``redraft.data.replies.ReplyGenerator`` (``submit`` prompts,
-``poll`` finished replies) over an :class:`~redraft.infer.engine.Engine` that speculates with
+``poll`` finished replies) over an :class:`~redraft.infer.engine.engine.Engine` that speculates with
 the context n-gram drafter where it pays (``ReplySettings.speculate``; else plain
 autoregressive decoding) with redraft's slot KV cache (and, on CUDA, its captured verify
 graphs). Unlike one ``model.generate`` per batch, a reply that ends frees its row at once and

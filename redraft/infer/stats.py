@@ -31,7 +31,7 @@ class RequestStats:
     drafter_accepted: Counter = field(
         default_factory=Counter
     )  # name -> accepted tokens it proposed
-    # the drafter gate's view (redraft.infer.budget.DrafterGate): steps each drafter was called,
+    # the drafter gate's view (redraft.infer.spec.gate.DrafterGate): steps each drafter was called,
     # and over the steps where two or more were, the accepted tokens each got that no other
     # called drafter had proposed (its "exclusive gain", summed) and how many such steps
     drafter_calls: Counter = field(default_factory=Counter)

@@ -16,7 +16,7 @@ target's hidden states at a low, a middle and the last layer (``config.feature_l
 lower two RMS-normalised without weights), concatenated ``[..., 3H]`` and projected to H by the
 trained ``feature_proj`` P (initialised to pick ``h_L``: an untrained multi head is a last head).
 Everything after ``x`` is unchanged. The decoder's verify forward then also returns those
-layers' states (:attr:`redraft.infer.drafters.redrafter.ReDrafterDrafter.hidden_layers`).
+layers' states (:attr:`redraft.infer.drafters.redrafter.drafter.ReDrafterDrafter.hidden_layers`).
 
 Which hidden state pairs with which token (the one contract training and decoding share)
 ------------------------------------------------------------------------------------------

@@ -251,7 +251,7 @@ def serve(args) -> int:
     if args.gc_freeze:
         freeze_heap()
     host, port = sock.getsockname()[:2]
-    from redraft.infer import hostjit
+    from redraft.infer.spec import hostjit
 
     print(
         f"redraft-serve: serving {name!r} on http://{host if ':' not in host else f'[{host}]'}:{port}/v1 "

@@ -9,7 +9,7 @@ the output is the target's own). The proposer:
    the last step is scored against (not only the chain that was sent: each candidate's leading
    tokens that equal the sampled ones were right, and positions past what was sampled are not
    counted), into the per-(drafter, group, depth) acceptance rates of
-   :class:`redraft.infer.hostdraft.HostStats`;
+   :class:`redraft.infer.spec.hostdraft.HostStats`;
 2. **drafts** candidates with redraft's host kernels: ``context`` (suffix matches of length
    ``q_max .. q_min`` in the request's own tokens, grouped by match length and rank), ``ngrammys``
    (the model's extended bigram chains from the tables) and ``trigram`` (greedy chains through
@@ -46,9 +46,9 @@ except ImportError:  # pragma: no cover
 
 
 from redraft.errors import ArtifactError, ConfigError
-from redraft.infer.drafters.base import PAD
 from redraft.infer.drafters.suffix import suffix_available
-from redraft.infer.hostdraft import HostStats, HostTables, context_matches_np
+from redraft.infer.spec.hostdraft import HostStats, HostTables, context_matches_np
+from redraft.infer.spec.paths import PAD
 from redraft.vllm.settings import DRAFTERS, ENV_VAR, ProposerSettings, read_settings
 
 TRIGRAM_BRANCHES = 4  # first tokens of the tri-gram chains (each then followed greedily)

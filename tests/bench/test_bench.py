@@ -193,7 +193,7 @@ def test_overhead_benchmark_times_both_host_kernels_in_one_run(tmp_path):
     with the numpy code (the baseline, same run); the decodes are the same, only the host time
     differs, and the decoder's own setting is restored after."""
     from redraft.bench.overhead import overhead_benchmark
-    from redraft.infer import hostjit
+    from redraft.infer.spec import hostjit
 
     if not hostjit.ENABLED:
         pytest.skip("numba is not installed or REDRAFT_JIT=0")

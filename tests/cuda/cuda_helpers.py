@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from redraft.infer.drafters.base import DecodeState, Draft, Drafter
+from redraft.infer.spec.drafter import DecodeState, Draft, Drafter
 
 DEVICE = "cuda"
 

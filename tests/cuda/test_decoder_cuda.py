@@ -7,8 +7,8 @@ import torch
 from cuda_helpers import DEVICE, PROMPTS, OracleDrafter
 
 from redraft.infer import SpeculativeDecoder, load_decoder, plain_greedy
-from redraft.infer.drafters.aded import ADEDDrafter
-from redraft.infer.drafters.hsddw import default_hierarchy
+from redraft.infer.drafters.aded.drafter import ADEDDrafter
+from redraft.infer.drafters.hsddw.drafter import default_hierarchy
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
 from redraft.infer.loader import load_ngram_tables, load_redrafter
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from redraft.infer.accept import (
+from redraft.infer.spec.accept import (
     RowSampling,
     accept_greedy,
     accept_rejection,
@@ -12,7 +12,7 @@ from redraft.infer.accept import (
     emitted_tokens,
     warp_probs,
 )
-from redraft.infer.tree import build_tree
+from redraft.infer.spec.tree import build_tree
 
 
 def logits_for(tree, table):
@@ -138,18 +138,18 @@ def test_rows_of_one_batch_sample_with_their_own_settings():
 def test_the_host_walk_over_device_choices_equals_the_device_rules(rule, jit, monkeypatch):
     """The decoder's split (``step_choices`` on the device, ``walk`` on the host over the numpy
     tree) accepts exactly what the device rules accept, path, count and bonus; with the compiled
-    walk (``redraft.infer.hostjit``) and the numpy one."""
+    walk (``redraft.infer.spec.hostjit``) and the numpy one."""
     import numpy as np
 
-    from redraft.infer import hostjit
+    from redraft.infer.spec import hostjit
 
     if jit and hostjit.numba is None:
         pytest.skip("numba is not installed")
     monkeypatch.setattr(hostjit, "ENABLED", jit)
 
-    from redraft.infer.accept import ACCEPT, RowSampling, seed_uniforms, step_choices, walk
-    from redraft.infer.hosttree import build_tree_np
-    from redraft.infer.tree import build_tree
+    from redraft.infer.spec.accept import ACCEPT, RowSampling, seed_uniforms, step_choices, walk
+    from redraft.infer.spec.hosttree import build_tree_np
+    from redraft.infer.spec.tree import build_tree
 
     rng = np.random.default_rng(7)
     V = 5

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from redraft.infer.drafters.aded import ADEDDrafter, TrigramOverlay
-from redraft.infer.drafters.base import HostFeedback
-from redraft.infer.drafters.mcts import MCTSConfig, mcts_search, puct_exploration
-from redraft.infer.rows import HostState
+from redraft.infer.drafters.aded.drafter import ADEDDrafter, TrigramOverlay
+from redraft.infer.drafters.aded.mcts import MCTSConfig, mcts_search, puct_exploration
+from redraft.infer.spec.drafter import HostFeedback, HostState
 from redraft.ngrams import (
     NGramTables,
     TrigramTable,

@@ -1,4 +1,4 @@
-"""The cost-aware beam width and length of the ReDrafter drafter (``redraft.infer.beamcost``)."""
+"""The cost-aware beam width and length of the ReDrafter drafter (``redraft.infer.drafters.redrafter.beamcost``)."""
 
 import itertools
 
@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.beamcost import (
+from redraft.infer.config import DecoderConfig
+from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
+from redraft.infer.drafters.redrafter.beamcost import (
     MAX_SPLIT,
     BeamCost,
     beam_group,
@@ -16,10 +18,8 @@ from redraft.infer.beamcost import (
     plan_beam,
     split_depth_np,
 )
-from redraft.infer.budget import CostCurve
-from redraft.infer.config import DecoderConfig
-from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
-from redraft.infer.drafters.redrafter import ReDrafterDrafter, beam_search
+from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter, beam_search
+from redraft.infer.runner.cost import CostCurve
 
 FLAT = CostCurve([1, 1024], [1.0, 1.0])
 
@@ -171,7 +171,7 @@ def test_auto_changes_width_and_length_mid_run_and_output_is_plain_greedy(
     tiny_target, tiny_head, tiny_prompts, monkeypatch
 ):
     """A random head's beams, its (W, L) switched every few steps: the output must not move."""
-    import redraft.infer.drafters.redrafter as rd
+    import redraft.infer.drafters.redrafter.drafter as rd
 
     schedule = itertools.cycle([(1, 1), (5, 4), (2, 3), (9, 2), (3, 5)])
     monkeypatch.setattr(rd, "plan_beam", lambda *a, **k: (*next(schedule), 1.0))
@@ -190,7 +190,7 @@ def test_a_settled_plan_is_rechecked_less_often_and_a_change_replans_sooner(
 ):
     """A plan costs ~1 ms of numpy: while it keeps choosing the same (W, L) the steps between two
     plans double up to MAX_REPLAN; a new choice goes back to every REPLAN steps."""
-    import redraft.infer.drafters.redrafter as rd
+    import redraft.infer.drafters.redrafter.drafter as rd
 
     choices, planned = iter([(3, 2)] * 5 + [(4, 2)] + [(4, 2)] * 10), []
     dr = ReDrafterDrafter(tiny_head, width="auto", length="auto")
@@ -244,7 +244,7 @@ def test_depths_past_the_statistics_reuse_the_last_one():
 
 
 def test_auto_groups_beams_by_rank_and_split_depth(tiny_target, tiny_head):
-    from redraft.infer.drafters.base import DecodeState
+    from redraft.infer.spec.drafter import DecodeState
 
     H = tiny_target.model.config.hidden_size
     state = DecodeState(
@@ -298,7 +298,7 @@ def test_the_compiled_plan_and_groups_equal_the_numpy_code(monkeypatch):
     """``hostjit``'s ``plan_beam`` and ``_groups``: the same choice as the numpy code (up to
     float rounding in near-ties: the choice then scores as the best), the same split
     frequencies and groups, bit for bit."""
-    from redraft.infer import hostjit
+    from redraft.infer.spec import hostjit
 
     if hostjit.numba is None:
         pytest.skip("numba is not installed")

@@ -3,9 +3,9 @@ rows of different lengths leaving the batch; graphs are really captured and repl
 
 import pytest
 
-from redraft.infer.budget import CostCurve
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter
+from redraft.infer.runner.cost import CostCurve
 
 pytestmark = pytest.mark.cuda
 
@@ -53,7 +53,7 @@ def test_the_beam_search_is_replayed_from_graphs_and_decodes_as_eager(cuda_targe
     its drafts equal the eager search's for new inputs, and decoding stays plain greedy."""
     import torch
 
-    from redraft.infer.drafters.redrafter import ReDrafterDrafter, beam_search
+    from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter, beam_search
     from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 
     torch.manual_seed(0)
@@ -85,7 +85,7 @@ def test_a_collection_cannot_destroy_a_dead_graph_in_mid_capture():
 
     import torch
 
-    from redraft.infer.graphs import cuda_capture
+    from redraft.infer.runner.graphs import cuda_capture
 
     dev = torch.device("cuda")
     x = torch.ones(16, device=dev)

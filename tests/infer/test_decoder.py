@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.budget import BatchCost, CostCurve, DrafterGate, SpeculationGuard
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
-from redraft.infer.drafters.base import DecodeState, Draft, Drafter
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
-from redraft.infer.drafters.redrafter import ReDrafterDrafter
-from redraft.infer.hostdraft import best_budget_np
+from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter
+from redraft.infer.runner.cost import BatchCost, CostCurve
+from redraft.infer.spec.drafter import DecodeState, Draft, Drafter
+from redraft.infer.spec.gate import DrafterGate, SpeculationGuard
+from redraft.infer.spec.hostdraft import best_budget_np
 
 
 def hf_greedy(target, ids, n):
@@ -482,9 +483,9 @@ def test_the_decoder_measures_batched_costs_and_predicts_per_batch(tiny_target):
     bc = dec.measure_batch_cost(4, context=16)
     assert bc.batches == [1, 2, 4] and dec.cost_curve is bc.curves[1]
     assert all(float(bc(b, 4)) > 0 for b in (1, 2, 4))
-    assert dec._speculation_pays(4) is None  # no node values yet
-    dec._last_values = np.full((2, 8), 0.9)
+    assert dec.speculator._speculation_pays(4) is None  # no node values yet
+    dec.speculator._last_values = np.full((2, 8), 0.9)
     dec.batch_cost = BatchCost({1: CostCurve([1, 16], [1.0, 1.1])})  # nearly flat: pays
-    assert dec._speculation_pays(4) is True
+    assert dec.speculator._speculation_pays(4) is True
     dec.batch_cost = BatchCost({1: CostCurve([1, 2, 16], [1.0, 2.0, 16.0])})  # each token a step
-    assert dec._speculation_pays(4) is False
+    assert dec.speculator._speculation_pays(4) is False

@@ -3,11 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from reference.budget import AcceptanceStats, best_budget
 
-from redraft.infer.budget import AcceptanceStats, CostCurve, best_budget
-from redraft.infer.drafters.base import DecodeState
 from redraft.infer.drafters.ngram import GROUPS_PER_CLASS, NGrammysDrafter, context_matches_multi
-from redraft.infer.drafters.redrafter import beam_search
+from redraft.infer.drafters.redrafter.drafter import beam_search
+from redraft.infer.runner.cost import CostCurve
+from redraft.infer.spec.drafter import DecodeState
 
 
 def brute_context(seq, q, k, w):
@@ -155,7 +156,7 @@ def test_acceptance_stats_learn_rates_per_group():
 
 
 def test_an_untried_depth_is_expected_to_be_accepted_like_the_depth_above_it():
-    from redraft.infer.hostdraft import HostStats
+    from redraft.infer.spec.hostdraft import HostStats
 
     toks = torch.tensor([[[1, 2, 3, 4]]])
     kept = torch.tensor([[[True, False, False, False]]])  # only depth 0 was verified

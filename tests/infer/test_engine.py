@@ -9,11 +9,11 @@ import torch
 
 from redraft.errors import ConfigError
 from redraft.infer import SamplingParams
-from redraft.infer.budget import CostCurve
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter
-from redraft.infer.drafters.redrafter import ReDrafterDrafter
-from redraft.infer.text import TextStream
+from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter
+from redraft.infer.engine.text import TextStream
+from redraft.infer.runner.cost import CostCurve
 
 CURVE = CostCurve([1, 8, 64], [1.0, 1.2, 2.0])
 
@@ -205,7 +205,7 @@ def test_text_streams_call_the_fast_backend_only_where_decode_is_transformers_ow
     """The stream decodes through the ``tokenizers`` backend directly (what transformers' decode
     calls, without its argument conversion) for the tokenizers the test above checks against a
     full decode; a tokenizer class with its own ``decode`` is called through it."""
-    from redraft.infer.text import backend_decoder
+    from redraft.infer.engine.text import backend_decoder
 
     tok = tiny_target.tokenizer
     assert backend_decoder(tok) is tok._tokenizer
@@ -367,15 +367,13 @@ def _engine_warnings(dec, thread: bool) -> list:
     import threading
     import warnings
 
-    from redraft.infer.engine import Engine
-
     caught = []
 
     def make():
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            Engine(dec)
-            Engine(dec)
+            dec.engine()
+            dec.engine()
         caught.extend(w)
 
     if not thread:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
-from redraft.infer.drafters.redrafter import ReDrafterDrafter, beam_search
-from redraft.infer.graphs import ShapeGraphs
+from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter, beam_search
+from redraft.infer.runner.graphs import ShapeGraphs
 
 
 def replaying_capture(captured):
@@ -71,7 +71,7 @@ def test_shapes_that_alternate_are_captured_on_their_third_use():
 def test_a_failed_capture_leaves_the_result_and_runs_that_shape_eagerly(caplog):
     g = ShapeGraphs(lambda key, x: x + key, "cpu", failing_capture, enabled=True)
     x = torch.zeros(3)
-    with caplog.at_level(logging.WARNING, logger="redraft.infer.graphs"):
+    with caplog.at_level(logging.WARNING, logger="redraft.infer.runner.graphs"):
         outs = [g(1, x).tolist() for _ in range(4)]
     assert outs == [[1.0] * 3] * 4
     assert g.stats["failed"] == 1 and g.stats["eager"] == 4 and 1 in g.eager
@@ -147,7 +147,7 @@ def test_a_capture_runs_with_the_cyclic_garbage_collector_off(monkeypatch):
     collector off for the capture and back on after it, also when the capture raises."""
     import gc
 
-    from redraft.infer import graphs
+    from redraft.infer.runner import graphs
 
     seen = []
 

@@ -6,7 +6,13 @@ import torch
 from redraft.infer import SamplingParams
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter
-from redraft.infer.grouped_attention import NAME, grouped, grouped_sdpa, packed_sdpa, row_groups
+from redraft.infer.runner.grouped_attention import (
+    NAME,
+    grouped,
+    grouped_sdpa,
+    packed_sdpa,
+    row_groups,
+)
 
 
 def test_row_groups_split_only_where_it_saves_reads():
@@ -102,7 +108,7 @@ def test_a_static_verifier_packs_the_query_heads_too(tiny_target_dir):
     """The CUDA path (a static verify, captured in a graph there) attends packed as well, not
     through transformers' per-head copy of the cache; its tree hidden states are those of
     plain ``sdpa`` (the same attention), and it never splits rows in groups (one fixed span)."""
-    from redraft.infer.verify import Verifier, chain_step
+    from redraft.infer.runner.verify import Verifier, chain_step
     from redraft.models import load_target
 
     target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")  # switched below

@@ -1,6 +1,6 @@
 """The host (numpy) drafting path equals the torch one it mirrors, field by field, bit for bit.
 
-Every test runs twice: with the compiled kernels of ``redraft.infer.hostjit`` (the default where
+Every test runs twice: with the compiled kernels of ``redraft.infer.spec.hostjit`` (the default where
 numba is installed) and with the numpy code they replace."""
 
 import numpy as np
@@ -8,16 +8,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference.budget import AcceptanceStats, best_budget
 
-from redraft.infer.accept import accept_greedy
-from redraft.infer.budget import AcceptanceStats, CostCurve, best_budget
-from redraft.infer.drafters.base import DecodeState, pad_paths
 from redraft.infer.drafters.ngram import (
     NGrammysDrafter,
     TableDrafter,
     context_matches_multi,
 )
-from redraft.infer.hostdraft import (
+from redraft.infer.runner.cost import CostCurve
+from redraft.infer.spec.accept import accept_greedy
+from redraft.infer.spec.drafter import DecodeState
+from redraft.infer.spec.hostdraft import (
     HostStats,
     HostTables,
     best_budget_np,
@@ -26,7 +27,7 @@ from redraft.infer.hostdraft import (
     table_rows_np,
     table_values_np,
 )
-from redraft.infer.hosttree import (
+from redraft.infer.spec.hosttree import (
     accepted_prefix_np,
     build_tree_np,
     credit_np,
@@ -35,14 +36,15 @@ from redraft.infer.hosttree import (
     step_feedback_np,
     unpack_tree,
 )
-from redraft.infer.tree import build_tree
+from redraft.infer.spec.paths import pad_paths
+from redraft.infer.spec.tree import build_tree
 from redraft.ngrams import NGramTables
 
 
 @pytest.fixture(scope="module", params=["jit", "numpy"], autouse=True)
 def host_kernels(request):
     """The module's tests with the compiled kernels, then with the numpy code."""
-    from redraft.infer import hostjit
+    from redraft.infer.spec import hostjit
 
     if request.param == "jit" and not hostjit.ENABLED:
         pytest.skip("numba is not installed or REDRAFT_JIT=0")
@@ -136,7 +138,7 @@ def test_context_matches_of_a_batch_with_thousands_of_candidates():
 
 @pytest.mark.parametrize("m", [0, 5, 3000])
 def test_order_is_lexsort_of_bounded_keys(m):
-    from redraft.infer.hostdraft import _order
+    from redraft.infer.spec.hostdraft import _order
 
     rng = np.random.default_rng(m)
     a, b = rng.integers(0, 7, m), rng.permutation(m)  # unique together
@@ -498,7 +500,7 @@ def test_the_compiled_kernels_equal_the_numpy_code_on_edge_inputs():
     """Inputs the torch references above never make: values at or below the dtype's lowest
     (they tie with the entries that are not nodes), negative budgets, tokens after a PAD, integer
     values, extended rows that are empty or PAD-padded, match length 0, a one-row batch."""
-    from redraft.infer import hostjit
+    from redraft.infer.spec import hostjit
 
     if not hostjit.ENABLED and hostjit.numba is None:
         pytest.skip("numba is not installed")

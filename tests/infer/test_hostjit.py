@@ -2,7 +2,7 @@
 
 import pytest
 
-from redraft.infer import hostjit
+from redraft.infer.spec import hostjit
 
 KERNELS = (  # the kernels Python calls (helpers such as _rank_bucket compile into them)
     "_tree_nodes",

@@ -3,17 +3,18 @@
 import pytest
 import torch
 
-from redraft.infer.accept import entropy
 from redraft.infer.config import SamplingParams
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
-from redraft.infer.drafters.base import PAD, Draft, Drafter, Feedback
-from redraft.infer.drafters.hsddw import (
+from redraft.infer.drafters.hsddw.drafter import (
     CausalLMModel,
     EntropyThreshold,
     HSDDWDrafter,
     ProbModel,
     early_exit_model,
 )
+from redraft.infer.spec.accept import entropy
+from redraft.infer.spec.drafter import Draft, Drafter, Feedback
+from redraft.infer.spec.paths import PAD
 from redraft.testing import decode_state as _state
 from redraft.testing import make_tiny_model
 
@@ -278,7 +279,7 @@ def test_pre_verify_samples_follow_m2(tiny_target, temperature, top_p):
     argmax (300 sampled and 20 greedy rows drafting in one batch)."""
     from scipy.stats import chisquare
 
-    from redraft.infer.accept import RowSampling, warp_probs
+    from redraft.infer.spec.accept import RowSampling, warp_probs
 
     V = tiny_target.vocab_size
     m1 = early_exit_model(tiny_target.model, 1)
@@ -346,7 +347,7 @@ def test_rejection_sampling_with_hsddw_keeps_the_target_distribution(
     chain sampled. M2 is the target itself, so its chains are accepted now and then (at
     temperature 1 the tiny target is nearly uniform: rarely; at 0.3 often)."""
     scipy_stats = pytest.importorskip("scipy.stats")
-    from redraft.infer.accept import warp_probs
+    from redraft.infer.spec.accept import warp_probs
 
     ids = tiny_target.chat_ids([{"role": "user", "content": "Hello"}])
     n, V = 1500, tiny_target.vocab_size
@@ -546,7 +547,7 @@ def test_trigram_m1_early_exit_m2_hierarchy_is_exact(tiny_target, tiny_prompts):
     import numpy as np
 
     from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
-    from redraft.infer.drafters.hsddw import TrigramModel
+    from redraft.infer.drafters.hsddw.drafter import TrigramModel
     from redraft.ngrams import build_trigram_table, count_trigrams
 
     ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=24)
@@ -570,7 +571,7 @@ def test_trigram_m1_early_exit_m2_hierarchy_is_exact(tiny_target, tiny_prompts):
 @pytest.mark.slow
 def test_default_target_early_exit_hierarchy_is_exact(default_target):
     """SmolLM2-135M: early-exit(4) -> early-exit(12) -> target, reduced-vocab heads, greedy."""
-    from redraft.infer.drafters.hsddw import default_hierarchy
+    from redraft.infer.drafters.hsddw.drafter import default_hierarchy
 
     prompts = [[{"role": "user", "content": "List three primary colors."}], "def fibonacci(n):"]
     subset = torch.arange(8192)  # low ids: the BPE merges learnt first, the most frequent tokens

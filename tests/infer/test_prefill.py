@@ -7,20 +7,20 @@ import torch
 
 from redraft.errors import ConfigError
 from redraft.infer import SamplingParams
-from redraft.infer.budget import (
-    PREFILL_CHUNK_MAX,
-    PREFILL_CHUNK_MIN,
-    CostCurve,
-    PrefillPacer,
-    prefill_chunk,
-)
 from redraft.infer.config import DecoderConfig
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter
-from redraft.infer.drafters.redrafter import ReDrafterDrafter
-from redraft.infer.engine import Engine, _fill_holes
-from redraft.infer.rows import Row
-from redraft.infer.verify import StepInput, Verifier
+from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter
+from redraft.infer.engine.engine import Engine, _fill_holes
+from redraft.infer.engine.pacer import (
+    PREFILL_CHUNK_MAX,
+    PREFILL_CHUNK_MIN,
+    PrefillPacer,
+    prefill_chunk,
+)
+from redraft.infer.engine.rows import Row
+from redraft.infer.runner.cost import CostCurve
+from redraft.infer.runner.verify import StepInput, Verifier
 
 CURVE = CostCurve([1, 8, 64], [1.0, 1.2, 2.0])
 
@@ -274,10 +274,9 @@ def test_the_pacer_predicts_a_chunks_cost_from_its_tokens_and_span():
     # the pacer drives the engine's pieces: one row's piece is the largest that fits, cut to
     # a multiple of 16; rows finished by one forward share it while their padding stays small
     class _Eng:
-        dec = SpeculativeDecoder.__new__(SpeculativeDecoder)
+        config = DecoderConfig()
         fuse, rows = False, []
 
-    _Eng.dec.config = DecoderConfig()
     eng = _Eng()
     eng.prefilling = [_row(400, filled=0)]
     assert Engine._chunk_rows(eng, fits) == (1, 64)  # 65 fits -> 64
@@ -337,7 +336,7 @@ def test_a_fixed_cost_above_the_share_still_lets_pieces_amortise_it():
 
 
 def test_a_graph_verifier_measures_an_eager_prefills_fixed_cost(tiny_target):
-    from redraft.infer.verify import Verifier
+    from redraft.infer.runner.verify import Verifier
 
     eager = Verifier(tiny_target, static=True)
     assert eager.measure_cost(max_nodes=4, context=16).prefill_c0 is None  # CPU: no graphs
@@ -581,11 +580,11 @@ def test_a_long_prompt_grows_the_cache_once_at_its_first_piece(tiny_target):
 
 
 def test_a_cpu_cache_buffer_is_zero_and_takes_memory_only_where_written():
-    """:func:`~redraft.infer.kv.zeroed`: zeros everywhere, writable, the same shape and dtype as
+    """:func:`~redraft.infer.runner.kv.zeroed`: zeros everywhere, writable, the same shape and dtype as
     ``torch.zeros``; pages never written are never resident (an anonymous map)."""
     import os
 
-    from redraft.infer.kv import zeroed
+    from redraft.infer.runner.kv import zeroed
 
     def resident_mib():  # this process's resident memory now (Linux)
         with open("/proc/self/statm") as f:
@@ -612,7 +611,7 @@ def test_a_burst_of_waiting_requests_gets_bigger_pieces(tiny_target):
     """Pieces may cost one reference step (scaled by the curve to the admitted requests), or, in
     a burst of more requests waiting than decoding, one step per waiting request per decoding row
     (at most IDLE_STEPS)."""
-    from redraft.infer.engine import IDLE_STEPS
+    from redraft.infer.engine.scheduler import IDLE_STEPS
 
     flat = CostCurve([1, 4096], [1.0, 1.0])  # a flat curve: scaling alone gives 1 step
     dec = SpeculativeDecoder(tiny_target, [], budget=0, cost_curve=flat)
@@ -631,7 +630,7 @@ def test_a_growing_cache_copies_the_columns_its_rows_use(tiny_target):
     """``reserve(..., used)`` copies each listed slot's first columns and nothing else (the
     engine lists its rows' lengths and its parked rows' pieces); without ``used``, every slot up
     to the columns any forward wrote."""
-    from redraft.infer.kv import SlotKVCache
+    from redraft.infer.runner.kv import SlotKVCache
 
     cfg = tiny_target.model.config
     cache = SlotKVCache(cfg, 3, 16, torch.float32, "cpu")
@@ -750,7 +749,7 @@ def test_the_guard_times_a_fused_step_without_its_piece(tiny_target):
     )
     eng = dec.engine()
     seen, estimates = [], []  # [time given to after_step, pieces estimated so far, step time]
-    after, emit = dec.after_step, eng._emit
+    after, emit = dec.speculator.after_step, eng._emit
 
     def after_(prop, acc, credit, secs):
         seen.append([secs, len(estimates)])
@@ -760,7 +759,7 @@ def test_the_guard_times_a_fused_step_without_its_piece(tiny_target):
         seen[-1].append(secs)
         return emit(tree, prop, acc, credit, secs, lp, joint)
 
-    dec.after_step, eng._emit = after_, emit_
+    dec.speculator.after_step, eng._emit = after_, emit_
     eng._pacer.piece_seconds = lambda N, S, c: estimates.append(N * 1e-5) or N * 1e-5
     eng.add([(3 * j + 1) % V for j in range(6)], SamplingParams.checked(max_new_tokens=30))
     eng.step()

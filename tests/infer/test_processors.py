@@ -8,9 +8,9 @@ import torch
 
 from redraft.errors import ConfigError
 from redraft.infer import SamplingParams
-from redraft.infer.budget import CostCurve
 from redraft.infer.decoder import SpeculativeDecoder
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter, TableDrafter
+from redraft.infer.runner.cost import CostCurve
 
 CURVE = CostCurve([1, 8, 64], [1.0, 1.1, 1.5])
 PENALISED = dict(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)

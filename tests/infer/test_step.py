@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.budget import CostCurve
 from redraft.infer.config import SamplingParams
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter
-from redraft.infer.kv import SlotKVCache
-from redraft.infer.opcount import OpCounter
+from redraft.infer.runner.cost import CostCurve
+from redraft.infer.runner.kv import SlotKVCache
+from redraft.infer.runner.opcount import OpCounter
 
 CURVE = CostCurve([1, 8, 64], [1.0, 1.1, 1.5])
 
@@ -58,7 +58,7 @@ def test_a_step_dispatches_few_ops_outside_the_forward(overhead_setup, method, b
 
 
 def test_the_counter_skips_the_forward_and_view_ops():
-    from redraft.infer.opcount import not_counted
+    from redraft.infer.runner.opcount import not_counted
 
     x = torch.arange(12.0).reshape(3, 4)
     with OpCounter() as ops:
@@ -146,7 +146,7 @@ def test_a_failing_capture_warns_once_and_decoding_goes_on_eagerly(
         tiny_target, broken, [NGrammysDrafter(tiny_tables, tiny_target.vocab_size)]
     )
     ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=30)
-    with caplog.at_level(logging.WARNING, logger="redraft.infer.verify"):
+    with caplog.at_level(logging.WARNING, logger="redraft.infer.runner.verify"):
         out = dec.generate(tiny_prompts, max_new_tokens=30)
     assert [g.tokens for g in out] == [g.tokens for g in ref]
     warnings = [r for r in caplog.records if "capture" in r.getMessage()]
@@ -185,7 +185,7 @@ def test_a_redrafter_step_costs_its_beam_search_and_auto_adds_no_ops(overhead_se
     batch (beams are batched); an "auto" width and length plans on the host: once its beam-cost
     measurement is done, a step runs exactly the ops of a fixed search of the chosen size."""
     from redraft.bench.overhead import _prompts
-    from redraft.infer.drafters.redrafter import ReDrafterDrafter
+    from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter
     from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 
     target, _ = overhead_setup
@@ -222,7 +222,7 @@ def test_a_redrafter_step_costs_its_beam_search_and_auto_adds_no_ops(overhead_se
 def test_the_cost_curve_is_the_envelope_from_the_right_and_keeps_what_was_measured(monkeypatch):
     """A size measured dearer than a larger one (a noisy run, or a kernel slow at 2 rows) does
     not price every size after it: c(n) = min over m >= n of the measured times."""
-    from redraft.infer import budget
+    from redraft.infer.runner import cost as budget
 
     cost = {1: 1.0, 2: 3.0, 4: 1.2, 8: 1.1, 16: 1.5}  # seconds per forward of n tokens
     clock = {"t": 0.0}
@@ -269,7 +269,7 @@ def test_a_cost_curve_is_read_from_a_bench_json_with_its_raw_times(tmp_path):
 
 
 def test_a_tree_is_padded_to_a_larger_size_that_measured_cheaper(tiny_target):
-    from redraft.infer.verify import Verifier
+    from redraft.infer.runner.verify import Verifier
 
     curve = CostCurve([1, 2, 4, 8, 16], [1.0, 1.1, 1.1, 1.1, 1.5], raw=[1.0, 3.0, 1.2, 1.1, 1.5])
     static = Verifier(tiny_target, static=True)
@@ -319,7 +319,7 @@ def test_span_buckets_attend_over_the_longest_rows_bucket_and_keep_plain_greedy(
     """With ``span_buckets`` a captured verify attends over the shortest power-of-two span
     (>= 256) holding the longest row, not the whole capacity: a cache grown for a long request
     serves short rows with short spans, a graph per span, and the output is plain greedy's."""
-    from redraft.infer.verify import MIN_SPAN
+    from redraft.infer.runner.verify import MIN_SPAN
 
     captures = []
     dec = SpeculativeDecoder(

@@ -2,7 +2,7 @@
 
 import torch
 
-from redraft.infer.tree import build_tree, prune_paths
+from redraft.infer.spec.tree import build_tree, prune_paths
 
 
 def brute_force_tree(paths):

@@ -2,7 +2,7 @@
 
 import torch
 
-from redraft.infer.drafters import redrafter as rd
+from redraft.infer.drafters.redrafter import drafter as rd
 from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from redraft.errors import ArtifactError, ConfigError
-from redraft.infer.drafters.redrafter import beam_search
+from redraft.infer.drafters.redrafter.drafter import beam_search
 from redraft.models import apple
 from redraft.models.drafter_io import load_drafter, read_drafter
 from redraft.models.redrafter import ReDrafter, ReDrafterConfig

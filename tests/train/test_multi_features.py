@@ -7,7 +7,7 @@ import torch
 
 from redraft.errors import ConfigError, RedraftError
 from redraft.infer.decoder import SpeculativeDecoder, lower_hidden_layers, plain_greedy
-from redraft.infer.drafters.redrafter import ReDrafterDrafter
+from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter
 from redraft.models import load_target
 from redraft.models.drafter_io import load_drafter
 from redraft.models.redrafter import ReDrafter, ReDrafterConfig

@@ -21,15 +21,16 @@ import functools
 import torch
 
 from redraft.infer.config import FIELDS
-from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, pad_paths
-from redraft.infer.hostdraft import (
+from redraft.infer.spec.drafter import DecodeState, Draft, Drafter
+from redraft.infer.spec.hostdraft import (
     GROUPS_PER_CLASS,
     HostTables,
     context_matches_np,
     ngrammys_np,
     table_rows_np,
 )
-from redraft.infer.tree import cached_arange
+from redraft.infer.spec.paths import PAD, pad_paths
+from redraft.infer.spec.tree import cached_arange
 
 # defaults come from DecoderConfig (one place for each)
 K, W, Q, Q_MAX = (FIELDS[n].default for n in ("ngram_k", "ngram_w", "context_q", "context_q_max"))

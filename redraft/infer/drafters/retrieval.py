@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter
+from redraft.infer.spec.drafter import DecodeState, Draft, Drafter
+from redraft.infer.spec.paths import PAD
 
 
 class DraftRetrieverDrafter(Drafter):

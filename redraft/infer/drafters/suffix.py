@@ -33,7 +33,8 @@ from collections import OrderedDict
 import numpy as np
 
 from redraft.errors import ConfigError
-from redraft.infer.drafters.base import PAD, Draft, Drafter, HostFeedback
+from redraft.infer.spec.drafter import Draft, Drafter, HostFeedback
+from redraft.infer.spec.paths import PAD
 
 # statistics groups: match length class x probability class (4 x 4 of HostStats' 32 groups)
 MATCH_CLASSES = np.array([3, 6, 12])  # match lengths < 3, < 6, < 12, >= 12 tokens

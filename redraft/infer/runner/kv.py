@@ -7,8 +7,8 @@ one buffer. Active rows are slots ``0 .. B-1``; row ``b`` holds ``lengths[b]`` t
 same captured CUDA graph serves any lengths) and attends over the first ``span`` columns, with
 :meth:`SlotKVCache.attention_bias` showing a row its own cache and its tree's ancestors.
 Rotary embeddings are applied before keys are cached, so moving a key does not change its
-position. The target's verifier (``redraft.infer.verify``) and HSDDW's draft models
-(``redraft.infer.drafters.hsddw_models``) both decode over it.
+position. The target's verifier (``redraft.infer.runner.verify``) and HSDDW's draft models
+(``redraft.infer.drafters.hsddw.models``) both decode over it.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Piece:
     """A prefill piece riding in a verify forward (:meth:`SlotKVCache.begin_piece`): the
     forward's tokens are one flattened row, the verify's ``split`` tokens (``B x n``) first,
     then the piece's ``rows x T``. The cache writes each part into its own slots; the attention
-    (``redraft.infer.grouped_attention``) attends the piece's queries over ``key`` / ``value``
+    (``redraft.infer.runner.grouped_attention``) attends the piece's queries over ``key`` / ``value``
     (this layer's, set by the cache's update) with ``bias``."""
 
     window: tuple[int, int]  # the piece rows' slots

@@ -17,7 +17,7 @@ Counted: every ATen op that reaches the dispatcher inside the ``with`` block (a
 
 Reads from the device to the host are counted separately in ``host_reads`` (``.item()``,
 ``.tolist()``, ``.cpu()`` of a device tensor on CUDA; on CPU, where those are free, by the
-engine's :meth:`~redraft.infer.engine.Engine.step` contract: one read per step).
+engine's :meth:`~redraft.infer.engine.engine.Engine.step` contract: one read per step).
 """
 
 from __future__ import annotations

@@ -9,20 +9,20 @@
   (:class:`CausalLMModel`), an *early-exit* draft cut from the target itself
   (:func:`early_exit_model`: its first ``L`` layers, final norm and head, sharing the weights, so
   no extra memory), or the tri-gram table (:class:`TrigramModel`). Every target therefore has a
-  hierarchy with no training. They live in :mod:`redraft.infer.drafters.hsddw_models`.
+  hierarchy with no training. They live in :mod:`redraft.infer.drafters.hsddw.models`.
 * **Hierarchy.** M1 drafts with self-verify; M2 pre-verifies M1's tokens by rejection sampling
   (one M2 forward over the chain), keeps its own correction token, and hands the chain back to
   M1 to extend while M2's entropy stays under M2's own ``tau``; when M2 loses confidence the
   chain goes to the target (:class:`HSDDWDrafter`). In greedy decoding the chain is M2's greedy
   chain; when sampling, every chain token is a sample of M2's (temperature/top-p warped)
   distribution. The decoder verifies the chain's tokens as point masses, which keeps the
-  target's distribution exactly whatever the drafts are (``redraft.infer.accept``).
+  target's distribution exactly whatever the drafts are (``redraft.infer.spec.accept``).
 * **Stats** (:class:`HierarchyStats`): redundancy ``sigma = 1 - accepted / drafted`` per level
   and target utilisation ``eta = target calls / output length``.
 
 **Batching.** All rows draft together: every M1 step is one forward of the whole batch, every
 M2 pre-verification one forward over every row's chain, with masks for rows that stopped. Each
-draft LM keeps one KV cache for the batch (``redraft.infer.kv.SlotKVCache``: rows of different
+draft LM keeps one KV cache for the batch (``redraft.infer.runner.kv.SlotKVCache``: rows of different
 lengths). The drafter keeps a token buffer ``[B, W]`` per row (committed tokens, then the chain
 being drafted); a model's cache always holds a prefix of its row's buffer. At each
 :meth:`HSDDWDrafter.propose` the buffer's old chain is compared with what the target committed:
@@ -44,16 +44,17 @@ from dataclasses import dataclass, field
 import torch
 
 from redraft.errors import ConfigError
-from redraft.infer.accept import RowSampling, entropy, greedy_tokens, warp_probs
-from redraft.infer.drafters.base import PAD, DecodeState, Draft, Drafter, Feedback
-from redraft.infer.drafters.hsddw_models import (
+from redraft.infer.drafters.hsddw.models import (
     CausalLMModel,
     ProbModel,
     TrigramModel,
     early_exit_model,
     frequent_tokens,
 )
-from redraft.infer.tree import cached_arange
+from redraft.infer.spec.accept import RowSampling, entropy, greedy_tokens, warp_probs
+from redraft.infer.spec.drafter import DecodeState, Draft, Drafter, Feedback
+from redraft.infer.spec.paths import PAD
+from redraft.infer.spec.tree import cached_arange
 
 # The draft models live in hsddw_models.py; their names are re-exported here.
 __all__ = [

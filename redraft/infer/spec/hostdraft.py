@@ -8,26 +8,26 @@ so these functions do the same work in numpy: no kernels, tens of microseconds p
 Each function returns exactly what its torch counterpart returns for the same inputs (the
 tests compare them on random inputs):
 
-=========================  ==========================================================
+=========================  ==================================================================
 here                       torch original
-=========================  ==========================================================
+=========================  ==================================================================
 :func:`context_matches_np`  ``drafters.ngram.context_matches_multi``
 :class:`HostTables`         ``NGramTables.extended / bigram_topk / unigram_topk``
 :func:`ngrammys_np`         ``NGrammysDrafter.propose``
 :func:`table_rows_np`       ``TableDrafter.propose``
-:class:`HostStats`          ``budget.AcceptanceStats``
-:func:`best_budget_np`      ``budget.best_budget`` (one K for the batch, a host int)
-=========================  ==========================================================
+:class:`HostStats`          ``reference.budget.AcceptanceStats`` (tests)
+:func:`best_budget_np`      ``reference.budget.best_budget`` (tests; one K for the batch, a host int)
+=========================  ==================================================================
 
-The tree built from the paths is in :mod:`redraft.infer.hosttree`.
+The tree built from the paths is in :mod:`redraft.infer.spec.hosttree`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from redraft.infer import hostjit
-from redraft.infer.drafters.base import PAD
+from redraft.infer.spec import hostjit
+from redraft.infer.spec.paths import PAD
 
 GROUPS_PER_CLASS = 4  # statistics groups per match length: ranks 0, 1, 2 and the rest
 
@@ -338,12 +338,11 @@ def table_rows_np(
 
 
 class HostStats:
-    """``budget.AcceptanceStats`` in host float32 arrays: the same rates after the same updates.
+    """``reference.budget.AcceptanceStats`` (tests) in host float32 arrays: the same rates after the same updates.
 
     ``rate[d, g, l]`` estimates P(the entry at depth l of a drafter-d path of group g is
     accepted | its parent was), with a Beta prior and a decay per update of a drafter; the
-    prior's mean is ``prior_rate`` at depth 0 and the rate of depth ``l - 1`` below it (see
-    :class:`redraft.infer.budget.AcceptanceStats`).
+    prior's mean is ``prior_rate`` at depth 0 and the rate of depth ``l - 1`` below it.
     """
 
     def __init__(
@@ -447,7 +446,7 @@ _NO_GROUP = np.zeros((1, 1), np.int64)
 
 
 def best_budget_np(values, cost, max_nodes: int, overhead_s: float = 0.0, batch_cost=None) -> int:
-    """``budget.best_budget`` on the host: the one K (nodes per row) for the batch.
+    """``best_budget`` (the tests' torch oracle) on the host: the one K (nodes per row) for the batch.
 
     Args:
         values: ``[B, M]`` estimated acceptance probability of every candidate node (0 for

@@ -10,7 +10,7 @@ Pieces, each usable alone:
   ``cap``; tri-grams the table lacks enter with ``increment``. The overlay is a few sorted numpy
   arrays next to the table: the loaded table (and its file) never changes, and each request
   (batch row) sees only its own updates.
-* :func:`redraft.infer.drafters.mcts.mcts_search`: the draft maker (PUCT, expansion from the table,
+* :func:`redraft.infer.drafters.aded.mcts.mcts_search`: the draft maker (PUCT, expansion from the table,
   simulation by sampling it, backpropagation of the path score, candidates ranked by score).
 * :class:`ADEDDrafter`: the three behind the decoder's :class:`~redraft.infer.drafters.Drafter`
   interface; its candidate paths join the shared verification tree.
@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from redraft.infer.drafters.base import PAD, Draft, Drafter, HostFeedback
-from redraft.infer.drafters.mcts import MCTSConfig, MCTSResult, mcts_search
+from redraft.infer.drafters.aded.mcts import MCTSConfig, MCTSResult, mcts_search
+from redraft.infer.spec.drafter import Draft, Drafter, HostFeedback
+from redraft.infer.spec.paths import PAD
 from redraft.ngrams import TrigramTable, as_trigram_table
 
 # ADED's Adjust3Gram defaults: one observation of a tri-gram makes it a strong (not certain)

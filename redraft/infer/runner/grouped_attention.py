@@ -8,7 +8,7 @@ each attended over its own longest row, one SDPA call per group; masked columns 
 weight, so the output is what one call over the whole span gives.
 
 Only CPU forwards split rows in groups (a captured CUDA graph attends over one fixed span by
-design), but every :class:`~redraft.infer.verify.Verifier` switches its target from ``sdpa`` to
+design), but every :class:`~redraft.infer.runner.verify.Verifier` switches its target from ``sdpa`` to
 this function (registered with transformers' ``AttentionInterface``), which is plain ``sdpa``
 unless the verifier set the groups of the current forward (:func:`grouped`). Every call,
 grouped or not, goes through :func:`packed_sdpa`: the query heads that share a key/value head
@@ -36,7 +36,7 @@ _GROUPS: contextvars.ContextVar = contextvars.ContextVar("redraft_row_groups", d
 # the current forward's masks with their rows repeated per query head of a key/value head
 # (one dict per verifier forward, set by :func:`grouped`: every layer reuses the first's)
 _PACKED_MASKS: contextvars.ContextVar = contextvars.ContextVar("redraft_packed", default=None)
-# a prefill piece riding in the current verify forward (redraft.infer.kv.Piece), or None
+# a prefill piece riding in the current verify forward (redraft.infer.runner.kv.Piece), or None
 _PIECE: contextvars.ContextVar = contextvars.ContextVar("redraft_piece", default=None)
 
 
@@ -88,7 +88,7 @@ def grouped(groups: tuple | None):
 
 @contextlib.contextmanager
 def with_piece(piece):
-    """Forwards inside carry ``piece`` (a :class:`~redraft.infer.kv.Piece`) after their verify
+    """Forwards inside carry ``piece`` (a :class:`~redraft.infer.runner.kv.Piece`) after their verify
     tokens: :func:`grouped_sdpa` attends the two parts apart."""
     token = _PIECE.set(piece)
     try:

@@ -1,6 +1,6 @@
 """The draft tree built on the host (numpy), packed into one array for one upload per step.
 
-:func:`build_tree_np` is ``redraft.infer.tree.build_tree`` in numpy (same node numbering,
+:func:`build_tree_np` is ``redraft.infer.spec.tree.build_tree`` in numpy (same node numbering,
 pruning, ties and padding: see that module's doc for the idea and a worked example).
 :meth:`HostTree.pack` lays the fields the device needs into one int64 array ``[B, W]``;
 after the caller uploads it, :func:`unpack_tree` rebuilds a device ``Tree`` from views of it
@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from redraft.infer import hostjit
-from redraft.infer.drafters.base import PAD
+from redraft.infer.spec import hostjit
+from redraft.infer.spec.paths import PAD
 
 
 @dataclass
 class HostTree:
-    """``redraft.infer.tree.Tree`` with numpy fields (same meaning, shapes and dtypes: int64,
+    """``redraft.infer.spec.tree.Tree`` with numpy fields (same meaning, shapes and dtypes: int64,
     ``valid`` and ``anc`` bool)."""
 
     tokens: np.ndarray  # [B, N]
@@ -69,10 +69,10 @@ def packed_width(N: int, P: int, L: int) -> int:
 
 
 def unpack_tree(t, N: int, max_depth: int, P: int, L: int):
-    """A device ``redraft.infer.tree.Tree`` from an uploaded :meth:`HostTree.pack` tensor
+    """A device ``redraft.infer.spec.tree.Tree`` from an uploaded :meth:`HostTree.pack` tensor
     ``t [B, packed_width(N, P, L)]`` (int64): int fields are views of ``t``, ``valid`` and
     ``anc`` views of one bool conversion."""
-    from redraft.infer.tree import Tree
+    from redraft.infer.spec.tree import Tree
 
     B = t.shape[0]
     o = 3 * N + 2 + P * L

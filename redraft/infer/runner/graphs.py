@@ -4,7 +4,7 @@ A ReDrafter beam search is ~190 small kernels per step (5 head steps, top-k, gat
 one by one from Python that is milliseconds of host time a step on a GPU,
 more than the verify it feeds. Its shapes are fixed by ``(rows, width, length)`` and it reads
 nothing back to the host, so one graph per shape replays it as a single launch. The verify's
-own graphs (:class:`~redraft.infer.verify.GraphSet`) are tied to a KV cache's buffer; these
+own graphs (:class:`~redraft.infer.runner.verify.GraphSet`) are tied to a KV cache's buffer; these
 depend only on the function's weights and their static input buffers.
 
 :class:`GraphStore` holds the policy both follow: a shape is captured the second call in a row

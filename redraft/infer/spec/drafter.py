@@ -21,7 +21,7 @@ Shapes: ``B`` rows, ``P`` paths per row, ``L`` tokens per path, ``V`` target voc
 Every drafted token is verified as a point mass (whatever proposed it), so the decoder never
 needs a drafter's own distribution: greedy verification reproduces plain greedy decoding, and
 rejection sampling over the tree keeps the target's distribution exactly
-(``redraft.infer.accept``). A drafter may still sample its tokens (HSDDW's chains do at
+(``redraft.infer.spec.accept``). A drafter may still sample its tokens (HSDDW's chains do at
 temperature > 0, from the generators in ``state.sampling``); that changes which candidates are
 proposed, never the output's distribution. Drafters built from drafters (hierarchies, mixes)
 hold their children and return one ``Draft``; per-request state lives in the drafter, indexed by
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-PAD = -1  # "no token" in paths and token buffers
+from redraft.infer.spec.paths import PAD
 
 
 @dataclass
@@ -55,7 +55,7 @@ class DecodeState:
         prompt_lengths: ``[B]`` long: how many of ``tokens`` are the prompt.
         step: verify steps done so far in this batch.
         request_ids: ``[B]`` long: which request each row is (rows join and leave the batch).
-        sampling: the rows' sampling settings (``redraft.infer.accept.RowSampling``:
+        sampling: the rows' sampling settings (``redraft.infer.spec.accept.RowSampling``:
             ``temperature [B]``, ``top_p [B]``, per-row ``generators``), or ``None`` (greedy).
     """
 
@@ -75,6 +75,20 @@ class DecodeState:
     @property
     def device(self) -> torch.device:
         return self.tokens.device
+
+
+@dataclass
+class HostState:
+    """What host drafters see: ``seqs[b]`` row b's tokens (int64 numpy, prompt + output, the
+    last one is ``last[b]``), ``prompt_lengths [B]``."""
+
+    seqs: list[np.ndarray]
+    last: np.ndarray
+    prompt_lengths: np.ndarray
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)
 
 
 @dataclass
@@ -139,7 +153,7 @@ class Feedback:
 @dataclass
 class HostFeedback:
     """What verification did with a host drafter's paths (numpy; see :class:`Feedback`):
-    ``accepted_prefix [B, P]``, ``acceptance`` (``redraft.infer.accept.HostAcceptance``: the
+    ``accepted_prefix [B, P]``, ``acceptance`` (``redraft.infer.spec.accept.HostAcceptance``: the
     accepted path, tokens and bonus of every row), ``verified [B, P]``."""
 
     accepted_prefix: object
@@ -153,12 +167,20 @@ class Drafter:
 
     Class attributes:
         name: short name used in stats and benchmark tables.
-        host: drafts from the host's token lists (``redraft.infer.engine.HostState``) with numpy
+        host: drafts from the host's token lists (:class:`HostState`) with numpy
             and returns a :class:`Draft` of numpy arrays: no device work, no device read.
     """
 
     name: str = "drafter"
     host: bool = False
+    # the target layers below the last whose hidden states it reads as ``DecodeState.hidden``,
+    # the last one last (``()``: the last hidden state only; multi-layer ReDrafter heads)
+    hidden_layers: tuple[int, ...] = ()
+
+    def bind(self, speculator, index: int) -> None:
+        """Called once when a decoder is built: the ``redraft.infer.spec.speculator.Speculator``
+        whose measurements (acceptance rates ``speculator.stats``, the verify-cost curve, the
+        drafting time) this drafter, number ``index``, may plan from. Default: nothing."""
 
     def propose_host(self, host) -> Draft:
         """Candidate paths (numpy ``[B, P, L]``) continuing ``host.last`` for every row."""
@@ -195,28 +217,3 @@ class Drafter:
     def select_rows(self, keep: torch.Tensor) -> None:
         """Rows ``keep`` ([B'] long indices into the current batch) stay; drop the others'
         per-request state. Called when requests finish."""
-
-
-def pad_paths(tokens: torch.Tensor, length: int) -> torch.Tensor:
-    """Right-pad (or cut) ``[..., L]`` paths to ``length`` with ``PAD``."""
-    cur = tokens.shape[-1]
-    if cur == length:
-        return tokens
-    if cur > length:
-        return tokens[..., :length]
-    pad = tokens.new_full((*tokens.shape[:-1], length - cur), PAD)
-    return torch.cat([tokens, pad], dim=-1)
-
-
-def clean_paths(tokens: torch.Tensor) -> torch.Tensor:
-    """Make every token after a path's first ``PAD`` (or negative id) a ``PAD`` too."""
-    valid = (tokens >= 0).long().cumprod(dim=-1).bool()
-    return tokens.masked_fill(~valid, PAD)
-
-
-def pad_paths_np(a: np.ndarray, length: int, fill=PAD) -> np.ndarray:
-    """Right-pad (or cut) ``[..., L]`` paths to ``length``."""
-    cur = a.shape[-1]
-    if cur >= length:
-        return a[..., :length]
-    return np.concatenate([a, np.full((*a.shape[:-1], length - cur), fill, a.dtype)], axis=-1)

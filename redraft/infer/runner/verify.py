@@ -11,13 +11,13 @@ and uploads it in one copy): per row the cache length, then the tree's tokens, d
 and ancestor mask. Everything the model needs is derived from it *inside* the forward (ids,
 positions ``length + depth``, the 4D attention mask, the columns the cache writes), so on CUDA
 the whole verify, mask included, is one graph launch, and the step outside it is a handful of
-ops (``redraft.infer.opcount`` counts them).
+ops (``redraft.infer.runner.opcount`` counts them).
 
 Graphs (:class:`GraphSet`) belong to the cache they were captured over (its buffer address is in
-them): one set per :class:`~redraft.infer.kv.SlotKVCache`, with its own memory pool, captured
+them): one set per :class:`~redraft.infer.runner.kv.SlotKVCache`, with its own memory pool, captured
 once per shape and reused across requests, dropped together (graphs and pool) when the buffer
 grows. A shape is captured the second step in a row it is used or its third use in all
-(:class:`~redraft.infer.graphs.GraphStore`; a server's batch changes often, a speculating
+(:class:`~redraft.infer.runner.graphs.GraphStore`; a server's batch changes often, a speculating
 engine's tree size alternates); the eager forward runs until then. **A capture that fails never
 changes or stops decoding**: it is logged once, that shape stays eager, and the step runs the
 eager forward (a CPU test injects a failing capture).
@@ -38,17 +38,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from redraft.infer.budget import SIZES, BatchCost, CostCurve, measure_cost_curve
-from redraft.infer.graphs import GraphStore, after_failed_capture, cuda_capture, graph_stats
-from redraft.infer.grouped_attention import NAME as ATTENTION
-from redraft.infer.grouped_attention import (
+from redraft.infer.runner.cost import SIZES, BatchCost, CostCurve, measure_cost_curve
+from redraft.infer.runner.graphs import GraphStore, after_failed_capture, cuda_capture, graph_stats
+from redraft.infer.runner.grouped_attention import NAME as ATTENTION
+from redraft.infer.runner.grouped_attention import (
     grouped,
     row_groups,
     use_packed_attention,
     with_piece,
 )
-from redraft.infer.kv import SlotKVCache
-from redraft.infer.opcount import not_counted
+from redraft.infer.runner.kv import SlotKVCache
+from redraft.infer.runner.opcount import not_counted
 from redraft.models import cpu
 from redraft.utils import cache_kwargs
 
@@ -99,7 +99,7 @@ class StepInput:
 class GraphSet(GraphStore):
     """The CUDA graphs captured over one cache buffer and their memory pool (one owner, one
     lifetime): ``entries[(batch, size, span)]``, shapes whose capture failed in ``eager``, and
-    the buffer generation they were captured over (:class:`~redraft.infer.graphs.GraphStore`:
+    the buffer generation they were captured over (:class:`~redraft.infer.runner.graphs.GraphStore`:
     the capture policy and the cap on graphs kept)."""
 
     def __init__(self, max_graphs: int = 256):
@@ -112,7 +112,7 @@ class GraphSet(GraphStore):
 
 
 class Verifier:
-    """Target forwards over a :class:`~redraft.infer.kv.SlotKVCache`.
+    """Target forwards over a :class:`~redraft.infer.runner.kv.SlotKVCache`.
 
     Args:
         target: a :class:`redraft.models.Target`.
@@ -349,7 +349,7 @@ class Verifier:
     @property
     def can_fuse(self) -> bool:
         """Whether :meth:`verify_with_piece` runs: eager verifies (no graphs) through redraft's
-        attention (:func:`~redraft.infer.grouped_attention.grouped_sdpa`)."""
+        attention (:func:`~redraft.infer.runner.grouped_attention.grouped_sdpa`)."""
         return not self.static and self.model.config._attn_implementation == ATTENTION
 
     def verify_with_piece(
@@ -365,7 +365,7 @@ class Verifier:
         as vLLM and SGLang batch them): the tokens of both are one flattened row, so every
         weight is read once (a CPU forward's fixed cost, ~47-64 ms for the default target on
         a small CPU, is that read) and no part is padded to the other's length; the
-        attention and the cache take the two parts apart (:class:`~redraft.infer.kv.Piece`).
+        attention and the cache take the two parts apart (:class:`~redraft.infer.runner.kv.Piece`).
         Returns the verify's hidden ``[B, N, F]`` and the piece rows' last hidden ``[n, F]``;
         the same values as the two forwards (up to the matrix products' summation order).
         Eager only (:attr:`can_fuse`)."""

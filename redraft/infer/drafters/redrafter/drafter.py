@@ -21,8 +21,8 @@ from collections import Counter
 import numpy as np
 import torch
 
-from redraft.infer import hostjit
-from redraft.infer.beamcost import (
+from redraft.infer.config import FIELDS
+from redraft.infer.drafters.redrafter.beamcost import (
     MAX_SPLIT,
     MAX_WIDTH,
     RANK_BUCKETS,
@@ -31,9 +31,9 @@ from redraft.infer.beamcost import (
     plan_beam,
     split_depth_np,
 )
-from redraft.infer.config import FIELDS
-from redraft.infer.drafters.base import DecodeState, Draft, Drafter
-from redraft.infer.graphs import ShapeGraphs
+from redraft.infer.runner.graphs import ShapeGraphs
+from redraft.infer.spec import hostjit
+from redraft.infer.spec.drafter import DecodeState, Draft, Drafter
 
 
 @torch.no_grad()
@@ -114,16 +114,16 @@ class ReDrafterDrafter(Drafter):
             to ``dtype`` in place.
         width: beams per row (Apple's default 4-8), or ``"auto"``: chosen every few steps from
             the measured drafting and verify costs and the observed acceptance by beam rank
-            and depth (:mod:`redraft.infer.beamcost`), among 1..``beamcost.MAX_WIDTH``.
+            and depth (:mod:`redraft.infer.drafters.redrafter.beamcost`), among 1..``beamcost.MAX_WIDTH``.
         length: tokens per beam (<= the head's training horizon, ``head.config.num_steps``, the
             default, is where it is accurate), or ``"auto"``: chosen the same way among
             1..``num_steps``.
         dtype: the head's drafting dtype (:func:`draft_dtype`; ``"auto"``: bf16 on CPUs that
             multiply bf16 natively).
-        beam_cost: a :class:`~redraft.infer.beamcost.BeamCost` to use instead of measuring one
+        beam_cost: a :class:`~redraft.infer.drafters.redrafter.beamcost.BeamCost` to use instead of measuring one
             at the first planned step (only with an ``"auto"`` width or length).
         graphs: replay the beam search from a CUDA graph per (rows, width, length)
-            (:class:`~redraft.infer.graphs.ShapeGraphs`; default: the head is on CUDA). Eager,
+            (:class:`~redraft.infer.runner.graphs.ShapeGraphs`; default: the head is on CUDA). Eager,
             its ~190 kernel launches a step cost milliseconds of host time.
         capture: the capture function (tests inject their own).
 
@@ -167,17 +167,18 @@ class ReDrafterDrafter(Drafter):
         self.split = np.zeros((max(self.widths), MAX_SPLIT + 1))
         self.split[:, 0] = 1
         self.plans: Counter = Counter()  # (W, L) -> steps drafted with it
-        self._decoder, self._index, self._steps, self._next_plan = None, 0, 0, 0
+        self._speculator, self._index, self._steps, self._next_plan = None, 0, 0, 0
         self._every = self.REPLAN  # steps to the next plan (grows while plans keep the choice)
 
     @property
     def auto(self) -> bool:
         return self.auto_width or self.auto_length
 
-    def bind(self, decoder, index: int) -> None:
-        """The decoder whose acceptance rates (``decoder.stats``, this drafter is ``index``),
-        verify-cost curve and step timings an "auto" width or length is planned from."""
-        self._decoder, self._index = decoder, index
+    def bind(self, speculator, index: int) -> None:
+        """The speculator whose acceptance rates (``speculator.stats``, this drafter is
+        ``index``), verify-cost curve and step timings an "auto" width or length is planned
+        from."""
+        self._speculator, self._index = speculator, index
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -225,7 +226,7 @@ class ReDrafterDrafter(Drafter):
 
     def _groups(self, tokens: np.ndarray) -> np.ndarray:
         """``[B, W]`` the beams' statistics groups (rank bucket x split depth,
-        :func:`~redraft.infer.beamcost.beam_group`); this step's split depths are folded into
+        :func:`~redraft.infer.drafters.redrafter.beamcost.beam_group`); this step's split depths are folded into
         the running frequencies."""
         B, W, _ = tokens.shape
         if hostjit.ENABLED:
@@ -246,8 +247,8 @@ class ReDrafterDrafter(Drafter):
     def _plan(self, state: DecodeState) -> bool:
         """Choose (W, L) for the next steps (``beamcost.plan_beam``), measuring the beam-search
         cost on this device the first time; False while the decoder has no cost curve yet."""
-        dec = self._decoder
-        if dec is None or dec.cost_curve is None or state.hidden is None:
+        spec = self._speculator
+        if spec is None or spec.cost_curve is None or state.hidden is None:
             return False
         if self.beam_cost is None:
             vd = self.head.config.draft_vocab_size or self.head.config.vocab_size
@@ -259,9 +260,9 @@ class ReDrafterDrafter(Drafter):
             )
         B = state.batch_size
         own = float(self.beam_cost(B, self.width, self.length))
-        fixed = getattr(dec, "_draft_overhead", 0.0) - own  # the rest of the drafting phase
-        rates = dec.stats.rates()[self._index]
+        fixed = spec.draft_overhead - own  # the rest of the drafting phase
+        rates = spec.stats.rates()[self._index]
         self.width, self.length, _ = plan_beam(
-            rates, self.split, self.beam_cost, dec.cost_curve, B, self.widths, self.lengths, fixed
+            rates, self.split, self.beam_cost, spec.cost_curve, B, self.widths, self.lengths, fixed
         )
         return True

@@ -5,7 +5,7 @@ steps over its B * W beams (``drafters.redrafter.beam_search``)::
 
     draft(B, W, L) = first(B) + (L - 1) * ext(B * W)
 
-``first`` and ``ext`` are piecewise-linear curves over rows (:class:`~redraft.infer.budget.CostCurve`),
+``first`` and ``ext`` are piecewise-linear curves over rows (:class:`~redraft.infer.runner.cost.CostCurve`),
 measured once on the device in use (:func:`measure_beam_cost`, like the verify-cost curve).
 
 What a beam buys: the decoder observes, per (drafter, path group, depth), how often an entry
@@ -25,7 +25,7 @@ score, so a beam's ``v`` is taken as at most the beam's above it with the same s
 never tried does not look better than the ranks that were (its rates alone would be the
 prior's).
 
-:func:`plan_beam` then does what ``budget.best_budget`` does for the tree, one level up: for
+:func:`plan_beam` then does what ``spec.hostdraft.best_budget_np`` does for the tree, one level up: for
 every candidate (W, L) it sorts those nodes by value, lets the budget verify the best K of them,
 and scores ``B * (1 + sum of the K values) / (c(B * (K + 1)) + draft(B, W, L) + fixed)``: the
 expected output tokens per second of the step. The best (W, L) wins. Depths never tried keep
@@ -42,7 +42,7 @@ Worked example (B = 1, both beams split at depth 0, a flat verify cost of 1 s, d
     W=2, L=2: (1 + 0.6 + 0.3 + 0.2 + 0.1) / (1 + 0.1 + 0.15) = 1.76   <- chosen
 
 Everything here runs on the host, from numbers the host already has: no device work (the plan
-and the beams' groups in numba-compiled loops, :mod:`redraft.infer.hostjit`, where numba is
+and the beams' groups in numba-compiled loops, :mod:`redraft.infer.spec.hostjit`, where numba is
 installed; this numpy code otherwise).
 """
 
@@ -51,8 +51,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from redraft.infer import hostjit
-from redraft.infer.budget import CostCurve, curve_np, measure_cost_curve
+from redraft.infer.runner.cost import CostCurve, curve_np, measure_cost_curve
+from redraft.infer.spec import hostjit
 
 ROW_SIZES = (1, 2, 4, 8, 16, 32, 64)  # rows at which the head's steps are timed
 MAX_WIDTH = 16  # the widest beam search "auto" considers

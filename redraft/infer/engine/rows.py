@@ -1,16 +1,16 @@
-"""The host side of a decode step: requests' rows, what host drafters see, the one readout.
+"""The host side of a decode step: requests' rows and the one readout.
 
 * :class:`Row`: one request on the host: its tokens (prompt + output, in a growing numpy buffer),
   sampling settings, text stream and stats;
-* :class:`HostState`: what host drafters draft from (every row's tokens, no device);
-* :class:`StepReadout`: the step's one device-to-host transfer;
-* :class:`Clock`: step timestamps (CUDA events on a GPU, read after the step's one sync).
+* :class:`StepReadout`: the step's one device-to-host transfer.
+
+What host drafters draft from (``HostState``) is part of the drafter interface
+(:mod:`redraft.infer.spec.drafter`); step timestamps are the runner's (``runner.clock.Clock``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,8 +18,8 @@ import torch
 
 from redraft.errors import ConfigError
 from redraft.infer.config import SamplingParams
+from redraft.infer.engine.text import NoText, TextStream
 from redraft.infer.stats import RequestStats
-from redraft.infer.text import NoText, TextStream
 
 
 @dataclass
@@ -88,20 +88,6 @@ class Row:
         return new, text, reason
 
 
-@dataclass
-class HostState:
-    """What host drafters see: ``seqs[b]`` row b's tokens (int64 numpy, prompt + output, the
-    last one is ``last[b]``), ``prompt_lengths [B]``."""
-
-    seqs: list[np.ndarray]
-    last: np.ndarray
-    prompt_lengths: np.ndarray
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.seqs)
-
-
 class StepReadout:
     """The step's one device-to-host transfer: ``choices`` ``[R, B, N]`` (R rules' picks per
     node, see ``SpeculativeDecoder.choices``) as numpy; ``logprobs`` (``accept.logprob_table``,
@@ -129,21 +115,3 @@ def sampling_params_of(params) -> SamplingParams:
             param="params",
         )
     return params
-
-
-class Clock:
-    """Step timestamps: CUDA events on a GPU (read after the step's one host read, no extra
-    sync), ``perf_counter`` on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def seconds(self, a, b) -> float:
-        return a.elapsed_time(b) / 1e3 if self.cuda else b - a

@@ -3,7 +3,7 @@ for a batch of rows (:class:`ProbModel`): a causal LM that shares the target's t
 (:class:`CausalLMModel`, one batched KV cache), an *early-exit* draft cut from the target itself
 (:func:`early_exit_model`: its first ``L`` layers, final norm and head, sharing the weights, so
 no extra memory), or the tri-gram table (:class:`TrigramModel`). The drafter that runs them in a
-hierarchy is :class:`redraft.infer.drafters.hsddw.HSDDWDrafter`.
+hierarchy is :class:`redraft.infer.drafters.hsddw.drafter.HSDDWDrafter`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from redraft.errors import ConfigError
-from redraft.infer.kv import SlotKVCache
-from redraft.infer.tree import cached_arange
+from redraft.infer.runner.kv import SlotKVCache
+from redraft.infer.spec.tree import cached_arange
 from redraft.ngrams import as_trigram_table
 from redraft.utils import cache_kwargs
 
@@ -115,7 +115,7 @@ def _counts(end: torch.Tensor, first: torch.Tensor, rows: torch.Tensor | None) -
 class CausalLMModel(ProbModel):
     """Any causal LM sharing the target's tokenizer (a small LM, or :func:`early_exit_model`).
 
-    Keeps one :class:`~redraft.infer.kv.SlotKVCache` for the batch, rows of different lengths.
+    Keeps one :class:`~redraft.infer.runner.kv.SlotKVCache` for the batch, rows of different lengths.
     A :meth:`logits` call feeds each row only what its cache lacks (``tokens[b, length_b :
     end_b]``, after cutting the row back to ``first[b]`` so the asked positions are fed), in one
     forward of the batch with a per-row causal mask, and keeps what it fed.

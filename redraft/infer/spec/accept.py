@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from redraft.infer import hostjit
 from redraft.infer.config import TYPICAL_DELTA, TYPICAL_EPS
-from redraft.infer.drafters.base import PAD
-from redraft.infer.tree import Tree
+from redraft.infer.spec import hostjit
+from redraft.infer.spec.paths import PAD
+from redraft.infer.spec.tree import Tree
 
 
 @dataclass
@@ -80,7 +80,7 @@ class RowSampling:
     Attributes:
         offset: ``[B]`` long on the device, the output tokens each row has so far (the index of
             the next token's uniform); the engine sets it every step.
-        proc: the step's :class:`~redraft.infer.processors.RowProcessors` (penalties, bias,
+        proc: the step's :class:`~redraft.infer.engine.processors.RowProcessors` (penalties, bias,
             min_tokens) or ``None``; the engine sets it every step for rows that use them.
     """
 

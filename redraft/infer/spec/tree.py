@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from redraft.infer.drafters.base import PAD, clean_paths
+from redraft.infer.spec.paths import PAD, clean_paths
 
 
 @dataclass

@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from redraft.infer.drafters.base import PAD
+from redraft.infer.spec.paths import PAD
 
 try:  # numba is a dependency; without it (or with REDRAFT_JIT=0) the numpy code runs
     import numba
