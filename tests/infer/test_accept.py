@@ -2,17 +2,16 @@
 
 import pytest
 import torch
-
-from redraft.infer.spec.accept import (
-    RowSampling,
+from reference.accept import (
     accept_greedy,
     accept_rejection,
     accept_typical,
     accepted_tokens,
     emitted_tokens,
-    warp_probs,
 )
-from redraft.infer.spec.tree import build_tree
+from reference.tree import build_tree
+
+from redraft.infer.spec.accept import RowSampling, warp_probs
 
 
 def logits_for(tree, table):
@@ -147,9 +146,11 @@ def test_the_host_walk_over_device_choices_equals_the_device_rules(rule, jit, mo
         pytest.skip("numba is not installed")
     monkeypatch.setattr(hostjit, "ENABLED", jit)
 
-    from redraft.infer.spec.accept import ACCEPT, RowSampling, seed_uniforms, step_choices, walk
+    from reference.accept import ACCEPT
+    from reference.tree import build_tree
+
+    from redraft.infer.spec.accept import RowSampling, seed_uniforms, step_choices, walk
     from redraft.infer.spec.hosttree import build_tree_np
-    from redraft.infer.spec.tree import build_tree
 
     rng = np.random.default_rng(7)
     V = 5

@@ -8,7 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference.accept import accept_greedy
 from reference.budget import AcceptanceStats, best_budget
+from reference.tree import build_tree
 
 from redraft.infer.drafters.ngram import (
     NGrammysDrafter,
@@ -16,7 +18,6 @@ from redraft.infer.drafters.ngram import (
     context_matches_multi,
 )
 from redraft.infer.runner.cost import CostCurve
-from redraft.infer.spec.accept import accept_greedy
 from redraft.infer.spec.drafter import DecodeState
 from redraft.infer.spec.hostdraft import (
     HostStats,
@@ -32,12 +33,9 @@ from redraft.infer.spec.hosttree import (
     build_tree_np,
     credit_np,
     hit_np,
-    packed_width,
     step_feedback_np,
-    unpack_tree,
 )
 from redraft.infer.spec.paths import pad_paths
-from redraft.infer.spec.tree import build_tree
 from redraft.ngrams import NGramTables
 
 
@@ -404,24 +402,6 @@ def test_build_tree_edge_cases():
     assert (
         host.num_nodes.tolist() == [3, 3] and host.valid.sum() == 6
     )  # shared once, 3 padding nodes a row
-
-
-def test_pack_and_unpack_give_the_tree_back_as_views():
-    rng = np.random.default_rng(5)
-    for P, L, size in ((5, 4, 24), (0, 1, 3), (3, 3, None)):
-        paths, values = random_case(rng, B=3, P=P, L=L, V=3)
-        host = build_tree_np(paths, values, 6, rng.integers(0, 3, 3), size)
-        packed = host.pack()
-        N = host.size
-        assert packed.dtype == np.int64 and packed.shape == (3, packed_width(N, P, L))
-        t = torch.from_numpy(packed)
-        tree = unpack_tree(t, N, host.max_depth, P, L)
-        assert_same_tree(tree, host)
-        assert tree.tokens.data_ptr() == t.data_ptr() and tree.path_node.dtype == torch.long
-        assert tree.anc.dtype == torch.bool and tree.anc.data_ptr() == tree.valid.data_ptr() + N
-        buf = np.full((4, packed.shape[1]), 99, dtype=np.int64)  # e.g. a pinned staging buffer
-        host.pack(out=buf[1:])
-        assert (buf[1:] == packed).all() and (buf[0] == 99).all()
 
 
 # ---------------------------------------------------------------------------- after the step

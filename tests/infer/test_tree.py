@@ -1,8 +1,7 @@
 """Tree construction equals a brute-force trie; pruning keeps the most valuable nodes."""
 
 import torch
-
-from redraft.infer.spec.tree import build_tree, prune_paths
+from reference.tree import build_tree, prune_paths
 
 
 def brute_force_tree(paths):

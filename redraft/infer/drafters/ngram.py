@@ -29,8 +29,7 @@ from redraft.infer.spec.hostdraft import (
     ngrammys_np,
     table_rows_np,
 )
-from redraft.infer.spec.paths import PAD, pad_paths
-from redraft.infer.spec.tree import cached_arange
+from redraft.infer.spec.paths import PAD, cached_arange, pad_paths
 
 # defaults come from DecoderConfig (one place for each)
 K, W, Q, Q_MAX = (FIELDS[n].default for n in ("ngram_k", "ngram_w", "context_q", "context_q_max"))

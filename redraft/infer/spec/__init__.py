@@ -10,8 +10,8 @@
   whether speculating pays at a batch size (:class:`SpeculationGuard`);
 - the host kernels: :mod:`~redraft.infer.spec.hostdraft` (n-gram drafting, acceptance rates,
   the node budget) and :mod:`~redraft.infer.spec.hosttree` (the packed tree), numpy reference
-  code, and :mod:`~redraft.infer.spec.hostjit`, the same compiled with numba;
-  :mod:`~redraft.infer.spec.tree`: the tree's torch type for device drafters.
+  code, and :mod:`~redraft.infer.spec.hostjit`, the same compiled with numba (their torch
+  versions are the tests' oracles, tests/reference/).
 
 It imports the runner room (:mod:`redraft.infer.runner`) and nothing above it.
 """

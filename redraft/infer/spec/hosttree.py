@@ -1,12 +1,10 @@
-"""The draft tree built on the host (numpy), packed into one array for one upload per step.
+"""The draft tree built on the host (numpy): one tree per step from every drafter's paths.
 
-:func:`build_tree_np` is ``redraft.infer.spec.tree.build_tree`` in numpy (same node numbering,
-pruning, ties and padding: see that module's doc for the idea and a worked example).
-:meth:`HostTree.pack` lays the fields the device needs into one int64 array ``[B, W]``;
-after the caller uploads it, :func:`unpack_tree` rebuilds a device ``Tree`` from views of it
-and one bool conversion. Layout per row (``N`` nodes, ``P x L`` path entries)::
-
-    tokens N | parent N | depth N | num_nodes 1 | num_entries 1 | path_node P*L | valid N | anc N*N
+:func:`build_tree_np` is ``build_tree`` of the tests' torch reference (tests/reference/tree.py)
+in numpy, with the same node numbering, pruning, ties and padding; that module's doc explains
+the idea with a worked example. The engine uploads the fields the device needs in the one
+step-input format (``redraft.infer.runner.verify.StepInput``: cache lengths, tokens, depth,
+parent, ancestors in one int64 tensor).
 
 The host keeps the :class:`HostTree` and does the step's bookkeeping from the accepted path it
 reads back (:func:`hit_np`, :func:`credit_np`, :func:`accepted_prefix_np`: the decoder's
@@ -26,8 +24,10 @@ from redraft.infer.spec.paths import PAD
 
 @dataclass
 class HostTree:
-    """``redraft.infer.spec.tree.Tree`` with numpy fields (same meaning, shapes and dtypes: int64,
-    ``valid`` and ``anc`` bool)."""
+    """The packed tree of a step, numpy fields (int64; ``valid`` and ``anc`` bool), the same as
+    the tests' torch ``Tree`` (tests/reference/tree.py): ``tokens [B, N]`` node tokens (node 0
+    the root), ``parent`` and ``depth`` per node, ``anc [B, N, N]`` ancestor-or-self,
+    ``path_node [B, P, L]`` the node of every path entry (``-1``: pruned or padding)."""
 
     tokens: np.ndarray  # [B, N]
     parent: np.ndarray  # [B, N]
@@ -42,52 +42,6 @@ class HostTree:
     @property
     def size(self) -> int:
         return int(self.tokens.shape[1])
-
-    def pack(self, out: np.ndarray | None = None) -> np.ndarray:
-        """``int64 [B, 4N + N*N + 2 + P*L]`` in the layout of the module doc (one upload);
-        ``out``: write there instead (e.g. a view of a pinned host buffer) and return it."""
-        B, N = self.tokens.shape
-        P, L = self.path_node.shape[1:]
-        parts = [
-            self.tokens,
-            self.parent,
-            self.depth,
-            self.num_nodes[:, None],
-            self.num_entries[:, None],
-            self.path_node.reshape(B, P * L),
-            self.valid,
-            self.anc.reshape(B, N * N),
-        ]
-        if out is not None:
-            return np.concatenate(parts, axis=1, out=out)
-        return np.concatenate(parts, axis=1, dtype=np.int64)
-
-
-def packed_width(N: int, P: int, L: int) -> int:
-    """Columns of :meth:`HostTree.pack` for ``N`` nodes and ``P x L`` paths."""
-    return 4 * N + N * N + 2 + P * L
-
-
-def unpack_tree(t, N: int, max_depth: int, P: int, L: int):
-    """A device ``redraft.infer.spec.tree.Tree`` from an uploaded :meth:`HostTree.pack` tensor
-    ``t [B, packed_width(N, P, L)]`` (int64): int fields are views of ``t``, ``valid`` and
-    ``anc`` views of one bool conversion."""
-    from redraft.infer.spec.tree import Tree
-
-    B = t.shape[0]
-    o = 3 * N + 2 + P * L
-    flags = t[:, o:].bool()  # [B, N + N*N], the only new tensor
-    return Tree(
-        tokens=t[:, :N],
-        parent=t[:, N : 2 * N],
-        depth=t[:, 2 * N : 3 * N],
-        valid=flags[:, :N],
-        anc=flags[:, N:].view(B, N, N),
-        path_node=t[:, 3 * N + 2 : o].view(B, P, L),
-        num_nodes=t[:, 3 * N],
-        num_entries=t[:, 3 * N + 1],
-        max_depth=max_depth,
-    )
 
 
 def clean_paths_np(paths: np.ndarray) -> np.ndarray:

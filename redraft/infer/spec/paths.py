@@ -6,6 +6,8 @@ drafter read ``PAD`` from here (a path ends at its first ``PAD``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -35,3 +37,11 @@ def pad_paths_np(a: np.ndarray, length: int, fill=PAD) -> np.ndarray:
     if cur >= length:
         return a[..., :length]
     return np.concatenate([a, np.full((*a.shape[:-1], length - cur), fill, a.dtype)], axis=-1)
+
+
+# small index tensors every step needs, made once per shape and device (each torch op on a small
+# tensor costs microseconds of host time; the decoder's step is a few hundred of them)
+@functools.lru_cache(maxsize=256)
+def cached_arange(n: int, device) -> torch.Tensor:
+    """``torch.arange(n)`` on ``device``, made once (callers must not write into it)."""
+    return torch.arange(n, device=device)

@@ -53,8 +53,7 @@ from redraft.infer.drafters.hsddw.models import (
 )
 from redraft.infer.spec.accept import RowSampling, entropy, greedy_tokens, warp_probs
 from redraft.infer.spec.drafter import DecodeState, Draft, Drafter, Feedback
-from redraft.infer.spec.paths import PAD
-from redraft.infer.spec.tree import cached_arange
+from redraft.infer.spec.paths import PAD, cached_arange
 
 # The draft models live in hsddw_models.py; their names are re-exported here.
 __all__ = [

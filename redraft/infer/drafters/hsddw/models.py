@@ -16,7 +16,7 @@ from torch import nn
 
 from redraft.errors import ConfigError
 from redraft.infer.runner.kv import SlotKVCache
-from redraft.infer.spec.tree import cached_arange
+from redraft.infer.spec.paths import cached_arange
 from redraft.ngrams import as_trigram_table
 from redraft.utils import cache_kwargs
 

@@ -1,4 +1,6 @@
-"""One draft tree from the paths of all drafters, with shared prefixes stored once.
+"""One draft tree from the paths of all drafters, with shared prefixes stored once: the torch
+version, kept as the oracle of the decoder's numpy and numba tree
+(``redraft.infer.spec.hosttree.build_tree_np``, ``redraft.infer.spec.hostjit.build_tree``).
 
 Idea (Apple's "dynamic tree attention", generalised to paths of different lengths)
 ----------------------------------------------------------------------------------
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from redraft.infer.spec.paths import PAD, clean_paths
+from redraft.infer.spec.paths import PAD, cached_arange, clean_paths
 
 
 @dataclass
@@ -213,14 +215,6 @@ def build_tree(
         num_entries=num_entries,
         max_depth=L,
     )
-
-
-# small index tensors every step needs, made once per shape and device (each torch op on a small
-# tensor costs microseconds of host time; the decoder's step is a few hundred of them)
-@functools.lru_cache(maxsize=256)
-def cached_arange(n: int, device) -> torch.Tensor:
-    """``torch.arange(n)`` on ``device``, made once (callers must not write into it)."""
-    return torch.arange(n, device=device)
 
 
 @functools.lru_cache(maxsize=64)
