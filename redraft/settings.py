@@ -37,6 +37,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import operator
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -119,12 +120,27 @@ def flag_name(key: str) -> str:
 
 
 def _split_optional(tp) -> tuple[Any, bool]:
-    """``int | None`` -> ``(int, True)``; ``int`` -> ``(int, False)``; a wider union -> ``Any``."""
+    """``int | None`` -> ``(int, True)``; ``int`` -> ``(int, False)``; a wider union (``Literal["auto"]
+    | int | None``) -> that union without ``None`` (``Literal["auto"] | int``, True)."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         optional = len(args) < len(typing.get_args(tp))
-        return (args[0] if len(args) == 1 else Any), optional
+        return (args[0] if len(args) == 1 else functools.reduce(operator.or_, args)), optional
     return tp, tp is Any
+
+
+def _members(tp) -> tuple[tuple, tuple] | None:
+    """A union's ``(literal values, other member types)`` (``Literal["auto"] | bool`` ->
+    ``(("auto",), (bool,))``); None for any other type."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    values, others = [], []
+    for a in typing.get_args(tp):
+        if typing.get_origin(a) is typing.Literal:
+            values += typing.get_args(a)
+        elif a is not type(None):
+            others.append(a)
+    return tuple(values), tuple(others)
 
 
 def _sequence(tp) -> tuple[type, Any, int | None] | None:
@@ -142,6 +158,9 @@ def _sequence(tp) -> tuple[type, Any, int | None] | None:
 
 
 def _type_name(tp) -> str:
+    union = _members(tp)
+    if union is not None:
+        return " or ".join([repr(v) for v in union[0]] + [_type_name(m) for m in union[1]])
     return (
         getattr(tp, "__name__", None) if not typing.get_args(tp) else str(tp).replace("typing.", "")
     )
@@ -151,6 +170,17 @@ def _convert(tp, value):
     """``value`` (already YAML-parsed) as type ``tp``; ValueError/TypeError when it is not one."""
     if tp is Any:
         return value
+    union = _members(tp)
+    if union is not None:  # a literal as given, else the first member type that takes the value
+        values, others = union
+        if isinstance(value, str) and value in values:
+            return value
+        for member in others:
+            try:
+                return _convert(member, value)
+            except (TypeError, ValueError):
+                continue
+        raise ValueError(f"expected {_kind(tp, False, None)}")
     seq = _sequence(tp)
     if seq is not None:
         container, item, _ = seq
@@ -201,6 +231,10 @@ def _parsed(tp, value):
 
 
 def _kind(tp, optional: bool, r: Range | None) -> str:
+    union = _members(tp)
+    if union is not None:
+        kinds = [repr(v) for v in union[0]] + [_kind(m, False, r) for m in union[1]]
+        return ", ".join(kinds[:-1]) + " or " + kinds[-1] + (" or none" if optional else "")
     what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         tp, "a valid value"
     )
@@ -212,6 +246,9 @@ def _kind(tp, optional: bool, r: Range | None) -> str:
 
 
 def _type_ok(tp, v) -> bool:
+    union = _members(tp)
+    if union is not None:
+        return v in union[0] or any(_type_ok(m, v) for m in union[1])
     if tp is bool:
         return isinstance(v, bool)
     if tp is int:
@@ -337,6 +374,9 @@ class Settings:
             tp, optional = self.field_type(key)
             if (v is None and optional) or self.skip_check(key):
                 continue
+            if _members(tp) is not None and not _type_ok(tp, v):
+                v = self._coerce_union(key, tp, optional, v)
+                setattr(self, key, v)
             meta, r = f.metadata, f.metadata.get("range")
             if (
                 r is not None
@@ -344,8 +384,11 @@ class Settings:
                 and not isinstance(v, bool)
                 and not r.holds(v)
             ):
+                union = _members(tp)
+                other = f" (or {' or '.join(map(repr, union[0]))})" if union and union[0] else ""
                 raise ConfigError(
-                    f"{self.subject(key, v)} is out of range: must be {r}{meta.get('hint', '')}.",
+                    f"{self.subject(key, v)} is out of range: must be {r}{meta.get('hint', '')}"
+                    f"{other}.",
                     param=key,
                 )
             if not _type_ok(tp, v):
@@ -359,6 +402,23 @@ class Settings:
                 )
         self.check()
         return self
+
+    def _coerce_union(self, key: str, tp, optional: bool, v):
+        """A union field's value given as a string in Python (``"12"`` -> 12, ``"true"`` -> True;
+        a literal such as ``"auto"`` as is); a ConfigError naming what is valid when no member
+        takes it. (Flags and YAML values are read by :meth:`coerce` before they get here.)"""
+        if isinstance(v, str):
+            word = v.strip().lower()
+            v = {"true": True, "false": False}.get(word, v)
+            if isinstance(v, str) and word.lstrip("-").isdigit():
+                v = int(word)
+        try:
+            return _convert(tp, v)
+        except (TypeError, ValueError):
+            r = self.schema()[key].metadata.get("range")
+            raise ConfigError(
+                f"{self.subject(key, v)}: use {_kind(tp, optional, r)}.", param=key
+            ) from None
 
     def skip_check(self, key: str) -> bool:
         """True to skip the schema check of ``key`` (a setting another one overrides)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from redraft.errors import ConfigError
 from redraft.settings import Range, Settings, setting
@@ -42,10 +42,11 @@ class DecoderConfig(Settings):
         "sampling; greedy at temperature 0) or 'typical' (Medusa's typical acceptance, not lossless).",
         choices=ACCEPTANCE,
     )
-    budget: Any = _f(
+    budget: Literal["auto"] | int = _f(
         "auto",
         "Tree nodes verified per step besides the root: 'auto' (chosen per step from the "
         "measured verify-cost curve and the drafters' acceptance rates) or a number.",
+        range=Range(0),
     )
     max_nodes: int = _f(
         64,
@@ -90,12 +91,12 @@ class DecoderConfig(Settings):
         "On CPU, faster weight layouts for multi-token verify forwards (oneDNN-packed float32 "
         "linears, contiguous LM head); the model itself is not modified.",
     )
-    static_verify: Any = _f(
+    static_verify: Literal["auto"] | bool = _f(
         "auto",
         "Pad verify trees to a few fixed sizes and capture the forward in a CUDA graph: "
         "'auto' (on for CUDA, off on CPU), true or false.",
     )
-    span_buckets: Any = _f(
+    span_buckets: Literal["auto"] | bool = _f(
         "auto",
         "With static_verify: a captured verify attends over the shortest power-of-two span "
         "(at least 256 columns) that holds the longest row, one graph per span, instead of "
@@ -103,7 +104,7 @@ class DecoderConfig(Settings):
         "holds short rows; more captures): 'auto' (on wherever static_verify is: "
         "several times cheaper steps for many rows in a long cache), true or false.",
     )
-    prefill_chunk: Any = _f(
+    prefill_chunk: Literal["auto"] | int = _f(
         "auto",
         "Prompt tokens prefilled per step while other requests decode (chunked prefill: "
         "a long prompt joins over several steps, each one piece's forward beside the running "
@@ -111,6 +112,7 @@ class DecoderConfig(Settings):
         "cost of the pieces before it to cost at most --prefill-share decode steps; while no "
         "row decodes, every waiting prompt at once), a number of tokens, or 0 (off: every "
         "prompt in one forward).",
+        range=Range(0),
     )
     prefill_share: float = _f(
         1.0,
@@ -120,7 +122,7 @@ class DecoderConfig(Settings):
         "trades the same two).",
         range=Range(0, 100, lo_open=True),
     )
-    fuse_prefill: Any = _f(
+    fuse_prefill: Literal["auto"] | bool = _f(
         "auto",
         "Run a prefill piece in the same forward as the running rows' verify (one weight pass "
         "for both, as vLLM and SGLang batch them) instead of a forward of its own: 'auto' (on "
@@ -128,17 +130,19 @@ class DecoderConfig(Settings):
         "every weight; off where they replay CUDA graphs), true (wherever it can run) or false.",
     )
     # ---- drafters (load_decoder / make_drafters)
-    redrafter_width: Any = _f(
+    redrafter_width: Literal["auto"] | int = _f(
         "auto",
         "ReDrafter beams per step: 'auto' (chosen every few steps from the measured "
         "beam-search and verify costs and the observed acceptance by beam rank and depth, "
         "among 1-16; needs the 'auto' budget, else 8) or a number.",
+        range=Range(1, 1024),
     )
-    redrafter_length: Any = _f(
+    redrafter_length: Literal["auto"] | int | None = _f(
         "auto",
         "ReDrafter tokens per beam: 'auto' (chosen with the width, between 1 and the head's "
         "training horizon; needs the 'auto' budget, else the horizon), a number, or none (the "
         "head's training horizon).",
+        range=Range(1, 256),
     )
     ngram_k: int = _f(
         8,
@@ -184,49 +188,9 @@ class DecoderConfig(Settings):
         return f"decoder setting {key}={value!r}"  # the Python API's and the presets' name of it
 
     def check(self) -> None:
-        """What the schema's types and ranges cannot say: ``budget`` is 'auto' or a number of
-        nodes (a string number is read as one), ``static_verify`` and ``span_buckets`` 'auto' or a
-        bool, and the shortest context match is not longer than the longest."""
-
-        def bad(key, why):
-            raise ConfigError(f"{self.subject(key, getattr(self, key))}: {why}", param=key)
-
-        if isinstance(self.budget, str) and self.budget != "auto":
-            try:
-                self.budget = int(self.budget)
-            except ValueError:
-                bad("budget", "use 'auto' or a number of tree nodes >= 0.")
-        if self.budget != "auto" and (
-            isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 0
-        ):
-            bad("budget", "use an integer >= 0.")
-        for key in ("static_verify", "span_buckets", "fuse_prefill"):
-            if getattr(self, key) not in ("auto", True, False):
-                bad(key, "use 'auto', true or false.")
-        if isinstance(self.prefill_chunk, str) and self.prefill_chunk != "auto":
-            try:
-                self.prefill_chunk = int(self.prefill_chunk)
-            except ValueError:
-                bad("prefill_chunk", "use 'auto', a number of tokens >= 1, or 0 (off).")
-        if self.prefill_chunk != "auto" and (
-            isinstance(self.prefill_chunk, bool)
-            or not isinstance(self.prefill_chunk, int)
-            or self.prefill_chunk < 0
-        ):
-            bad("prefill_chunk", "use 'auto', a number of tokens >= 1, or 0 (off).")
-        for key, hi in (("redrafter_width", 1024), ("redrafter_length", 256)):
-            v = getattr(self, key)
-            if isinstance(v, str) and v != "auto":
-                try:
-                    v = int(v)
-                except ValueError:
-                    bad(key, f"use 'auto' or a number in [1, {hi}].")
-            if v == "auto" or (v is None and key == "redrafter_length"):
-                setattr(self, key, v)
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
-                bad(key, f"use 'auto' or a number in [1, {hi}].")
-            setattr(self, key, v)
+        """What the schema's types and ranges cannot say: the shortest context match is not
+        longer than the longest. (The tri-state fields, ``Literal["auto"] | bool`` or ``| int``,
+        are read and checked by the schema: ``"12"`` is 12, ``"true"`` True.)"""
         if self.context_q > self.context_q_max:
             raise ConfigError(
                 f"decoder settings context_q={self.context_q} and context_q_max={self.context_q_max}: "

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from redraft.infer.config import FIELDS
-from redraft.infer.spec.drafter import DecodeState, Draft, Drafter
+from redraft.infer.spec.drafter import DecodeState, Draft, HostDrafter
 from redraft.infer.spec.hostdraft import (
     GROUPS_PER_CLASS,
     HostTables,
@@ -119,7 +119,7 @@ def context_matches_multi(
     return paths, group
 
 
-class ContextNGramDrafter(Drafter):
+class ContextNGramDrafter(HostDrafter):
     """Prompt/output n-gram lookup: k candidate rows of w tokens after matches of the last q
     tokens; with ``q_max > q``, matches of every length from ``q_max`` down to ``q``, longest
     first (:func:`context_matches_multi`), each length its own statistics group."""
@@ -144,8 +144,6 @@ class ContextNGramDrafter(Drafter):
         )
         self.q_max = max(q_max or q, q)
 
-    host = True
-
     def propose_host(self, host) -> Draft:
         paths, group = context_matches_np(
             host.seqs, self.q, self.q_max, self.k, self.w, self.vocab_size, self.window
@@ -166,7 +164,7 @@ class ContextNGramDrafter(Drafter):
         return Draft(tokens=paths, group=group)
 
 
-class TableDrafter(Drafter):
+class TableDrafter(HostDrafter):
     """Rows of model-derived n-gram tables: ``kind`` is "bigram", "extended" or "unigram"."""
 
     KINDS = ("bigram", "extended", "unigram")
@@ -186,8 +184,6 @@ class TableDrafter(Drafter):
         self.tables, self.kind, self.k, self.w = tables, kind, k, w
         self.name = name or kind
         self._host = None
-
-    host = True
 
     def propose_host(self, host) -> Draft:
         self._host = self._host or HostTables(self.tables)
@@ -215,7 +211,7 @@ class TableDrafter(Drafter):
         return Draft(tokens=ids)
 
 
-class NGrammysDrafter(Drafter):
+class NGrammysDrafter(HostDrafter):
     """N-Grammys mixed strategy: k rows, context matches first, the rest from the extended bigram.
 
     Context rows hold up to ``w`` tokens; with ``q_max > q`` they come from matches of every
@@ -245,8 +241,6 @@ class NGrammysDrafter(Drafter):
         self.q_max = max(q_max or q, q)
         self.name = name
         self._host = None
-
-    host = True
 
     def propose_host(self, host) -> Draft:
         self._host = self._host or HostTables(self.tables)

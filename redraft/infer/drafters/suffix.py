@@ -33,7 +33,7 @@ from collections import OrderedDict
 import numpy as np
 
 from redraft.errors import ConfigError
-from redraft.infer.spec.drafter import Draft, Drafter, HostFeedback
+from redraft.infer.spec.drafter import Draft, HostDrafter, HostFeedback, HostState
 from redraft.infer.spec.paths import PAD
 
 # statistics groups: match length class x probability class (4 x 4 of HostStats' 32 groups)
@@ -172,7 +172,7 @@ class SuffixTrees:
         return paths, path_groups(d.match_len, prob)
 
 
-class SuffixDrafter(Drafter):
+class SuffixDrafter(HostDrafter):
     """SuffixDecoding's per-request and global suffix trees (see the module docstring).
 
     Args:
@@ -185,8 +185,6 @@ class SuffixDrafter(Drafter):
         max_tokens: output tokens the global tree holds; the oldest requests' outputs leave
             first. 0: no global tree (each request drafts from itself only).
     """
-
-    host = True
 
     def __init__(
         self,
@@ -206,7 +204,7 @@ class SuffixDrafter(Drafter):
 
     # ------------------------------------------------------------------ rows = requests
 
-    def add_rows_host(self, host, start: int) -> None:
+    def add_rows_host(self, host: HostState, start: int) -> None:
         for b in range(start, host.batch_size):
             seq, n = host.seqs[b], int(host.prompt_lengths[b])
             self.rows.append(self.trees.start(seq[:n]))
@@ -218,7 +216,7 @@ class SuffixDrafter(Drafter):
         self.trees.append(self.rows[b], seq[self.added[b] :])
         self.added[b] = len(seq)
 
-    def retire_rows_host(self, host, rows) -> None:
+    def retire_rows_host(self, host: HostState, rows: list[int]) -> None:
         """Rows ``rows`` of ``host`` leave the batch: their last tokens into the trees, then
         their local trees go (their output stays in the global tree until evicted)."""
         for b in rows:
@@ -234,7 +232,7 @@ class SuffixDrafter(Drafter):
 
     # ------------------------------------------------------------------ drafting
 
-    def propose_host(self, host) -> Draft:
+    def propose_host(self, host: HostState) -> Draft:
         B = host.batch_size
         tokens = np.full((B, self.max_paths, self.max_len), PAD, np.int64)
         group = np.zeros((B, self.max_paths), np.int64)
@@ -258,7 +256,7 @@ class SuffixDrafter(Drafter):
         L = int((tokens[:, :width] >= 0).sum(axis=-1).max())
         return Draft(tokens=tokens[:, :width, :L], group=group[:, :width])
 
-    def observe_host(self, host, draft: Draft, feedback: HostFeedback) -> None:
+    def observe_host(self, host: HostState, draft: Draft, feedback: HostFeedback) -> None:
         """Nothing to learn beyond the tokens, which :meth:`propose_host` appends (the decoder
         keeps the per-group acceptance rates)."""
 

@@ -162,44 +162,49 @@ class HostFeedback:
 
 
 class Drafter:
-    """Base class of all drafters. Subclasses implement :meth:`propose` (device drafters) or
-    set ``host = True`` and implement :meth:`propose_host`; the rest is optional.
+    """A device drafter, and the hooks every drafter has. Two protocols, one per side:
+
+    * device (this class): :meth:`add_rows`, :meth:`propose` (required), :meth:`observe`, on
+      a :class:`DecodeState` of device tensors; the speculator reads its paths back;
+    * host (:class:`HostDrafter`): :meth:`HostDrafter.add_rows_host`,
+      :meth:`HostDrafter.propose_host` (required), :meth:`HostDrafter.observe_host`, on the
+      host's token lists (:class:`HostState`) with numpy: no device work, no device read.
+
+    Every hook but ``propose`` / ``propose_host`` is optional (the defaults do nothing); the
+    decoder calls one side's hooks, chosen by ``host``, and those below for both.
 
     Class attributes:
         name: short name used in stats and benchmark tables.
-        host: drafts from the host's token lists (:class:`HostState`) with numpy
-            and returns a :class:`Draft` of numpy arrays: no device work, no device read.
+        host: False here, True for a :class:`HostDrafter`.
+        hidden_layers: the target layers below the last whose hidden states it reads in
+            ``DecodeState.hidden``, the last one last (``()``: the last hidden state only;
+            multi-layer ReDrafter heads).
     """
 
     name: str = "drafter"
     host: bool = False
-    # the target layers below the last whose hidden states it reads as ``DecodeState.hidden``,
-    # the last one last (``()``: the last hidden state only; multi-layer ReDrafter heads)
     hidden_layers: tuple[int, ...] = ()
+
+    # ---- both sides
 
     def bind(self, speculator, index: int) -> None:
         """Called once when a decoder is built: the ``redraft.infer.spec.speculator.Speculator``
         whose measurements (acceptance rates ``speculator.stats``, the verify-cost curve, the
         drafting time) this drafter, number ``index``, may plan from. Default: nothing."""
 
-    def propose_host(self, host) -> Draft:
-        """Candidate paths (numpy ``[B, P, L]``) continuing ``host.last`` for every row."""
-        raise NotImplementedError
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Rows ``keep`` ([B'] long indices into the current batch) stay; drop the others'
+        per-request state. Called when requests finish."""
 
-    def observe_host(self, host, draft: Draft, feedback: HostFeedback) -> None:
-        """A host drafter's :meth:`observe`."""
+    # ---- the device side
 
     def add_rows(self, state: DecodeState, start: int) -> None:
         """Rows ``start .. state.batch_size - 1`` of ``state`` are new requests (appended after
         the running ones; ``start == 0``: a fresh batch): set up their per-request state."""
 
-    def add_rows_host(self, host, start: int) -> None:
-        """A host drafter's :meth:`add_rows`: rows ``start ..`` of ``host`` (a ``HostState``:
-        prompt + first output token, ``prompt_lengths``) are new requests."""
-
     def propose(self, state: DecodeState) -> Draft:
         """Return candidate paths continuing ``state.last`` for every row."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} drafts on the device: define propose")
 
     def observe(self, state: DecodeState, draft: Draft, feedback: Feedback) -> None:
         """Called after verification with the draft this drafter proposed in this step.
@@ -208,12 +213,27 @@ class Drafter:
         tri-gram boosts, HSDDW's entropy threshold from rejected tokens).
         """
 
-    def retire_rows_host(self, host, rows) -> None:
-        """A host drafter's view of the rows about to leave the batch (finished or cancelled):
-        ``rows`` (indices into ``host``, which holds their final tokens). Called before
-        :meth:`select_rows`; drafters that learn across requests (the suffix drafter's global
-        tree) take the rows' last tokens here."""
 
-    def select_rows(self, keep: torch.Tensor) -> None:
-        """Rows ``keep`` ([B'] long indices into the current batch) stay; drop the others'
-        per-request state. Called when requests finish."""
+class HostDrafter(Drafter):
+    """A drafter that drafts on the host: from every row's tokens (:class:`HostState`) with
+    numpy, returning a :class:`Draft` of numpy arrays. The n-gram drafters and ADED are host
+    drafters (the n-gram drafters also keep a device :meth:`propose`, their torch reference)."""
+
+    host = True
+
+    def add_rows_host(self, host: HostState, start: int) -> None:
+        """Rows ``start ..`` of ``host`` (prompt + first output token, ``prompt_lengths``) are
+        new requests: set up their per-request state."""
+
+    def propose_host(self, host: HostState) -> Draft:
+        """Candidate paths (numpy ``[B, P, L]``) continuing ``host.last`` for every row."""
+        raise NotImplementedError(f"{type(self).__name__} drafts on the host: define propose_host")
+
+    def observe_host(self, host: HostState, draft: Draft, feedback: HostFeedback) -> None:
+        """What verification did with this step's draft (the host side of :meth:`observe`)."""
+
+    def retire_rows_host(self, host: HostState, rows: list[int]) -> None:
+        """Rows ``rows`` (indices into ``host``, which holds their final tokens) are about to
+        leave the batch, finished or cancelled. Called before :meth:`select_rows`; drafters that
+        learn across requests (the suffix drafter's global tree) take the rows' last tokens
+        here."""

@@ -40,7 +40,14 @@ from redraft.infer.spec.accept import (
     step_choices,
     walk,
 )
-from redraft.infer.spec.drafter import DecodeState, Draft, Drafter, Feedback, HostFeedback
+from redraft.infer.spec.drafter import (
+    DecodeState,
+    Draft,
+    Drafter,
+    Feedback,
+    HostDrafter,
+    HostFeedback,
+)
 from redraft.infer.spec.gate import DrafterGate, SpeculationGuard
 from redraft.infer.spec.hostdraft import HostStats, best_budget_np
 from redraft.infer.spec.hosttree import build_tree_np, clean_paths_np, step_feedback_np
@@ -96,6 +103,13 @@ class Speculator:
         names = [d.name for d in self.drafters]
         if len(set(names)) != len(names):
             raise ConfigError(f"drafter names must be unique (they label stats): {names}")
+        for d in self.drafters:
+            if d.host and not isinstance(d, HostDrafter):
+                raise ConfigError(
+                    f"drafter {d.name!r} sets host = True but is not a HostDrafter; subclass "
+                    f"redraft.infer.drafters.HostDrafter (its propose_host, observe_host and "
+                    f"add_rows_host are what a host drafter is called with)."
+                )
         self.config = cfg = config
         self.verifier = verifier
         self.cost_curve = cost_curve

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from redraft.infer.drafters.aded.mcts import MCTSConfig, MCTSResult, mcts_search
-from redraft.infer.spec.drafter import Draft, Drafter, HostFeedback
+from redraft.infer.spec.drafter import Draft, HostDrafter, HostFeedback
 from redraft.infer.spec.paths import PAD
 from redraft.ngrams import TrigramTable, as_trigram_table
 
@@ -224,7 +224,7 @@ class ADEDStats:
         return 1000.0 * self.cpu_seconds / max(self.calls, 1)
 
 
-class ADEDDrafter(Drafter):
+class ADEDDrafter(HostDrafter):
     """ADED draft maker: MCTS over the tri-gram table with per-request adaptive updates.
 
     Args:
@@ -240,11 +240,10 @@ class ADEDDrafter(Drafter):
     """
 
     name = "aded"
+
     # the MCTS is numpy over the host's tokens: no device state, no device read (as a device
     # drafter it read its two context tokens back, uploaded its draft and read it back again,
     # and made the engine keep a device copy of every row: ~10 kernel launches a step)
-    host = True
-
     def __init__(
         self,
         table,
