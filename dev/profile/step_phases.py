@@ -42,18 +42,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from redraft.bench.overhead import Timers, _prompts, tiny_setup
-    from redraft.infer import decoder
     from redraft.infer.config import DecoderConfig, SamplingParams
     from redraft.infer.decoder import SpeculativeDecoder
     from redraft.infer.drafters.ngram import ContextNGramDrafter
     from redraft.infer.engine import engine
     from redraft.infer.loader import make_drafters
     from redraft.infer.runner import verify
+    from redraft.infer.spec import speculator
 
     timers = Timers()
 
     for a in ("propose", "build_tree", "choices", "accept", "feedback", "after_step"):
-        timers.wrap(decoder.SpeculativeDecoder, a)
+        timers.wrap(speculator.Speculator, a)
     for a in ("_host_state", "_upload", "_commit", "_emit", "_processors", "step"):
         timers.wrap(engine.Engine, a)
     for a in ("logits", "verify"):

@@ -250,7 +250,7 @@ def hit_np(tree: HostTree, path) -> np.ndarray:
 def credit_np(
     tree: HostTree, path, owner, num_drafters: int, hit: np.ndarray | None = None
 ) -> np.ndarray:
-    """``SpeculativeDecoder.feedback``'s credit: ``int64 [B, num_drafters]`` accepted draft
+    """``Speculator.feedback``'s credit: ``int64 [B, num_drafters]`` accepted draft
     tokens each drafter proposed (a node several of its paths share counts once; a node several
     drafters proposed counts for each). ``owner [P]``: the drafter of every path."""
     B, N = tree.tokens.shape

@@ -127,9 +127,10 @@ class ReDrafterDrafter(Drafter):
             its ~190 kernel launches a step cost milliseconds of host time.
         capture: the capture function (tests inject their own).
 
-    "auto" needs the decoder's measurements: :class:`~redraft.infer.decoder.SpeculativeDecoder`
-    calls :meth:`bind` with itself. Until it has a verify-cost curve (after its first step) the
-    search runs at the default width and the head's horizon.
+    "auto" needs the decoder's measurements: its
+    :class:`~redraft.infer.spec.speculator.Speculator` calls :meth:`bind` with itself. Until it
+    has a verify-cost curve (after its first step) the search runs at the default width and the
+    head's horizon.
     """
 
     REPLAN = 4  # steps between two choices of (W, L) ("auto") while the choice moves
