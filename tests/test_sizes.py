@@ -52,7 +52,6 @@ MODULES = {
     "redraft/data/distill.py": 650,
     "redraft/infer/drafters/hsddw/drafter.py": 558,
     "redraft/infer/engine/engine.py": 599,
-    "redraft/infer/runner/verify.py": 560,
     "redraft/infer/spec/hostdraft.py": 517,
     "redraft/infer/spec/hostjit.py": 695,
     "redraft/models/redrafter.py": 522,

@@ -108,7 +108,8 @@ def test_a_static_verifier_packs_the_query_heads_too(tiny_target_dir):
     """The CUDA path (a static verify, captured in a graph there) attends packed as well, not
     through transformers' per-head copy of the cache; its tree hidden states are those of
     plain ``sdpa`` (the same attention), and it never splits rows in groups (one fixed span)."""
-    from redraft.infer.runner.verify import Verifier, chain_step
+    from redraft.infer.runner.step_input import chain_step
+    from redraft.infer.runner.verify import Verifier
     from redraft.models import load_target
 
     target = load_target(str(tiny_target_dir), dtype="float32", device="cpu")  # switched below

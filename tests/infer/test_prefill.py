@@ -20,7 +20,8 @@ from redraft.infer.engine.pacer import (
 )
 from redraft.infer.engine.rows import Row
 from redraft.infer.runner.cost import CostCurve
-from redraft.infer.runner.verify import StepInput, Verifier
+from redraft.infer.runner.step_input import StepInput
+from redraft.infer.runner.verify import Verifier
 
 CURVE = CostCurve([1, 8, 64], [1.0, 1.2, 2.0])
 

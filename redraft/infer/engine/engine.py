@@ -16,7 +16,7 @@ One :meth:`Engine.step` is a sequence of named calls, split between the host and
 The host keeps every row's tokens, so the learning-free drafters (context n-grams, model
 tables) draft from host memory and the tree is built in numpy
 (``redraft.infer.spec.hostdraft``); the device gets one packed tensor
-(:class:`~redraft.infer.runner.verify.StepInput`) and gives back one: the token each acceptance
+(:class:`~redraft.infer.runner.step_input.StepInput`) and gives back one: the token each acceptance
 rule picks after every tree node (:class:`~redraft.infer.engine.rows.StepReadout`). The
 accepted path is then walked on the host (``redraft.infer.spec.accept.walk``), the cache commits
 it, and the drafters learn from it. Outside the target forward a greedy or N-Grammys step runs
@@ -47,7 +47,7 @@ from redraft.infer.engine.rows import Row, StepReadout, sampling_params_of
 from redraft.infer.engine.scheduler import PrefillScheduler
 from redraft.infer.engine.text import NoText, TextStream
 from redraft.infer.runner.clock import Clock
-from redraft.infer.runner.verify import StepInput
+from redraft.infer.runner.step_input import StepInput
 from redraft.infer.spec.accept import (
     HostAcceptance,
     RowSampling,

@@ -24,6 +24,8 @@ import time
 import numpy as np
 import torch
 
+from redraft.infer.runner.step_input import chain_step
+
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -185,3 +187,21 @@ class BatchCost:
 
     def to_dict(self) -> dict:
         return {str(b): c.to_dict() for b, c in self.curves.items()}
+
+
+def measure_batch_cost(verifier, curve: CostCurve, batches, sizes, context: int = 256) -> BatchCost:
+    """Time a :class:`~redraft.infer.runner.verify.Verifier`'s forwards of ``B`` rows (each over
+    a ``context``-token cache) x ``n`` tokens per row for each B in ``batches`` and n in
+    ``sizes``; ``curve`` (the one-row curve) is B = 1. The fastest of two runs each (other
+    processes only add time)."""
+    by_batch = {1: curve}
+    for B in sorted(set(batches) - {1}):
+        cache = verifier.new_cache(B, context + max(sizes) + 1)
+        verifier.prefill([[0] * context] * B, cache)
+        cache.batch, cache.host_lengths = B, [context] * B
+
+        def fwd(n, B=B, cache=cache):
+            verifier.logits(verifier.verify(chain_step([context] * B, n, verifier.device), cache))
+
+        by_batch[B] = measure_cost_curve(fwd, sizes, repeats=2, sync=verifier.sync)
+    return BatchCost(by_batch)

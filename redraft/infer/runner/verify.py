@@ -33,12 +33,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from redraft.infer.runner.cost import SIZES, BatchCost, CostCurve, measure_cost_curve
+from redraft.infer.runner.cost import SIZES, CostCurve, measure_cost_curve
 from redraft.infer.runner.graphs import GraphStore, after_failed_capture, cuda_capture, graph_stats
 from redraft.infer.runner.grouped_attention import NAME as ATTENTION
 from redraft.infer.runner.grouped_attention import (
@@ -49,6 +48,7 @@ from redraft.infer.runner.grouped_attention import (
 )
 from redraft.infer.runner.kv import SlotKVCache
 from redraft.infer.runner.opcount import not_counted
+from redraft.infer.runner.step_input import StepInput, chain_step
 from redraft.models import cpu
 from redraft.utils import cache_kwargs
 
@@ -57,43 +57,6 @@ log = logging.getLogger(__name__)
 # tree sizes (root included) a static verify pads to: one captured graph each
 STATIC_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_SPAN = 256  # the shortest span a bucketed static verify attends over (span_buckets)
-
-
-@dataclass
-class StepInput:
-    """One step's device input, uploaded by the host in one copy: ``packed [B, 1 + 3N + N*N]``
-    long = per row ``[cache length | tokens (N) | depth (N) | parent (N) | ancestor mask (N*N,
-    0/1)]``; node 0 is the root (the token the target produced last), ``tokens`` < 0 are padding
-    nodes. The fields are views."""
-
-    packed: torch.Tensor
-    size: int  # N
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.packed[:, 0]
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        return self.packed[:, 1 : 1 + self.size]
-
-    @property
-    def depth(self) -> torch.Tensor:
-        return self.packed[:, 1 + self.size : 1 + 2 * self.size]
-
-    @property
-    def parent(self) -> torch.Tensor:
-        return self.packed[:, 1 + 2 * self.size : 1 + 3 * self.size]
-
-    @property
-    def anc(self) -> torch.Tensor:
-        """``[B, N, N]`` long 0/1."""
-        N = self.size
-        return self.packed[:, 1 + 3 * N :].view(-1, N, N)
-
-    @staticmethod
-    def width(size: int) -> int:
-        return 1 + 3 * size + size * size
 
 
 class GraphSet(GraphStore):
@@ -479,42 +442,6 @@ class Verifier:
             lambda _: self.logits(self.prefill([[0]], cache, starts=[context])), [1], sync=self.sync
         )
         return float(one.raw[0])
-
-
-def measure_batch_cost(
-    verifier: Verifier, curve: CostCurve, batches, sizes, context: int = 256
-) -> BatchCost:
-    """Time verify forwards of ``B`` rows (each over a ``context``-token cache) x ``n`` tokens
-    per row for each B in ``batches`` and n in ``sizes``; ``curve`` (the one-row curve) is B = 1.
-    The fastest of two runs each (other processes only add time)."""
-    by_batch = {1: curve}
-    for B in sorted(set(batches) - {1}):
-        cache = verifier.new_cache(B, context + max(sizes) + 1)
-        verifier.prefill([[0] * context] * B, cache)
-        cache.batch, cache.host_lengths = B, [context] * B
-
-        def fwd(n, B=B, cache=cache):
-            verifier.logits(verifier.verify(chain_step([context] * B, n, verifier.device), cache))
-
-        by_batch[B] = measure_cost_curve(fwd, sizes, repeats=2, sync=verifier.sync)
-    return BatchCost(by_batch)
-
-
-def chain_step(lengths: list[int], n: int, device, token: int = 0) -> StepInput:
-    """A :class:`StepInput` of one chain of ``n`` tokens per row (for measurements and tests)."""
-    B = len(lengths)
-    ar = torch.arange(n)
-    packed = torch.cat(
-        [
-            torch.tensor(lengths)[:, None],
-            torch.full((B, n), token),
-            ar.expand(B, n),
-            (ar - 1).expand(B, n),
-            torch.tril(torch.ones(n, n, dtype=torch.long)).reshape(1, -1).expand(B, -1),
-        ],
-        dim=1,
-    )
-    return StepInput(packed.to(device), n)
 
 
 def sdpa_backends(device, flash: bool = False):

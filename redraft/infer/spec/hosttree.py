@@ -3,7 +3,7 @@
 :func:`build_tree_np` is ``build_tree`` of the tests' torch reference (tests/reference/tree.py)
 in numpy, with the same node numbering, pruning, ties and padding; that module's doc explains
 the idea with a worked example. The engine uploads the fields the device needs in the one
-step-input format (``redraft.infer.runner.verify.StepInput``: cache lengths, tokens, depth,
+step-input format (``redraft.infer.runner.step_input.StepInput``: cache lengths, tokens, depth,
 parent, ancestors in one int64 tensor).
 
 The host keeps the :class:`HostTree` and does the step's bookkeeping from the accepted path it

@@ -30,8 +30,8 @@ import torch
 from redraft.errors import ConfigError
 from redraft.infer.config import DecoderConfig
 from redraft.infer.runner.clock import Clock
-from redraft.infer.runner.cost import BatchCost, CostCurve
-from redraft.infer.runner.verify import Verifier, measure_batch_cost
+from redraft.infer.runner.cost import BatchCost, CostCurve, measure_batch_cost
+from redraft.infer.runner.verify import Verifier
 from redraft.infer.spec.accept import (
     HostAcceptance,
     RowSampling,
