@@ -296,3 +296,14 @@ def test_an_infer_module_imports_only_its_room_and_rooms_below(name):
 @pytest.mark.parametrize("name", sorted(INFER_SHARED))
 def test_infer_shared_modules_import_no_room(name):
     assert {d for d in imports(name, typing=True) if d in INFER} - INFER_SHARED == set()
+
+
+@pytest.mark.parametrize("package", ["redraft.infer", "redraft.hub", "redraft.data"])
+def test_every_public_name_of_a_package_resolves(package):
+    """A lazy export table names modules by path: one that moved must move in the table too."""
+    import importlib
+
+    mod = importlib.import_module(package)
+    for name in getattr(mod, "__all__", ()):
+        assert getattr(mod, name) is not None, f"{package}.{name}"
+    assert set(exports(package).values()) <= set(modules()), exports(package)

@@ -19,7 +19,7 @@ _WHERE = {
     "SamplingParams": "config",
     "SpeculativeDecoder": "decoder",
     "plain_greedy": "decoder",
-    "Engine": "engine",
+    "Engine": "engine.engine",
     "load_decoder": "loader",
     "load_preset": "loader",
     "read_preset": "loader",
