@@ -1,13 +1,11 @@
 """The files redraft ships besides its code, found the same way in every kind of install.
 
-``train/`` (DeepSpeed configs ``ds_zero{0,1,2,3}.json``, recipes ``recipes/*.yaml``) and ``infer/``
-(decoding presets, benchmark recipes) at the top of the repository are the source of truth. The
-package reaches them through two symlinks, ``redraft/configs/train -> ../../train`` and
-``redraft/configs/infer -> ../../infer``: an editable install reads the checkout's folders through
-them, and a wheel (``pip install .``) holds copies of the files they point at (package data in
-pyproject.toml). Either way ``importlib.resources`` finds them under ``redraft/configs/``.
-(Why not setuptools' ``package-dir`` mapping: its editable finder only resolves a mapped package
-that has an ``__init__.py``, and pyproject.toml cannot add mapped packages to ``packages.find``.)
+``redraft/configs/train/`` (DeepSpeed configs ``ds_zero{0,1,2,3}.json``, recipes
+``recipes/*.yaml``) and ``redraft/configs/infer/`` (decoding presets, benchmark recipes) are
+package data (pyproject.toml): a wheel holds them, an editable install reads the checkout's
+files, and ``importlib.resources`` finds them under ``redraft/configs/`` either way. The
+checkout's top-level ``train`` and ``infer`` are symlinks to them, so the paths the Makefile and
+the docs spell (``infer/bench-default.yaml``) are files in a checkout too.
 
 Outputs never go here: default output paths (``checkpoints/...``) are relative to the working
 directory.

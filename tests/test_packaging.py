@@ -1,5 +1,5 @@
-"""redraft installs like a package: a wheel carries train/ and infer/, and its CLIs run from any
-directory, writing their default outputs relative to the working directory.
+"""redraft installs like a package: a wheel carries its recipes and presets (redraft/configs), and
+its CLIs run from any directory, writing their default outputs relative to the working directory.
 
 The wheel is built from a copy of the sources (nothing written into the checkout) and installed
 into a fresh venv. That venv reuses this one's installed dependencies (a folder of links to
@@ -21,7 +21,7 @@ import pytest
 from redraft.resources import config_dir, find_config
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "redraft", "train", "infer")
+SOURCES = ("pyproject.toml", "README.md", "redraft")
 
 
 def run(cmd, cwd, **kw):
@@ -38,9 +38,7 @@ def wheel(tmp_path_factory) -> Path:
     src = tmp / "src"
     src.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for (
-        name
-    ) in SOURCES:  # symlinks stay symlinks: redraft/configs/{train,infer} -> ../../{train,infer}
+    for name in SOURCES:
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
         copy(
             REPO / name,
