@@ -8,9 +8,9 @@ import torch
 pytest.importorskip("arctic_inference.suffix_decoding")
 
 from redraft.errors import ConfigError  # noqa: E402
-from redraft.infer.spec.paths import PAD  # noqa: E402
 from redraft.infer.drafters.suffix import SuffixDrafter, path_groups, tree_paths  # noqa: E402
 from redraft.infer.spec.drafter import HostState  # noqa: E402
+from redraft.infer.spec.paths import PAD  # noqa: E402
 
 
 def _host(rows, prompt_lengths=None):
@@ -120,9 +120,9 @@ def test_a_negative_bound_is_a_clear_error():
 def test_greedy_equals_plain_greedy_alone_and_in_a_mix_and_a_repeat_accepts_more(
     tiny_target, tiny_tables, tiny_prompts
 ):
-    from redraft.infer.runner.cost import CostCurve
     from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
     from redraft.infer.drafters.ngram import NGrammysDrafter
+    from redraft.infer.runner.cost import CostCurve
 
     V = tiny_target.vocab_size
     ref = plain_greedy(tiny_target, tiny_prompts, max_new_tokens=32)
