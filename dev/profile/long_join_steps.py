@@ -20,10 +20,10 @@ import time
 import numpy as np
 import torch
 
+from redraft.bench.loadtest import long_prompt_text
 from redraft.bench.overhead import Timers
 from redraft.data.prompts import load_prompts
 from redraft.infer.loader import load_decoder
-from redraft.serve.loadtest import long_prompt_text
 
 
 def main() -> None:

@@ -31,10 +31,10 @@ import time
 
 import torch
 
+from redraft.bench.loadtest import build_parser as loadtest_parser
 from redraft.data.prompts import load_prompts
 from redraft.infer.config import SamplingParams
 from redraft.serve import cli
-from redraft.serve.loadtest import build_parser as loadtest_parser
 from redraft.serve.scheduler import Scheduler
 
 

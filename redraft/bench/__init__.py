@@ -12,9 +12,15 @@
 * :mod:`~redraft.bench.overhead`: host time and tensor ops per decode step (``--overhead``);
 * :mod:`~redraft.bench.replies`: the engine against ``generate`` as the self-distillation reply
   generator (``python -m redraft.bench.replies``);
-* :mod:`~redraft.bench.ties`: where two greedy outputs diverge, and whether it is a near-tie.
+* :mod:`~redraft.bench.ties`: where two greedy outputs diverge, and whether it is a near-tie;
+* :mod:`~redraft.bench.loadtest`: the server under concurrent streams
+  (``python -m redraft.bench.loadtest``);
+* :mod:`~redraft.bench.data`, :mod:`~redraft.bench.ngrams`, :mod:`~redraft.bench.train`: the
+  data pipeline, the n-gram builders and lookups, and training steps
+  (``python -m redraft.bench.data`` etc.).
 
-A stage of its own above ``infer``, ``serve`` and ``vllm``: it drives all three, and none of
-them imports it but ``redraft-vllm replay``, which files its table as a result of this package's
+A stage of its own above ``infer``, ``serve`` and ``vllm`` (and ``data``, ``ngrams``,
+``train``): it drives them, and none of them imports it but ``redraft-vllm replay``, which
+files its table as a result of this package's
 (:mod:`~redraft.bench.results`; the one listed exception of the layering rule).
 """

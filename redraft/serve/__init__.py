@@ -5,8 +5,8 @@
 
 ``app`` (endpoints, errors, auth), ``scheduler`` (the decode loop thread: rows join and leave
 between steps), ``protocol`` (OpenAI request/response schema), ``metrics`` (Prometheus),
-``server`` (uvicorn with a SIGTERM drain), ``cli`` (``redraft-serve``), ``loadtest`` (the load
-benchmark). See docs/serve.md.
+``server`` (uvicorn with a SIGTERM drain), ``cli`` (``redraft-serve``). The load benchmark is
+:mod:`redraft.bench.loadtest`. See docs/serve.md.
 """
 
 

@@ -375,7 +375,7 @@ def test_metrics_count_requests_and_tokens(fake_server):
 def test_loadtest_against_two_servers(fake_server, tmp_path, capsys):
     """The load benchmark's figures on known outputs: every token counted, both servers' texts
     compared (identical here: same fake), one row per level and server, ratios against the first."""
-    from redraft.serve import loadtest
+    from redraft.bench import loadtest
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(3)))
@@ -432,7 +432,7 @@ def test_loadtest_against_two_servers(fake_server, tmp_path, capsys):
 def test_loadtest_repeats_levels_and_summarises_the_ratios(fake_server, tmp_path, capsys):
     """``--repeat 2``: every level twice over both servers, each run's ratio against the first
     server's figure of that run, and a summary row per level and server (mean and range)."""
-    from redraft.serve import loadtest
+    from redraft.bench import loadtest
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(2)))
@@ -458,7 +458,7 @@ def test_loadtest_repeats_levels_and_summarises_the_ratios(fake_server, tmp_path
 def test_loadtest_control_is_a_second_reference_server(capsys):
     """``--control`` spawns the reference's own command line once more, after the pair and
     before any ``--also``; without ``--spawn`` it is refused."""
-    from redraft.serve import loadtest
+    from redraft.bench import loadtest
 
     def lines(*extra):
         args = loadtest.build_parser().parse_args(["--spawn", "--target T", *extra])

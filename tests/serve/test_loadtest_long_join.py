@@ -3,7 +3,7 @@ joins them, and the figures split the streams' inter-token gaps at the join."""
 
 import json
 
-from redraft.serve import loadtest
+from redraft.bench import loadtest
 
 
 def test_long_join_scenario_reports_the_gaps_around_the_join(fake_server, tmp_path):

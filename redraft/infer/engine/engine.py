@@ -462,11 +462,9 @@ class Engine(PrefillScheduler):
             return
         # few moves: rows above the new end fill the holes the leaving rows leave (rows being
         # prefilled are not in these slots: nothing of theirs moves)
-        if any(d.host for d in self.speculator.drafters):
-            host, gone = self._host_state(), [i for i, r in enumerate(self.rows) if r.done]
-            for d in self.speculator.drafters:
-                if d.host:
-                    d.retire_rows_host(host, gone)
+        if self.speculator.host_drafters:
+            gone = [i for i, r in enumerate(self.rows) if r.done]
+            self.speculator.retire_rows(self._host_state(), gone)
         keep = _fill_holes(keep, 0)
         lengths = self.cache.host_lengths
         moved = [lengths[i] for t, i in enumerate(keep) if i != t]
@@ -490,8 +488,7 @@ class Engine(PrefillScheduler):
                     sampling=self.sampling,
                 )
             )
-        for d in self.speculator.drafters:
-            d.select_rows(idx)
+        self.speculator.select_rows(idx)
 
     def _sampling(self, rows: list[Row] | None = None) -> RowSampling:
         rows = self.rows if rows is None else rows
@@ -535,12 +532,7 @@ class Engine(PrefillScheduler):
         self.sampling = self._sampling()
         if spec.device_drafters:
             self._join_state(new, y, h_last, start)
-        host = self._host_state() if any(d.host for d in spec.drafters) else None
-        for d in spec.drafters:
-            if d.host:
-                d.add_rows_host(host, start)
-            else:
-                d.add_rows(self.state, start)
+        spec.add_rows(self._host_state() if spec.host_drafters else None, self.state, start)
         events = []
         for b, (r, t) in enumerate(zip(new, y_host)):
             events += self._row_event(r, [t], lps.get(b))

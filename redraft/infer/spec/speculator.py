@@ -174,6 +174,32 @@ class Speculator:
         """Whether a drafter drafts on the device (the engine then keeps a device state)."""
         return any(not d.host for d in self.drafters)
 
+    @property
+    def host_drafters(self) -> bool:
+        """Whether a drafter drafts on the host (the engine then builds a :class:`HostState`)."""
+        return any(d.host for d in self.drafters)
+
+    def add_rows(self, host, state: DecodeState | None, start: int) -> None:
+        """Rows ``start ..`` are new requests: every drafter sets up their state (a host drafter
+        from ``host``, a device drafter from ``state``)."""
+        for d in self.drafters:
+            if d.host:
+                d.add_rows_host(host, start)
+            else:
+                d.add_rows(state, start)
+
+    def retire_rows(self, host, gone: list[int]) -> None:
+        """Rows ``gone`` (indices into ``host``, which holds their final tokens) are about to
+        leave the batch: the host drafters see them a last time."""
+        for d in self.drafters:
+            if d.host:
+                d.retire_rows_host(host, gone)
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Rows ``keep`` stay in the batch; every drafter drops the others' state."""
+        for d in self.drafters:
+            d.select_rows(keep)
+
     def propose(self, host, state: DecodeState | None, speculate: bool = True) -> Proposal:
         """Call the drafters the gate lets through (none for a plain step, ``speculate=False``);
         merge their paths and value every entry (host arrays)."""

@@ -1,9 +1,9 @@
 """Training-throughput benchmark: baseline and candidates measured in the same run.
 
-    python -m redraft.train.bench                       # default target, default ShareGPT, CPU
-    python -m redraft.train.bench --records 8 --repeats 2 --draft-vocab 0 16384 --json out.json
-    python -m redraft.train.bench --features --precision amp-bf16 --draft-vocab 0 8192 --loss ce ce+kd
-    python -m redraft.train.bench --loss-impl dense fused --precision amp-bf16   # the fused loss vs the reference
+    python -m redraft.bench.train                       # default target, default ShareGPT, CPU
+    python -m redraft.bench.train --records 8 --repeats 2 --draft-vocab 0 16384 --json out.json
+    python -m redraft.bench.train --features --precision amp-bf16 --draft-vocab 0 8192 --loss ce ce+kd
+    python -m redraft.bench.train --loss-impl dense fused --precision amp-bf16   # the fused loss vs the reference
 
 For each setting it times, over the same records, (a) the frozen target's forward that makes
 the hidden states and (b) one full training micro step (target forward + drafter forward over
@@ -221,7 +221,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m redraft.train.bench",
+        prog="python -m redraft.bench.train",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

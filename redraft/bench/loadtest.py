@@ -1,9 +1,9 @@
 """Load benchmark for redraft-serve: N concurrent streams, speculation on and off, in one run.
 
     # start both servers itself (speculation on, and the same flags with --no-speculation):
-    python -m redraft.serve.loadtest --spawn "--preset infer/decode-default.yaml" --markdown docs-table.md
+    python -m redraft.bench.loadtest --spawn "--preset infer/decode-default.yaml" --markdown docs-table.md
     # or measure running servers (label each):
-    python -m redraft.serve.loadtest http://127.0.0.1:8000 http://127.0.0.1:8001 --labels on,off
+    python -m redraft.bench.loadtest http://127.0.0.1:8000 http://127.0.0.1:8001 --labels on,off
 
 For each concurrency level (1, 2, 4, 8, 16 by default) and each server, ``C`` workers send
 streamed chat/completion requests back to back (``--rounds`` each), greedy, ``--max-tokens``
@@ -58,7 +58,7 @@ LEVELS = (1, 2, 4, 8, 16)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m redraft.serve.loadtest",
+        prog="python -m redraft.bench.loadtest",
         description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter,
     )

@@ -1,7 +1,7 @@
 """Benchmark of the data pipeline: records/s and tokens/s, cold and cached.
 
-    python -m redraft.data.bench                      # default target, default ShareGPT
-    python -m redraft.data.bench --subset 300 --skip-full --output /tmp/data-bench.json
+    python -m redraft.bench.data                      # default target, default ShareGPT
+    python -m redraft.bench.data --subset 300 --skip-full --output /tmp/data-bench.json
 
 Measured in one run, on the same records:
   * baseline: the straightforward way — per conversation, ``apply_chat_template(tokenize=True)``
@@ -63,7 +63,7 @@ def _timed_build(fn, **kw) -> tuple[float, object]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m redraft.data.bench", description=__doc__.split("\n\n")[0]
+        prog="python -m redraft.bench.data", description=__doc__.split("\n\n")[0]
     )
     p.add_argument(
         "--target",

@@ -1,4 +1,4 @@
-"""Benchmark of the n-gram builders and lookups: ``python -m redraft.ngrams.bench``.
+"""Benchmark of the n-gram builders and lookups: ``python -m redraft.bench.ngrams``.
 
 Every figure is measured in this one run, candidate beside its baseline:
 
@@ -282,7 +282,7 @@ def bench_lookups(arrays, V, args, report: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m redraft.ngrams.bench",
+        prog="python -m redraft.bench.ngrams",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
