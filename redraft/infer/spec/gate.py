@@ -22,7 +22,11 @@ class DrafterGate:
     ``FREE_SHARE`` of an output token's time: skipping it could save no more than that, while
     skipping it wrongly loses its tokens (two drafters that propose many of the same tokens each
     show little exclusive gain, and the one left alone then looks like the only one that
-    works). Gating never changes the output, only the speed.
+    works). A drafter's first call is not timed: it pays one-time setup (N-Grammys converts its
+    tables to host arrays, hundreds of times a later call's work), and that time, taken for what
+    a call costs, switches a cheap drafter off for a long while (its time average moves only
+    when it is called, and each re-try doubles the wait). Gating never changes the output, only
+    the speed.
     """
 
     TIME_EMA = 0.8  # weight of the past in the drafting-time and seconds-per-token averages
@@ -32,7 +36,8 @@ class DrafterGate:
 
     def __init__(self, num_drafters: int, explore: int = 8, enabled: bool = True):
         self.n, self.explore, self.enabled = num_drafters, max(int(explore), 1), enabled
-        self.secs = [0.0] * num_drafters  # drafting seconds per call
+        self.secs = [0.0] * num_drafters  # drafting seconds per call (0: not timed yet, free)
+        self.calls = [0] * num_drafters  # calls seen by record_time
         self.gain: list[float | None] = [None] * num_drafters  # exclusive accepted tokens per step
         self.idle = [0] * num_drafters  # steps since the last call
         self.wait = [self.explore] * num_drafters  # steps a skipped drafter waits before a re-run
@@ -65,7 +70,11 @@ class DrafterGate:
         return active
 
     def record_time(self, i: int, secs: float) -> None:
-        """Drafter i took ``secs`` to draft this step."""
+        """Drafter i took ``secs`` to draft this step (its first call, one-time setup, is not
+        counted)."""
+        self.calls[i] += 1
+        if self.calls[i] == 1:
+            return
         a = self.TIME_EMA
         self.secs[i] = a * self.secs[i] + (1 - a) * secs if self.secs[i] else secs
 
