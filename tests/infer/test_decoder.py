@@ -339,6 +339,18 @@ def test_gate_does_not_take_a_drafters_first_call_setup_for_its_cost():
     assert gate.secs[0] == pytest.approx(0.00003)
 
 
+def test_gate_keeps_a_cheap_drafter_through_one_slow_call():
+    gate = DrafterGate(2, explore=8)
+    gate.update(step_secs=0.06, tokens_per_row=2.0, exclusive={0: 0.02, 1: 1.0})
+    for t in (0.0001, 0.0001, 0.0001, 0.0001, 0.02, 0.0001):  # one call preempted: 20 ms
+        gate.record_time(0, t)
+        assert 0 in gate.active()
+    assert gate.secs[0] == pytest.approx(0.0001)
+    for _ in range(3):  # slower for good: the median follows
+        gate.record_time(0, 0.02)
+    assert gate.secs[0] == pytest.approx(0.02) and 0 not in gate.active()
+
+
 def _drive(guard, batch, tps, steps):
     """Run ``steps`` steps at ``batch`` where a speculative step yields tps[True] tokens per
     second and a plain one tps[False]; returns the modes chosen."""

@@ -5,6 +5,7 @@ size at all (:class:`SpeculationGuard`: plain steps against speculative ones, me
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 
@@ -12,9 +13,9 @@ class DrafterGate:
     """Which drafters to call: skip one while the tokens only it gets accepted are worth less
     time than its drafting costs.
 
-    The gate keeps exponential moving averages of each drafter's drafting seconds, of the
-    accepted tokens per step that no other drafter proposed ("exclusive gain"), and of the
-    seconds one output token costs. A drafter is worth calling when
+    The gate keeps each drafter's drafting seconds (the lower median of its last ``TIMES``
+    calls) and exponential moving averages of the accepted tokens per step that no other drafter
+    proposed ("exclusive gain") and of the seconds one output token costs. A drafter is worth calling when
     ``gain * seconds_per_token >= drafting seconds``; one that is not waits ``explore`` steps
     before it is tried again, and every try that finds it still not worth it doubles the wait
     (up to ``MAX_WAIT_FACTOR * explore``), so a useless drafter ends up costing almost nothing.
@@ -24,20 +25,25 @@ class DrafterGate:
     show little exclusive gain, and the one left alone then looks like the only one that
     works). A drafter's first call is not timed: it pays one-time setup (N-Grammys converts its
     tables to host arrays, hundreds of times a later call's work), and that time, taken for what
-    a call costs, switches a cheap drafter off for a long while (its time average moves only
-    when it is called, and each re-try doubles the wait). Gating never changes the output, only
+    a call costs, switches a cheap drafter off for a long while (its time moves only when it is
+    called, and each re-try doubles the wait); the median keeps later slow calls (a busy machine,
+    a drafter catching up on the steps it was skipped) from doing the same. Gating never changes the output, only
     the speed.
     """
 
-    TIME_EMA = 0.8  # weight of the past in the drafting-time and seconds-per-token averages
+    TIME_EMA = 0.8  # weight of the past in the seconds-per-token average
     GAIN_EMA = 0.7  # weight of the past in the exclusive-gain average
     MAX_WAIT_FACTOR = 16
+    TIMES = 5  # drafting time: the lower median of the last TIMES calls
     FREE_SHARE = 0.01  # drafting under 1% of a token's time is always worth calling
 
     def __init__(self, num_drafters: int, explore: int = 8, enabled: bool = True):
         self.n, self.explore, self.enabled = num_drafters, max(int(explore), 1), enabled
         self.secs = [0.0] * num_drafters  # drafting seconds per call (0: not timed yet, free)
         self.calls = [0] * num_drafters  # calls seen by record_time
+        # the last TIMES calls' drafting seconds: one slow call (the machine busy elsewhere, a
+        # drafter catching up on the tokens of the steps it was skipped) does not switch it off
+        self.times = [collections.deque(maxlen=self.TIMES) for _ in range(num_drafters)]
         self.gain: list[float | None] = [None] * num_drafters  # exclusive accepted tokens per step
         self.idle = [0] * num_drafters  # steps since the last call
         self.wait = [self.explore] * num_drafters  # steps a skipped drafter waits before a re-run
@@ -75,8 +81,9 @@ class DrafterGate:
         self.calls[i] += 1
         if self.calls[i] == 1:
             return
-        a = self.TIME_EMA
-        self.secs[i] = a * self.secs[i] + (1 - a) * secs if self.secs[i] else secs
+        times = self.times[i]
+        times.append(secs)
+        self.secs[i] = sorted(times)[(len(times) - 1) // 2]  # the lower median
 
     def update(self, step_secs: float, tokens_per_row: float, exclusive: dict[int, float]) -> None:
         """After a step: its wall time, the tokens a row gained on average (accepted + 1), and
