@@ -410,7 +410,8 @@ class Settings:
         if isinstance(v, str):
             word = v.strip().lower()
             v = {"true": True, "false": False}.get(word, v)
-            if isinstance(v, str) and word.lstrip("-").isdigit():
+            # isdecimal, not isdigit: "²" is a digit that int() refuses
+            if isinstance(v, str) and word.lstrip("-").isdecimal():
                 v = int(word)
         try:
             return _convert(tp, v)

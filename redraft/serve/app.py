@@ -84,7 +84,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         )
 
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
+    if length.isascii() and length.isdigit() and int(length) > limit:
         raise too_large(length)
     chunks, size = [], 0
     async for chunk in request.stream():

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from redraft.errors import RedraftError
@@ -113,6 +113,8 @@ def test_a_tensor_batch_and_single_forms_decode_alike(decoders):
         max_size=4,
     )
 )
+@example(values={"prefill_chunk": "²"})  # a Unicode digit int() refuses
+@example(values={"max_nodes": "١٢"})  # Arabic-Indic digits int() takes
 def test_decoder_config_accepts_or_names_the_bad_setting(values):
     from redraft.errors import ConfigError
     from redraft.infer import DecoderConfig
