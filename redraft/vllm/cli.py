@@ -165,7 +165,8 @@ def _replay(args) -> int:
         target.tokenizer.save_pretrained(tmp)
         for f in floors:
             drafters = [d.strip() for d in args.drafters.split(",")] if args.drafters else None
-            s = ProposerSettings(ngrams=args.ngrams, min_value=f, drafters=drafters)
+            # no forward runs between a replay's steps: chains are cut by the floor alone
+            s = ProposerSettings(ngrams=args.ngrams, min_value=f, drafters=drafters, cost="off")
             name = f"redraft {'+'.join(drafters) + ' ' if drafters else ''}min_value={f:g}"
             rows.append((name, rp.redraft_propose(tmp, target.vocab_size, args.k, s)))
         lines = [

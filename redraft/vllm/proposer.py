@@ -16,9 +16,13 @@ the output is the target's own). The proposer:
    ADED's corpus tri-gram table, from the row's last two tokens) and ``suffix`` (SuffixDecoding's
    suffix trees over the request and over the outputs of earlier requests, arctic-inference);
 3. **picks** per row the candidate with the most expected accepted tokens (the sum over its
-   depths of the product of learned rates) and cuts it where that product falls below
-   ``min_value`` (+ ``min_value_per_row`` per extra row): with nothing worth verifying a row gets
-   an empty chain, and a step where no row has a candidate costs vLLM nothing.
+   depths of the product of learned rates), cuts it where that product falls below
+   ``min_value`` (+ ``min_value_per_row`` per extra row), and sends, across all rows, the draft
+   tokens that maximise the expected tokens per second of the step under vLLM's step cost as
+   measured between calls (:mod:`redraft.vllm.pacing`): at batch 1 on a GPU nearly every
+   candidate token, on a CPU or at a large batch only the likely ones. With nothing worth
+   verifying a row gets an empty chain, and a step where no row has a candidate costs vLLM
+   nothing.
 
 vLLM passes rows, not request ids, and moves requests between rows as others finish. A row's
 last chain is scored only when its token count grew by exactly the number of tokens sampled for
@@ -29,11 +33,15 @@ suffix drafter tells requests apart the same way: a row whose tokens do not cont
 held last step is a new request (its tokens so far start a new local tree; the row's earlier
 request stops, its output staying in the global tree).
 
-Everything is deterministic numpy on the inputs every rank receives, so every tensor-parallel
-rank drafts the same chains.
+The candidates and the learned rates are deterministic numpy on the inputs every rank receives,
+the same on every tensor-parallel rank; how much of a chain is sent follows each rank's own
+timing, and vLLM verifies the drafts of one rank on all of them (:mod:`redraft.vllm.pacing`).
+With ``cost: off`` the chains themselves are deterministic too.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -49,6 +57,7 @@ from redraft.errors import ArtifactError, ConfigError
 from redraft.infer.drafters.suffix import suffix_available
 from redraft.infer.spec.hostdraft import HostStats, HostTables, context_matches_np
 from redraft.infer.spec.paths import PAD
+from redraft.vllm.pacing import StepCost, chain_lengths
 from redraft.vllm.settings import DRAFTERS, ENV_VAR, ProposerSettings, read_settings
 
 TRIGRAM_BRANCHES = 4  # first tokens of the tri-gram chains (each then followed greedily)
@@ -108,6 +117,9 @@ class Proposer:
         self.stats = HostStats(len(self.drafters), max_depth=max(self.k, 1))
         self.suffix = SuffixRows(s.suffix_tokens) if "suffix" in self.drafters else None
         self._last = None  # what the last step proposed, to be scored by this one
+        self.clock = time.perf_counter
+        self.cost = StepCost() if s.cost == "measured" else None
+        self._sent = (0.0, 0)  # (when the last call started, tokens its step verifies)
         self.steps = self.proposed_tokens = 0
         self._warm()
 
@@ -118,6 +130,7 @@ class Proposer:
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
         """One chain (a list of at most ``k`` token ids, maybe empty) per row of the batch."""
+        start = self.clock()
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         rows = np.array(
             [
@@ -128,30 +141,34 @@ class Proposer:
             dtype=np.int64,
         )
         if self._last is not None:
-            self._learn(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            same_rows = self._learn(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            if same_rows and self.cost is not None:
+                self.cost.record(self._sent[1], start - self._sent[0])
             self._last = None
         if not len(rows) or self.k < 1:
             return out
         n = np.asarray(num_tokens_no_spec, dtype=np.int64)[rows]
         paths, owner, group = self._candidates(rows, n, token_ids_cpu)
-        if paths.shape[1] == 0:
-            return out
-        values = self.stats.values(owner, paths.shape, group)  # [B, P, k]
-        values = np.where(paths >= 0, values, 0.0)
-        best = values.sum(-1).argmax(-1)  # [B]
-        b = np.arange(len(rows))
-        chosen, v = paths[b, best], values[b, best]  # [B, k]
-        floor = self.settings.min_value + self.settings.min_value_per_row * (len(rows) - 1)
-        keep = np.cumprod((chosen >= 0) & (v >= floor) & (v > 0), axis=1).astype(bool)
-        lengths = keep.sum(1)
-        # never past the model's length: the chain's tokens and the bonus token must fit
-        lengths = np.minimum(lengths, np.maximum(self.max_model_len - n - 1, 0))
-        for j, i in enumerate(rows):
-            if lengths[j]:
-                out[i] = chosen[j, : lengths[j]].tolist()
+        lengths = np.zeros(len(rows), dtype=np.int64)
+        if paths.shape[1]:
+            values = self.stats.values(owner, paths.shape, group)  # [B, P, k]
+            values = np.where(paths >= 0, values, 0.0)
+            best = values.sum(-1).argmax(-1)  # [B]
+            b = np.arange(len(rows))
+            chosen, v = paths[b, best], values[b, best]  # [B, k]
+            floor = self.settings.min_value + self.settings.min_value_per_row * (len(rows) - 1)
+            keep = np.cumprod((chosen >= 0) & (v >= floor) & (v > 0), axis=1).astype(bool)
+            v = np.where(keep, v, 0.0)
+            lengths = keep.sum(1) if self.cost is None else chain_lengths(v, self.cost)
+            # never past the model's length: the chain's tokens and the bonus token must fit
+            lengths = np.minimum(lengths, np.maximum(self.max_model_len - n - 1, 0))
+            for j, i in enumerate(rows):
+                if lengths[j]:
+                    out[i] = chosen[j, : lengths[j]].tolist()
         self.steps += 1
         self.proposed_tokens += int(lengths.sum())
         self._last = (rows, n, token_ids_cpu[rows, n - 1].copy(), paths, owner, group)
+        self._sent = (start, len(rows) + int(lengths.sum()))
         return out
 
     def _candidates(self, rows, n, tok):
@@ -183,9 +200,10 @@ class Proposer:
         group = np.concatenate([g for _, _, g in parts], axis=1).astype(np.int64)
         return paths, owner, group
 
-    def _learn(self, sampled_token_ids, num_tokens_no_spec, tok) -> None:
+    def _learn(self, sampled_token_ids, num_tokens_no_spec, tok) -> bool:
         """Score the last step's candidates of every row that still holds the same request
-        against the tokens sampled since (see the module doc)."""
+        against the tokens sampled since (see the module doc). True when the step just run held
+        exactly the last step's rows, each continuing its request (no prefill in it)."""
         rows, n0, last0, paths, owner, group = self._last
         B, P, k = paths.shape
         nrows = len(sampled_token_ids)
@@ -199,12 +217,13 @@ class Proposer:
                 continue  # another request now, or none sampled: nothing to learn
             known[j] = min(m, k)
             truth[j, : known[j]] = tok[i, n0[j] : n0[j] + known[j]]
-        if not known.any():
-            return
-        depth = np.arange(k)
-        right = np.cumprod(paths == truth[:, None, :], axis=2).sum(2)  # [B, P] leading matches
-        kept = (paths >= 0) & (depth < known[:, None, None])
-        self.stats.update(owner, paths, right, group, kept)
+        same_rows = nrows == B and bool(known.all())
+        if P and known.any():
+            depth = np.arange(k)
+            right = np.cumprod(paths == truth[:, None, :], axis=2).sum(2)  # [B, P] leading
+            kept = (paths >= 0) & (depth < known[:, None, None])
+            self.stats.update(owner, paths, right, group, kept)
+        return same_rows
 
     def _warm(self) -> None:
         """Compile the host kernels (numba) with the argument types of a step, at start-up."""
@@ -214,6 +233,7 @@ class Proposer:
         self.propose([[1], [2]], np.array([8, 3], np.int32), tok)
         self.propose([[1], [2]], np.array([9, 4], np.int32), tok)
         self.stats.reset()
+        self.cost = StepCost() if self.cost is not None else None
         self._last = None
         self.steps = self.proposed_tokens = 0
         if self.suffix is not None:  # the warm-up's requests are not the server's

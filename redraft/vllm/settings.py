@@ -20,6 +20,7 @@ from redraft.errors import ConfigError
 ENV_VAR = "REDRAFT_VLLM_CONFIG"
 CLASS_PATH = "redraft.vllm.Proposer"
 DRAFTERS = ("context", "ngrammys", "trigram", "suffix")
+COSTS = ("measured", "off")
 
 
 @dataclass
@@ -41,7 +42,10 @@ class ProposerSettings:
             is rarely accepted still costs the verify its slot. 0 keeps
             ``num_speculative_tokens`` tokens whenever a candidate is that long.
         min_value_per_row: added to ``min_value`` for every request beyond the first in the
-            step: a bigger batch makes each drafted token cost more of the verify.
+            step (a fixed rule; ``cost: measured`` weighs the batch's verify cost itself).
+        cost: ``measured`` sends, across the batch, the draft tokens that maximise the expected
+            tokens per second under vLLM's step time as measured between steps (see
+            :mod:`redraft.vllm.pacing`); ``off`` sends every token above the floors.
         suffix_tokens: tokens of earlier requests the suffix drafter's global tree holds (the
             oldest requests leave first); 0: each request drafts from itself only.
     """
@@ -53,7 +57,8 @@ class ProposerSettings:
     paths: int = 8
     window: int = 4096
     min_value: float = 0.03
-    min_value_per_row: float = 0.01
+    min_value_per_row: float = 0.0
+    cost: str = "measured"
     suffix_tokens: int = 1_000_000
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -77,6 +82,8 @@ class ProposerSettings:
         for name in ("paths", "window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{ENV_VAR}: {name}={getattr(self, name)} must be >= 1.")
+        if self.cost not in COSTS:
+            raise ConfigError(f"{ENV_VAR}: cost={self.cost!r}; use one of {', '.join(COSTS)}.")
         if self.suffix_tokens < 0:
             raise ConfigError(f"{ENV_VAR}: suffix_tokens={self.suffix_tokens} must be >= 0.")
         for name in ("min_value", "min_value_per_row"):

@@ -27,7 +27,7 @@ def _batch(rows, width=256):
     return [[r[-1]] if r else [] for r in rows], n, tok
 
 
-FULL = ProposerSettings(min_value=0.0, min_value_per_row=0.0)  # every candidate token kept
+FULL = ProposerSettings(min_value=0.0, cost="off")  # every candidate token kept
 
 
 @pytest.fixture
@@ -47,7 +47,8 @@ def test_settings_from_json_and_yaml_file(tmp_path, config_env):
     s = read_settings({config_env: str(f)})
     assert (s.ngrams, s.min_value, s.drafters) == ("some/dir", 0.25, ["context"])
     assert read_settings({}) == ProposerSettings()
-    assert (read_settings({}).min_value, read_settings({}).min_value_per_row) == (0.03, 0.01)
+    d = read_settings({})
+    assert (d.min_value, d.min_value_per_row, d.cost) == (0.03, 0.0, "measured")
 
 
 @pytest.mark.parametrize(
@@ -56,6 +57,7 @@ def test_settings_from_json_and_yaml_file(tmp_path, config_env):
         ('{"q_mni": 2}', "q_mni"),
         ('{"q_min": 3, "q_max": 2}', "q_min=3"),
         ('{"min_value": 1.5}', "min_value=1.5"),
+        ('{"cost": "fixed"}', "cost='fixed'"),
         ('{"drafters": ["context", "eagle"]}', "eagle"),
         ("{not json", "not valid JSON"),
         ("/no/such/settings.yaml", "/no/such/settings.yaml"),
@@ -141,10 +143,11 @@ def test_min_value_cuts_chains_below_the_estimated_acceptance(tiny_target_dir, c
     cfg = fake_vllm_config(tiny_target_dir, k=4)
     row = [10, 11, 12, 13, 14, 20, 21, 10, 11, 12]
     # the prior rate is 0.3 a depth: 0.3, 0.09, ... ; a floor of 0.2 keeps one token
-    assert Proposer(cfg, ProposerSettings(min_value=0.2)).propose(*_batch([row])) == [[13]]
-    assert Proposer(cfg, ProposerSettings(min_value=0.5)).propose(*_batch([row])) == [[]]
+    floor = ProposerSettings(cost="off")
+    assert Proposer(cfg, floor.replace(min_value=0.2)).propose(*_batch([row])) == [[13]]
+    assert Proposer(cfg, floor.replace(min_value=0.5)).propose(*_batch([row])) == [[]]
     # a second row raises the floor by min_value_per_row
-    p = Proposer(cfg, ProposerSettings(min_value=0.05, min_value_per_row=0.3))
+    p = Proposer(cfg, floor.replace(min_value=0.05, min_value_per_row=0.3))
     assert p.propose(*_batch([row]))[0] == [13, 14]
     assert p.propose(*_batch([row, row])) == [[], []]
 
