@@ -410,8 +410,7 @@ class Settings:
         if isinstance(v, str):
             word = v.strip().lower()
             v = {"true": True, "false": False}.get(word, v)
-            # isdecimal, not isdigit: "²" is a digit that int() refuses
-            if isinstance(v, str) and word.lstrip("-").isdecimal():
+            if isinstance(v, str) and word.lstrip("-").isdecimal():  # not "²": int() refuses
                 v = int(word)
         try:
             return _convert(tp, v)
