@@ -407,25 +407,28 @@ def run_concurrent(runners: dict, prompts: list[list[int]], bench: dict, c: int)
     them as rows; vLLM schedules them); tokens/s over the whole set. transformers' ``generate``
     (hf-*) has no such batching and is left out. Outputs are compared with the same engine's
     plain decoding at the same concurrency (batched float32 kernels may round differently from
-    batch 1)."""
+    batch 1). Group-major: each group of ``c`` prompts is decoded by every method in turn, so
+    the methods share the machine's drift."""
     n = bench["max_new_tokens"]
-    res, outs = {}, {}
-    for name, r in runners.items():
-        if r.decoder is None and r.peer is None:
-            continue
-        t0, got = time.perf_counter(), []
-        for i in range(0, len(prompts), c):
-            group = prompts[i : i + c]
+    live = {k: r for k, r in runners.items() if r.decoder is not None or r.peer is not None}
+    outs: dict = {name: [] for name in live}
+    took = dict.fromkeys(live, 0.0)
+    for i in range(0, len(prompts), c):
+        group = prompts[i : i + c]
+        for name, r in live.items():
+            t0 = time.perf_counter()
             if r.peer is not None:
-                got += r.peer.run_batch(group)
+                outs[name] += r.peer.run_batch(group)
             else:
-                got += [g.tokens for g in r.decoder.generate(group, max_new_tokens=n)]
-        dt = time.perf_counter() - t0
-        outs[name] = got
-        res[name] = {
-            "tokens_per_s": round(sum(map(len, got)) / max(dt, 1e-9), 2),
-            "time_s": round(dt, 2),
+                outs[name] += [g.tokens for g in r.decoder.generate(group, max_new_tokens=n)]
+            took[name] += time.perf_counter() - t0
+    res = {
+        name: {
+            "tokens_per_s": round(sum(map(len, outs[name])) / max(took[name], 1e-9), 2),
+            "time_s": round(took[name], 2),
         }
+        for name in live
+    }
     for name, row in res.items():
         plain = "vllm" if runners[name].peer is not None else "greedy"
         if plain in outs:
