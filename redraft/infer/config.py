@@ -169,9 +169,15 @@ class DecoderConfig(Settings):
     )
     suffix_w: int = _f(
         24,
-        "Suffix drafter: tokens per draft path at most (a long match earns a long draft: at most "
-        "one token per matched token).",
+        "Suffix drafter: tokens per draft path at most (a long match earns a long draft, "
+        "suffix_factor tokens per matched token).",
         range=Range(1, 1024),
+    )
+    suffix_factor: float = _f(
+        1.0,
+        "Suffix drafter: draft tokens per matched token at most (SuffixDecoding's max_spec_factor: "
+        "a match of m tokens drafts up to factor * m, never past suffix_w).",
+        range=Range(0, 64, lo_open=True),
     )
     suffix_tokens: int = _f(
         1_000_000,

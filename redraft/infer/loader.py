@@ -71,7 +71,10 @@ def suffix_drafter(cfg: DecoderConfig):
     from redraft.infer.drafters.suffix import SuffixDrafter
 
     return SuffixDrafter(
-        max_paths=cfg.ngram_k, max_tokens_per_path=cfg.suffix_w, max_tokens=cfg.suffix_tokens
+        max_paths=cfg.ngram_k,
+        max_tokens_per_path=cfg.suffix_w,
+        max_spec_factor=cfg.suffix_factor,
+        max_tokens=cfg.suffix_tokens,
     )
 
 

@@ -52,6 +52,18 @@ def test_a_request_drafts_from_its_own_prompt():
     assert d.global_requests == 1  # the request's output goes to the global tree as it grows
 
 
+def test_suffix_factor_earns_more_tokens_per_matched_token():
+    from redraft.infer import DecoderConfig
+    from redraft.infer.loader import suffix_drafter
+
+    d = suffix_drafter(DecoderConfig(suffix_factor=2.0, suffix_w=8, ngram_k=4))
+    d.min_token_prob = 0.0
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 9]
+    d.add_rows_host(_host([prompt + [1, 2, 3]], [len(prompt)]), 0)
+    dr = d.propose_host(_host([prompt + [1, 2, 3]], [len(prompt)]))
+    assert _paths(dr)[0] == [4, 5, 6, 7, 8, 9]  # a match of 3 earns 2 * 3 tokens
+
+
 def test_a_later_request_drafts_from_an_earlier_ones_output_and_not_without_the_global_tree():
     out = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
     for max_tokens, drafts in ((1000, True), (0, False)):
