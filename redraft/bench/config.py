@@ -94,7 +94,7 @@ class BenchSettings(ModelSettings):
     vllm_redraft: str | None = setting(
         None,
         "Settings of redraft's proposer in the vllm-redraft method, a JSON object (the keys of "
-        "REDRAFT_VLLM_CONFIG, docs/vllm.md), e.g. '{\"cost\": \"off\"}'.",
+        'REDRAFT_VLLM_CONFIG, docs/vllm.md), e.g. \'{"cost": "off"}\'.',
     )
     vllm_max_model_len: int = setting(
         2048, "max_model_len of the vllm-* engines (prompt + new tokens).", range=Range(64)
