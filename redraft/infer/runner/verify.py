@@ -143,7 +143,7 @@ class Verifier:
         self.graph_stats = graph_stats()
         self._attention = sdpa_backends(self.device)
         # every device: the query heads of a key/value head attend packed (no per-head copy of
-        # the cache); CPU eager forwards: rows of very different lengths attend in two groups
+        # the cache); CPU eager forwards: rows of very different lengths attend in runs
         packed = use_packed_attention(self.model)
         self._grouped = packed and not static and self.device.type == "cpu"
 
@@ -264,7 +264,7 @@ class Verifier:
                 span = min(cache.capacity, cache.physical + N)
             cache.begin(lengths, N, span)
             bias = cache.attention_bias(step.anc.bool(), self.dtype)
-            groups = row_groups(cache.host_lengths, N, self.device) if self._grouped else None
+            groups = row_groups(cache.host_lengths, N) if self._grouped else None
             with grouped(groups):
                 return self._model(
                     step.tokens.clamp_min(0), lengths[:, None] + step.depth, bias, cache
@@ -342,7 +342,7 @@ class Verifier:
             span = max(starts) + T
             piece = cache.begin_piece(start, T, span, (first_slot, first_slot + n))
             piece.bias = cache.attention_bias(causal, self.dtype, lengths=start, span=span)
-            groups = row_groups(cache.host_lengths, N, self.device) if self._grouped else None
+            groups = row_groups(cache.host_lengths, N) if self._grouped else None
             flat_ids = torch.cat([step.tokens.clamp_min(0).reshape(-1), ids.reshape(-1)])
             pos = torch.cat([(lengths[:, None] + step.depth).reshape(-1), piece_pos.reshape(-1)])
             try:
