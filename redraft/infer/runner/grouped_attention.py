@@ -41,6 +41,10 @@ _GROUPS: contextvars.ContextVar = contextvars.ContextVar("redraft_row_groups", d
 _PACKED_MASKS: contextvars.ContextVar = contextvars.ContextVar("redraft_packed", default=None)
 # a prefill piece riding in the current verify forward (redraft.infer.runner.kv.Piece), or None
 _PIECE: contextvars.ContextVar = contextvars.ContextVar("redraft_piece", default=None)
+# the rows of the current flattened prefill forward (redraft.infer.runner.kv.Ragged), or None
+_RAGGED: contextvars.ContextVar = contextvars.ContextVar("redraft_ragged", default=None)
+# scaled_dot_product_attention's enable_gqa (torch >= 2.5): key/value heads shared without a copy
+_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def row_groups(lengths: list[int], n: int, device=None) -> list | None:
@@ -100,6 +104,17 @@ def with_piece(piece):
         yield
     finally:
         _PIECE.reset(token)
+
+
+@contextlib.contextmanager
+def with_ragged(ragged):
+    """Forwards inside are one flattened row of ``ragged``'s rows (a
+    :class:`~redraft.infer.runner.kv.Ragged`): :func:`grouped_sdpa` attends each row apart."""
+    token = _RAGGED.set(ragged)
+    try:
+        yield
+    finally:
+        _RAGGED.reset(token)
 
 
 def _repeated_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
@@ -163,6 +178,9 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     ``[1, heads, B n + rows T, d]``: its verify part attends as above over ``key``/``value``
     (the verify rows', the cache split them), the piece's part over the piece's own, and the
     outputs are flattened back, ``[1, B n + rows T, heads, d]``."""
+    ragged = _RAGGED.get()
+    if ragged is not None:
+        return ragged_sdpa(module, query, ragged, **kwargs), None
     piece = _PIECE.get()
     if piece is not None:
         _, H, _, d = query.shape
@@ -186,6 +204,49 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
         )[0]  # [rows, T, heads, d]
         return torch.cat([main.reshape(1, -1, H, d), part.reshape(1, -1, H, d)], 1), None
     return _grouped(module, query, key, value, attention_mask, **kwargs), None
+
+
+def ragged_sdpa(module, query, ragged, **kwargs) -> torch.Tensor:
+    """Attention of a flattened prefill forward (:func:`with_ragged`): ``query [1, heads,
+    tokens, d]`` holds row b's ``lens[b]`` queries from ``offsets[b]``; each row attends over its
+    own cache slot (``ragged.key[b]``, ``ragged.value[b]``: its ``starts[b]`` earlier columns,
+    then its new ones causally), one call per row. A row with nothing cached before its tokens
+    (a whole prompt) attends causally with no mask at all (``is_causal``): no mask is built or
+    read, and the kernel skips the blocks above the diagonal. Returns ``[1, tokens, heads,
+    d]``."""
+    g = getattr(module, "num_key_value_groups", 1)
+    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+    outs = []
+    for b, (s, n, o) in enumerate(zip(ragged.starts, ragged.lens, ragged.offsets)):
+        q, k, v = query[:, :, o : o + n], ragged.key[b], ragged.value[b]
+        if not plain:  # transformers' path (its own extras), with the row's mask made here
+            bias = _row_bias(s, n, q.dtype, q.device)
+            out = sdpa_attention_forward(module, q, k, v, bias, **kwargs)[0]
+            outs.append(out.transpose(1, 2))
+            continue
+        if g > 1 and not _GQA:
+            k, v = (t.repeat_interleave(g, dim=1) for t in (k, v))
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=None if s == 0 else _row_bias(s, n, q.dtype, q.device),
+                is_causal=s == 0,
+                scale=kwargs.get("scaling"),
+                **({"enable_gqa": True} if g > 1 and _GQA else {}),
+            )
+        )  # [1, heads, n, d]
+    return torch.cat(outs, 2).transpose(1, 2).contiguous()
+
+
+def _row_bias(start: int, n: int, dtype, device) -> torch.Tensor:
+    """Additive ``[1, 1, n, start + n]`` mask: token i of a row's piece sees its ``start``
+    cached columns and its piece's tokens up to i."""
+    cols = torch.arange(start + n, device=device)
+    vis = cols[None, :] <= start + torch.arange(n, device=device)[:, None]
+    bias = torch.zeros(vis.shape, dtype=dtype, device=device)
+    return bias.masked_fill_(~vis, torch.finfo(dtype).min)[None, None]
 
 
 def _grouped(module, query, key, value, attention_mask, **kwargs) -> torch.Tensor:
