@@ -47,14 +47,13 @@ _RAGGED: contextvars.ContextVar = contextvars.ContextVar("redraft_ragged", defau
 _GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def row_groups(lengths: list[int], n: int, device=None) -> list | None:
+def row_groups(lengths: list[int], n: int) -> list | None:
     """The attention calls of a forward whose row ``b`` holds ``lengths[b]`` cached tokens and
     attends over ``n`` new ones: ``[(rows, span), ...]``, each ``rows`` a slice of consecutive
     rows in batch order (views of the queries, keys, values and mask: nothing is gathered),
     together covering the batch in order; ``None`` when one call is as good. The runs minimise
     ``sum over calls of (rows x span x n + CALL_COST)``, ``span`` the run's longest row plus
-    ``n`` (dynamic programming over the cut points). ``device`` is unused (the groups are
-    slices).
+    ``n`` (dynamic programming over the cut points).
 
     Runs, not groups of rows sorted by length: a group of rows that are not neighbours in the
     batch had to be gathered (a copy of their keys and values per layer, more than the
