@@ -35,10 +35,11 @@ logger = logging.getLogger(__name__)
 
 _ATTR = "_redraft_packed"
 # forwards of MIN..MAX rows use the packed weight by default: on some CPUs the default
-# (memory-bound) kernel is still faster at 1-2 rows, above 128 (prefill) it is as fast. Which
-# kernel is faster at 1 and 2 rows depends on the CPU: the verifier measures it (packed_from,
-# head_packed_from below)
-MIN_PACKED_ROWS, MAX_PACKED_ROWS = 3, 128
+# (memory-bound) kernel is still faster at 1-2 rows. At prefill sizes (hundreds to thousands of
+# tokens, a flattened prefill forward of several prompts) the packed kernel is as fast on an AMX
+# CPU and faster on an AVX-512 CPU without AMX. Which kernel is faster at 1 and 2 rows depends
+# on the CPU: the verifier measures it (packed_from, head_packed_from below)
+MIN_PACKED_ROWS, MAX_PACKED_ROWS = 3, 8192
 # weights smaller than this stay in cache, where the default kernel is fine and oneDNN's fixed
 # cost per call dominates (a hidden-32 test model ran its forward several times slower packed)
 MIN_PACKED_WEIGHT = 1 << 16
@@ -115,7 +116,7 @@ def head_weights(
     ``x @ W.T`` with ``W.T`` stored contiguously is faster than ``F.linear(x, W)`` for the
     default target's 49152 x 576 bfloat16 head (the head never fits in cache): 6% at 1 row,
     23-39% at 2-16 rows (6.0 ms instead of 9.9 ms at 8);
-    for float32 the packed copy serves 3-128 rows (11.5 ms instead of 30 ms at 8 rows).
+    for float32 the packed copy serves 3 rows and more (11.5 ms instead of 30 ms at 8 rows).
     """
     wt = _derived(head, ("t", dtype), lambda: head.weight.detach().to(dtype).T.contiguous())
     packed = None

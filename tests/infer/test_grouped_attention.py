@@ -1,5 +1,5 @@
-"""Rows of very different lengths attend in two groups on the CPU: the same output as one call
-over the longest row, and the engine's outputs stay exact."""
+"""Rows of very different lengths attend in runs of consecutive rows on the CPU: the same output
+as one call over the longest row, and the engine's outputs stay exact."""
 
 import torch
 
@@ -7,6 +7,7 @@ from redraft.infer import SamplingParams
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter
 from redraft.infer.runner.grouped_attention import (
+    CALL_COST,
     NAME,
     grouped,
     grouped_sdpa,
@@ -16,14 +17,47 @@ from redraft.infer.runner.grouped_attention import (
 
 
 def test_row_groups_split_only_where_it_saves_reads():
-    assert row_groups([10, 12, 11], 2, "cpu") is None  # similar lengths: one call
-    assert row_groups([100], 1, "cpu") is None
-    ((short, s_span), (long, l_span)), inverse = row_groups([20, 4000, 30, 25], 3, "cpu")
-    assert short.tolist() == [0, 2, 3] and s_span == 33  # the short rows' longest + n
-    assert long.tolist() == [1] and l_span == 4003
-    assert inverse.tolist() == [0, 3, 1, 2]  # row b's output is at inverse[b] of the groups'
-    ((short, s_span), (long, l_span)), inverse = row_groups([20, 30, 25, 4000], 3, "cpu")
-    assert (short, long, inverse) == (slice(0, 3), slice(3, 4), None)  # consecutive: views
+    assert row_groups([10, 12, 11], 2) is None  # similar lengths: one call
+    assert row_groups([100], 1) is None
+    # consecutive rows only (views, nothing gathered): a long row between short ones is a run
+    assert row_groups([20, 4000, 30, 25], 3) == [
+        (slice(0, 1), 23),
+        (slice(1, 2), 4003),
+        (slice(2, 4), 33),
+    ]
+    assert row_groups([20, 30, 25, 4000], 3) == [(slice(0, 3), 33), (slice(3, 4), 4003)]
+    # the runs cover the batch in order, each over its longest row plus n
+    lengths = [45, 48, 52, 61, 112, 82, 120, 174, 263, 701, 50]
+    runs = row_groups(lengths, 1)
+    assert [r.start for r, _ in runs] == [0] + [r.stop for r, _ in runs[:-1]]
+    assert runs[-1][0].stop == len(lengths)
+    assert all(span == max(lengths[r]) + 1 for r, span in runs)
+    # never more columns read than one call over the longest row, calls counted
+    read = sum((r.stop - r.start) * s + CALL_COST for r, s in runs)
+    assert read < len(lengths) * (max(lengths) + 1) + CALL_COST
+
+
+def test_a_row_leaving_does_not_gather_the_rows_of_a_group(monkeypatch):
+    """The last row fills a leaving row's slot, so rows of similar length stop being
+    neighbours; the runs stay views of the cache (no index_select of its keys and values)."""
+    calls = []
+    orig = torch.Tensor.index_select
+    monkeypatch.setattr(
+        torch.Tensor, "index_select", lambda self, *a: calls.append(a) or orig(self, *a)
+    )
+    g = torch.Generator().manual_seed(3)
+    lengths = [30, 32, 700, 35, 40, 300]  # the long row moved between the short ones
+    B, H, KV, n, d, span = len(lengths), 4, 2, 1, 8, 701
+    q = torch.randn(B, H, n, d, generator=g)
+    k = torch.randn(B, KV, span, d, generator=g)
+    v = torch.randn(B, KV, span, d, generator=g)
+    vis = torch.arange(span)[None, :] < torch.tensor(lengths)[:, None] + 1
+    mask = torch.zeros(B, 1, n, span).masked_fill_(~vis[:, None, None], float("-inf"))
+    ref, _ = grouped_sdpa(_Attn(), q, k, v, mask, scaling=d**-0.5)
+    with grouped(row_groups(lengths, n)):
+        out, _ = grouped_sdpa(_Attn(), q, k, v, mask, scaling=d**-0.5)
+    assert not calls
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
 class _Attn(torch.nn.Module):
@@ -45,8 +79,8 @@ def test_grouped_sdpa_equals_one_call_over_the_whole_span():
     mask = torch.zeros(B, 1, n, span).masked_fill_(~vis[:, None], float("-inf"))
     module = _Attn()
     ref, _ = grouped_sdpa(module, q, k, v, mask, scaling=d**-0.5)  # no groups set: plain sdpa
-    groups = row_groups(lengths, n, "cpu")
-    assert groups is not None
+    groups = row_groups(lengths, n)
+    assert groups is not None and len(groups) > 1
     with grouped(groups):
         out, _ = grouped_sdpa(module, q, k, v, mask, scaling=d**-0.5)
     assert out.shape == (B, n, H, d)

@@ -1,6 +1,8 @@
 """Chunked prefill: a long prompt joins a running batch one chunk per step, beside the running
 rows' decode step, and every output is what prefilling it in one piece gives."""
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -277,6 +279,7 @@ def test_the_pacer_predicts_a_chunks_cost_from_its_tokens_and_span():
     class _Eng:
         config = DecoderConfig()
         fuse, rows = False, []
+        verifier = types.SimpleNamespace(ragged_prefill=False)  # padded prefill forwards
 
     eng = _Eng()
     eng.prefilling = [_row(400, filled=0)]
@@ -289,6 +292,13 @@ def test_the_pacer_predicts_a_chunks_cost_from_its_tokens_and_span():
     assert Engine._chunk_rows(eng, fits) == (2, 30)  # 3 x 31 > 70 ms; 3 x 60 too padded
     eng.prefilling = [_row(40, filled=30), _row(12)]  # a last piece goes alone
     assert Engine._chunk_rows(eng, fits) == (1, 10)
+    eng.prefilling = [_row(10), _row(20), _row(35)]
+    assert Engine._chunk_rows(eng, fits) == (2, 20)  # 3 x 35 > 70 ms
+    eng.verifier.ragged_prefill = True  # a flattened prefill forward costs its own tokens
+    assert Engine._chunk_rows(eng, fits) == (3, 35)  # 10 + 20 + 35 fit
+    eng.prefilling = [_row(20), _row(30), _row(31)]
+    assert Engine._chunk_rows(eng, fits) == (2, 30)  # 81 tokens do not
+    eng.verifier.ragged_prefill = False
     # a piece riding in the running rows' verify forward: not rounded (no shape to keep)
     eng.fuse, eng.rows = True, [_row(5)]
     eng.prefilling = [_row(400, filled=0)]
@@ -468,14 +478,18 @@ def test_parked_rows_move_up_when_the_queue_grows_into_their_slots(tiny_target):
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=m)[0].tokens
 
 
-def test_prompts_joining_together_prefill_in_forwards_of_similar_lengths(tiny_target):
-    """Nobody decodes: every waiting prompt is prefilled before the first step, shortest first,
-    in forwards whose padding stays under MAX_PADDING (not one forward padded to the longest)."""
+@pytest.mark.parametrize("ragged", [True, False])
+def test_prompts_joining_together_prefill_in_forwards_of_similar_lengths(tiny_target, ragged):
+    """Nobody decodes: every waiting prompt is prefilled before the first step, shortest first.
+    A flattened prefill (a CPU verifier's: no padding) takes them all in one forward; padded
+    forwards keep their padding under MAX_PADDING (not one forward padded to the longest)."""
     V = tiny_target.vocab_size
     lengths = [12, 30, 70, 3, 5, 11, 4, 33]
     prompts = [[(3 * i + 5 * j + 1) % V for j in range(n)] for i, n in enumerate(lengths)]
     dec = SpeculativeDecoder(tiny_target, [], budget=0)
     eng = dec.engine()
+    assert eng.verifier.ragged_prefill  # a CPU target
+    eng.verifier.ragged_prefill = ragged
     forwards = []
     prefill = eng.verifier.prefill
 
@@ -487,10 +501,48 @@ def test_prompts_joining_together_prefill_in_forwards_of_similar_lengths(tiny_ta
     ids = [eng.add(p, SamplingParams.checked(max_new_tokens=4)) for p in prompts]
     eng.step()
     assert len(eng.rows) == len(prompts) and not eng.prefilling  # all joined in the first step
-    assert forwards == [[3, 4, 5], [11, 12], [30, 33], [70]]  # sorted, padding <= 50%
+    if ragged:
+        assert forwards == [sorted(lengths)]  # one forward of their 168 tokens
+    else:
+        assert forwards == [[3, 4, 5], [11, 12], [30, 33], [70]]  # sorted, padding <= 50%
     out = _drain(eng)
     for rid, p in zip(ids, prompts):
         assert out[rid] == plain_greedy(tiny_target, [p], max_new_tokens=4)[0].tokens
+
+
+def test_a_flattened_prefill_gives_what_padded_forwards_give(tiny_target):
+    """A CPU verifier prefills its pieces as one flattened row, no padding
+    (``Verifier.ragged_prefill``): the model sees only the pieces' own tokens, and the last
+    hidden states and the cache entries are those of the padded forward, for whole prompts and
+    for later pieces of prompts (attending over their earlier tokens in the cache)."""
+    V = tiny_target.vocab_size
+    prompts = [[(5 * i + 3 * j + 1) % V for j in range(n)] for i, n in enumerate((9, 2, 23, 14))]
+    later = [[7, 8, 9], [10, 11, 12, 13, 14]]  # rows 0 and 1 again, after their prompts
+    got, seen = {}, []
+    embed = tiny_target.model.get_input_embeddings()
+    hook = embed.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        for ragged in (True, False):
+            v = Verifier(tiny_target)
+            assert v.ragged_prefill
+            v.ragged_prefill = ragged
+            cache = v.new_cache(5, 48)
+            seen.clear()
+            with torch.inference_mode():
+                h = v.prefill(prompts, cache, first_slot=1)
+                h2 = v.prefill(later, cache, first_slot=1, starts=[9, 2])
+            lengths = [12, 7, 23, 14]
+            kv = [cache.kv[:, :, 1 + b, :, :n].clone() for b, n in enumerate(lengths)]
+            got[ragged] = (h, h2, kv, list(seen))
+            assert not cache.kv[:, :, 0].any()  # a slot outside the forwards' is untouched
+    finally:
+        hook.remove()
+    assert got[True][3] == [(1, 48), (1, 8)]  # every token a prompt's: no padding
+    assert got[False][3] == [(4, 23), (2, 5)]
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[True][1], got[False][1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[True][2], got[False][2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_a_growing_cache_keeps_what_forwards_wrote(tiny_target):

@@ -184,7 +184,10 @@ class PrefillScheduler:
             starts=starts,
         )  # [n, H]
         # timed at the next chunk (on CUDA the events are done by then: every step reads back)
-        self._chunk_marks = (len(rows) * T, max(starts) + T, m0, self._clock.mark())
+        tokens = len(rows) * T
+        if self.verifier.ragged_prefill:  # (no padding: the pieces' own tokens)
+            tokens = sum(min(T, len(r.prompt) - r.filled) for r in rows)
+        self._chunk_marks = (tokens, max(starts) + T, m0, self._clock.mark())
         return self._piece_done(rows, T, h_last, t0)
 
     def _next_piece(self) -> tuple | None:
@@ -242,7 +245,8 @@ class PrefillScheduler:
     def _chunk_rows(self, fits) -> tuple[int, int]:
         """``(n, T)``: the first ``n`` rows of the prefill queue get up to ``T`` more prompt
         tokens each in an ``[n, T]`` forward that ``fits(n * T, span)`` allows (``span``: the
-        columns it attends over) and that pads at most ``MAX_PADDING`` of its real tokens (the
+        columns it attends over) and, where the forward is padded (not a flattened prefill,
+        ``Verifier.ragged_prefill``), pads at most ``MAX_PADDING`` of its real tokens (the
         queue is shortest first). Either one row gets a piece of a longer prompt (under "auto"
         a multiple of ``PREFILL_CHUNK_MIN`` when it is that long: late in a 4,000-token prompt
         on a CPU a piece of a few tokens already costs a decode step, its attention over the
@@ -265,13 +269,15 @@ class PrefillScheduler:
                 lo = lo // PREFILL_CHUNK_MIN * PREFILL_CHUNK_MIN
             return 1, max(lo, 1)
         n, real = 1, T
+        # a flattened prefill forward (Verifier.ragged_prefill) pads nothing: its rows cost
+        # their own tokens, whatever their lengths
+        ragged = self.verifier.ragged_prefill and not (self.fuse and self.rows)
         # only fresh prompts share a forward: a prompt's last piece attends over its earlier
-        # ones, and every row of a forward attends over its longest span
+        # ones, and every row of a padded forward attends over its longest span
         while n < len(rem) and start[0] == start[n] == 0:
             T2, real2 = max(T, rem[n]), real + rem[n]
-            if (n + 1) * T2 > (1 + MAX_PADDING) * real2 or not fits(
-                (n + 1) * T2, max(start[: n + 1]) + T2
-            ):
+            tokens = real2 if ragged else (n + 1) * T2
+            if tokens > (1 + MAX_PADDING) * real2 or not fits(tokens, max(start[: n + 1]) + T2):
                 break
             n, T, real = n + 1, T2, real2
         return n, T

@@ -5,6 +5,7 @@
   step input: cache lengths and the tree);
 - :mod:`~redraft.infer.runner.kv`: the slot KV cache; :mod:`~redraft.infer.runner.graphs`: CUDA
   graphs per shape; :mod:`~redraft.infer.runner.grouped_attention`: attention over tree masks;
+  :mod:`~redraft.infer.runner.ragged`: prefill forwards as one flattened row (CPU);
 - :mod:`~redraft.infer.runner.cost`: the verify-cost curve (:class:`CostCurve`, batched
   :class:`BatchCost`) and its measurement; :mod:`~redraft.infer.runner.clock`: step timestamps;
   :mod:`~redraft.infer.runner.opcount`: tensor ops a step dispatches.

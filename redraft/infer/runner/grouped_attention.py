@@ -2,12 +2,13 @@
 
 The verify forward attends every row over the batch's longest row (``span`` columns; a row's
 own mask hides the rest). When one 4,000-token prompt joins eight 100-token chats, every row
-reads 4,000 columns of keys and values per layer: on a small CPU a step of the eight chats
-took 2.3x longer. Here the rows are split in two groups by length,
-each attended over its own longest row, one SDPA call per group; masked columns carry no
-weight, so the output is what one call over the whole span gives.
+reads 4,000 columns of keys and values per layer; sixteen chats of a few dozen to several
+hundred tokens read several times the columns they hold. Here the batch is cut into runs of
+consecutive rows (:func:`row_groups`), each attended over its own longest row, one SDPA call per
+run, views of the cache (nothing is gathered); masked columns carry no weight, so the output is
+what one call over the whole span gives.
 
-Only CPU forwards split rows in groups (a captured CUDA graph attends over one fixed span by
+Only CPU forwards split rows in runs (a captured CUDA graph attends over one fixed span by
 design), but every :class:`~redraft.infer.runner.verify.Verifier` switches its target from ``sdpa`` to
 this function (registered with transformers' ``AttentionInterface``), which is plain ``sdpa``
 unless the verifier set the groups of the current forward (:func:`grouped`). Every call,
@@ -30,7 +31,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "redraft_grouped_sdpa"
-MIN_SAVING = 0.3  # split only when it saves at least this share of the attention's reads
+# one more attention call costs about as much as reading this many more key/value columns for
+# one query token (SDPA's fixed cost per call against its cost per column, float32 on a CPU)
+CALL_COST = 64
 
 _GROUPS: contextvars.ContextVar = contextvars.ContextVar("redraft_row_groups", default=None)
 # the current forward's masks with their rows repeated per query head of a key/value head
@@ -38,46 +41,51 @@ _GROUPS: contextvars.ContextVar = contextvars.ContextVar("redraft_row_groups", d
 _PACKED_MASKS: contextvars.ContextVar = contextvars.ContextVar("redraft_packed", default=None)
 # a prefill piece riding in the current verify forward (redraft.infer.runner.kv.Piece), or None
 _PIECE: contextvars.ContextVar = contextvars.ContextVar("redraft_piece", default=None)
+# the rows of the current flattened prefill forward (redraft.infer.runner.kv.Ragged), or None
+_RAGGED: contextvars.ContextVar = contextvars.ContextVar("redraft_ragged", default=None)
+# scaled_dot_product_attention's enable_gqa (torch >= 2.5): key/value heads shared without a copy
+_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-def row_groups(lengths: list[int], n: int, device) -> tuple | None:
-    """``(groups, inverse)`` for a batch whose row ``b`` holds ``lengths[b]`` cached tokens and
-    attends over ``n`` new ones, or ``None`` when one call is as good. ``groups``: two
-    ``(rows, span)``, ``rows`` a slice when the group's rows are consecutive, else a ``[b]``
-    long tensor; ``inverse`` (``None`` when both are slices in order): the ``[B]`` permutation
-    that puts the groups' concatenated outputs back in batch order. The split (rows sorted by
-    length) minimises the columns read, ``sum over groups of rows x span``; it is used when it
-    saves at least ``MIN_SAVING`` of one call's reads."""
+def row_groups(lengths: list[int], n: int) -> list | None:
+    """The attention calls of a forward whose row ``b`` holds ``lengths[b]`` cached tokens and
+    attends over ``n`` new ones: ``[(rows, span), ...]``, each ``rows`` a slice of consecutive
+    rows in batch order (views of the queries, keys, values and mask: nothing is gathered),
+    together covering the batch in order; ``None`` when one call is as good. The runs minimise
+    ``sum over calls of (rows x span x n + CALL_COST)``, ``span`` the run's longest row plus
+    ``n`` (dynamic programming over the cut points).
+
+    Runs, not groups of rows sorted by length: a group of rows that are not neighbours in the
+    batch had to be gathered (a copy of their keys and values per layer, more than the
+    attention itself reads) and its output scattered back. Rows join a batch shortest prompt
+    first and grow together, so their lengths are nearly sorted in batch order; a row leaving
+    moves the last row into its slot, which runs absorb with one more call."""
     B = len(lengths)
     if B < 2:
         return None
-    order = sorted(range(B), key=lengths.__getitem__)
-    spans = [lengths[i] + n for i in order]
-    full = B * spans[-1]
-    best, cut = full, 0
-    for k in range(1, B):
-        cost = k * spans[k - 1] + (B - k) * spans[-1]
-        if cost < best:
-            best, cut = cost, k
-    if not cut or best > (1 - MIN_SAVING) * full:
-        return None
-    parts, inverse = [sorted(order[:cut]), sorted(order[cut:])], None
-    if parts[0] == list(range(cut)):  # consecutive and in order: views, no copies
-        groups = [(slice(0, cut), spans[cut - 1]), (slice(cut, B), spans[-1])]
-    else:
-        groups = [
-            (torch.tensor(parts[0], device=device), spans[cut - 1]),
-            (torch.tensor(parts[1], device=device), spans[-1]),
-        ]
-        inverse = torch.empty(B, dtype=torch.long)
-        inverse[parts[0] + parts[1]] = torch.arange(B)
-        inverse = inverse.to(device)
-    return groups, inverse
+    spans = [x + n for x in lengths]
+    inf = float("inf")
+    best, cut = [0.0] + [inf] * B, [0] * (B + 1)  # best[j]: least cost of rows 0..j-1
+    for j in range(1, B + 1):
+        m = 0
+        for i in range(j - 1, -1, -1):  # the last run is rows i..j-1
+            m = max(m, spans[i])
+            run = (j - i) * m * n + CALL_COST
+            if run >= best[j]:  # a longer run costs more still (best[i] >= 0)
+                break
+            if best[i] + run < best[j]:
+                best[j], cut[j] = best[i] + run, i
+    runs, j = [], B
+    while j > 0:
+        i = cut[j]
+        runs.append((slice(i, j), max(spans[i:j])))
+        j = i
+    return runs[::-1] if len(runs) > 1 else None
 
 
 @contextlib.contextmanager
-def grouped(groups: tuple | None):
-    """Forwards inside attend in these row groups (:func:`row_groups`; ``None``: one call)."""
+def grouped(groups: list | None):
+    """Forwards inside attend in these runs of rows (:func:`row_groups`; ``None``: one call)."""
     token, memo = _GROUPS.set(groups), _PACKED_MASKS.set({})
     try:
         yield
@@ -95,6 +103,17 @@ def with_piece(piece):
         yield
     finally:
         _PIECE.reset(token)
+
+
+@contextlib.contextmanager
+def with_ragged(ragged):
+    """Forwards inside are one flattened row of ``ragged``'s rows (a
+    :class:`~redraft.infer.runner.kv.Ragged`): :func:`grouped_sdpa` attends each row apart."""
+    token = _RAGGED.set(ragged)
+    try:
+        yield
+    finally:
+        _RAGGED.reset(token)
 
 
 def _repeated_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
@@ -158,6 +177,9 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     ``[1, heads, B n + rows T, d]``: its verify part attends as above over ``key``/``value``
     (the verify rows', the cache split them), the piece's part over the piece's own, and the
     outputs are flattened back, ``[1, B n + rows T, heads, d]``."""
+    ragged = _RAGGED.get()
+    if ragged is not None:
+        return ragged_sdpa(module, query, ragged, **kwargs), None
     piece = _PIECE.get()
     if piece is not None:
         _, H, _, d = query.shape
@@ -183,31 +205,66 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     return _grouped(module, query, key, value, attention_mask, **kwargs), None
 
 
+def ragged_sdpa(module, query, ragged, **kwargs) -> torch.Tensor:
+    """Attention of a flattened prefill forward (:func:`with_ragged`): ``query [1, heads,
+    tokens, d]`` holds row b's ``lens[b]`` queries from ``offsets[b]``; each row attends over its
+    own cache slot (``ragged.key[b]``, ``ragged.value[b]``: its ``starts[b]`` earlier columns,
+    then its new ones causally), one call per row. A row with nothing cached before its tokens
+    (a whole prompt) attends causally with no mask at all (``is_causal``): no mask is built or
+    read, and the kernel skips the blocks above the diagonal. Returns ``[1, tokens, heads,
+    d]``."""
+    g = getattr(module, "num_key_value_groups", 1)
+    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+    outs = []
+    for b, (s, n, o) in enumerate(zip(ragged.starts, ragged.lens, ragged.offsets)):
+        q, k, v = query[:, :, o : o + n], ragged.key[b], ragged.value[b]
+        if not plain:  # transformers' path (its own extras), with the row's mask made here
+            bias = _row_bias(s, n, q.dtype, q.device)
+            out = sdpa_attention_forward(module, q, k, v, bias, **kwargs)[0]
+            outs.append(out.transpose(1, 2))
+            continue
+        if g > 1 and not _GQA:
+            k, v = (t.repeat_interleave(g, dim=1) for t in (k, v))
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=None if s == 0 else _row_bias(s, n, q.dtype, q.device),
+                is_causal=s == 0,
+                scale=kwargs.get("scaling"),
+                **({"enable_gqa": True} if g > 1 and _GQA else {}),
+            )
+        )  # [1, heads, n, d]
+    return torch.cat(outs, 2).transpose(1, 2).contiguous()
+
+
+def _row_bias(start: int, n: int, dtype, device) -> torch.Tensor:
+    """Additive ``[1, 1, n, start + n]`` mask: token i of a row's piece sees its ``start``
+    cached columns and its piece's tokens up to i."""
+    cols = torch.arange(start + n, device=device)
+    vis = cols[None, :] <= start + torch.arange(n, device=device)[:, None]
+    bias = torch.zeros(vis.shape, dtype=dtype, device=device)
+    return bias.masked_fill_(~vis, torch.finfo(dtype).min)[None, None]
+
+
 def _grouped(module, query, key, value, attention_mask, **kwargs) -> torch.Tensor:
     """:func:`grouped_sdpa` of one part: ``[B, n, heads, d]``."""
-    plan = _GROUPS.get()
-    if plan is None or attention_mask is None or attention_mask.dim() != 4:
+    groups = _GROUPS.get()
+    if groups is None or attention_mask is None or attention_mask.dim() != 4:
         return packed_sdpa(module, query, key, value, attention_mask, **kwargs)[0]
-    groups, inverse = plan
-    outs = []
-    for rows, span in groups:
-
-        def take(t, rows=rows, span=span):  # columns first: never gather the whole span
-            t = t[..., :span]
-            return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
-
-        outs.append(
-            packed_sdpa(
-                module,
-                query[rows] if isinstance(rows, slice) else query.index_select(0, rows),
-                take(key.transpose(2, 3)).transpose(2, 3),  # [b, kv_heads, span, d]
-                take(value.transpose(2, 3)).transpose(2, 3),
-                take(attention_mask),
-                **kwargs,
-            )[0]
-        )
-    out = torch.cat(outs)  # [B, n, heads, d], the groups' rows one after the other
-    return out if inverse is None else out.index_select(0, inverse)
+    outs = [
+        packed_sdpa(
+            module,
+            query[rows],
+            key[rows, :, :span],  # [b, kv_heads, span, d] views
+            value[rows, :, :span],
+            attention_mask[rows, ..., :span],
+            **kwargs,
+        )[0]
+        for rows, span in groups
+    ]
+    return torch.cat(outs)  # [B, n, heads, d]: the runs are the batch's rows in order
 
 
 AttentionInterface.register(NAME, grouped_sdpa)

@@ -75,6 +75,22 @@ class Piece:
     value: torch.Tensor | None = None
 
 
+@dataclasses.dataclass
+class Ragged:
+    """A prefill forward of rows of different lengths as one flattened row, no padding
+    (:meth:`SlotKVCache.begin_ragged`): row ``b``'s ``lens[b]`` tokens follow row ``b - 1``'s
+    (from ``offsets[b]``), are written to slot ``first + b`` at columns ``starts[b] ..``, and
+    attend over that slot's columns before them and causally over their own
+    (``redraft.infer.runner.grouped_attention``, one call per row)."""
+
+    first: int  # the first row's slot
+    starts: list[int]  # tokens each row already holds
+    lens: list[int]  # tokens each row gets in this forward
+    offsets: list[int]  # where each row's tokens begin in the flattened forward
+    key: list | None = None  # the current layer's per row: [1, kv_heads, start + len, d] views
+    value: list | None = None
+
+
 class _SlotLayer(CacheLayerMixin):
     """One layer's view into the shared buffer (transformers' cache-layer protocol): per-row
     writes at each row's own length."""
@@ -95,6 +111,8 @@ class _SlotLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         c = self.cache
+        if c.ragged is not None:  # one flattened row, row b's tokens at offsets[b] (Ragged)
+            return self._write_ragged(c.ragged, key_states, value_states)
         piece = c.piece
         if piece is not None:  # one forward, two parts: [1, heads, B n + m T, d] (Piece)
             split = piece.split
@@ -110,6 +128,17 @@ class _SlotLayer(CacheLayerMixin):
             key_states = _rows(key_states[:, :, :split], B)
             value_states = _rows(value_states[:, :, :split], B)
         return _write(c.kv[self.idx], c.window, c.write_index, c.span, key_states, value_states)
+
+    def _write_ragged(self, ragged: Ragged, key_states, value_states):
+        kv = self.cache.kv[self.idx]
+        ragged.key, ragged.value = [], []
+        for b, (s, n, o) in enumerate(zip(ragged.starts, ragged.lens, ragged.offsets)):
+            slot = ragged.first + b
+            kv[0, slot, :, s : s + n] = key_states[0, :, o : o + n]
+            kv[1, slot, :, s : s + n] = value_states[0, :, o : o + n]
+            ragged.key.append(kv[0, slot : slot + 1, :, : s + n])
+            ragged.value.append(kv[1, slot : slot + 1, :, : s + n])
+        return key_states, value_states  # (the attention reads ragged.key / ragged.value)
 
     @property
     def keys(self):
@@ -180,6 +209,7 @@ class SlotKVCache(Cache):
         self.fed = 0  # tokens per row the current forward writes
         self.write_index: torch.Tensor | None = None  # [B, 1, n, 1] columns the forward writes
         self.piece: Piece | None = None  # a prefill piece in the current forward (begin_piece)
+        self.ragged: Ragged | None = None  # a flattened prefill forward (begin_ragged)
         self.generation = (
             0  # bumped whenever `kv` is reallocated (captured graphs hold its address)
         )
@@ -250,7 +280,7 @@ class SlotKVCache(Cache):
         self.span = span
         self.high = max(self.high, span)
         self.fed = n
-        self.piece = None
+        self.piece = self.ragged = None
 
     def begin_piece(self, starts: torch.Tensor, T: int, span: int, rows: tuple[int, int]) -> Piece:
         """After :meth:`begin` (a verify of ``B x n`` tokens): the same forward also carries a
@@ -271,6 +301,21 @@ class SlotKVCache(Cache):
         )
         self.high = max(self.high, span)
         return self.piece
+
+    def begin_ragged(self, starts: list[int], lens: list[int], first: int) -> Ragged:
+        """Set up a prefill forward of rows of ``lens[b]`` tokens each, flattened into one row
+        with no padding (:class:`Ragged`), for slots ``first ..``, whose rows hold ``starts``
+        tokens (host ints). The caller ends it (``cache.ragged = None``) after the forward."""
+        offsets = [0]
+        for n in lens[:-1]:
+            offsets.append(offsets[-1] + n)
+        self.window = (first, first + len(lens))
+        self.span = max(s + n for s, n in zip(starts, lens))
+        self.high = max(self.high, self.span)
+        self.fed = 0
+        self.piece = None
+        self.ragged = Ragged(first, list(starts), list(lens), offsets)
+        return self.ragged
 
     def attention_bias(
         self,

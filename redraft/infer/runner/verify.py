@@ -48,6 +48,7 @@ from redraft.infer.runner.grouped_attention import (
 )
 from redraft.infer.runner.kv import SlotKVCache
 from redraft.infer.runner.opcount import not_counted
+from redraft.infer.runner.ragged import prefill_ragged
 from redraft.infer.runner.step_input import StepInput, chain_step
 from redraft.models import cpu
 from redraft.utils import cache_kwargs
@@ -143,9 +144,11 @@ class Verifier:
         self.graph_stats = graph_stats()
         self._attention = sdpa_backends(self.device)
         # every device: the query heads of a key/value head attend packed (no per-head copy of
-        # the cache); CPU eager forwards: rows of very different lengths attend in two groups
+        # the cache); CPU eager forwards: rows of very different lengths attend in runs
         packed = use_packed_attention(self.model)
         self._grouped = packed and not static and self.device.type == "cpu"
+        # CPU: prefill forwards are one flattened row of the prompts' tokens, no padding
+        self.ragged_prefill = self._grouped
 
     @property
     def kernels(self) -> str:
@@ -264,7 +267,7 @@ class Verifier:
                 span = min(cache.capacity, cache.physical + N)
             cache.begin(lengths, N, span)
             bias = cache.attention_bias(step.anc.bool(), self.dtype)
-            groups = row_groups(cache.host_lengths, N, self.device) if self._grouped else None
+            groups = row_groups(cache.host_lengths, N) if self._grouped else None
             with grouped(groups):
                 return self._model(
                     step.tokens.clamp_min(0), lengths[:, None] + step.depth, bias, cache
@@ -277,14 +280,19 @@ class Verifier:
         first_slot: int = 0,
         starts: list[int] | None = None,
     ) -> torch.Tensor:
-        """Run right-padded token pieces into slots ``first_slot ..`` of ``cache``; returns each
-        row's hidden state after its last piece token ``[n, H]``. The caller sets
-        ``cache.host_lengths`` for these rows afterwards.
+        """Run token pieces into slots ``first_slot ..`` of ``cache``; returns each row's hidden
+        state after its last piece token ``[n, H]``. The caller sets ``cache.host_lengths`` for
+        these rows afterwards. With :attr:`ragged_prefill` (CPU) the pieces are one flattened
+        row, no padding (:func:`~redraft.infer.runner.ragged.prefill_ragged`); else right-padded
+        rows.
 
         ``starts[b]``: tokens row b already holds (default 0, a whole prompt): its piece is a
         later chunk of its prompt (chunked prefill), at positions ``starts[b] + i``, seeing its
         cache columns ``< starts[b]`` and its own piece causally. Padding tokens past a short
         piece are written after it (columns the row later overwrites; no row ever sees them)."""
+        if self.ragged_prefill:
+            with not_counted(), _Timer(self) if self.timing else contextlib.nullcontext():
+                return prefill_ragged(self._model, prompts, cache, first_slot, starts)
         ids, plen, start, pos, causal = self._piece_inputs(prompts, starts)
         B, T = ids.shape
         with not_counted(), _Timer(self) if self.timing else contextlib.nullcontext():
@@ -342,7 +350,7 @@ class Verifier:
             span = max(starts) + T
             piece = cache.begin_piece(start, T, span, (first_slot, first_slot + n))
             piece.bias = cache.attention_bias(causal, self.dtype, lengths=start, span=span)
-            groups = row_groups(cache.host_lengths, N, self.device) if self._grouped else None
+            groups = row_groups(cache.host_lengths, N) if self._grouped else None
             flat_ids = torch.cat([step.tokens.clamp_min(0).reshape(-1), ids.reshape(-1)])
             pos = torch.cat([(lengths[:, None] + step.depth).reshape(-1), piece_pos.reshape(-1)])
             try:
