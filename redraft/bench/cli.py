@@ -29,6 +29,7 @@ import json
 import sys
 from pathlib import Path
 
+from redraft.bench.concurrent import run_concurrent
 from redraft.bench.config import (  # noqa: F401 (the CLI's API)
     BENCH_DEFAULTS,
     build_parser,
@@ -44,7 +45,6 @@ from redraft.bench.run import (  # noqa: F401
     cost_curve,
     device_name,
     markdown,
-    run_concurrent,
     run_dataset,
 )
 from redraft.cli import run_cli

@@ -96,6 +96,15 @@ class BenchSettings(ModelSettings):
         "Settings of redraft's proposer in the vllm-redraft method, a JSON object (the keys of "
         'REDRAFT_VLLM_CONFIG, docs/vllm.md), e.g. \'{"cost": "off"}\'.',
     )
+    vllm_engines: str = setting(
+        "one",
+        "one: each vllm-* method decodes a dataset in a pass of its own after redraft's "
+        "methods, its engine started for that pass and shut down after it (an idle engine's "
+        "processes poll on the cores the timed method uses, and every pass starts with empty "
+        "caches); all: every engine lives for the whole run and decodes prompt by prompt beside "
+        "redraft's methods.",
+        choices=("one", "all"),
+    )
     vllm_max_model_len: int = setting(
         2048, "max_model_len of the vllm-* engines (prompt + new tokens).", range=Range(64)
     )

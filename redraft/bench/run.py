@@ -1,6 +1,7 @@
 """``redraft-bench``'s runner: every method decodes every prompt (prompts are the outer loop, so
-machine noise hits all methods alike), every figure against plain greedy measured in the same
-run, and the aggregates handed back after every prompt so a run stopped early keeps them."""
+machine noise hits all methods alike; vLLM's engines by default each in a pass of their own,
+one engine alive at a time), every figure against plain greedy measured in the same run, and
+the aggregates handed back after every prompt so a run stopped early keeps them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from redraft.bench.concurrent import concurrency_table, peer_passes, split_peers
 from redraft.bench.methods import Method
 from redraft.infer.config import DecoderConfig
 
@@ -136,6 +138,8 @@ def run_dataset(
 ) -> dict:
     """Decode every prompt with every method (prompt-major); returns per-method aggregates.
 
+    With ``vllm_engines: one`` (the default) vLLM's methods come after redraft's, each in a pass
+    of its own over the prompts with its engine alive only for that pass (:func:`peer_passes`).
     ``on_prompt(results)`` gets the aggregates so far after every prompt (the caller writes
     them). A method that raises is reported with its error and left out of the later prompts;
     the baseline (greedy) raising ends the run, since nothing can be compared without it.
@@ -147,29 +151,42 @@ def run_dataset(
     agg = {
         m: _Agg(RequestStats(target_calls=0), peer=r.peer is not None) for m, r in runners.items()
     }
-    if bench["warmup"]:
-        for name, r in runners.items():
-            _guarded(name, agg[name], "in its warm-up", lambda r=r: r.run(prompts[0][:32]))
-    for name, r in runners.items():  # count the graphs of the timed prompts only
-        if r.decoder is not None:
-            r.decoder.verifier.graph_stats = agg[name].graphs = dict.fromkeys(
-                r.decoder.verifier.graph_stats, 0
-            )
-    for i, ids in enumerate(tqdm(prompts, desc=f"bench {label}", unit="prompt")):
-        ref = None
-        for name, r in runners.items():
+    own, later = split_peers(runners, bench)
+    refs: list = []  # greedy's output per prompt: what every method is compared with
+
+    def decode(group: dict, i: int, ids: list[int]) -> None:
+        for name, r in group.items():
             a = agg[name]
             if a.error:
                 continue
             t0 = time.perf_counter()
-            got = _guarded(name, a, f"on {label} prompt {i}", lambda r=r, ids=ids: r.run(ids))
+            got = _guarded(name, a, f"on {label} prompt {i}", lambda r=r: r.run(ids))
             if got is None:
                 continue
             toks, st = got
-            ref = toks if name == "greedy" else ref
-            a.add(time.perf_counter() - t0, toks, ref, st)
+            if name == "greedy":
+                refs.append(toks)
+            a.add(time.perf_counter() - t0, toks, refs[i] if i < len(refs) else None, st)
         if on_prompt is not None:
             on_prompt(summarise(agg))
+
+    def warm(group: dict) -> None:
+        if bench["warmup"]:
+            for name, r in group.items():
+                _guarded(name, agg[name], "in its warm-up", lambda r=r: r.run(prompts[0][:32]))
+        for name, r in group.items():  # count the graphs of the timed prompts only
+            if r.decoder is not None:
+                r.decoder.verifier.graph_stats = agg[name].graphs = dict.fromkeys(
+                    r.decoder.verifier.graph_stats, 0
+                )
+
+    warm(own)
+    for i, ids in enumerate(tqdm(prompts, desc=f"bench {label}", unit="prompt")):
+        decode(own, i, ids)
+    for name, group in peer_passes(later, agg):
+        warm(group)
+        for i, ids in enumerate(tqdm(prompts, desc=f"bench {label} {name}", unit="prompt")):
+            decode(group, i, ids)
     return summarise(agg)
 
 
@@ -400,78 +417,3 @@ def cost_curve(runners: dict, bench: dict) -> dict:
             curve = curve or dec.measure_cost()
             dec.cost_curve = curve
     return {} if curve is None else {**curve.to_dict(), "given": bool(bench["cost_curve_ms"])}
-
-
-def run_concurrent(runners: dict, prompts: list[list[int]], bench: dict, c: int) -> dict:
-    """Every method decodes all ``prompts``, ``c`` submitted at a time (redraft's engine batches
-    them as rows; vLLM schedules them); tokens/s over the whole set. transformers' ``generate``
-    (hf-*) has no such batching and is left out. Outputs are compared with the same engine's
-    plain decoding at the same concurrency (batched float32 kernels may round differently from
-    batch 1). Group-major: each group of ``c`` prompts is decoded by every method in turn, so
-    the methods share the machine's drift."""
-    n = bench["max_new_tokens"]
-    live = {k: r for k, r in runners.items() if r.decoder is not None or r.peer is not None}
-    outs: dict = {name: [] for name in live}
-    took = dict.fromkeys(live, 0.0)
-    for i in range(0, len(prompts), c):
-        group = prompts[i : i + c]
-        for name, r in live.items():
-            t0 = time.perf_counter()
-            if r.peer is not None:
-                outs[name] += r.peer.run_batch(group)
-            else:
-                outs[name] += [g.tokens for g in r.decoder.generate(group, max_new_tokens=n)]
-            took[name] += time.perf_counter() - t0
-    res = {
-        name: {
-            "tokens_per_s": round(sum(map(len, outs[name])) / max(took[name], 1e-9), 2),
-            "time_s": round(took[name], 2),
-        }
-        for name in live
-    }
-    for name, row in res.items():
-        plain = "vllm" if runners[name].peer is not None else "greedy"
-        if plain in outs:
-            same = sum(x == y for x, y in zip(outs[name], outs[plain]))
-            row["identical_to_plain"] = f"{same}/{len(prompts)}"
-        for base in ("greedy", "vllm"):
-            if base in res:
-                row[f"speedup_vs_{'ar' if base == 'greedy' else 'vllm'}"] = round(
-                    row["tokens_per_s"] / max(res[base]["tokens_per_s"], 1e-9), 3
-                )
-    return res
-
-
-def concurrency_table(by_c: dict) -> list[str]:
-    """The ``--concurrency`` runs of one dataset: tokens/s per method and concurrency."""
-    cs = sorted(by_c, key=int)
-    names = list(dict.fromkeys(m for c in cs for m in by_c[c]))
-    peer = any("speedup_vs_vllm" in r for c in cs for r in by_c[c].values())
-    head = "| method |" + "".join(
-        f" {c} req tok/s | vs AR |" + (" vs vLLM |" if peer else "") for c in cs
-    )
-    lines = [
-        f"Concurrent requests ({', '.join(cs)} at a time; identical = the same engine's plain "
-        f"decoding at that concurrency):",
-        "",
-        head + " identical |",
-        "|---|" + ("---:|---:|" + ("---:|" if peer else "")) * len(cs) + ":---:|",
-    ]
-    for m in names:
-        cells, same = [], []
-        for c in cs:
-            r = by_c[c].get(m)
-            if r is None:
-                cells.append(" - | - |" + (" - |" if peer else ""))
-                continue
-            cells.append(
-                f" {r['tokens_per_s']:.1f} | {r.get('speedup_vs_ar', 0):.2f}x |"
-                + (
-                    f" {r['speedup_vs_vllm']:.2f}x |"
-                    if "speedup_vs_vllm" in r
-                    else (" - |" if peer else "")
-                )
-            )
-            same.append(r.get("identical_to_plain", "-"))
-        lines.append(f"| {m} |" + "".join(cells) + f" {', '.join(same)} |")
-    return lines

@@ -2,8 +2,10 @@
 ``vllm-suffix`` and ``vllm-redraft`` (redraft's proposer) decode the same prompt token ids as
 redraft's own engine, in the same run (``vllm.inputs.TokensPrompt``: no second tokenisation).
 
-Each method is one ``vllm.LLM`` (its engine runs in processes of its own), built once and kept
-for the run. vLLM's per-request spec-decode metrics (``per_request_spec_decode_metrics``: the
+Each method is one ``vllm.LLM`` (its engine runs in processes of its own). By default
+(``--vllm-engines one``) an engine lives only for its method's pass over a dataset and is shut
+down before the next: an idle engine's processes still poll, on the cores the decoding method
+runs on. vLLM's per-request spec-decode metrics (``per_request_spec_decode_metrics``: the
 histogram of accepted draft tokens per verify step) give tau and the mean accepted length.
 """
 
@@ -48,7 +50,10 @@ def speculative_config_for(method: str, k: int, ngrams: str | None, settings: di
 
 
 class VLLMRunner:
-    """One vLLM engine for a bench method: ``run(ids) -> (new token ids, RequestStats)``."""
+    """One vLLM engine for a bench method: ``run(ids) -> (new token ids, RequestStats)``.
+
+    The engine starts at the first ``run``/``run_batch`` (or :meth:`start`) and lives until
+    :meth:`close`; started again, it is a fresh engine (empty prefix and suffix caches)."""
 
     def __init__(self, method: str, model_dir, bench: dict, ngrams: str | None = None):
         if not vllm_available():
@@ -58,9 +63,7 @@ class VLLMRunner:
             )
         if bench.get("threads"):  # the CPU build's worker threads, as many as redraft's
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{int(bench['threads']) - 1}")
-        from vllm import LLM, SamplingParams
-
-        self.name = method
+        self.name, self.model_dir, self.bench = method, model_dir, bench
         extra = bench.get("vllm_redraft")
         if isinstance(extra, str):
             import json
@@ -69,26 +72,46 @@ class VLLMRunner:
                 extra = json.loads(extra)
             except ValueError as e:
                 raise ConfigError(f"--vllm-redraft {extra!r} is not a JSON object ({e}).") from e
-        spec = speculative_config_for(method, bench["vllm_k"], ngrams, extra)
+        self.spec = speculative_config_for(method, bench["vllm_k"], ngrams, extra)
+        self.llm = None
+        self.decoder = None  # not one of redraft's decoders (redraft-bench checks this)
+
+    def start(self) -> None:
+        if self.llm is not None:
+            return
+        from vllm import LLM, SamplingParams
+
+        bench = self.bench
         self.llm = LLM(
-            model=str(model_dir),
+            model=str(self.model_dir),
             dtype=bench["dtype"] or "float32",
             enforce_eager=True,
             gpu_memory_utilization=bench["vllm_memory"],
             max_model_len=bench["vllm_max_model_len"],
-            speculative_config=spec,
+            speculative_config=self.spec,
             # per request, since engines of one process share one metrics registry
-            per_request_spec_decode_metrics="summary" if spec else "none",
+            per_request_spec_decode_metrics="summary" if self.spec else "none",
             seed=0,
         )
         self.params = SamplingParams(temperature=0.0, max_tokens=bench["max_new_tokens"])
-        self.decoder = None  # not one of redraft's decoders (redraft-bench checks this)
+
+    def close(self) -> None:
+        """Stop the engine's processes (they poll even when idle, on the cores the next
+        method's timing runs on)."""
+        if self.llm is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        import gc
+
+        gc.collect()
 
     def run(self, ids: list[int]):
         from vllm.inputs import TokensPrompt
 
         from redraft.infer.stats import RequestStats
 
+        self.start()
         out = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(ids))], self.params, use_tqdm=False
         )[0].outputs[0]
@@ -107,6 +130,7 @@ class VLLMRunner:
         """All ``prompts`` submitted at once (vLLM batches them as it schedules)."""
         from vllm.inputs import TokensPrompt
 
+        self.start()
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], self.params, use_tqdm=False
         )

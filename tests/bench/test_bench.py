@@ -590,3 +590,83 @@ def test_concurrent_requests_and_the_run_as_data(capsys, tiny_target_dir, tmp_pa
     assert conc["context"]["identical_to_plain"] == "4/4" and conc["greedy"]["speedup_vs_ar"] == 1.0
     md = files[1].read_text()
     assert md.startswith("# redraft-bench: ") and "- commit: " in md and "| 3 req tok/s |" in md
+
+
+class _Engines:
+    """Fake vLLM engines that log which engines are alive whenever any method decodes."""
+
+    def __init__(self):
+        self.alive, self.log = set(), []
+
+    def runner(self, name: str, peer: bool):
+        from types import SimpleNamespace
+
+        from redraft.infer.stats import RequestStats
+
+        eng = self
+
+        class Peer:
+            def start(self):
+                eng.alive.add(name)
+
+            def close(self):
+                eng.alive.discard(name)
+
+            def run(self, ids):
+                self.start()
+                return self.run_batch([ids])[0], RequestStats(new_tokens=2, target_calls=2)
+
+            def run_batch(self, prompts):
+                self.start()
+                eng.log.append((name, frozenset(eng.alive)))
+                return [[p[0], p[0] + 1] for p in prompts]
+
+        def generate(prompts, max_new_tokens):
+            eng.log.append((name, frozenset(eng.alive)))
+            return [SimpleNamespace(tokens=[p[0], p[0] + 1]) for p in prompts]
+
+        r = SimpleNamespace(name=name, peer=Peer() if peer else None)
+        if peer:
+            r.decoder, r.run = None, r.peer.run
+        else:
+            r.decoder = SimpleNamespace(generate=generate, verifier=SimpleNamespace(graph_stats={}))
+            r.run = lambda ids: (
+                generate([ids], 0)[0].tokens,
+                RequestStats(new_tokens=2, target_calls=2),
+            )
+        return r
+
+
+@pytest.mark.parametrize("engines", ["one", "all"])
+def test_vllm_engines_one_keeps_a_single_engine_alive_and_none_while_redraft_decodes(engines):
+    from redraft.bench.concurrent import run_concurrent
+    from redraft.bench.run import run_dataset
+
+    e = _Engines()
+    runners = {
+        "greedy": e.runner("greedy", False),
+        "vllm": e.runner("vllm", True),
+        "context": e.runner("context", False),
+        "vllm-ngram": e.runner("vllm-ngram", True),
+    }
+    bench = {"warmup": False, "vllm_engines": engines, "max_new_tokens": 2}
+    prompts = [[1], [5], [9]]
+    res = run_dataset(runners, prompts, bench, "p")
+    assert all(res[m]["identical_prompts"] == "3/3" for m in runners)
+    order = [name for name, _ in e.log]
+    if engines == "one":
+        # redraft's methods prompt by prompt with no engine alive, then each engine on its own
+        assert order == ["greedy", "context"] * 3 + ["vllm"] * 3 + ["vllm-ngram"] * 3
+        assert all(alive == ({n} if n.startswith("vllm") else set()) for n, alive in e.log)
+        assert not e.alive  # every engine shut down after its pass
+    else:
+        assert order == ["greedy", "vllm", "context", "vllm-ngram"] * 3
+        assert e.log[-1][1] == {"vllm", "vllm-ngram"}
+    e.log.clear()
+    conc = run_concurrent(runners, prompts, bench, 2)
+    assert conc["vllm-ngram"]["identical_to_plain"] == "3/3"
+    if engines == "one":
+        assert [n for n, _ in e.log] == ["greedy", "context"] * 2 + ["vllm"] * 2 + [
+            "vllm-ngram"
+        ] * 2
+        assert all(alive == ({n} if n.startswith("vllm") else set()) for n, alive in e.log)
