@@ -114,14 +114,17 @@ class Verifier:
         head_dtype = torch.float32 if fp32_logits else head.weight.dtype
         self._head_b = None if head.bias is None else head.bias.detach().to(head_dtype)
         self._head_packed, self._packs = None, {}
+        self._groups: list = []  # sibling linears and their kernels at 1-2 rows (CPU float32)
         # the rows (tokens) from which the packed kernels run: measured on this CPU at 1-2 rows
         self.packed_rows = self.head_packed_rows = (cpu.MIN_PACKED_ROWS, cpu.MAX_PACKED_ROWS)
         if cpu_pack and head.weight.device.type == "cpu":
             self._head_wt, self._head_packed = cpu.head_weights(head, head_dtype)  # [H, V]
             if target.dtype == torch.float32:
                 self._packs = cpu.pack_linears(self.base)
+                self._groups = cpu.small_row_kernels(self.base, self._packs)
             hi = cpu.MAX_PACKED_ROWS
-            self.packed_rows = (cpu.packed_from(self._packs), hi)
+            lo = cpu.MIN_PACKED_ROWS if self._groups else cpu.packed_from(self._packs)
+            self.packed_rows = (lo, hi)
             self.head_packed_rows = (
                 cpu.head_packed_from(head, self._head_wt, self._head_packed),
                 hi,
@@ -153,7 +156,7 @@ class Verifier:
     @property
     def kernels(self) -> str:
         """Which packed CPU kernels the forwards use, from how many tokens ("" for none)."""
-        parts = []
+        parts = cpu.describe(self._groups)
         if self._packs:
             n = self.packed_rows[0]
             parts.append(f"float32 linears packed from {n} token{'s' if n > 1 else ''}")
@@ -226,7 +229,7 @@ class Verifier:
 
     def _model(self, ids, positions, bias, cache) -> torch.Tensor:
         extra = {"output_hidden_states": True} if self.hidden_layers else {}
-        with self._attention, cpu.use_packed(self._packs, self.packed_rows):
+        with self._attention, cpu.use_packed(self._packs, self.packed_rows, self._groups):
             out = self.base(
                 input_ids=ids,
                 attention_mask=bias,
