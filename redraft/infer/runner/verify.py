@@ -50,7 +50,7 @@ from redraft.infer.runner.kv import SlotKVCache
 from redraft.infer.runner.opcount import not_counted
 from redraft.infer.runner.ragged import prefill_ragged
 from redraft.infer.runner.step_input import StepInput, chain_step
-from redraft.models import cpu
+from redraft.models import cpu, siblings
 from redraft.utils import cache_kwargs
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,9 @@ class Verifier:
         if cpu_pack and head.weight.device.type == "cpu":
             self._head_wt, self._head_packed = cpu.head_weights(head, head_dtype)  # [H, V]
             if target.dtype == torch.float32:
-                self._packs = cpu.pack_linears(self.base)
-                self._groups = cpu.small_row_kernels(self.base, self._packs)
+                self._groups = siblings.traced_groups(self.base)
+                grouped = {layer for g in self._groups for layer in g.layers}
+                self._packs = cpu.pack_linears(self.base, exclude=grouped)
             hi = cpu.MAX_PACKED_ROWS
             lo = cpu.MIN_PACKED_ROWS if self._groups else cpu.packed_from(self._packs)
             self.packed_rows = (lo, hi)
@@ -156,8 +157,8 @@ class Verifier:
     @property
     def kernels(self) -> str:
         """Which packed CPU kernels the forwards use, from how many tokens ("" for none)."""
-        parts = cpu.describe(self._groups)
-        if self._packs:
+        parts = siblings.describe(self._groups)
+        if self._packs or any(g.packed is not None for g in self._groups):
             n = self.packed_rows[0]
             parts.append(f"float32 linears packed from {n} token{'s' if n > 1 else ''}")
         if self._head_packed is not None:
