@@ -57,7 +57,6 @@ MODULES = {
     "redraft/models/redrafter.py": 522,
     "redraft/ngrams/cli.py": 516,
     "redraft/ngrams/trigrams.py": 556,
-    "redraft/settings.py": 576,
     "redraft/train/config.py": 578,
     "redraft/train/features.py": 614,
     "redraft/train/trainer.py": 725,
