@@ -51,7 +51,6 @@ MODULES = {
     "redraft/bench/loadtest.py": 624,
     "redraft/data/distill.py": 650,
     "redraft/infer/drafters/hsddw/drafter.py": 558,
-    "redraft/infer/engine/engine.py": 596,
     "redraft/infer/spec/hostdraft.py": 523,
     "redraft/infer/spec/hostjit.py": 699,
     "redraft/models/redrafter.py": 522,
