@@ -17,9 +17,9 @@ MAX_MODULE, MAX_FUNCTION = 500, 80
 # Numba kernels: one compiled loop nest each, the step's host work; split, they would pass
 # arrays between kernels (a call and an allocation each) for no reader's gain.
 KERNELS = {
-    "redraft/infer/spec/hostjit.py:_tree_nodes": 83,
-    "redraft/infer/spec/hostjit.py:_ngram_rows": 103,
-    "redraft/infer/spec/hostjit.py:_plan_beam": 92,
+    "redraft/infer/spec/hostjit/tree.py:_tree_nodes": 83,
+    "redraft/infer/spec/hostjit/ngram.py:_ngram_rows": 103,
+    "redraft/infer/spec/hostjit/beams.py:_plan_beam": 92,
 }
 # Argument parsers: a flat list of flags, each with its help (one screen per command).
 PARSERS = {
@@ -52,7 +52,6 @@ MODULES = {
     "redraft/data/distill.py": 650,
     "redraft/infer/drafters/hsddw/drafter.py": 558,
     "redraft/infer/spec/hostdraft.py": 523,
-    "redraft/infer/spec/hostjit.py": 699,
     "redraft/models/redrafter.py": 522,
     "redraft/ngrams/cli.py": 516,
     "redraft/ngrams/trigrams.py": 556,
