@@ -66,7 +66,7 @@ def _stats_update(hits, tries, decay, owner, group, has_group, kept, pre):
 
 @_njit
 def _best_budget(values, M, secs, overhead):
-    """``hostdraft.best_budget_np`` past its checks: the K in 0..M whose expected tokens per
+    """``hoststats.best_budget_np`` past its checks: the K in 0..M whose expected tokens per
     second, B + the K best node values summed over rows, over ``secs[K] + overhead``, is the
     largest (float32 like the torch rule: rows summed in order, the running sum in float64)."""
     B = values.shape[0]
