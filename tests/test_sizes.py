@@ -50,7 +50,6 @@ FUNCTIONS = {
 MODULES = {
     "redraft/bench/loadtest.py": 624,
     "redraft/data/distill.py": 650,
-    "redraft/infer/drafters/hsddw/drafter.py": 558,
     "redraft/models/redrafter.py": 522,
     "redraft/ngrams/cli.py": 516,
     "redraft/ngrams/trigrams.py": 556,
