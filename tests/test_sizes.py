@@ -44,7 +44,7 @@ FUNCTIONS = {
     "redraft/infer/engine/processors.py:build": 99,
     "redraft/ngrams/cli.py:run_merge": 81,
     "redraft/serve/app.py:create_app": 93,
-    "redraft/train/features.py:cache_features": 115,
+    "redraft/train/features/writer.py:cache_features": 115,
     "redraft/train/trainer.py:_run_loop": 83,
 }
 MODULES = {
@@ -54,7 +54,6 @@ MODULES = {
     "redraft/ngrams/cli.py": 516,
     "redraft/ngrams/trigrams.py": 556,
     "redraft/train/config.py": 578,
-    "redraft/train/features.py": 614,
 }
 SOURCES = sorted(p for p in (ROOT / "redraft").rglob("*.py") if "__pycache__" not in p.parts)
 

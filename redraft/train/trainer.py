@@ -4,7 +4,7 @@
       setup          check settings and the output directory, join the processes (distributed.py),
                      pick the precision (precision.py)
       target, data   the frozen target; training records as tokens (batches.py: the target runs
-                     per step) or as cached features (features.py: no target forward)
+                     per step) or as cached features (features/: no target forward)
       head, engine   ReDrafter sized for the target; AdamW + warm-up/cosine (schedule.py) inside
                      deepspeed.initialize (build.py); restore the newest checkpoint on --resume
       loop           per optimizer step (loop.py): grad_accum micro batches -> batch_loss
