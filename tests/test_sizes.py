@@ -35,7 +35,7 @@ FUNCTIONS = {
     "redraft/bench/data.py:main": 151,
     "redraft/bench/train.py:main": 93,
     "redraft/bench/train.py:run": 128,
-    "redraft/data/distill.py:distill": 138,
+    "redraft/data/regenerate.py:distill": 138,
     "redraft/data/tokens.py:_build": 117,
     "redraft/demo.py:compare": 85,
     "redraft/hub/card.py:_sections": 85,
@@ -49,7 +49,6 @@ FUNCTIONS = {
 }
 MODULES = {
     "redraft/bench/loadtest.py": 624,
-    "redraft/data/distill.py": 650,
     "redraft/models/redrafter.py": 522,
     "redraft/ngrams/cli.py": 516,
     "redraft/ngrams/trigrams.py": 556,
