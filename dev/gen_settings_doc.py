@@ -22,7 +22,8 @@ from redraft.bench.config import BenchSettings  # noqa: E402
 from redraft.cli import ModelSettings  # noqa: E402
 from redraft.infer.config import DecoderConfig  # noqa: E402
 from redraft.serve.cli import ServeSettings  # noqa: E402
-from redraft.settings import Settings, _type_name  # noqa: E402
+from redraft.setting_types import _type_name  # noqa: E402
+from redraft.settings import Settings  # noqa: E402
 from redraft.train.config import TrainConfig  # noqa: E402
 
 OUT = REPO / "docs" / "settings.md"

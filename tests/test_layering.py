@@ -34,6 +34,7 @@ SHARED = {
     "redraft.hub.resolve",  # the hub package's loading half: every stage resolves artifacts
     "redraft.hub.card",
     "redraft.settings",
+    "redraft.setting_types",
     "redraft.cli",
 }
 LAYERS = [

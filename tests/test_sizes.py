@@ -17,9 +17,9 @@ MAX_MODULE, MAX_FUNCTION = 500, 80
 # Numba kernels: one compiled loop nest each, the step's host work; split, they would pass
 # arrays between kernels (a call and an allocation each) for no reader's gain.
 KERNELS = {
-    "redraft/infer/spec/hostjit.py:_tree_nodes": 83,
-    "redraft/infer/spec/hostjit.py:_ngram_rows": 103,
-    "redraft/infer/spec/hostjit.py:_plan_beam": 92,
+    "redraft/infer/spec/hostjit/tree.py:_tree_nodes": 83,
+    "redraft/infer/spec/hostjit/ngram.py:_ngram_rows": 103,
+    "redraft/infer/spec/hostjit/beams.py:_plan_beam": 92,
 }
 # Argument parsers: a flat list of flags, each with its help (one screen per command).
 PARSERS = {
@@ -35,7 +35,7 @@ FUNCTIONS = {
     "redraft/bench/data.py:main": 151,
     "redraft/bench/train.py:main": 93,
     "redraft/bench/train.py:run": 128,
-    "redraft/data/distill.py:distill": 138,
+    "redraft/data/regenerate.py:distill": 138,
     "redraft/data/tokens.py:_build": 117,
     "redraft/demo.py:compare": 85,
     "redraft/hub/card.py:_sections": 85,
@@ -44,23 +44,11 @@ FUNCTIONS = {
     "redraft/infer/engine/processors.py:build": 99,
     "redraft/ngrams/cli.py:run_merge": 81,
     "redraft/serve/app.py:create_app": 93,
-    "redraft/train/features.py:cache_features": 115,
+    "redraft/train/features/writer.py:cache_features": 115,
     "redraft/train/trainer.py:_run_loop": 83,
 }
 MODULES = {
     "redraft/bench/loadtest.py": 624,
-    "redraft/data/distill.py": 650,
-    "redraft/infer/drafters/hsddw/drafter.py": 558,
-    "redraft/infer/engine/engine.py": 596,
-    "redraft/infer/spec/hostdraft.py": 523,
-    "redraft/infer/spec/hostjit.py": 699,
-    "redraft/models/redrafter.py": 522,
-    "redraft/ngrams/cli.py": 516,
-    "redraft/ngrams/trigrams.py": 556,
-    "redraft/settings.py": 576,
-    "redraft/train/config.py": 578,
-    "redraft/train/features.py": 614,
-    "redraft/train/trainer.py": 725,
 }
 SOURCES = sorted(p for p in (ROOT / "redraft").rglob("*.py") if "__pycache__" not in p.parts)
 

@@ -35,13 +35,8 @@ from redraft.infer.spec.accept import (
     walk,
 )
 from redraft.infer.spec.drafter import Drafter
-from redraft.infer.spec.hostdraft import (
-    HostStats,
-    HostTables,
-    best_budget_np,
-    context_matches_np,
-    ngrammys_np,
-)
+from redraft.infer.spec.hostdraft import HostTables, context_matches_np, ngrammys_np
+from redraft.infer.spec.hoststats import HostStats, best_budget_np
 from redraft.infer.spec.hosttree import build_tree_np, step_feedback_np
 from redraft.infer.spec.speculator import Speculator
 from redraft.infer.stats import Generation, StreamEvent
@@ -104,7 +99,7 @@ class SpeculativeDecoder:
 
     @property
     def stats(self):
-        """The drafters' acceptance rates (``redraft.infer.spec.hostdraft.HostStats``)."""
+        """The drafters' acceptance rates (``redraft.infer.spec.hoststats.HostStats``)."""
         return self.speculator.stats
 
     @property

@@ -81,6 +81,8 @@ from redraft.models.redrafter_config import (  # noqa: F401  (public names of th
     AUTO_MODULE_SOURCE,
     MODEL_TYPE,
     ReDrafterConfig,
+    describe,
+    parse_config,
 )
 from redraft.models.target import Target
 from redraft.utils import atomic_write_text
@@ -474,33 +476,6 @@ def expected_shapes(config: ReDrafterConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = ReDrafter(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def describe(config: ReDrafterConfig) -> str:
-    """The config values that decide the tensor shapes, for error messages."""
-    return (
-        f"hidden_size={config.hidden_size}, embedding_dim={config.embedding_dim}, vocab_size="
-        f"{config.vocab_size}, draft_vocab_size={config.draft_vocab_size}, num_layers={config.num_layers}, "
-        f"rnn={config.rnn}, features={config.features}, feature_layers={config.feature_layers}"
-    )
-
-
-def parse_config(raw: dict, where: Path) -> ReDrafterConfig:
-    """A :class:`ReDrafterConfig` from the dict of ``where/config.json``; a value of the wrong type
-    or range is an ArtifactError naming the file and the key."""
-    if raw.get("model_type") != MODEL_TYPE:
-        raise ArtifactError(
-            f"{where / artifact.CONFIG_NAME} has model_type {raw.get('model_type')!r}, expected "
-            f"{MODEL_TYPE!r} (or Apple's 'recurrent_drafting_drafter', which load_drafter reads)."
-        )
-    try:
-        return ReDrafterConfig.from_dict(dict(raw))
-    except RedraftError as exc:
-        raise ArtifactError(f"{where / artifact.CONFIG_NAME}: {exc}") from exc
-    except (TypeError, ValueError) as exc:
-        raise ArtifactError(
-            f"{where / artifact.CONFIG_NAME} is not a ReDrafter config ({exc})."
-        ) from exc
 
 
 def check_artifact(directory: Path, verify: bool = True) -> ReDrafterConfig:

@@ -1,18 +1,20 @@
 """The configuration of a ReDrafter head: :class:`ReDrafterConfig` and its value checks.
 
 Every value is type- and range-checked when the config is made (from code, from a recipe or
-from a saved ``config.json``); a wrong one is a ConfigError naming the key. The head itself is
+from a saved ``config.json``, read by :func:`parse_config`); a wrong one is a ConfigError naming
+the key (an ArtifactError naming the file, for a saved one). The head itself is
 :mod:`redraft.models.redrafter`; the artifact I/O :mod:`redraft.models.drafter_io`.
 """
 
 from __future__ import annotations
 
 import numbers
+from pathlib import Path
 
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from redraft.errors import ConfigError
+from redraft.errors import ArtifactError, ConfigError, RedraftError
 from redraft.models import artifact
 from redraft.models.target import Target
 
@@ -24,6 +26,8 @@ __all__ = [
     "AUTO_MODULE_SOURCE",
     "FEATURES",
     "default_feature_layers",
+    "describe",
+    "parse_config",
     "target_num_layers",
 ]
 
@@ -279,3 +283,33 @@ def _features(features, layers, num_layers: int | None) -> tuple[str, list[int] 
             param="feature_layers",
         )
     return features, [int(i) for i in layers]
+
+
+# ------------------------------------------------------------------ a saved config, checked
+
+
+def describe(config: ReDrafterConfig) -> str:
+    """The config values that decide the tensor shapes, for error messages."""
+    return (
+        f"hidden_size={config.hidden_size}, embedding_dim={config.embedding_dim}, vocab_size="
+        f"{config.vocab_size}, draft_vocab_size={config.draft_vocab_size}, num_layers={config.num_layers}, "
+        f"rnn={config.rnn}, features={config.features}, feature_layers={config.feature_layers}"
+    )
+
+
+def parse_config(raw: dict, where: Path) -> ReDrafterConfig:
+    """A :class:`ReDrafterConfig` from the dict of ``where/config.json``; a value of the wrong type
+    or range is an ArtifactError naming the file and the key."""
+    if raw.get("model_type") != MODEL_TYPE:
+        raise ArtifactError(
+            f"{where / artifact.CONFIG_NAME} has model_type {raw.get('model_type')!r}, expected "
+            f"{MODEL_TYPE!r} (or Apple's 'recurrent_drafting_drafter', which load_drafter reads)."
+        )
+    try:
+        return ReDrafterConfig.from_dict(dict(raw))
+    except RedraftError as exc:
+        raise ArtifactError(f"{where / artifact.CONFIG_NAME}: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(
+            f"{where / artifact.CONFIG_NAME} is not a ReDrafter config ({exc})."
+        ) from exc

@@ -4,12 +4,13 @@
       setup          check settings and the output directory, join the processes (distributed.py),
                      pick the precision (precision.py)
       target, data   the frozen target; training records as tokens (batches.py: the target runs
-                     per step) or as cached features (features.py: no target forward)
+                     per step) or as cached features (features/: no target forward)
       head, engine   ReDrafter sized for the target; AdamW + warm-up/cosine (schedule.py) inside
-                     deepspeed.initialize; restore the newest checkpoint on --resume
-      loop           per optimizer step: grad_accum micro batches -> batch_loss (step.py) ->
-                     engine.backward / engine.step; meter + trackers (logger.py); stop on a
-                     signal or the time budget; evaluate; checkpoint (checkpoint.py)
+                     deepspeed.initialize (build.py); restore the newest checkpoint on --resume
+      loop           per optimizer step (loop.py): grad_accum micro batches -> batch_loss
+                     (step.py) -> engine.backward / engine.step; meter + trackers (logger.py);
+                     stop on a signal or the time budget; evaluate (evaluate.py); checkpoint
+                     (checkpoint.py)
       finish         checkpoint, held-out evaluation, the artifact swapped in whole
 
 Only the drafter's parameters are in the optimizer; the target never gets gradients.
@@ -18,8 +19,6 @@ Only the drafter's parameters are in the optimizer; the target never gets gradie
 from __future__ import annotations
 
 import math
-import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,24 +27,24 @@ from typing import Any
 import torch
 
 from redraft.errors import ConfigError
-from redraft.models.redrafter import ReDrafter, ReDrafterConfig
 from redraft.train import checkpoint as ckpt
 from redraft.train.batches import (
     TokenRecords,
     check_dataset,
     collate,
     draft_vocab_from_data,
-    draft_vocab_from_tokens,
     epoch_batches,
     load_datasets,
-    micro_batch,
     sequence_lengths,
 )
+from redraft.train.build import build_engine, build_head
 from redraft.train.config import TrainConfig, config_diff, for_device, parse_report_to
 from redraft.train.distilled import distilled_data
 from redraft.train.distributed import DistEnv, setup_distributed
+from redraft.train.evaluate import eval_line, evaluate_artifact
 from redraft.train.fingerprint import describe, record_mismatch, target_record
 from redraft.train.logger import Meter, Trackers, TrainBar, memory_mb
+from redraft.train.loop import StopSignal, log_progress, optimizer_step, stop_reason
 from redraft.train.precision import autocast, deepspeed_config, resolve_precision, target_dtype
 from redraft.train.schedule import WarmupCosine
 from redraft.train.step import (
@@ -473,253 +472,3 @@ def check_same_target(saved: dict | None, record: dict, cfg: TrainConfig, out: P
             f"(--overwrite / another --output-dir).",
             param="target",
         )
-
-
-def build_head(cfg: TrainConfig, target, records, record: dict) -> ReDrafter:
-    """The head for ``target``: seeded init (or ``init_from``), the draft vocabulary, the warm start."""
-    torch.manual_seed(cfg.seed)
-    dcfg = ReDrafterConfig.for_target(
-        target,
-        num_layers=cfg.num_layers,
-        rnn=cfg.rnn,
-        activation=cfg.activation,
-        num_steps=cfg.num_steps,
-        draft_vocab_size=cfg.draft_vocab_size,
-        features=cfg.head_features,
-        feature_layers=cfg.feature_layers,
-        target_weights_fingerprint=record["weights_fingerprint"],
-    )
-    check_records_layers(records, dcfg.hidden_layers, cfg)
-    model = ReDrafter(dcfg)
-    if cfg.init_from:
-        from redraft.models.drafter_io import load_drafter
-
-        src = load_drafter(cfg.init_from, target, dtype=torch.float32)
-        for key in ("draft_vocab_size", "features", "feature_layers"):
-            if getattr(src.config, key) != getattr(dcfg, key):
-                raise ConfigError(
-                    f"init_from {cfg.init_from} has {key} {getattr(src.config, key)}, this run "
-                    f"{getattr(dcfg, key)}; make them equal.",
-                    param="init_from",
-                )
-        model.load_state_dict(src.state_dict())
-    else:
-        if cfg.draft_vocab_size:
-            model.set_draft_vocab(
-                draft_vocab_from_tokens(
-                    *records.token_arrays(), dcfg.vocab_size, cfg.draft_vocab_size
-                )
-            )
-        if cfg.init_head == "target":
-            warm_start_from_target(model, target)
-    return model.attach_target(target)
-
-
-def check_records_layers(records, layers: tuple[int, ...], cfg: TrainConfig) -> None:
-    """Cached features must hold the layers the head reads (``()``: the last hidden state)."""
-    cached = getattr(records, "hidden_layers", None)
-    if cached is not None and tuple(cached) != tuple(layers):
-        raise ConfigError(
-            f"--features {cfg.features} hold the target's hidden states of layers "
-            f"{list(cached) or 'last'}, but this head (--head-features {cfg.head_features}) reads "
-            f"{list(layers) or 'last'}; cache features with the same --head-features / "
-            f"--feature-layers (redraft-cache-features), or train without --features.",
-            param="features",
-        )
-
-
-def build_engine(cfg: TrainConfig, model: ReDrafter, total_steps: int, precision: str):
-    """``(engine, schedule)``: AdamW over the head alone and the warm-up/cosine schedule, in DeepSpeed."""
-    import deepspeed
-
-    params = list(model.parameters())
-    # On a CPU torch's AdamW defaults to one tensor at a time (foreach is a CUDA default): the
-    # fused kernel takes 11 -> 2.7 ms a step off the demo head's 8M parameters (measured with
-    # the demo recipe); the state is the same, so checkpoints load either way. CUDA keeps
-    # torch's default (foreach), which DeepSpeed's ZeRO optimizers have always been run with here.
-    fused = all(p.device.type == "cpu" for p in params)
-    opt = torch.optim.AdamW(
-        params,
-        lr=cfg.lr,
-        betas=tuple(cfg.adam_betas),
-        weight_decay=cfg.weight_decay,
-        fused=fused or None,
-    )
-    budget_s = (
-        cfg.max_time_minutes * 60 if (cfg.max_time_minutes and cfg.schedule_by_time) else None
-    )
-    sched = WarmupCosine(
-        opt, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio, time_budget_s=budget_s
-    )
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=opt, lr_scheduler=sched, config=deepspeed_config(cfg, precision)
-    )
-    if engine.dp_world_size == 1 and engine.zero_optimization_stage() == 0:
-        # one process, no ZeRO: nothing to reduce, but DeepSpeed still flattens every gradient,
-        # "all-reduces" it with itself and copies it back after each backward (milliseconds a step for
-        # the demo head on a CPU; its "allreduce_gradients" in a profile)
-        engine.enable_backward_allreduce = False
-    return engine, sched
-
-
-def optimizer_step(
-    engine,
-    model: ReDrafter,
-    target,
-    records,
-    global_batch,
-    cfg: TrainConfig,
-    env: DistEnv,
-    modes: tuple[str, str],
-    hidden_dtype: torch.dtype,
-    meter: Meter,
-    sched: WarmupCosine,
-    t_start: float,
-    log_now: bool,
-) -> tuple[int, int]:
-    """One optimizer step over this rank's ``grad_accum`` micro batches of ``global_batch``.
-    ``modes``: the resolved ``(precision, loss_impl)``.
-
-    Returns ``(tokens, loss_tokens)`` this rank saw (host ints, no device sync).
-    """
-    tokens = loss_tokens = 0
-    precision, impl = modes
-    for k in range(cfg.grad_accum):
-        batch = records.batch(
-            micro_batch(global_batch, k, env.rank, env.world_size, cfg.micro_batch_size), env.device
-        )
-        loss, stats, logits, win, targets = batch_loss(
-            model, engine, target, batch, cfg, precision, hidden_dtype, impl
-        )
-        engine.backward(loss)
-        if engine.is_gradient_accumulation_boundary():
-            sched.elapsed_s = (
-                time.perf_counter() - t_start
-            )  # the schedule may follow the time budget
-            if log_now and engine.zero_optimization_stage() == 0:  # before step() clears the grads
-                meter.grad_norm = torch.linalg.vector_norm(
-                    torch.stack(
-                        [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
-                    )
-                )
-        engine.step()
-        meter.add(loss, stats, batch.tokens)
-        if log_now and logits is not None:
-            meter.add_accuracy(logits, targets, win.valid)
-        elif log_now and "top1" in stats:
-            meter.add_top1(stats["top1"], win.valid)
-        tokens += batch.tokens
-        loss_tokens += batch.loss_tokens
-    return tokens, loss_tokens
-
-
-def log_progress(
-    meter: Meter, engine, sched: WarmupCosine, env: DistEnv, trackers: Trackers, bar, step: int
-) -> None:
-    """Read the meter (one host sync), send it to the trackers and the progress bar (a
-    :class:`~redraft.train.logger.TrainBar`), reset it."""
-    vals = meter.read(env)
-    if engine.zero_optimization_stage() != 0:
-        vals["train/grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
-    vals["train/lr"] = sched.get_last_lr()[0]
-    vals["train/memory_mb"] = memory_mb(env.device)
-    trackers.log(vals, step)
-    bar.set_figures(
-        loss=f"{vals['train/loss']:.3f}",
-        tok_s=f"{vals['train/tokens_per_s']:.0f}",
-        lr=f"{vals['train/lr']:.2e}",
-    )
-    meter.reset()
-
-
-def stop_reason(stop: StopSignal, cfg: TrainConfig, state: dict, env: DistEnv) -> str:
-    """``"interrupted"`` (a signal on any rank), ``"time_budget"``, or ``"running"``; the same on
-    every rank (one all_reduce)."""
-    flags = torch.tensor(
-        [
-            float(stop.signum != 0),
-            float(bool(cfg.max_time_minutes) and state["elapsed_s"] >= cfg.max_time_minutes * 60),
-        ],
-        device=env.device,
-    )  # NCCL reduces no CPU tensors
-    env.all_reduce(flags, torch.distributed.ReduceOp.MAX)
-    return "interrupted" if flags[0] else ("time_budget" if flags[1] else "running")
-
-
-class StopSignal:
-    """SIGINT/SIGTERM -> finish the current optimizer step, checkpoint, exit; a second one aborts."""
-
-    def __init__(self):
-        self.signum = 0
-        self._old = {}
-
-    def __enter__(self):
-        for s in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[s] = signal.signal(s, self._handle)
-            except ValueError:  # not the main thread: no handlers
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(
-            f"\nredraft-train: got signal {signum}; checkpointing after this step "
-            f"(send it again to abort without a checkpoint)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-
-def eval_line(step: int, m: dict) -> str:
-    top1 = " ".join(f"{a:.3f}" for a in m["eval_top1"])
-    top1t = " ".join(f"{a:.3f}" for a in m["eval_top1_target"])
-    return (
-        f"[eval @ step {step}] loss {m['eval_loss']:.3f} | top-1 by position (data) {top1} | "
-        f"(target greedy) {top1t} | tau_est {m['eval_tau_est']:.3f} (vs data {m['eval_tau_est_data']:.3f})"
-    )
-
-
-# ------------------------------------------------------------------------------ evaluation only
-
-
-def evaluate_artifact(cfg: TrainConfig, path=None, target=None, eval_dataset=None) -> dict:
-    """Held-out metrics of a finished drafter artifact (``path`` or ``cfg.init_from``) on
-    ``cfg.eval_data`` / the held-out split of ``cfg.data``; no training, nothing written."""
-    from redraft.models.drafter_io import load_drafter
-
-    path = path or cfg.init_from
-    if not path:
-        raise ConfigError(
-            "Evaluation needs a drafter artifact: pass --init-from DIR (or REPO_ID).",
-            param="init_from",
-        )
-    env = setup_distributed(cfg)
-    precision = resolve_precision(cfg, env.device)
-    if target is None:
-        from redraft.models import load_target
-
-        target = load_target(
-            cfg.target, dtype=target_dtype(precision, env.device), device=env.device
-        )
-    if eval_dataset is None:
-        data_cfg = distilled_data(cfg, target, target_record(target), env, train=False)
-        _, eval_dataset = load_datasets(data_cfg, target.tokenizer, env, train=False)
-    check_dataset(eval_dataset, "held-out")
-    drafter = load_drafter(path, target, dtype=torch.float32)
-    cfg = TrainConfig(
-        **{
-            **cfg.to_dict(),
-            "num_steps": drafter.config.num_steps,
-            "adam_betas": tuple(cfg.adam_betas),
-        }
-    )
-    m = evaluate(drafter, drafter, target, eval_dataset, cfg, env, precision)
-    env.say(eval_line(0, m).replace("[eval @ step 0]", f"[eval {path}]"))
-    return m

@@ -6,7 +6,8 @@ import pytest
 from data_helpers import CHATS, write_jsonl
 
 from redraft.data import iter_records
-from redraft.data.distill import _prompt_ids, main
+from redraft.data.distill import main
+from redraft.data.regenerate import _prompt_ids
 from redraft.data.replies import generate_replies
 
 

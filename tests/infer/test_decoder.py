@@ -12,7 +12,7 @@ from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter
 from redraft.infer.runner.cost import BatchCost, CostCurve
 from redraft.infer.spec.drafter import DecodeState, Draft, Drafter
 from redraft.infer.spec.gate import DrafterGate, SpeculationGuard
-from redraft.infer.spec.hostdraft import best_budget_np
+from redraft.infer.spec.hoststats import best_budget_np
 
 
 def hf_greedy(target, ids, n):

@@ -156,7 +156,7 @@ def test_acceptance_stats_learn_rates_per_group():
 
 
 def test_an_untried_depth_is_expected_to_be_accepted_like_the_depth_above_it():
-    from redraft.infer.spec.hostdraft import HostStats
+    from redraft.infer.spec.hoststats import HostStats
 
     toks = torch.tensor([[[1, 2, 3, 4]]])
     kept = torch.tensor([[[True, False, False, False]]])  # only depth 0 was verified

@@ -20,14 +20,13 @@ from redraft.infer.drafters.ngram import (
 from redraft.infer.runner.cost import CostCurve
 from redraft.infer.spec.drafter import DecodeState
 from redraft.infer.spec.hostdraft import (
-    HostStats,
     HostTables,
-    best_budget_np,
     context_matches_np,
     ngrammys_np,
     table_rows_np,
     table_values_np,
 )
+from redraft.infer.spec.hoststats import HostStats, best_budget_np
 from redraft.infer.spec.hosttree import (
     accepted_prefix_np,
     build_tree_np,

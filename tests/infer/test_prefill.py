@@ -13,7 +13,8 @@ from redraft.infer.config import DecoderConfig
 from redraft.infer.decoder import SpeculativeDecoder, plain_greedy
 from redraft.infer.drafters.ngram import ContextNGramDrafter, NGrammysDrafter
 from redraft.infer.drafters.redrafter.drafter import ReDrafterDrafter
-from redraft.infer.engine.engine import Engine, _fill_holes
+from redraft.infer.engine.batch import _fill_holes
+from redraft.infer.engine.engine import Engine
 from redraft.infer.engine.pacer import (
     PREFILL_CHUNK_MAX,
     PREFILL_CHUNK_MIN,

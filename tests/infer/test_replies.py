@@ -6,7 +6,8 @@ import json
 import pytest
 
 from redraft.bench.replies import run_generator
-from redraft.data.distill import _prompt_ids, distill
+from redraft.data.distill import distill
+from redraft.data.regenerate import _prompt_ids
 from redraft.data.replies import HFReplies, ReplySettings, make_replies, use_replies
 from redraft.infer.replies import EngineReplies
 

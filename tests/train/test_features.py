@@ -203,7 +203,7 @@ def test_a_killed_cache_run_keeps_its_shards_and_continues(
     straight = _cache(cfg, tmp_path / "straight", tiny_target, tiny_data, shard_mb=0.05)
 
     written = []
-    real_write = feat._write_shard
+    real_write = feat.writer._write_shard
 
     class Killed(BaseException):
         pass
@@ -214,7 +214,7 @@ def test_a_killed_cache_run_keeps_its_shards_and_continues(
         written.append(path.name)
         real_write(path, tensors, metadata)
 
-    monkeypatch.setattr(feat, "_write_shard", write_then_die)
+    monkeypatch.setattr(feat.writer, "_write_shard", write_then_die)
     with pytest.raises(Killed):
         _cache(cfg, tmp_path / "f", tiny_target, tiny_data, shard_mb=0.05)
     assert not json.loads((tmp_path / "f" / "features.json").read_text())["complete"]
@@ -222,7 +222,7 @@ def test_a_killed_cache_run_keeps_its_shards_and_continues(
         FeatureRecords(tmp_path / "f")
 
     monkeypatch.setattr(
-        feat, "_write_shard", lambda p, t, m: (written.append(p.name), real_write(p, t, m))
+        feat.writer, "_write_shard", lambda p, t, m: (written.append(p.name), real_write(p, t, m))
     )
     meta = _cache(cfg, tmp_path / "f", tiny_target, tiny_data, shard_mb=0.05)
     assert meta["complete"]

@@ -8,10 +8,11 @@
 - :mod:`~redraft.infer.spec.accept`: the acceptance rules (greedy, rejection, typical) and the
   host walk; :mod:`~redraft.infer.spec.gate`: which drafters run (:class:`DrafterGate`) and
   whether speculating pays at a batch size (:class:`SpeculationGuard`);
-- the host kernels: :mod:`~redraft.infer.spec.hostdraft` (n-gram drafting, acceptance rates,
-  the node budget) and :mod:`~redraft.infer.spec.hosttree` (the packed tree), numpy reference
-  code, and :mod:`~redraft.infer.spec.hostjit`, the same compiled with numba (their torch
-  versions are the tests' oracles, tests/reference/).
+- the host kernels: :mod:`~redraft.infer.spec.hostdraft` (n-gram drafting),
+  :mod:`~redraft.infer.spec.hoststats` (acceptance rates, the node budget) and
+  :mod:`~redraft.infer.spec.hosttree` (the packed tree), numpy reference code, and
+  :mod:`~redraft.infer.spec.hostjit`, the same compiled with numba (their torch versions are the
+  tests' oracles, tests/reference/).
 
 It imports the runner room (:mod:`redraft.infer.runner`) and nothing above it.
 """

@@ -49,7 +49,7 @@ from redraft.infer.spec.drafter import (
     HostFeedback,
 )
 from redraft.infer.spec.gate import DrafterGate, SpeculationGuard
-from redraft.infer.spec.hostdraft import HostStats, best_budget_np
+from redraft.infer.spec.hoststats import HostStats, best_budget_np
 from redraft.infer.spec.hosttree import build_tree_np, clean_paths_np, step_feedback_np
 from redraft.infer.spec.paths import PAD, pad_paths_np
 

@@ -2,8 +2,9 @@
 
 * **Self-verify.** A draft model stops drafting when the entropy of its next-token distribution
   exceeds ``tau``; ``tau`` is the running mean of the entropies of the draft tokens its verifier
-  rejected so far in this request, starting at 0 (:class:`EntropyThreshold`). The first token of
-  a chain is always drafted (with ``tau = 0`` every later one would stop the chain).
+  rejected so far in this request, starting at 0 (:class:`EntropyThreshold`, in
+  :mod:`redraft.infer.drafters.hsddw.threshold`). The first token of a chain is always drafted
+  (with ``tau = 0`` every later one would stop the chain).
 * **Draft models.** Anything that gives next-token distributions over the target vocab for a
   batch of rows (:class:`ProbModel`): any causal LM that shares the target's tokenizer
   (:class:`CausalLMModel`), an *early-exit* draft cut from the target itself
@@ -15,8 +16,9 @@
   M1 to extend while M2's entropy stays under M2's own ``tau``; when M2 loses confidence the
   chain goes to the target (:class:`HSDDWDrafter`). In greedy decoding the chain is M2's greedy
   chain; when sampling, every chain token is a sample of M2's (temperature/top-p warped)
-  distribution. The decoder verifies the chain's tokens as point masses, which keeps the
-  target's distribution exactly whatever the drafts are (``redraft.infer.spec.accept``).
+  distribution (:mod:`redraft.infer.drafters.hsddw.sampling`). The decoder verifies the chain's
+  tokens as point masses, which keeps the target's distribution exactly whatever the drafts are
+  (``redraft.infer.spec.accept``).
 * **Stats** (:class:`HierarchyStats`): redundancy ``sigma = 1 - accepted / drafted`` per level
   and target utilisation ``eta = target calls / output length``.
 
@@ -51,11 +53,14 @@ from redraft.infer.drafters.hsddw.models import (
     early_exit_model,
     frequent_tokens,
 )
-from redraft.infer.spec.accept import RowSampling, entropy, greedy_tokens, warp_probs
+from redraft.infer.drafters.hsddw.sampling import _draft_probs, _draw, _uniform
+from redraft.infer.drafters.hsddw.threshold import EntropyThreshold
+from redraft.infer.spec.accept import RowSampling, entropy, greedy_tokens
 from redraft.infer.spec.drafter import DecodeState, Draft, Drafter, Feedback
 from redraft.infer.spec.paths import PAD, cached_arange
 
-# The draft models live in hsddw_models.py; their names are re-exported here.
+# The draft models live in models.py and the threshold in threshold.py; their names are
+# re-exported here.
 __all__ = [
     "EntropyThreshold",
     "early_exit_model",
@@ -69,60 +74,6 @@ __all__ = [
     "default_hierarchy",
     "entropy",
 ]
-
-
-class EntropyThreshold:
-    """Per-request ``tau``: the running mean entropy of rejected draft tokens, starting at ``init``.
-
-    ``tau[b] = mean(entropies of the draft tokens rejected so far in row b)``, ``init`` (0 by
-    default) before any rejection. A draft model must stop before a token whose distribution has
-    entropy ``H > tau`` (:meth:`exceeds` for a batch, :meth:`stop` for one row).
-    """
-
-    def __init__(self, batch_size: int, init: float = 0.0, device=None):
-        self.init = float(init)
-        self.total = torch.zeros(batch_size, dtype=torch.float64, device=device)
-        self.count = torch.zeros(batch_size, dtype=torch.long, device=device)
-
-    @property
-    def tau(self) -> torch.Tensor:
-        """``[B]`` float64 thresholds."""
-        return torch.where(
-            self.count > 0,
-            self.total / self.count.clamp_min(1),
-            torch.full_like(self.total, self.init),
-        )
-
-    def exceeds(self, h: torch.Tensor) -> torch.Tensor:
-        """``h [B]`` or ``[B, K]`` entropies -> bool, ``h > tau`` of each row."""
-        tau = self.tau
-        return h.double() > (tau if h.dim() == 1 else tau[:, None])
-
-    def stop(self, row: int, h: float) -> bool:
-        """Must row ``row`` stop before a token drafted at entropy ``h``? (One row, on the host.)"""
-        return h > float(self.tau[row])
-
-    def reject(self, rows, entropies) -> None:
-        """Record rejected draft tokens: rows ``[n]`` and the entropies they were drafted at."""
-        dev = self.total.device
-        rows = torch.as_tensor(rows, dtype=torch.long, device=dev).reshape(-1)
-        ent = torch.as_tensor(entropies, dtype=torch.float64, device=dev).reshape(-1)
-        self.total.index_add_(0, rows, ent)
-        self.count.index_add_(0, rows, torch.ones_like(rows))
-
-    def reject_where(self, mask: torch.Tensor, entropies: torch.Tensor) -> None:
-        """Record one rejected token for every row where ``mask [B]`` holds, drafted at
-        ``entropies [B]`` (other rows unchanged)."""
-        self.total += torch.where(mask, entropies.double(), torch.zeros_like(self.total))
-        self.count += mask.long()
-
-    def select_rows(self, keep) -> None:
-        keep = torch.as_tensor(keep, dtype=torch.long, device=self.total.device)
-        self.total, self.count = self.total[keep], self.count[keep]
-
-    def add_rows(self, n: int) -> None:
-        self.total = torch.cat([self.total, self.total.new_zeros(n)])
-        self.count = torch.cat([self.count, self.count.new_zeros(n)])
 
 
 # ---------------------------------------------------------------------------------- hierarchy
@@ -169,65 +120,6 @@ class HierarchyStats:
                 for k, v in self.levels.items()
             },
         }
-
-
-# ------------------------------------------------------------------ per-row sampling of drafts
-
-
-def _draft_probs(logits: torch.Tensor, samp: RowSampling) -> torch.Tensor:
-    """``[B, ..., V]`` draft distributions at each row's temperature and top-p (the target's
-    warping, ``warp_probs``). Greedy rows are at temperature 1 without top-p: their entropy is
-    what self-verify reads; their tokens are the argmax either way."""
-    t = samp.temperature.to(logits.device)
-    sampled = t > 0
-    temp = torch.where(sampled, t, torch.ones_like(t))
-    top_p = (
-        torch.where(sampled, samp.top_p.to(logits.device), torch.ones_like(t))
-        if samp.any_top_p
-        else 1.0
-    )
-    return warp_probs(logits, temp, top_p)
-
-
-def _by_generator(samp: RowSampling, B: int, draw):
-    """Run ``draw(rows or None, generator)`` once per generator of the batch (``rows``: the
-    ``[n]`` long rows sharing it; ``None``: all of them) and put the results in row order."""
-    if len(samp.groups) == 1:
-        return draw(None, samp.groups[0][0])
-    out = None
-    for gen, idx in samp.groups:
-        rows = torch.tensor(idx, device=samp.temperature.device)
-        part = draw(rows, gen)
-        if out is None:
-            out = part.new_empty((B, *part.shape[1:]))
-        out[rows.to(part.device)] = part
-    return out
-
-
-def _draw(probs: torch.Tensor, greedy: torch.Tensor, samp: RowSampling) -> torch.Tensor:
-    """One token per row: ``greedy [B]`` for greedy rows, else a sample of ``probs [B, V]`` from
-    the row's generator."""
-    if samp.all_greedy:
-        return greedy
-    drawn = _by_generator(
-        samp,
-        probs.shape[0],
-        lambda rows, gen: torch.multinomial(
-            probs if rows is None else probs[rows.to(probs.device)], 1, generator=gen
-        )[:, 0],
-    )
-    return torch.where(samp.temperature.to(probs.device) > 0, drawn, greedy)
-
-
-def _uniform(samp: RowSampling, B: int, R: int, device) -> torch.Tensor:
-    """``[B, R]`` uniform draws, each row's from its generator."""
-    return _by_generator(
-        samp,
-        B,
-        lambda rows, gen: torch.rand(
-            (B if rows is None else rows.numel(), R), generator=gen, device=device
-        ),
-    )
 
 
 @dataclass

@@ -25,7 +25,7 @@ score, so a beam's ``v`` is taken as at most the beam's above it with the same s
 never tried does not look better than the ranks that were (its rates alone would be the
 prior's).
 
-:func:`plan_beam` then does what ``spec.hostdraft.best_budget_np`` does for the tree, one level up: for
+:func:`plan_beam` then does what ``spec.hoststats.best_budget_np`` does for the tree, one level up: for
 every candidate (W, L) it sorts those nodes by value, lets the budget verify the best K of them,
 and scores ``B * (1 + sum of the K values) / (c(B * (K + 1)) + draft(B, W, L) + fixed)``: the
 expected output tokens per second of the step. The best (W, L) wins. Depths never tried keep
