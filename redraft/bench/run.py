@@ -244,12 +244,12 @@ def summarise(agg: dict) -> dict:
             "joint_steps": s.joint_steps,
             "prompts": n,
         }
-        if "vllm" in agg and n:  # vLLM plain in the run: every method against it too
-            v = agg["vllm"]
+        v = agg.get("vllm")
+        if v is not None and n and v.times:  # vLLM plain in the run: every method against it
             m = min(n, len(v.times))
             v_tps = sum(v.tokens[:m]) / max(sum(v.times[:m]), 1e-9)
             same = sum(x == y for x, y in zip(a.outputs, v.outputs))
-            res[name]["speedup_vs_vllm"] = round(tps / v_tps, 3) if m else 0.0
+            res[name]["speedup_vs_vllm"] = round(tps / v_tps, 3)
             res[name]["identical_to_vllm"] = f"{same}/{m}"
         if a.graphs is not None:
             res[name]["graphs"] = {k: round(v, 3) for k, v in a.graphs.items()}

@@ -10,12 +10,10 @@ Three kernels, as in :mod:`redraft.models.cpu`:
 
 - ``linear``: ``F.linear`` per layer, the model as it is;
 - ``packed``: oneDNN's packed layout of the siblings' weights side by side (the packed weight
-  of a single layer for a group of one): what every forward of 3 tokens and more runs with
-  (q/k/v of the default target at 3-8 tokens: ~0.66x the time of three packed calls);
+  of a single layer for a group of one): what every forward of 3 tokens and more runs with;
 - ``fused``: ``x @ W.T`` with the siblings' ``W.T`` stored contiguously, ``[in, sum of outs]``:
   the row-vector product reads the weight in memory order, which at 1-2 tokens often beats
-  both (an MLP's gate and up at one token on an AVX-512 CPU without AMX: ~0.55x the time of
-  two ``F.linear`` calls).
+  both (docs/design/0013).
 
 Which one runs 1 and 2 tokens is measured per group shape on this CPU
 (:func:`plan_small_rows`); the transposed copy is kept only where it wins. The siblings are

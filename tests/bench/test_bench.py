@@ -651,8 +651,14 @@ def test_vllm_engines_one_keeps_a_single_engine_alive_and_none_while_redraft_dec
     }
     bench = {"warmup": False, "vllm_engines": engines, "max_new_tokens": 2}
     prompts = [[1], [5], [9]]
-    res = run_dataset(runners, prompts, bench, "p")
+    seen = []
+    res = run_dataset(runners, prompts, bench, "p", on_prompt=seen.append)
     assert all(res[m]["identical_prompts"] == "3/3" for m in runners)
+    assert res["context"]["speedup_vs_vllm"] > 0 and res["context"]["identical_to_vllm"] == "3/3"
+    if engines == "one":  # before vLLM's pass no figure against it (not a 0.00x)
+        assert (
+            "speedup_vs_vllm" not in seen[2]["context"] and "speedup_vs_vllm" in seen[3]["context"]
+        )
     order = [name for name, _ in e.log]
     if engines == "one":
         # redraft's methods prompt by prompt with no engine alive, then each engine on its own
