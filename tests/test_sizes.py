@@ -31,7 +31,6 @@ PARSERS = {
 FUNCTIONS = {
     **KERNELS,
     **PARSERS,
-    "redraft/bench/cli.py:_decode_tables": 94,
     "redraft/bench/data.py:main": 151,
     "redraft/bench/train.py:main": 93,
     "redraft/bench/train.py:run": 128,

@@ -105,13 +105,29 @@ def _load(bench: dict, cfg, device):
 
 
 def _decode_tables(bench: dict, cfg, device) -> int:
+    """Every method on every dataset, the tables written as they grow; 1 if a method failed."""
+    methods, ctx = _load(bench, cfg, device)
+    runners = {m: Runner(m, ctx, REGISTRY[m]) for m in methods}
+    report = _new_report(bench, cfg, ctx, runners)
+    context = getattr(ctx.target.model.config, "max_position_embeddings", None)
+    for ds in bench["datasets"]:
+        _decode_dataset(report, runners, bench, ds, context)
+    report["complete"] = True
+    md = _markdown(report, bench)
+    print(md)
+    _outputs(report, md, bench)
+    if bench["results_dir"]:
+        _write_results(report, md, bench)
+    return _failed_methods(report)
+
+
+def _new_report(bench: dict, cfg, ctx, runners: dict) -> dict:
+    """The report before any prompt: the config, the device, the cost curve, no results."""
     import torch
 
     from redraft.infer.spec import hostjit
 
-    methods, ctx = _load(bench, cfg, device)
-    runners = {m: Runner(m, ctx, REGISTRY[m]) for m in methods}
-    report = {
+    return {
         "config": {**bench, "decoder": cfg.to_dict()},
         "device": ", ".join(
             filter(
@@ -129,65 +145,71 @@ def _decode_tables(bench: dict, cfg, device) -> int:
         "results": {},
         "skipped_prompts": {},
     }
-    context = getattr(ctx.target.model.config, "max_position_embeddings", None)
-    for ds in bench["datasets"]:
-        label = dataset_label(ds) + (f" x{bench['repeat']}" if bench["repeat"] > 1 else "")
-        encoded = [
-            runners["greedy"].decoder.encode(p)[0]
-            for p in load_prompts(ds, bench["prompts"], bench["chat_spec"])
-        ]
-        prompts, skipped = fit_context(encoded, context, bench["max_new_tokens"], ds)
-        if skipped:
-            print(
-                f"redraft-bench: {ds}: {len(skipped)} of {len(encoded)} prompts skipped, longer than the target's "
-                f"context ({context} tokens) less --max-new-tokens {bench['max_new_tokens']}",
-                file=sys.stderr,
-            )
-            report["skipped_prompts"][label] = [{**x, "context": context} for x in skipped]
-        # every prompt again after the whole set: earlier requests' outputs matter (the suffix
-        # drafter's global tree, vLLM's suffix cache), and no request directly follows its twin
-        prompts = prompts * bench["repeat"]
 
-        def partial(res, label=label):  # after every prompt: what was measured survives a stop
-            report["results"][label] = res
-            _outputs(
-                report,
-                markdown(
-                    report["results"],
-                    bench,
-                    report["device"],
-                    report["skipped_prompts"],
-                    report.get("concurrent"),
-                ),
-                {**bench, "report": None},
-            )
 
-        report["results"][label] = (
-            run_dataset(runners, prompts, bench, ds, on_prompt=partial)
-            if 1 in bench["concurrency"]
-            else {}  # only the concurrent runs were asked for
-        )
-        for c in (c for c in bench["concurrency"] if c > 1):
-            conc = report.setdefault("concurrent", {}).setdefault(label, {})
-            conc[str(c)] = run_concurrent(runners, prompts, bench, c)
-            partial(report["results"][label])
-    report["complete"] = True
-    md = markdown(
+def _markdown(report: dict, bench: dict) -> str:
+    """The report's tables as markdown."""
+    return markdown(
         report["results"],
         bench,
         report["device"],
         report["skipped_prompts"],
         report.get("concurrent"),
     )
-    print(md)
-    _outputs(report, md, bench)
-    if bench["results_dir"]:
-        from redraft.bench.results import run_metadata, write_result
 
-        name = Path(bench["recipe"]).stem if bench.get("recipe") else "redraft-bench"
-        meta = run_metadata(bench.get("argv", []))
-        paths = write_result(bench["results_dir"], name, report, md, meta)
-        print(f"results: {', '.join(map(str, paths))}")
+
+def _decode_dataset(report: dict, runners: dict, bench: dict, ds: str, context) -> None:
+    """One dataset: its prompts by every method, alone and at each concurrency asked for."""
+    label = dataset_label(ds) + (f" x{bench['repeat']}" if bench["repeat"] > 1 else "")
+    prompts = _fitted_prompts(report, runners, bench, ds, label, context)
+    # every prompt again after the whole set: earlier requests' outputs matter (the suffix
+    # drafter's global tree, vLLM's suffix cache), and no request directly follows its twin
+    prompts = prompts * bench["repeat"]
+
+    def partial(res, label=label):  # after every prompt: what was measured survives a stop
+        report["results"][label] = res
+        _outputs(report, _markdown(report, bench), {**bench, "report": None})
+
+    report["results"][label] = (
+        run_dataset(runners, prompts, bench, ds, on_prompt=partial)
+        if 1 in bench["concurrency"]
+        else {}  # only the concurrent runs were asked for
+    )
+    for c in (c for c in bench["concurrency"] if c > 1):
+        conc = report.setdefault("concurrent", {}).setdefault(label, {})
+        conc[str(c)] = run_concurrent(runners, prompts, bench, c)
+        partial(report["results"][label])
+
+
+def _fitted_prompts(report: dict, runners: dict, bench: dict, ds: str, label: str, context) -> list:
+    """The dataset's prompts, encoded, less those too long for the context (noted in the report)."""
+    encoded = [
+        runners["greedy"].decoder.encode(p)[0]
+        for p in load_prompts(ds, bench["prompts"], bench["chat_spec"])
+    ]
+    prompts, skipped = fit_context(encoded, context, bench["max_new_tokens"], ds)
+    if skipped:
+        print(
+            f"redraft-bench: {ds}: {len(skipped)} of {len(encoded)} prompts skipped, longer than the target's "
+            f"context ({context} tokens) less --max-new-tokens {bench['max_new_tokens']}",
+            file=sys.stderr,
+        )
+        report["skipped_prompts"][label] = [{**x, "context": context} for x in skipped]
+    return prompts
+
+
+def _write_results(report: dict, md: str, bench: dict) -> None:
+    """The run under --results-dir, with its metadata."""
+    from redraft.bench.results import run_metadata, write_result
+
+    name = Path(bench["recipe"]).stem if bench.get("recipe") else "redraft-bench"
+    meta = run_metadata(bench.get("argv", []))
+    paths = write_result(bench["results_dir"], name, report, md, meta)
+    print(f"results: {', '.join(map(str, paths))}")
+
+
+def _failed_methods(report: dict) -> int:
+    """The exit code: 1 (with their names) if a method failed on some prompt, else 0."""
     failed = sorted(
         {m for res in report["results"].values() for m, r in res.items() if r.get("error")}
     )
