@@ -31,7 +31,6 @@ PARSERS = {
 FUNCTIONS = {
     **KERNELS,
     **PARSERS,
-    "redraft/bench/data.py:main": 151,
     "redraft/bench/train.py:main": 93,
     "redraft/bench/train.py:run": 128,
     "redraft/data/regenerate.py:distill": 138,

@@ -61,7 +61,8 @@ def _timed_build(fn, **kw) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command's flags."""
     p = argparse.ArgumentParser(
         prog="python -m redraft.bench.data", description=__doc__.split("\n\n")[0]
     )
@@ -88,16 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--skip-full", action="store_true", help="only the subset comparison")
     p.add_argument("--output", default=None, help="also write the figures to this JSON file")
-    args = p.parse_args(argv)
+    return p
 
-    from redraft.data import build_token_dataset, iter_records, iter_token_arrays
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+
+    from redraft.data import iter_records
     from redraft.data.records import DataStats
     from redraft.models import load_target
 
     num_proc = args.num_proc or min(os.cpu_count() or 1, 8)
     tok = load_target(args.target, device="cpu").tokenizer
     records = list(iter_records(args.data, limit=args.subset, stats=DataStats()))
-    n = len(records)
     results: dict = {
         "target": args.target,
         "data": args.data,
@@ -107,111 +111,138 @@ def main(argv: list[str] | None = None) -> int:
     }
     root = Path(tempfile.mkdtemp(prefix="redraft-data-bench-"))
     try:
-        base_s, base_tok = _baseline(tok, records)
-        results["subset"] = {
-            "records": n,
-            "baseline_s": round(base_s, 3),
-            "baseline_records_per_s": round(n / base_s, 1),
-        }
-        print(
-            f"subset of {n} records, baseline (apply_chat_template per prefix): {base_s:.2f} s, "
-            f"{n / base_s:,.0f} records/s, {base_tok / base_s:,.0f} tokens/s"
-        )
-        for procs in sorted({1, num_proc}):
-            secs, ds = _timed_build(
-                build_token_dataset,
-                spec=args.data,
-                tokenizer=tok,
-                split="all",
-                max_length=args.max_length,
-                limit=n,
-                num_proc=procs,
-                cache_dir=root / f"subset-{procs}",
-                progress=False,
-            )
-            results["subset"][f"num_proc_{procs}_s"] = round(secs, 3)
-            results["subset"][f"num_proc_{procs}_speedup"] = round(base_s / secs, 2)
-            print(
-                f"  build_token_dataset num_proc={procs}: {secs:.2f} s, {n / secs:,.0f} records/s "
-                f"-> {base_s / secs:.1f}x the baseline"
-            )
+        _bench_subset(results, args, tok, records, num_proc, root)
         if not args.skip_full:
-            stats = DataStats()
-            t0 = time.perf_counter()
-            n_read = sum(1 for _ in iter_records(args.data, stats=stats))
-            secs = time.perf_counter() - t0
-            results["iter_records"] = {
-                "records": n_read,
-                "seconds": round(secs, 2),
-                "records_per_s": round(n_read / secs),
-                "summary": stats.summary(),
-            }
-            print(
-                f"iter_records on all of {args.data}: {n_read:,} records in {secs:.2f} s "
-                f"({n_read / secs:,.0f} records/s; streaming JSON parse + validation)"
-            )
-            for name, fn, kw in (
-                (
-                    "build_token_dataset",
-                    build_token_dataset,
-                    dict(split="all", max_length=args.max_length),
-                ),
-                (
-                    "iter_token_arrays",
-                    lambda **k: sum(len(a) for a in iter_token_arrays(**k)),
-                    dict(split="all"),
-                ),
-            ):
-                cache = root / name
-                cpu0 = _cpu_seconds()
-                cold, out = _timed_build(
-                    fn,
-                    spec=args.data,
-                    tokenizer=tok,
-                    num_proc=num_proc,
-                    cache_dir=cache,
-                    progress=False,
-                    **kw,
-                )
-                cpu = _cpu_seconds() - cpu0
-                warm, out2 = _timed_build(
-                    fn,
-                    spec=args.data,
-                    tokenizer=tok,
-                    num_proc=num_proc,
-                    cache_dir=cache,
-                    progress=False,
-                    **kw,
-                )
-                meta = json.loads(next(cache.glob("*/meta.json")).read_text())
-                rec, toks = meta["records"], meta["tokens"]
-                results[name] = {
-                    "records": rec,
-                    "rows": meta["rows"],
-                    "tokens": toks,
-                    "cold_s": round(cold, 2),
-                    "cached_s": round(warm, 2),
-                    "cold_records_per_s": round(rec / cold, 1),
-                    "cold_cpu_s": round(cpu, 1),
-                    "load_average": os.getloadavg()[0],
-                    "cold_tokens_per_s": round(toks / cold),
-                    "summary": meta["summary"],
-                }
-                print(
-                    f"{name} on all of {args.data}: {rec:,} records, {toks:,} tokens; cold {cold:.1f} s "
-                    f"({rec / cold:,.0f} records/s, {toks / cold:,.0f} tokens/s); cached {warm:.2f} s "
-                    f"({cold / warm:.0f}x faster)"
-                )
-                print(
-                    f"  cold build used {cpu:.1f} CPU-seconds (all processes) = {cpu / num_proc:.1f} s on "
-                    f"{num_proc} otherwise idle cores; load average now {os.getloadavg()[0]:.1f}"
-                )
-                print(f"  {meta['summary']}")
+            _bench_iter_records(results, args)
+            _bench_full(results, args, tok, num_proc, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2))
     return 0
+
+
+def _bench_subset(results: dict, args, tok, records: list, num_proc: int, root: Path) -> None:
+    """The baseline on the subset, then build_token_dataset on it with 1 and num_proc workers."""
+    from redraft.data import build_token_dataset
+
+    n = len(records)
+    base_s, base_tok = _baseline(tok, records)
+    results["subset"] = {
+        "records": n,
+        "baseline_s": round(base_s, 3),
+        "baseline_records_per_s": round(n / base_s, 1),
+    }
+    print(
+        f"subset of {n} records, baseline (apply_chat_template per prefix): {base_s:.2f} s, "
+        f"{n / base_s:,.0f} records/s, {base_tok / base_s:,.0f} tokens/s"
+    )
+    for procs in sorted({1, num_proc}):
+        secs, ds = _timed_build(
+            build_token_dataset,
+            spec=args.data,
+            tokenizer=tok,
+            split="all",
+            max_length=args.max_length,
+            limit=n,
+            num_proc=procs,
+            cache_dir=root / f"subset-{procs}",
+            progress=False,
+        )
+        results["subset"][f"num_proc_{procs}_s"] = round(secs, 3)
+        results["subset"][f"num_proc_{procs}_speedup"] = round(base_s / secs, 2)
+        print(
+            f"  build_token_dataset num_proc={procs}: {secs:.2f} s, {n / secs:,.0f} records/s "
+            f"-> {base_s / secs:.1f}x the baseline"
+        )
+
+
+def _bench_iter_records(results: dict, args) -> None:
+    """iter_records over the whole data: streaming parse and validation alone."""
+    from redraft.data import iter_records
+    from redraft.data.records import DataStats
+
+    stats = DataStats()
+    t0 = time.perf_counter()
+    n_read = sum(1 for _ in iter_records(args.data, stats=stats))
+    secs = time.perf_counter() - t0
+    results["iter_records"] = {
+        "records": n_read,
+        "seconds": round(secs, 2),
+        "records_per_s": round(n_read / secs),
+        "summary": stats.summary(),
+    }
+    print(
+        f"iter_records on all of {args.data}: {n_read:,} records in {secs:.2f} s "
+        f"({n_read / secs:,.0f} records/s; streaming JSON parse + validation)"
+    )
+
+
+def _bench_full(results: dict, args, tok, num_proc: int, root: Path) -> None:
+    """build_token_dataset and iter_token_arrays over the whole data, cold and cached."""
+    from redraft.data import build_token_dataset, iter_token_arrays
+
+    for name, fn, kw in (
+        (
+            "build_token_dataset",
+            build_token_dataset,
+            dict(split="all", max_length=args.max_length),
+        ),
+        (
+            "iter_token_arrays",
+            lambda **k: sum(len(a) for a in iter_token_arrays(**k)),
+            dict(split="all"),
+        ),
+    ):
+        _bench_cold_and_cached(results, args, tok, num_proc, root / name, name, fn, kw)
+
+
+def _bench_cold_and_cached(results, args, tok, num_proc, cache: Path, name: str, fn, kw) -> None:
+    """One builder run twice on one cache folder: cold (with its CPU time), then cached."""
+    cpu0 = _cpu_seconds()
+    cold, out = _timed_build(
+        fn,
+        spec=args.data,
+        tokenizer=tok,
+        num_proc=num_proc,
+        cache_dir=cache,
+        progress=False,
+        **kw,
+    )
+    cpu = _cpu_seconds() - cpu0
+    warm, out2 = _timed_build(
+        fn,
+        spec=args.data,
+        tokenizer=tok,
+        num_proc=num_proc,
+        cache_dir=cache,
+        progress=False,
+        **kw,
+    )
+    meta = json.loads(next(cache.glob("*/meta.json")).read_text())
+    rec, toks = meta["records"], meta["tokens"]
+    results[name] = {
+        "records": rec,
+        "rows": meta["rows"],
+        "tokens": toks,
+        "cold_s": round(cold, 2),
+        "cached_s": round(warm, 2),
+        "cold_records_per_s": round(rec / cold, 1),
+        "cold_cpu_s": round(cpu, 1),
+        "load_average": os.getloadavg()[0],
+        "cold_tokens_per_s": round(toks / cold),
+        "summary": meta["summary"],
+    }
+    print(
+        f"{name} on all of {args.data}: {rec:,} records, {toks:,} tokens; cold {cold:.1f} s "
+        f"({rec / cold:,.0f} records/s, {toks / cold:,.0f} tokens/s); cached {warm:.2f} s "
+        f"({cold / warm:.0f}x faster)"
+    )
+    print(
+        f"  cold build used {cpu:.1f} CPU-seconds (all processes) = {cpu / num_proc:.1f} s on "
+        f"{num_proc} otherwise idle cores; load average now {os.getloadavg()[0]:.1f}"
+    )
+    print(f"  {meta['summary']}")
 
 
 if __name__ == "__main__":
