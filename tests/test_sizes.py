@@ -31,8 +31,6 @@ PARSERS = {
 FUNCTIONS = {
     **KERNELS,
     **PARSERS,
-    "redraft/bench/train.py:main": 93,
-    "redraft/bench/train.py:run": 128,
     "redraft/data/regenerate.py:distill": 138,
     "redraft/data/tokens.py:_build": 117,
     "redraft/demo.py:compare": 85,

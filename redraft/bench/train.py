@@ -89,6 +89,13 @@ def _cache_features(
     return [cached.batch(g, device) for g in groups]
 
 
+def _add_row(out: dict, report, row: dict) -> None:
+    """A measured row into ``out``, passed to ``report`` as it comes."""
+    out["rows"].append(row)
+    if report:
+        report(out["rows"][-1])
+
+
 def run(
     target_spec: str,
     data: str,
@@ -103,15 +110,13 @@ def run(
     features: bool = False,
     impls=("fused",),
 ) -> dict:
+    """Every setting timed on the same records: the rows, each with its speedup over the first."""
     import tempfile
 
     from redraft.data import build_token_dataset
     from redraft.models import load_target
-    from redraft.models.redrafter import ReDrafter, ReDrafterConfig
-    from redraft.train.batches import TokenRecords, draft_vocab_from_data
+    from redraft.train.batches import TokenRecords
     from redraft.train.config import make_config
-    from redraft.train.precision import target_dtype
-    from redraft.train.step import batch_loss, target_hidden
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(
@@ -123,12 +128,11 @@ def run(
     groups = [list(range(i, min(i + micro_batch, len(ds)))) for i in range(0, len(ds), micro_batch)]
     online = TokenRecords(ds)
     batches = {"online": [online.batch(g, device) for g in groups]}
-    n_tokens = int(online.lengths.sum())
     out = {
         "device": str(device),
         "threads": torch.get_num_threads(),
         "records": len(ds),
-        "tokens": n_tokens,
+        "tokens": int(online.lengths.sum()),
         "max_length": max_length,
         "micro_batch": micro_batch,
         "target": target.model_id,
@@ -150,16 +154,36 @@ def run(
             device,
             report,
         )
+    _time_target_forward(out, target, batches["online"], precisions, repeats, report)
+    settings = [
+        (v, ln, p, i) for v in vocab_sizes for ln in losses for p in precisions for i in impls
+    ]
+    for setting in settings:
+        cfg = make_config(None, {"max_length": max_length, "loss": setting[1]})
+        for source, bs in batches.items():
+            _time_train_step(out, target, ds, device, cfg, setting, source, bs, repeats, report)
+    tmp.cleanup()
+    base = {r["what"]: r["tokens_per_s"] for r in reversed(out["rows"])}  # first row of each kind
+    for r in out["rows"]:
+        r["speedup"] = r["tokens_per_s"] / base[r["what"]]
+    return out
 
-    def fwd(precision, bs=batches["online"]):
+
+def _time_target_forward(out: dict, target, online: list, precisions, repeats: int, report):
+    """The frozen target's forward over the records, a row per precision."""
+    from redraft.train.step import target_hidden
+
+    n_tokens = out["tokens"]
+
+    def fwd(precision, bs=online):
         for b in bs:
             target_hidden(target, b.ids, precision)
 
     for precision in precisions:
-        t = _time(
-            lambda: fwd(precision), repeats, warmup=lambda: fwd(precision, batches["online"][:1])
-        )
-        out["rows"].append(
+        t = _time(lambda: fwd(precision), repeats, warmup=lambda: fwd(precision, online[:1]))
+        _add_row(
+            out,
+            report,
             {
                 "what": "target forward",
                 "precision": precision,
@@ -169,57 +193,60 @@ def run(
                 "source": "target",
                 "seconds": t,
                 "tokens_per_s": n_tokens / t,
-            }
+            },
         )
-        if report:
-            report(out["rows"][-1])
-    settings = [
-        (v, ln, p, i) for v in vocab_sizes for ln in losses for p in precisions for i in impls
-    ]
-    for vocab, loss_name, precision, impl in settings:
-        cfg = make_config(None, {"max_length": max_length, "loss": loss_name})
-        for source, bs in batches.items():
-            torch.manual_seed(0)
-            dcfg = ReDrafterConfig.for_target(target, draft_vocab_size=vocab or None)
-            model = ReDrafter(dcfg).to(device)
-            if vocab:
-                model.set_draft_vocab(draft_vocab_from_data(ds, dcfg.vocab_size, vocab))
-            model.attach_target(target).train()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            hidden_dtype = target_dtype(precision, device)
-
-            def step(bs=bs):
-                for b in bs:
-                    loss, *_ = batch_loss(
-                        model, model, target, b, cfg, precision, hidden_dtype, impl
-                    )
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-
-            t = _time(step, repeats, warmup=lambda: step(bs[:1]))
-            out["rows"].append(
-                {
-                    "what": "train step",
-                    "precision": precision,
-                    "draft_vocab": vocab or "full",
-                    "loss": loss_name,
-                    "impl": impl,
-                    "source": source,
-                    "seconds": t,
-                    "tokens_per_s": n_tokens / t,
-                }
-            )
-            if report:
-                report(out["rows"][-1])
-    tmp.cleanup()
-    base = {r["what"]: r["tokens_per_s"] for r in reversed(out["rows"])}  # first row of each kind
-    for r in out["rows"]:
-        r["speedup"] = r["tokens_per_s"] / base[r["what"]]
-    return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _fresh_drafter(target, ds, device, vocab: int):
+    """A freshly seeded drafter on ``target`` (its draft vocabulary from the data when ``vocab``)."""
+    from redraft.models.redrafter import ReDrafter, ReDrafterConfig
+    from redraft.train.batches import draft_vocab_from_data
+
+    torch.manual_seed(0)
+    dcfg = ReDrafterConfig.for_target(target, draft_vocab_size=vocab or None)
+    model = ReDrafter(dcfg).to(device)
+    if vocab:
+        model.set_draft_vocab(draft_vocab_from_data(ds, dcfg.vocab_size, vocab))
+    return model
+
+
+def _time_train_step(out, target, ds, device, cfg, setting, source, bs, repeats, report) -> None:
+    """Full training micro steps (forward, backward, AdamW) of one setting on one source, a row."""
+    from redraft.train.precision import target_dtype
+    from redraft.train.step import batch_loss
+
+    vocab, loss_name, precision, impl = setting
+    model = _fresh_drafter(target, ds, device, vocab)
+    model.attach_target(target).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    hidden_dtype = target_dtype(precision, device)
+
+    def step(bs=bs):
+        for b in bs:
+            loss, *_ = batch_loss(model, model, target, b, cfg, precision, hidden_dtype, impl)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    t = _time(step, repeats, warmup=lambda: step(bs[:1]))
+    _add_row(
+        out,
+        report,
+        {
+            "what": "train step",
+            "precision": precision,
+            "draft_vocab": vocab or "full",
+            "loss": loss_name,
+            "impl": impl,
+            "source": source,
+            "seconds": t,
+            "tokens_per_s": out["tokens"] / t,
+        },
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command's flags."""
     p = argparse.ArgumentParser(
         prog="python -m redraft.bench.train",
         description=__doc__,
@@ -264,32 +291,21 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=None, help="torch threads (default: torch's choice)."
     )
     p.add_argument("--json", default=None, help="Also write the results to this JSON file.")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        res = run(
-            args.target,
-            args.data,
-            args.records,
-            args.max_length,
-            args.repeats,
-            args.draft_vocab,
-            args.precision,
-            args.micro_batch,
-            losses=args.loss,
-            features=args.features,
-            impls=args.loss_impl,
-            report=lambda r: print(
-                f"  measured: {r['what']} {r['source']} {r['precision']} "
-                f"vocab={r['draft_vocab']} loss={r['loss']} {r['impl'] or ''}: "
-                f"{r['tokens_per_s']:.1f} tokens/s",
-                flush=True,
-            ),
-        )
-    except RedraftError as exc:
-        print(f"bench: error: {exc}", file=sys.stderr)
-        return 2
+    return p
+
+
+def _print_measured(r: dict) -> None:
+    """One row as it is measured."""
+    print(
+        f"  measured: {r['what']} {r['source']} {r['precision']} "
+        f"vocab={r['draft_vocab']} loss={r['loss']} {r['impl'] or ''}: "
+        f"{r['tokens_per_s']:.1f} tokens/s",
+        flush=True,
+    )
+
+
+def _print_table(res: dict) -> None:
+    """The run's setup, then its rows as a table."""
     print(
         f"device {res['device']} ({res['threads']} threads), target {res['target']}, {res['records']} records, "
         f"{res['tokens']} tokens (max_length {res['max_length']}, micro batch {res['micro_batch']})"
@@ -308,6 +324,31 @@ def main(argv: list[str] | None = None) -> int:
             f"{str(r['loss'] or '-'):<7}{str(r['impl'] or '-'):<7}{r['seconds']:>9.2f}"
             f"{r['tokens_per_s']:>11.1f}{r['speedup']:>9.2f}x"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        res = run(
+            args.target,
+            args.data,
+            args.records,
+            args.max_length,
+            args.repeats,
+            args.draft_vocab,
+            args.precision,
+            args.micro_batch,
+            losses=args.loss,
+            features=args.features,
+            impls=args.loss_impl,
+            report=_print_measured,
+        )
+    except RedraftError as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return 2
+    _print_table(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
