@@ -38,7 +38,6 @@ FUNCTIONS = {
     "redraft/hub/push.py:push_artifact": 90,
     "redraft/infer/drafters/hsddw/drafter.py:_hierarchy": 82,
     "redraft/infer/engine/processors.py:build": 99,
-    "redraft/ngrams/cli.py:run_merge": 81,
     "redraft/serve/app.py:create_app": 93,
     "redraft/train/features/writer.py:cache_features": 115,
     "redraft/train/trainer.py:_run_loop": 83,

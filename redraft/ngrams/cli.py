@@ -281,6 +281,35 @@ def _move_shards_out(shards: list[Path], out: Path, keep: bool) -> None:
 
 def run_merge(args) -> dict:
     """Merge shard counts in ``args.output_dir`` (or ``args.shards``) into its tri-gram table."""
+    out, shards = _merge_inputs(args)
+
+    from redraft.ngrams.tables import save_tables
+    from redraft.ngrams.trigram_runs import open_run
+    from redraft.ngrams.trigrams import build_trigram_table, load_counts
+
+    t0 = time.perf_counter()
+    counts = load_counts(shards, memory_mb=args.memory_mb)  # checksums, completeness, agreement
+    first = open_run(shards[0])[2]
+    table = build_trigram_table(counts, t=args.t, min_count=args.min_count, progress=not args.quiet)
+    seconds = time.perf_counter() - t0
+    meta = _merged_meta(args, shards, first, counts, table, seconds)
+    save_tables(out, meta, trigram=table)
+    # Only now, with the table and ngrams.json written: a kill before this leaves the shards
+    # where a rerun of the merge finds them.
+    _move_shards_out(shards, out, keep=args.keep_shards)
+    logger.warning(
+        "merged %d shards: %s contexts, %s entries in %.1f s → %s",
+        len(shards),
+        f"{table.stats['contexts']:,}",
+        f"{table.stats['entries']:,}",
+        seconds,
+        out,
+    )
+    return meta
+
+
+def _merge_inputs(args) -> tuple[Path, list[Path]]:
+    """The checked output folder (its old spills removed) and the shards to merge."""
     for name in ("t", "min_count"):
         _at_least(args, name, 1)
     _at_least(args, "memory_mb", 0)
@@ -301,16 +330,13 @@ def run_merge(args) -> dict:
         )
     check_output_dir(out)
     _clean_spills(out)
+    return out, shards
 
-    from redraft.ngrams.tables import save_tables
+
+def _merged_meta(args, shards: list[Path], first: dict, counts, table, seconds: float) -> dict:
+    """The merged table's ngrams.json: the target's fields from the first shard, the build's."""
     from redraft.ngrams.trigram_runs import open_run
-    from redraft.ngrams.trigrams import build_trigram_table, load_counts
 
-    t0 = time.perf_counter()
-    counts = load_counts(shards, memory_mb=args.memory_mb)  # checksums, completeness, agreement
-    first = open_run(shards[0])[2]
-    table = build_trigram_table(counts, t=args.t, min_count=args.min_count, progress=not args.quiet)
-    seconds = time.perf_counter() - t0
     target_fields = {
         k: first[k]
         for k in (
@@ -330,7 +356,7 @@ def run_merge(args) -> dict:
         memory_mb=args.memory_mb,
         num_shards=first.get("num_shards", len(shards)),
     )
-    meta = dict(
+    return dict(
         target_fields,
         vocab_size=counts.vocab_size,
         t=args.t,
@@ -347,19 +373,6 @@ def run_merge(args) -> dict:
             "count_seconds_per_shard": [open_run(s)[2].get("count_seconds") for s in shards],
         },
     )
-    save_tables(out, meta, trigram=table)
-    # Only now, with the table and ngrams.json written: a kill before this leaves the shards
-    # where a rerun of the merge finds them.
-    _move_shards_out(shards, out, keep=args.keep_shards)
-    logger.warning(
-        "merged %d shards: %s contexts, %s entries in %.1f s → %s",
-        len(shards),
-        f"{table.stats['contexts']:,}",
-        f"{table.stats['entries']:,}",
-        seconds,
-        out,
-    )
-    return meta
 
 
 # ------------------------------------------------------------------------------------------
