@@ -135,6 +135,39 @@ class _Chain:
     n: torch.Tensor
 
 
+def _preverified(
+    c1: _Chain, p2: torch.Tensor, g2: torch.Tensor, samp: RowSampling, greedy_row, ar
+) -> torch.Tensor:
+    """How many of M1's tokens M2 accepts per row ``[B]``: greedy rows by argmax, sampled rows by
+    rejection sampling (accept t with probability min(1, p2(t) / q1(t)))."""
+    B, R = c1.tokens.shape
+    t1 = c1.tokens.clamp_min(0)
+    ok = g2[:, :R] == c1.tokens
+    if c1.dists is not None:
+        q_t = c1.dists.gather(2, t1[:, :, None])[:, :, 0]  # [B, R] q1 of M1's own tokens
+        ratio = p2[:, :R].gather(2, t1[:, :, None])[:, :, 0] / q_t.clamp_min(1e-30)
+        ok = torch.where(greedy_row[:, None], ok, _uniform(samp, B, R, ar.device) < ratio)
+    ok = ok & (ar[None] < c1.n[:, None])
+    return ok.long().cumprod(dim=1).sum(dim=1)
+
+
+def _m2_token(
+    c1: _Chain, p2: torch.Tensor, g2: torch.Tensor, n_ok, rejected, samp: RowSampling
+) -> torch.Tensor:
+    """M2's own token after the accepted ones ``[B]``: its correction (greedy: its argmax;
+    sampled: from the residual max(0, p2 - q1)) or, all accepted, its next token."""
+    R = c1.tokens.shape[1]
+    extra = g2.gather(1, n_ok[:, None])[:, 0]
+    if c1.dists is not None:
+        p_at = p2.gather(1, n_ok[:, None, None].expand(-1, 1, p2.shape[-1]))[:, 0]  # [B, V]
+        last = n_ok.clamp(max=R - 1)[:, None, None].expand(-1, 1, p2.shape[-1])
+        q_at = c1.dists.gather(1, last)[:, 0]
+        res = (p_at - q_at * rejected[:, None]).clamp_min(0)
+        mass = res.sum(-1, keepdim=True)
+        extra = _draw(torch.where(mass > 0, res / mass.clamp_min(1e-30), p_at), extra, samp)
+    return extra
+
+
 class HSDDWDrafter(Drafter):
     """One chain per row from M1 (self-verify), pre-verified and extended by M2 when given.
 
@@ -310,29 +343,10 @@ class HSDDWDrafter(Drafter):
             p2 = _draft_probs(lg2, samp)
             h2 = entropy(p2)  # [B, R+1]
             g2 = greedy_tokens(lg2)  # [B, R+1]
-            t1 = c1.tokens.clamp_min(0)
-            # pre-verification of M1's tokens: greedy rows by argmax, sampled rows by rejection
-            # sampling (accept t with probability min(1, p2(t) / q1(t)))
-            ok = g2[:, :R] == c1.tokens
-            if c1.dists is not None:
-                q_t = c1.dists.gather(2, t1[:, :, None])[:, :, 0]  # [B, R] q1 of M1's own tokens
-                ratio = p2[:, :R].gather(2, t1[:, :, None])[:, :, 0] / q_t.clamp_min(1e-30)
-                ok = torch.where(greedy_row[:, None], ok, _uniform(samp, B, R, dev) < ratio)
-            ok = ok & (ar[None] < c1.n[:, None])
-            n_ok = ok.long().cumprod(dim=1).sum(dim=1)  # [B]
+            n_ok = _preverified(c1, p2, g2, samp, greedy_row, ar)  # [B]
             rejected = active & (n_ok < c1.n)
             self.tau1.reject_where(rejected, c1.ent.gather(1, n_ok.clamp(max=R - 1)[:, None])[:, 0])
-            # M2's own token after the accepted ones: its correction (greedy: its argmax;
-            # sampled: from the residual max(0, p2 - q1)) or, all accepted, its next token
-            extra = g2.gather(1, n_ok[:, None])[:, 0]
-            if c1.dists is not None:
-                p_at = p2.gather(1, n_ok[:, None, None].expand(-1, 1, p2.shape[-1]))[:, 0]  # [B, V]
-                q_at = c1.dists.gather(
-                    1, n_ok.clamp(max=R - 1)[:, None, None].expand(-1, 1, p2.shape[-1])
-                )[:, 0]
-                res = (p_at - q_at * rejected[:, None]).clamp_min(0)
-                mass = res.sum(-1, keepdim=True)
-                extra = _draw(torch.where(mass > 0, res / mass.clamp_min(1e-30), p_at), extra, samp)
+            extra = _m2_token(c1, p2, g2, n_ok, rejected, samp)
             cand = torch.where(
                 ar1 < n_ok[:, None],
                 torch.cat([c1.tokens, c1.tokens[:, :1]], 1),
