@@ -36,7 +36,6 @@ FUNCTIONS = {
     "redraft/demo.py:compare": 85,
     "redraft/hub/card.py:_sections": 85,
     "redraft/hub/push.py:push_artifact": 90,
-    "redraft/infer/engine/processors.py:build": 99,
     "redraft/serve/app.py:create_app": 93,
     "redraft/train/features/writer.py:cache_features": 115,
     "redraft/train/trainer.py:_run_loop": 83,

@@ -71,47 +71,11 @@ class RowProcessors:
         tree (None at the join: no tree yet); one upload."""
         s = len(rows)
         N = 0 if tree_tokens is None else tree_tokens.shape[1]
-        cands, counts, seens = [], [], []
-        for r, p, prompt, out in zip(rows, params, prompts, outputs):
-            parts = [out]
-            if p.repetition_penalty != 1:
-                parts.append(prompt)
-            if N:
-                t = tree_tokens[r, 1:]
-                parts.append(t[t >= 0])
-            cand = (
-                np.unique(np.concatenate(parts))
-                if any(len(x) for x in parts)
-                else np.zeros(1, np.int64)
-            )
-            uo, co = np.unique(out, return_counts=True)
-            cnt = np.zeros(len(cand), np.int64)
-            cnt[np.searchsorted(cand, uo)] = co
-            seen = cnt > 0
-            if p.repetition_penalty != 1:
-                seen |= np.isin(cand, prompt)
-            cands.append(cand)
-            counts.append(cnt)
-            seens.append(seen)
-        U = max(len(c) for c in cands)
-        packed = np.zeros(
-            (s, 4 * U + N + 1), np.int64
-        )  # [cand | count | seen | pad | node_col | out_len]
-        for i, (cand, cnt, seen) in enumerate(zip(cands, counts, seens)):
-            u = len(cand)
-            packed[i, :U] = cand[0]
-            packed[i, :u] = cand
-            packed[i, U : U + u] = cnt
-            packed[i, 2 * U : 2 * U + u] = seen
-            packed[i, 3 * U : 3 * U + u] = 1
-            if N:
-                t = tree_tokens[rows[i]]
-                col = np.full(N, U, np.int64)
-                ok = t >= 0
-                ok[0] = False  # the root is in the output already
-                col[ok] = np.searchsorted(cand, t[ok])
-                packed[i, 4 * U : 4 * U + N] = col
-            packed[i, -1] = len(outputs[i])
+        per_row = [
+            _candidates(p, prompt, out, tree_tokens[r, 1:] if N else None)
+            for r, p, prompt, out in zip(rows, params, prompts, outputs)
+        ]
+        packed, U = _pack(per_row, rows, outputs, tree_tokens, N)
         up = torch.from_numpy(packed).to(device)
         f = torch.tensor(
             [
@@ -120,21 +84,8 @@ class RowProcessors:
             ],
             dtype=torch.float32,
         ).to(device)
-        bias = stoppers = None
-        if any(p.logit_bias for p in params):
-            bias = torch.zeros(s, vocab_size)
-            for i, p in enumerate(params):
-                for t, b in p.logit_bias:
-                    if t < vocab_size:
-                        bias[i, t] += b
-            bias = bias.to(device)
-        if any(p.min_tokens for p in params):
-            stoppers = torch.zeros(s, vocab_size, dtype=torch.bool)
-            for i, p in enumerate(params):
-                for t in set(eos) | set(p.stop_token_ids):
-                    if t < vocab_size:
-                        stoppers[i, t] = True
-            stoppers = stoppers.to(device)
+        bias = _bias(params, s, vocab_size, device)
+        stoppers = _stoppers(params, s, vocab_size, eos, device)
         penalties = any(
             p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
         )
@@ -199,3 +150,69 @@ class RowProcessors:
             early = (self.out_len[:, None] + d) < self.min_tokens[:, None]  # [s, N]
             sub = sub.masked_fill(early[:, :, None] & self.stoppers[:, None, :], float("-inf"))
         return logits.float().index_copy(0, idx, sub)
+
+
+def _candidates(p, prompt: np.ndarray, out: np.ndarray, tree: np.ndarray | None):
+    """One row's candidate tokens (sorted), their counts in the output so far, and whether each
+    was seen (in the output, or in the prompt under a repetition penalty); ``tree`` the row's
+    tree tokens past the root (None: no tree)."""
+    parts = [out]
+    if p.repetition_penalty != 1:
+        parts.append(prompt)
+    if tree is not None:
+        parts.append(tree[tree >= 0])
+    cand = np.unique(np.concatenate(parts)) if any(len(x) for x in parts) else np.zeros(1, np.int64)
+    uo, co = np.unique(out, return_counts=True)
+    cnt = np.zeros(len(cand), np.int64)
+    cnt[np.searchsorted(cand, uo)] = co
+    seen = cnt > 0
+    if p.repetition_penalty != 1:
+        seen |= np.isin(cand, prompt)
+    return cand, cnt, seen
+
+
+def _pack(per_row: list, rows: list[int], outputs: list, tree_tokens, N: int):
+    """The rows' candidates in one host array ``[s, 4U + N + 1]`` (cand | count | seen | pad |
+    node_col | out_len), and U."""
+    U = max(len(c) for c, _, _ in per_row)
+    packed = np.zeros((len(rows), 4 * U + N + 1), np.int64)
+    for i, (cand, cnt, seen) in enumerate(per_row):
+        u = len(cand)
+        packed[i, :U] = cand[0]
+        packed[i, :u] = cand
+        packed[i, U : U + u] = cnt
+        packed[i, 2 * U : 2 * U + u] = seen
+        packed[i, 3 * U : 3 * U + u] = 1
+        if N:
+            t = tree_tokens[rows[i]]
+            col = np.full(N, U, np.int64)
+            ok = t >= 0
+            ok[0] = False  # the root is in the output already
+            col[ok] = np.searchsorted(cand, t[ok])
+            packed[i, 4 * U : 4 * U + N] = col
+        packed[i, -1] = len(outputs[i])
+    return packed, U
+
+
+def _bias(params: list, s: int, vocab_size: int, device) -> torch.Tensor | None:
+    """The rows' ``logit_bias`` as dense rows ``[s, V]`` (None when no row has one)."""
+    if not any(p.logit_bias for p in params):
+        return None
+    bias = torch.zeros(s, vocab_size)
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias:
+            if t < vocab_size:
+                bias[i, t] += b
+    return bias.to(device)
+
+
+def _stoppers(params: list, s: int, vocab_size: int, eos, device) -> torch.Tensor | None:
+    """The rows' stop tokens ``[s, V]`` bool, for ``min_tokens`` (None when no row has one)."""
+    if not any(p.min_tokens for p in params):
+        return None
+    stoppers = torch.zeros(s, vocab_size, dtype=torch.bool)
+    for i, p in enumerate(params):
+        for t in set(eos) | set(p.stop_token_ids):
+            if t < vocab_size:
+                stoppers[i, t] = True
+    return stoppers.to(device)
