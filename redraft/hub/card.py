@@ -299,88 +299,100 @@ def _run_files(root: Path) -> tuple[dict, dict]:
 def _sections(root, kind, meta, run, metrics, target, data, datasets) -> list[tuple[str, str]]:
     """The card's (heading, markdown) sections between its summary and its usage."""
     drafter = kind == KIND_DRAFTER
-    out = [
-        (
-            "Target model",
-            _table(
-                ["field", "value"],
-                [["model", target or "unknown"]]
-                + [
-                    [k, meta[k]]
-                    for k in ("target_vocab_size", "target_hidden_size", "tokenizer_fingerprint")
-                    if k in meta
-                ],
-            )
-            + "\n\nredraft refuses to load this artifact with a target whose tokenizer fingerprint differs.",
-        )
-    ]
-    if drafter:
-        out.append(
-            (
-                "Architecture",
-                _table(
-                    ["setting", "value"],
-                    [
-                        [k, v]
-                        for k, v in meta.items()
-                        if k not in _CONFIG_NOISE
-                        and not k.startswith(("_", "target_"))
-                        and isinstance(v, (int, float, str, bool))
-                    ],
-                ),
-            )
-        )
-    else:
-        settings = [
-            [k, v]
-            for k, v in meta.items()
-            if isinstance(v, (int, float, str, bool, list))
-            and k != "tokenizer_fingerprint"
-            and not k.startswith("target_")
-        ]
-        tensors = [
-            [info["file"], t, "x".join(map(str, shape)), dtype]
-            for info in (meta.get("files") or {}).values()
-            if (root / info["file"]).is_file()
-            for t, (shape, dtype) in safetensors_header(root / info["file"]).items()
-        ]
-        out.append(
-            (
-                "Tables",
-                _table(["setting", "value"], settings)
-                + "\n\n"
-                + _table(["file", "tensor", "shape", "dtype"], tensors),
-            )
-        )
-    links = ", ".join(f"[{d}](https://huggingface.co/datasets/{d})" for d in datasets)
-    out.append(
-        (
-            "Training data" if drafter else "Data",
-            f"`{data}`" + (f"\n\nHub datasets: {links}" if links else "")
-            if data
-            else "Not recorded with this artifact."
-            if drafter
-            else "Model-derived tables use no data: they come from the target's weights alone.",
-        )
-    )
+    out = [_target_section(meta, target)]
+    out.append(_architecture_section(meta) if drafter else _tables_section(root, meta))
+    out.append(_data_section(data, datasets, drafter))
     recipe = run if drafter else meta.get("build_args")
     if recipe:
-        where = (
-            f"The resolved training configuration (`{RUN_CONFIG_FILE}`)"
-            if drafter
-            else "Build arguments"
-        )
-        out.append(
-            (
-                "Recipe",
-                f"{where}:\n\n```yaml\n{yaml.safe_dump(recipe, sort_keys=False).strip()}\n```",
-            )
-        )
+        out.append(_recipe_section(recipe, drafter))
     if metrics:
         out.append(("Held-out metrics", _metrics_section(metrics)))
     if bench := _bench_section(root):
         out.append(("Benchmark", bench))
     return out
+
+
+def _target_section(meta: dict, target) -> tuple[str, str]:
+    """The target the artifact was made for, and its tokenizer fingerprint."""
+    return (
+        "Target model",
+        _table(
+            ["field", "value"],
+            [["model", target or "unknown"]]
+            + [
+                [k, meta[k]]
+                for k in ("target_vocab_size", "target_hidden_size", "tokenizer_fingerprint")
+                if k in meta
+            ],
+        )
+        + "\n\nredraft refuses to load this artifact with a target whose tokenizer fingerprint differs.",
+    )
+
+
+def _architecture_section(meta: dict) -> tuple[str, str]:
+    """A drafter's settings."""
+    return (
+        "Architecture",
+        _table(
+            ["setting", "value"],
+            [
+                [k, v]
+                for k, v in meta.items()
+                if k not in _CONFIG_NOISE
+                and not k.startswith(("_", "target_"))
+                and isinstance(v, (int, float, str, bool))
+            ],
+        ),
+    )
+
+
+def _tables_section(root: Path, meta: dict) -> tuple[str, str]:
+    """N-gram tables' settings and the tensors of their files."""
+    settings = [
+        [k, v]
+        for k, v in meta.items()
+        if isinstance(v, (int, float, str, bool, list))
+        and k != "tokenizer_fingerprint"
+        and not k.startswith("target_")
+    ]
+    tensors = [
+        [info["file"], t, "x".join(map(str, shape)), dtype]
+        for info in (meta.get("files") or {}).values()
+        if (root / info["file"]).is_file()
+        for t, (shape, dtype) in safetensors_header(root / info["file"]).items()
+    ]
+    return (
+        "Tables",
+        _table(["setting", "value"], settings)
+        + "\n\n"
+        + _table(["file", "tensor", "shape", "dtype"], tensors),
+    )
+
+
+def _data_section(data, datasets: list[str], drafter: bool) -> tuple[str, str]:
+    """The data the artifact was made from, with links to its Hub datasets."""
+    links = ", ".join(f"[{d}](https://huggingface.co/datasets/{d})" for d in datasets)
+    return (
+        "Training data" if drafter else "Data",
+        f"`{data}`" + (f"\n\nHub datasets: {links}" if links else "")
+        if data
+        else "Not recorded with this artifact."
+        if drafter
+        else "Model-derived tables use no data: they come from the target's weights alone.",
+    )
+
+
+def _recipe_section(recipe: dict, drafter: bool) -> tuple[str, str]:
+    """The resolved training configuration (a drafter) or the build arguments (tables)."""
+    where = (
+        f"The resolved training configuration (`{RUN_CONFIG_FILE}`)"
+        if drafter
+        else "Build arguments"
+    )
+    return (
+        "Recipe",
+        f"{where}:\n\n```yaml\n{yaml.safe_dump(recipe, sort_keys=False).strip()}\n```",
+    )
 
 
 def write_model_card(artifact_dir: str | os.PathLike, **kwargs) -> Path:
