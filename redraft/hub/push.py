@@ -163,14 +163,7 @@ def push_artifact(
     Raises ArtifactError if the artifact is not finished or a step failed (naming the step).
     """
     root = Path(artifact_dir)
-    repo_id, at = split_revision(str(repo_id))
-    if revision and at and revision != at:
-        raise ArtifactError(f"Two revisions given: {at!r} in the repo id and {revision!r}.")
-    revision = revision or at
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as exc:
-        raise ArtifactError(f"{repo_id!r} is not a Hub repo id ({exc}); use 'org/name'.") from exc
+    repo_id, revision = _repo_and_revision(repo_id, revision)
     kind = check_finished(root, allow_unfinished=allow_unfinished)
     files = upload_files(root, include)
     if keep_card and CARD_FILE not in files:
@@ -183,6 +176,35 @@ def push_artifact(
         for f in files
         if keep_card or f != CARD_FILE
     ]
+    _check_recorded_digests(root, kind, ops)
+    if card is not None:
+        ops.append(CommitOperationAdd(path_in_repo=CARD_FILE, path_or_fileobj=card.encode()))
+    if hub_offline():
+        raise ArtifactError(
+            f"Cannot push {root} to {repo_id!r}: HF_HUB_OFFLINE is set, which blocks every "
+            f"Hub request. Unset it (HF_HUB_OFFLINE=0) to push."
+        )
+    url = _commit(root, repo_id, revision, ops, files, kind, private, token, commit_message)
+    if card is not None:
+        atomic_write_text(root / CARD_FILE, card)
+    return str(url).rstrip("/") + (f"/tree/{revision}" if revision not in (None, "main") else "")
+
+
+def _repo_and_revision(repo_id, revision: str | None) -> tuple[str, str | None]:
+    """The repo id checked and the revision (given, or after ``@`` in the repo id; not both)."""
+    repo_id, at = split_revision(str(repo_id))
+    if revision and at and revision != at:
+        raise ArtifactError(f"Two revisions given: {at!r} in the repo id and {revision!r}.")
+    revision = revision or at
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        raise ArtifactError(f"{repo_id!r} is not a Hub repo id ({exc}); use 'org/name'.") from exc
+    return repo_id, revision
+
+
+def _check_recorded_digests(root: Path, kind: str, ops: list) -> None:
+    """Raise if a table file no longer has the sha256 its build recorded in ngrams.json."""
     recorded = (
         {v["file"]: v.get("sha256") for v in read_json(root / NGRAMS_FILE)["files"].values()}
         if kind == KIND_NGRAMS
@@ -197,13 +219,11 @@ def push_artifact(
                 f"{root / op.path_in_repo} does not match its sha256 in {NGRAMS_FILE}: it "
                 f"changed after the build. Re-run redraft-build-ngrams into {root}."
             )
-    if card is not None:
-        ops.append(CommitOperationAdd(path_in_repo=CARD_FILE, path_or_fileobj=card.encode()))
-    if hub_offline():
-        raise ArtifactError(
-            f"Cannot push {root} to {repo_id!r}: HF_HUB_OFFLINE is set, which blocks every "
-            f"Hub request. Unset it (HF_HUB_OFFLINE=0) to push."
-        )
+
+
+def _commit(root, repo_id, revision, ops, files, kind, private, token, commit_message):
+    """The repo and branch created if missing, then one commit of ``ops`` that also deletes the
+    stale weights of an earlier push; the repo URL. A failure names its step."""
     api, step = HfApi(token=token), "repo creation"
     try:
         url = api.create_repo(
@@ -224,9 +244,7 @@ def push_artifact(
         )
     except Exception as exc:  # any failure of the Hub client: say which step, why and what to do
         raise _push_error(step, repo_id, exc, root) from exc
-    if card is not None:
-        atomic_write_text(root / CARD_FILE, card)
-    return str(url).rstrip("/") + (f"/tree/{revision}" if revision not in (None, "main") else "")
+    return url
 
 
 def _push_error(step: str, repo_id: str, exc: BaseException, root: Path) -> ArtifactError:
