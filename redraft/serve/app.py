@@ -131,14 +131,7 @@ def create_app(
     if sampling_params is None:
         from redraft.infer import SamplingParams as sampling_params
     make_params = sampling_params.checked  # the decoding API's one place for these checks
-    if default_max_tokens < 1:
-        raise ConfigError(
-            f"default_max_tokens={default_max_tokens} must be >= 1.", param="default_max_tokens"
-        )
-    if max_request_bytes < 1:
-        raise ConfigError(
-            f"max_request_bytes={max_request_bytes} must be >= 1.", param="max_request_bytes"
-        )
+    _check_limits(default_max_tokens, max_request_bytes)
     context = getattr(decoder.target.model.config, "max_position_embeddings", None)  # None: unknown
     tok = getattr(decoder.target, "tokenizer", None)
     token_text = (lambda t: tok.decode([t])) if tok is not None else str  # the tokens of logprobs
@@ -159,6 +152,40 @@ def create_app(
         decoder, model_name, make_params, default_max_tokens, context, max_batch + max_queue
     )
     key = None if api_key is None else _digest(api_key)
+    app = FastAPI(
+        title="redraft-serve",
+        lifespan=_lifespan(sched),
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.scheduler, app.state.metrics = sched, metrics
+    if cors_origins:
+        _add_cors(app, cors_origins)
+
+    _add_error_handlers(app, metrics)
+    app.include_router(
+        _v1_router(sched, build, model_name, context, key, max_request_bytes, token_text)
+    )
+    _add_operations(app, sched, metrics)
+    return app
+
+
+def _check_limits(default_max_tokens: int, max_request_bytes: int) -> None:
+    """Raise ConfigError unless both limits are at least 1."""
+    if default_max_tokens < 1:
+        raise ConfigError(
+            f"default_max_tokens={default_max_tokens} must be >= 1.", param="default_max_tokens"
+        )
+    if max_request_bytes < 1:
+        raise ConfigError(
+            f"max_request_bytes={max_request_bytes} must be >= 1.", param="max_request_bytes"
+        )
+
+
+def _lifespan(sched: Scheduler):
+    """The app's lifespan: the scheduler started (its decoder ready) before the first request,
+    stopped after the last."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -169,25 +196,18 @@ def create_app(
         yield
         await asyncio.to_thread(sched.stop)
 
-    app = FastAPI(
-        title="redraft-serve", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None
-    )
-    app.state.scheduler, app.state.metrics = sched, metrics
-    if cors_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(cors_origins),
-            allow_methods=["GET", "POST", "HEAD"],
-            allow_headers=["*"],
-            max_age=600,
-        )
+    return lifespan
 
-    _add_error_handlers(app, metrics)
-    app.include_router(
-        _v1_router(sched, build, model_name, context, key, max_request_bytes, token_text)
+
+def _add_cors(app: FastAPI, cors_origins) -> None:
+    """CORS headers for ``cors_origins`` (preflight requests answered)."""
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(cors_origins),
+        allow_methods=["GET", "POST", "HEAD"],
+        allow_headers=["*"],
+        max_age=600,
     )
-    _add_operations(app, sched, metrics)
-    return app
 
 
 def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
