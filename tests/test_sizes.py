@@ -35,7 +35,6 @@ FUNCTIONS = {
     "redraft/data/tokens.py:_build": 117,
     "redraft/demo.py:compare": 85,
     "redraft/train/features/writer.py:cache_features": 115,
-    "redraft/train/trainer.py:_run_loop": 83,
 }
 MODULES = {
 }

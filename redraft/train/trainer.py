@@ -300,14 +300,7 @@ def _build_training(run: _Run) -> None:
 def _run_loop(run: _Run, on_step) -> None:
     """Optimizer steps until the step count, a stop signal or the time budget; evaluation and
     checkpoints on their schedules. Sets ``run.status``."""
-    cfg, env, out, state, engine, model = (
-        run.cfg,
-        run.env,
-        run.out,
-        run.state,
-        run.engine,
-        run.model,
-    )
+    cfg, env, out, state, engine = run.cfg, run.env, run.out, run.state, run.engine
     total_steps = run.total_steps
     meter = Meter(cfg.num_steps, env.device)
     run.trackers = trackers = Trackers(
@@ -335,26 +328,7 @@ def _run_loop(run: _Run, on_step) -> None:
             )
             while state["batch_in_epoch"] < len(batches):
                 log_now = (state["global_step"] + 1) % cfg.log_every == 0
-                tokens, loss_tokens = optimizer_step(
-                    engine,
-                    model,
-                    run.target,
-                    run.records,
-                    batches[state["batch_in_epoch"]],
-                    cfg,
-                    env,
-                    (run.precision, run.loss_impl),
-                    run.hidden_dtype,
-                    meter,
-                    run.sched,
-                    t_start,
-                    log_now,
-                )
-                state["tokens"] += tokens
-                state["loss_tokens"] += loss_tokens
-                state["global_step"] += 1
-                state["batch_in_epoch"] += 1
-                state["elapsed_s"] = time.perf_counter() - t_start
+                _step(run, batches[state["batch_in_epoch"]], meter, t_start, log_now)
                 bar.update(state["global_step"], state["elapsed_s"])
                 if log_now or state["global_step"] == total_steps:
                     log_progress(meter, engine, run.sched, env, trackers, bar, state["global_step"])
@@ -363,23 +337,52 @@ def _run_loop(run: _Run, on_step) -> None:
                 status = stop_reason(stop, cfg, state, env)
                 if status != "running" or state["global_step"] >= total_steps:
                     break
-                if cfg.eval_every and state["global_step"] % cfg.eval_every == 0:
-                    run.metrics = evaluate(
-                        model, engine, run.target, run.eval_dataset, cfg, env, run.precision
-                    )
-                    trackers.log(
-                        {f"eval/{k[5:]}": v for k, v in run.metrics.items()}, state["global_step"]
-                    )
-                    env.say(eval_line(state["global_step"], run.metrics))
-                if cfg.save_every and state["global_step"] % cfg.save_every == 0:
-                    ckpt.save_checkpoint(
-                        engine, out, state, env.rank, cfg.keep_checkpoints, env.barrier
-                    )
+                _evaluate_and_save(run)
             else:  # epoch finished
                 state["epoch"] += 1
                 state["batch_in_epoch"] = 0
     bar.close()
     run.status = "completed" if status == "running" else status
+
+
+def _step(run: _Run, batch, meter: Meter, t_start: float, log_now: bool) -> None:
+    """One optimizer step on ``batch``; the run's token, step and batch counts and clock advance."""
+    state = run.state
+    tokens, loss_tokens = optimizer_step(
+        run.engine,
+        run.model,
+        run.target,
+        run.records,
+        batch,
+        run.cfg,
+        run.env,
+        (run.precision, run.loss_impl),
+        run.hidden_dtype,
+        meter,
+        run.sched,
+        t_start,
+        log_now,
+    )
+    state["tokens"] += tokens
+    state["loss_tokens"] += loss_tokens
+    state["global_step"] += 1
+    state["batch_in_epoch"] += 1
+    state["elapsed_s"] = time.perf_counter() - t_start
+
+
+def _evaluate_and_save(run: _Run) -> None:
+    """An evaluation and a checkpoint, each when its schedule says so at this step."""
+    cfg, env, state = run.cfg, run.env, run.state
+    if cfg.eval_every and state["global_step"] % cfg.eval_every == 0:
+        run.metrics = evaluate(
+            run.model, run.engine, run.target, run.eval_dataset, cfg, env, run.precision
+        )
+        run.trackers.log({f"eval/{k[5:]}": v for k, v in run.metrics.items()}, state["global_step"])
+        env.say(eval_line(state["global_step"], run.metrics))
+    if cfg.save_every and state["global_step"] % cfg.save_every == 0:
+        ckpt.save_checkpoint(
+            run.engine, run.out, state, env.rank, cfg.keep_checkpoints, env.barrier
+        )
 
 
 def _finish(run: _Run) -> dict:
