@@ -34,7 +34,6 @@ FUNCTIONS = {
     "redraft/data/regenerate.py:distill": 138,
     "redraft/data/tokens.py:_build": 117,
     "redraft/demo.py:compare": 85,
-    "redraft/train/features/writer.py:cache_features": 115,
 }
 MODULES = {
 }

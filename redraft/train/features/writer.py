@@ -57,12 +57,63 @@ def cache_features(
     Returns:
         The ``features.json`` contents.
     """
-    from redraft.train.distributed import resolve_train_device
-    from redraft.train.precision import resolve_precision, target_dtype
-
     cfg.validate()
     out = Path(out_dir)
     _check_args(out, top_k, hidden_dtype, batch_tokens, shard_mb)
+    device, precision, target = _device_and_target(cfg, target, top_k)
+    if dataset is None:
+        dataset = _training_dataset(cfg, target, progress)
+    from redraft.train.batches import TokenRecords, token_arrays
+
+    records = TokenRecords(dataset)
+    flat_ids, flat_mask = token_arrays(dataset)
+    layers = head_layers(cfg, target)
+    per_token = bytes_per_token(target.hidden_size * max(1, len(layers)), top_k, hidden_dtype)
+    settings = _settings(
+        cfg, target, records, flat_ids, layers, per_token, precision, top_k, hidden_dtype
+    )
+    meta = _start_or_resume(
+        out, settings, records.lengths, int(shard_mb * 2**20) // per_token, overwrite
+    )
+    # the shards missing or damaged
+    todo = [i for i, s in enumerate(meta["shards"]) if not _shard_ok(out / s["file"])]
+    if meta.get("complete") and not todo:
+        logger.info("features in %s are complete", out)
+        return meta
+
+    bar = _bar(sum(meta["shards"][i]["tokens"] for i in todo), progress)
+    first_token = np.concatenate([[0], np.cumsum(records.lengths)])  # [R+1] in the flat arrays
+    for i in todo:
+        start, end = meta["shards"][i]["records"]
+        features = _shard_features(
+            target,
+            records,
+            (start, end),
+            precision,
+            top_k,
+            getattr(torch, hidden_dtype),
+            batch_tokens,
+            device,
+            bar,
+            layers,
+        )
+        _write_shard(
+            out / meta["shards"][i]["file"],
+            {**features, **_token_tensors(flat_ids, flat_mask, first_token, start, end)},
+            {"format": FORMAT, "records": f"{start}:{end}"},
+        )
+    bar.close()
+    meta["complete"] = True
+    atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
+    return meta
+
+
+def _device_and_target(cfg: TrainConfig, target, top_k: int):
+    """The device, the precision and the target (loaded unless given), with ``top_k`` checked
+    against its vocabulary."""
+    from redraft.train.distributed import resolve_train_device
+    from redraft.train.precision import resolve_precision, target_dtype
+
     device = resolve_train_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -76,15 +127,22 @@ def cache_features(
             f"--top-k {top_k} is out of range: the target has {target.vocab_size} tokens.",
             param="top_k",
         )
-    if dataset is None:
-        dataset = _training_dataset(cfg, target, progress)
-    from redraft.train.batches import TokenRecords, token_arrays
+    return device, precision, target
 
-    records = TokenRecords(dataset)
-    flat_ids, flat_mask = token_arrays(dataset)
-    layers = head_layers(cfg, target)
-    per_token = bytes_per_token(target.hidden_size * max(1, len(layers)), top_k, hidden_dtype)
-    settings = {
+
+def _settings(
+    cfg: TrainConfig,
+    target,
+    records,
+    flat_ids,
+    layers,
+    per_token: int,
+    precision: str,
+    top_k: int,
+    hidden_dtype: str,
+) -> dict:
+    """What a cache is made with (a resume needs the same): features.json's settings."""
+    return {
         "format": FORMAT,
         "target": target_record(target),
         "data": data_settings(cfg),
@@ -100,49 +158,16 @@ def cache_features(
         # only for a multi-layer head, so the settings of a last-state cache are what they were
         **({"hidden_layers": list(layers)} if layers else {}),
     }
-    meta = _start_or_resume(
-        out, settings, records.lengths, int(shard_mb * 2**20) // per_token, overwrite
-    )
-    todo = [
-        i for i, s in enumerate(meta["shards"]) if not _shard_ok(out / s["file"])
-    ]  # missing or damaged
-    if meta.get("complete") and not todo:
-        logger.info("features in %s are complete", out)
-        return meta
 
-    bar = _bar(sum(meta["shards"][i]["tokens"] for i in todo), progress)
-    first_token = np.concatenate(
-        [[0], np.cumsum(records.lengths)]
-    )  # [R+1] of the flat token arrays
-    for i in todo:
-        start, end = meta["shards"][i]["records"]
-        a, b = int(first_token[start]), int(first_token[end])
-        tensors = {
-            **_shard_features(
-                target,
-                records,
-                (start, end),
-                precision,
-                top_k,
-                getattr(torch, hidden_dtype),
-                batch_tokens,
-                device,
-                bar,
-                layers,
-            ),
-            "input_ids": torch.from_numpy(flat_ids[a:b].astype(np.int32)),
-            "loss_mask": torch.from_numpy(flat_mask[a:b].astype(np.uint8)),
-            "offsets": torch.from_numpy(first_token[start : end + 1] - a),
-        }
-        _write_shard(
-            out / meta["shards"][i]["file"],
-            tensors,
-            {"format": FORMAT, "records": f"{start}:{end}"},
-        )
-    bar.close()
-    meta["complete"] = True
-    atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
-    return meta
+
+def _token_tensors(flat_ids, flat_mask, first_token, start: int, end: int) -> dict:
+    """Records ``start:end``'s tokens, loss mask and offsets (from 0) as a shard's tensors."""
+    a, b = int(first_token[start]), int(first_token[end])
+    return {
+        "input_ids": torch.from_numpy(flat_ids[a:b].astype(np.int32)),
+        "loss_mask": torch.from_numpy(flat_mask[a:b].astype(np.uint8)),
+        "offsets": torch.from_numpy(first_token[start : end + 1] - a),
+    }
 
 
 def _bar(total: int, progress: bool):
