@@ -32,7 +32,6 @@ FUNCTIONS = {
     **KERNELS,
     **PARSERS,
     "redraft/data/regenerate.py:distill": 138,
-    "redraft/data/tokens.py:_build": 117,
     "redraft/demo.py:compare": 85,
 }
 MODULES = {

@@ -190,73 +190,28 @@ def _build(
     entry, key = _cache_entry(kind, spec, tokenizer, settings, cache_dir)
     if (entry / "meta.json").is_file() and (entry / "data.arrow").is_file():
         return entry
-    import pyarrow as pa
     from tqdm.auto import tqdm
 
     mode = "arrays" if kind == "arrays" else "mask"
-    fields = [pa.field("id", pa.string()), pa.field("input_ids", pa.list_(pa.int32()))]
-    if mode == "mask":
-        fields.append(pa.field("loss_mask", pa.list_(pa.int8())))
-    schema = pa.schema(fields)
+    schema = _schema(mode)
     encoder = Encoder(tokenizer, mode, max_length, pack)
     num_proc = num_proc if num_proc is not None else min(os.cpu_count() or 1, 8)
     stats = DataStats()
     records = _split_filter(iter_records(spec, stats=stats), split, heldout_fraction, limit)
     packer = _Packer(max_length) if pack and mode == "mask" else None
 
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(entry)
-    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = _fresh_tmp(entry)
     t0 = time.perf_counter()
-    n_records = n_rows = n_tokens = n_loss = 0
-    worker_stats = DataStats()
     bar = tqdm(desc=f"tokenizing {spec}", unit=" rec", disable=not progress, dynamic_ncols=True)
     try:
-        with (
-            pa.OSFile(str(tmp / "data.arrow"), "wb") as sink,
-            pa.ipc.new_stream(sink, schema) as writer,
-        ):
-
-            def write(c: Chunk) -> None:
-                nonlocal n_rows, n_tokens, n_loss
-                if len(c.ids):
-                    writer.write_batch(_arrow_batch(c, schema))
-                    n_rows += len(c.ids)
-                    n_tokens += int(c.lengths.sum())
-                    n_loss += int(c.loss_mask.sum()) if c.loss_mask is not None else 0
-
-            for chunk in map_chunks(encoder, _batched(records, CHUNK_RECORDS), num_proc):
-                n_records += chunk.n_records
-                worker_stats.update(chunk.stats)
-                write(packer.add(chunk) if packer else chunk)
-                bar.update(chunk.n_records)
-                bar.set_postfix_str(
-                    f"{n_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False
-                )
-            if packer:
-                write(packer.finish())
+        chunks = map_chunks(encoder, _batched(records, CHUNK_RECORDS), num_proc)
+        n, worker_stats = _write_rows(tmp / "data.arrow", schema, chunks, packer, bar, t0)
         bar.close()
         seconds = time.perf_counter() - t0
-        dropped = ", ".join(f"{k} {v:,}" for k, v in worker_stats.skipped.most_common()) or "none"
-        summary = (
-            f"read {stats.summary()}; split {split}: {n_records:,} records, dropped while tokenizing: "
-            f"{dropped}; {n_rows:,} rows, {n_tokens:,} tokens ({n_loss:,} in the loss)"
-        )
-        meta = {
-            "key": key,
-            "records": n_records,
-            "rows": n_rows,
-            "tokens": n_tokens,
-            "loss_tokens": n_loss,
-            "seconds": round(seconds, 3),
-            "source_stats": stats.to_dict(),
-            "tokenize_skipped": dict(worker_stats.skipped),
-            "summary": summary,
-        }
+        meta = _meta(key, n, seconds, stats, worker_stats, split)
+        summary = meta["summary"]
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
-        if n_rows == 0:  # legitimate (a small file's held-out split) but worth a word
+        if n["rows"] == 0:  # legitimate (a small file's held-out split) but worth a word
             logger.warning(
                 "data spec %r (split=%s) gave no rows: %s. Check the source, the split "
                 "(heldout_fraction=%s) and max_length.",
@@ -265,21 +220,98 @@ def _build(
                 summary,
                 heldout_fraction,
             )
-        try:
-            os.replace(tmp, entry)
-        except OSError:  # another process finished the same entry first: use theirs
-            shutil.rmtree(tmp, ignore_errors=True)
+        _move_into_place(tmp, entry)
     except BaseException:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if progress:
         print(
-            f"{spec}: {summary}; {seconds:.1f} s ({n_records / max(seconds, 1e-9):,.0f} records/s, "
-            f"{n_tokens / max(seconds, 1e-9):,.0f} tokens/s)",
+            f"{spec}: {summary}; {seconds:.1f} s ({n['records'] / max(seconds, 1e-9):,.0f} "
+            f"records/s, {n['tokens'] / max(seconds, 1e-9):,.0f} tokens/s)",
             file=sys.stderr,
         )
     return entry
+
+
+def _schema(mode: str):
+    """The Arrow schema of the rows: id, input_ids, and loss_mask in ``mask`` mode."""
+    import pyarrow as pa
+
+    fields = [pa.field("id", pa.string()), pa.field("input_ids", pa.list_(pa.int32()))]
+    if mode == "mask":
+        fields.append(pa.field("loss_mask", pa.list_(pa.int8())))
+    return pa.schema(fields)
+
+
+def _meta(key: dict, n: dict, seconds: float, stats, worker_stats, split: str) -> dict:
+    """The entry's meta.json: its key, counts, time, the source's and the tokenizer's stats and a
+    one-line summary."""
+    dropped = ", ".join(f"{k} {v:,}" for k, v in worker_stats.skipped.most_common()) or "none"
+    summary = (
+        f"read {stats.summary()}; split {split}: {n['records']:,} records, dropped while "
+        f"tokenizing: {dropped}; {n['rows']:,} rows, {n['tokens']:,} tokens "
+        f"({n['loss_tokens']:,} in the loss)"
+    )
+    return {
+        "key": key,
+        **n,
+        "seconds": round(seconds, 3),
+        "source_stats": stats.to_dict(),
+        "tokenize_skipped": dict(worker_stats.skipped),
+        "summary": summary,
+    }
+
+
+def _fresh_tmp(entry: Path) -> Path:
+    """An empty folder of this process beside ``entry`` (stale ones of dead processes removed)."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(entry)
+    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _write_rows(path: Path, schema, chunks, packer, bar, t0: float) -> tuple[dict, DataStats]:
+    """Every encoded chunk (packed with ``packer`` when given) appended to the Arrow stream at
+    ``path``; the counts of records, rows, tokens and loss tokens, and the tokenizer's stats."""
+    import pyarrow as pa
+
+    n = {"records": 0, "rows": 0, "tokens": 0, "loss_tokens": 0}
+    worker_stats = DataStats()
+    with (
+        pa.OSFile(str(path), "wb") as sink,
+        pa.ipc.new_stream(sink, schema) as writer,
+    ):
+
+        def write(c: Chunk) -> None:
+            if len(c.ids):
+                writer.write_batch(_arrow_batch(c, schema))
+                n["rows"] += len(c.ids)
+                n["tokens"] += int(c.lengths.sum())
+                n["loss_tokens"] += int(c.loss_mask.sum()) if c.loss_mask is not None else 0
+
+        for chunk in chunks:
+            n["records"] += chunk.n_records
+            worker_stats.update(chunk.stats)
+            write(packer.add(chunk) if packer else chunk)
+            bar.update(chunk.n_records)
+            bar.set_postfix_str(
+                f"{n['tokens'] / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False
+            )
+        if packer:
+            write(packer.finish())
+    return n, worker_stats
+
+
+def _move_into_place(tmp: Path, entry: Path) -> None:
+    """``tmp`` renamed to ``entry``; when another process finished the same entry first, theirs is
+    kept and ``tmp`` removed."""
+    try:
+        os.replace(tmp, entry)
+    except OSError:  # another process finished the same entry first: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _remove_stale_tmp(entry: Path) -> None:
