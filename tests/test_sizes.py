@@ -31,7 +31,6 @@ PARSERS = {
 FUNCTIONS = {
     **KERNELS,
     **PARSERS,
-    "redraft/data/regenerate.py:distill": 138,
     "redraft/demo.py:compare": 85,
 }
 MODULES = {

@@ -9,7 +9,7 @@ import itertools
 import json
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,45 +267,82 @@ def distill(
     Returns:
         Counts: written, skipped_done, new_tokens, seconds and why conversations ended early.
     """
-    from collections import Counter
-
     import torch
-    from tqdm.auto import tqdm
 
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    existed = output.exists()
-    done = read_done_ids(output)
+    existed, done = _done_so_far(output)
     torch.manual_seed(seed)
     stats = DataStats()
     counts: Counter = Counter()
     records = iter_records(spec, stats=stats)
-    bar = tqdm(
+    bar = _progress_bar(limit, progress)
+    t0 = time.perf_counter()
+    todo = _todo(records, split, heldout_fraction, limit, done, counts, bar)
+    made_with = _made_with(target, temperature, top_p, max_new_tokens, max_turns)
+    gen = _reply_generator(
+        target, replies, max_new_tokens, temperature, top_p, seed, batch_size, speculate
+    )
+    bar.set_description(f"distilling ({gen.name})")
+    prompt_limit = _prompt_limit(target, max_prompt_tokens, max_new_tokens)
+    stream = _distilled(gen, target, todo, batch_size, sort_window, prompt_limit, counts, max_turns)
+    try:
+        _write_replies(output, stream, made_with, done, counts, bar, t0)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM at a time limit (the CLI): say what was made
+        _interrupted(bar, counts, gen, t0)
+        raise
+    bar.close()
+    if not counts["conversations_read"]:
+        _no_conversation(spec, output, existed, counts, stats)
+    return _result(counts, gen, stats, t0)
+
+
+def _done_so_far(output: Path) -> tuple[bool, set[str]]:
+    """Whether ``output`` existed, and the ids already in it (its folder created)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    existed = output.exists()
+    return existed, read_done_ids(output)
+
+
+def _progress_bar(limit: int | None, progress: bool):
+    """The bar of conversations (``limit`` of them, when given)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(
         total=limit, desc="distilling", unit=" conv", disable=not progress, dynamic_ncols=True
     )
-    t0 = time.perf_counter()
+
+
+def _todo(records, split: str, heldout_fraction: float, limit, done: set, counts, bar):
+    """The first ``limit`` conversations of ``split``, less those already done (counted and
+    ticked off on the bar)."""
     seen = 0
+    for r in split_chats(records, split, heldout_fraction, counts):
+        if limit is not None and seen >= limit:
+            return
+        seen += 1
+        if r.id in done:
+            counts["skipped_done"] += 1
+            bar.update(1)
+            continue
+        yield r
 
-    def todo():
-        nonlocal seen
-        for r in split_chats(records, split, heldout_fraction, counts):
-            if limit is not None and seen >= limit:
-                return
-            seen += 1
-            if r.id in done:
-                counts["skipped_done"] += 1
-                bar.update(1)
-                continue
-            yield r
 
-    made_with = {
+def _made_with(target, temperature: float, top_p: float, max_new_tokens: int, max_turns) -> dict:
+    """What every written record says it was made with (``distilled_with``)."""
+    return {
         "target": target.model_id,
         "temperature": temperature,
         "top_p": top_p,
         "max_new_tokens": max_new_tokens,
         "max_turns": max_turns,
     }
-    gen = make_replies(
+
+
+def _reply_generator(
+    target, replies, max_new_tokens, temperature, top_p, seed, batch_size, speculate
+) -> ReplyGenerator:
+    """The reply generator of ``replies`` (see :func:`~redraft.data.replies.make_replies`)."""
+    return make_replies(
         target,
         ReplySettings(
             max_new_tokens=max_new_tokens,
@@ -318,39 +355,53 @@ def distill(
         ),
         replies,
     )
-    bar.set_description(f"distilling ({gen.name})")
-    ordered = itertools.chain.from_iterable(_length_sorted_batches(todo(), batch_size, sort_window))
-    try:
-        with open(output, "a", encoding="utf-8") as f:
-            for r in distill_stream(
-                gen,
-                target.tokenizer,
-                ordered,
-                capacity=batch_size,
-                max_prompt_tokens=_prompt_limit(target, max_prompt_tokens, max_new_tokens),
-                counts=counts,
-                max_turns=max_turns,
-            ):
-                if r is not None:
-                    _write_reply(f, r, made_with)
-                    done.add(r.id)
-                    counts["written"] += 1
-                bar.update(1)
-                rate = counts["new_tokens"] / max(time.perf_counter() - t0, 1e-9)
-                bar.set_postfix_str(f"{rate:,.1f} tok/s", refresh=False)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM at a time limit (the CLI): say what was made
-        bar.close()
-        logger.warning(
-            "interrupted after %d conversations written (%d new tokens in %.1f s)%s",
-            counts["written"],
-            counts["new_tokens"],
-            time.perf_counter() - t0,
-            f"; engine: {gen.stats()}" if hasattr(gen, "stats") else "",
-        )
-        raise
+
+
+def _distilled(
+    gen, target, todo, batch_size: int, sort_window: int, prompt_limit, counts, max_turns
+):
+    """Each conversation's distilled record (None: no reply) as it ends, the conversations read
+    in length-sorted batches."""
+    ordered = itertools.chain.from_iterable(_length_sorted_batches(todo, batch_size, sort_window))
+    return distill_stream(
+        gen,
+        target.tokenizer,
+        ordered,
+        capacity=batch_size,
+        max_prompt_tokens=prompt_limit,
+        counts=counts,
+        max_turns=max_turns,
+    )
+
+
+def _write_replies(output: Path, stream, made_with: dict, done: set, counts, bar, t0) -> None:
+    """Append each distilled record of ``stream`` to ``output`` as it comes; the bar ticks for
+    every conversation, with the new tokens per second."""
+    with open(output, "a", encoding="utf-8") as f:
+        for r in stream:
+            if r is not None:
+                _write_reply(f, r, made_with)
+                done.add(r.id)
+                counts["written"] += 1
+            bar.update(1)
+            rate = counts["new_tokens"] / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(f"{rate:,.1f} tok/s", refresh=False)
+
+
+def _interrupted(bar, counts, gen, t0: float) -> None:
+    """Close the bar and say what a stopped run made."""
     bar.close()
-    if not counts["conversations_read"]:
-        _no_conversation(spec, output, existed, counts, stats)
+    logger.warning(
+        "interrupted after %d conversations written (%d new tokens in %.1f s)%s",
+        counts["written"],
+        counts["new_tokens"],
+        time.perf_counter() - t0,
+        f"; engine: {gen.stats()}" if hasattr(gen, "stats") else "",
+    )
+
+
+def _result(counts, gen, stats, t0: float) -> dict:
+    """The counts, the time, the generator (and its engine's stats) and the source's summary."""
     counts["seconds"] = round(time.perf_counter() - t0, 2)
     counts["generator"] = gen.name
     result = dict(counts)
