@@ -294,9 +294,6 @@ def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int, refe
     """Plain greedy against the unified decoder on held-out prompts, printed and returned.
     ``referee``: a callable giving a float32 copy of the target, asked only where an output
     differs (bfloat16): where, and whether it is a near-tie (``redraft.bench.ties``)."""
-    import torch
-
-    from redraft.bench.ties import first_divergence
     from redraft.data import heldout_prompts
     from redraft.infer import load_decoder, plain_greedy
 
@@ -324,15 +321,8 @@ def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int, refe
         same += ar.tokens == sd.tokens
         if ar.tokens != sd.tokens:
             diverged.append((i, msgs, sd.tokens, ar.tokens))
-        rows.append(
-            (
-                i,
-                len(sd.tokens),
-                sd.stats.tokens_per_call,
-                (t1 - t0) / max(t2 - t1, 1e-9),
-                ar.tokens == sd.tokens,
-            )
-        )
+        speedup = (t1 - t0) / max(t2 - t1, 1e-9)
+        rows.append((i, len(sd.tokens), sd.stats.tokens_per_call, speedup, ar.tokens == sd.tokens))
         if i == 0:
             print(f"\nprompt: {msgs[-1]['content'][:200]!r}")
             print(f"reply : {sd.text[:400]!r}\n")
@@ -356,25 +346,34 @@ def compare(target, drafter_dirs, ngram_dirs, n_prompts: int, max_new: int, refe
         f"{summary['identical']} prompts"
     )
     if diverged:
-        ref = referee() if referee is not None else target
-        if target.dtype == torch.float32:
-            print("\nfloat32 output must equal plain greedy's; each difference:")
-        else:
-            print(
-                f"\n{str(target.dtype).removeprefix('torch.')} verifies a tree in one batched "
-                "forward, which rounds "
-                "differently from a one-token step: where the target's two best tokens are "
-                "within rounding, the argmax can flip. Each difference, judged by the float32 "
-                "target:"
-            )
-        ties = []
-        for i, msgs, got, want in diverged:
-            d = first_divergence(ref, target.chat_ids(msgs), got, want)
-            ties.append(d is None or d.near_tie)
-            what = "one output stops earlier" if d is None else d.describe(target.tokenizer)
-            print(f"  prompt {i}: {what}")
-        summary["near_ties"] = f"{sum(ties)}/{len(ties)}"
+        summary["near_ties"] = _judge_differences(target, referee, diverged)
     return summary
+
+
+def _judge_differences(target, referee, diverged: list) -> str:
+    """Where each output that differs from plain greedy's does, printed (judged by ``referee``'s
+    float32 target when given); the near ties among them, as ``"k/n"``."""
+    import torch
+
+    from redraft.bench.ties import first_divergence
+
+    ref = referee() if referee is not None else target
+    if target.dtype == torch.float32:
+        print("\nfloat32 output must equal plain greedy's; each difference:")
+    else:
+        print(
+            f"\n{str(target.dtype).removeprefix('torch.')} verifies a tree in one batched "
+            "forward, which rounds differently from a one-token step: where the target's two best "
+            "tokens are within rounding, the argmax can flip. Each difference, judged by the "
+            "float32 target:"
+        )
+    ties = []
+    for i, msgs, got, want in diverged:
+        d = first_divergence(ref, target.chat_ids(msgs), got, want)
+        ties.append(d is None or d.near_tie)
+        what = "one output stops earlier" if d is None else d.describe(target.tokenizer)
+        print(f"  prompt {i}: {what}")
+    return f"{sum(ties)}/{len(ties)}"
 
 
 def busy_cpu_hint() -> None:

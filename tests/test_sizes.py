@@ -31,7 +31,6 @@ PARSERS = {
 FUNCTIONS = {
     **KERNELS,
     **PARSERS,
-    "redraft/demo.py:compare": 85,
 }
 MODULES = {
 }
