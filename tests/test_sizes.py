@@ -27,11 +27,8 @@ PARSERS = {
     "redraft/ngrams/cli.py:build_parser": 104,
     "redraft/vllm/cli.py:build_parser": 86,
 }
-# Not split yet (from before the limit): ceilings that only go down.
-FUNCTIONS = {
-    **KERNELS,
-    **PARSERS,
-}
+# Every function over the limit, each under its reason above; ceilings that only go down.
+FUNCTIONS = {**KERNELS, **PARSERS}
 MODULES = {
 }
 SOURCES = sorted(p for p in (ROOT / "redraft").rglob("*.py") if "__pycache__" not in p.parts)
