@@ -29,8 +29,7 @@ PARSERS = {
 }
 # Every function over the limit, each under its reason above; ceilings that only go down.
 FUNCTIONS = {**KERNELS, **PARSERS}
-MODULES = {
-}
+MODULES = {}
 SOURCES = sorted(p for p in (ROOT / "redraft").rglob("*.py") if "__pycache__" not in p.parts)
 
 
