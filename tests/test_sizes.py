@@ -47,8 +47,7 @@ FUNCTIONS = {
     "redraft/train/features/writer.py:cache_features": 115,
     "redraft/train/trainer.py:_run_loop": 83,
 }
-MODULES = {
-}
+MODULES = {}
 SOURCES = sorted(p for p in (ROOT / "redraft").rglob("*.py") if "__pycache__" not in p.parts)
 
 
