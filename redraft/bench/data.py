@@ -199,26 +199,22 @@ def _bench_full(results: dict, args, tok, num_proc: int, root: Path) -> None:
 
 def _bench_cold_and_cached(results, args, tok, num_proc, cache: Path, name: str, fn, kw) -> None:
     """One builder run twice on one cache folder: cold (with its CPU time), then cached."""
+
+    def build():
+        return _timed_build(
+            fn,
+            spec=args.data,
+            tokenizer=tok,
+            num_proc=num_proc,
+            cache_dir=cache,
+            progress=False,
+            **kw,
+        )
+
     cpu0 = _cpu_seconds()
-    cold, out = _timed_build(
-        fn,
-        spec=args.data,
-        tokenizer=tok,
-        num_proc=num_proc,
-        cache_dir=cache,
-        progress=False,
-        **kw,
-    )
+    cold, out = build()
     cpu = _cpu_seconds() - cpu0
-    warm, out2 = _timed_build(
-        fn,
-        spec=args.data,
-        tokenizer=tok,
-        num_proc=num_proc,
-        cache_dir=cache,
-        progress=False,
-        **kw,
-    )
+    warm, out2 = build()  # the same build again: read from the cache
     meta = json.loads(next(cache.glob("*/meta.json")).read_text())
     rec, toks = meta["records"], meta["tokens"]
     results[name] = {
