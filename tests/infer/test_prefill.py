@@ -656,7 +656,9 @@ def test_a_cpu_cache_buffer_is_zero_and_takes_memory_only_where_written():
     assert float(big[0, 0].sum()) == 8.0
     del big
     before = resident_mib()
-    full = torch.zeros((64, 1024, 1024))  # the measure sees a buffer written at once
+    # the control: the measure sees every page once written (a fresh map, not memory the
+    # allocator kept from earlier tensors, which would already be resident)
+    full = zeroed((64, 1024, 1024), torch.float32, "cpu").fill_(1.0)
     eager = resident_mib() - before
     assert eager > 200 and lazy < 32 and full.shape == (64, 1024, 1024)
 
