@@ -18,7 +18,7 @@ def peer_passes(later: dict, agg: dict | None = None):
     """Yield ``(name, {name: runner})`` for each vLLM method in turn, its engine started before
     and shut down after its pass: only one engine is alive at a time (an idle engine's
     processes poll on the cores the decoding method uses) and each pass starts with empty
-    caches (vLLM's prefix cache, its suffix trees), as the first pass did."""
+    caches (vLLM's prefix cache, its suffix trees)."""
     for name, r in later.items():
         if agg is not None and agg[name].error:
             continue
