@@ -90,18 +90,44 @@ class Group:
                 ]
             )
 
+    def way(self, x: torch.Tensor, lo: int, hi: int) -> str:
+        """The kernel that runs input ``x`` in a forward whose packed range is ``lo`` to ``hi``
+        rows: the one measured for its row count, else ``packed`` in that range, ``linear``
+        otherwise (and wherever the chosen kernel's weights were not made)."""
+        if x.dtype != torch.float32 or x.requires_grad:
+            return "linear"
+        rows = x.numel() // max(x.shape[-1], 1)
+        way = self.kernel.get(rows) or ("packed" if lo <= rows <= hi else "linear")
+        if (way == "fused" and self.wt is not None) or (
+            way == "packed" and self.packed is not None
+        ):
+            return way
+        return "linear"
+
+    def product(self, x: torch.Tensor, way: str) -> torch.Tensor:
+        """Every sibling's output side by side (``way`` ``packed`` or ``fused``)."""
+        if way == "packed":
+            return packed_linear(x, self.packed, self.bias)
+        if self.bias is None:
+            return x @ self.wt
+        flat = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.wt)
+        return flat.reshape(*x.shape[:-1], -1)
+
+    def outputs(self, x: torch.Tensor, lo: int, hi: int) -> list[torch.Tensor]:
+        """Each sibling's output for input ``x`` (one product, or ``F.linear`` per layer where
+        that is the kernel): what calling the layers one by one in a ``use_packed`` block
+        gives, bit for bit."""
+        way = self.way(x, lo, hi)
+        if way == "linear":
+            return [F.linear(x, layer.weight, layer.bias) for layer in self.layers]
+        y = self.product(x, way)
+        return [y[..., a:b] for a, b in self.bounds]
+
     def run(self, x: torch.Tensor, i: int, way: str) -> torch.Tensor:
         """Layer ``i``'s output, from one product over all siblings per input and kernel."""
         last = self._last
         if last is None or last[0] is not x or last[1] != way:
-            if way == "packed":
-                y = packed_linear(x, self.packed, self.bias)
-            elif self.bias is None:
-                y = x @ self.wt
-            else:
-                flat = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.wt)
-                y = flat.reshape(*x.shape[:-1], -1)
-            last = self._last = (x, way, y)
+            last = self._last = (x, way, self.product(x, way))
         lo, hi = self.bounds[i]
         return last[2][..., lo:hi]
 
@@ -111,15 +137,10 @@ class Group:
         layer = self.layers[i]
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if x.dtype != torch.float32 or x.requires_grad:
+            way = self.way(x, lo, hi)
+            if way == "linear":
                 return F.linear(x, layer.weight, layer.bias)
-            rows = x.numel() // max(x.shape[-1], 1)
-            way = self.kernel.get(rows) or ("packed" if lo <= rows <= hi else "linear")
-            if (way == "fused" and self.wt is not None) or (
-                way == "packed" and self.packed is not None
-            ):
-                return self.run(x, i, way)
-            return F.linear(x, layer.weight, layer.bias)
+            return self.run(x, i, way)
 
         return forward
 

@@ -50,7 +50,7 @@ from redraft.infer.runner.kv import SlotKVCache
 from redraft.infer.runner.opcount import not_counted
 from redraft.infer.runner.ragged import prefill_ragged
 from redraft.infer.runner.step_input import StepInput, chain_step
-from redraft.models import cpu, siblings
+from redraft.models import cpu, lean, siblings
 from redraft.utils import cache_kwargs
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,9 @@ class Verifier:
         span_buckets: with ``static``, attend over the shortest power-of-two span (at least
             :data:`MIN_SPAN` columns) holding the longest row instead of the whole capacity
             (:meth:`static_span`; one graph per span).
+        lean_walk: on CPU in float32, run Llama-family targets' forwards as a walk over their
+            layers with the same kernels and numbers (``redraft.models.lean``); ``False``:
+            transformers' forward.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class Verifier:
         graphs: bool | None = None,
         capture=None,
         span_buckets: bool = False,
+        lean_walk: bool = True,
     ):
         self.target = target
         self.span_buckets = span_buckets
@@ -115,6 +119,8 @@ class Verifier:
         self._head_b = None if head.bias is None else head.bias.detach().to(head_dtype)
         self._head_packed, self._packs = None, {}
         self._groups: list = []  # sibling linears and their kernels at 1-2 rows (CPU float32)
+        # the decoder layers walked without transformers' module calls (models/lean.py)
+        self._lean: lean.LeanForward | None = None
         # the rows (tokens) from which the packed kernels run: measured on this CPU at 1-2 rows
         self.packed_rows = self.head_packed_rows = (cpu.MIN_PACKED_ROWS, cpu.MAX_PACKED_ROWS)
         if cpu_pack and head.weight.device.type == "cpu":
@@ -123,6 +129,7 @@ class Verifier:
                 self._groups = siblings.traced_groups(self.base)
                 grouped = {layer for g in self._groups for layer in g.layers}
                 self._packs = cpu.pack_linears(self.base, exclude=grouped)
+                self._lean = lean.LeanForward.build(self.base, self._groups) if lean_walk else None
             hi = cpu.MAX_PACKED_ROWS
             lo = cpu.MIN_PACKED_ROWS if self._groups else cpu.packed_from(self._packs)
             self.packed_rows = (lo, hi)
@@ -229,6 +236,9 @@ class Verifier:
         return out if self._head_b is None else out + self._head_b
 
     def _model(self, ids, positions, bias, cache) -> torch.Tensor:
+        if self._lean is not None and bias is not None and bias.dim() == 4:
+            with self._attention:
+                return self._lean(ids, positions, bias, cache, self.packed_rows, self.hidden_layers)
         extra = {"output_hidden_states": True} if self.hidden_layers else {}
         with self._attention, cpu.use_packed(self._packs, self.packed_rows, self._groups):
             out = self.base(
