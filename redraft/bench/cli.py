@@ -36,6 +36,7 @@ from redraft.bench.config import (  # noqa: F401 (the CLI's API)
     check_outputs,
     resolve_artifacts,
     resolve_config,
+    twin_config,
 )
 from redraft.bench.methods import METHOD_NAMES, REGISTRY, Method, check_methods, list_methods  # noqa: F401
 from redraft.bench.prompts import dataset_label, fit_context
@@ -67,6 +68,7 @@ def _main(args) -> int:
         print(list_methods())
         return 0
     check_outputs(bench)
+    twin_config(bench, cfg)  # a bad --twin fails before any work
     if args.from_json:
         return _from_json(Path(args.from_json), bench)
     from redraft.utils import resolve_device
@@ -107,7 +109,7 @@ def _load(bench: dict, cfg, device):
 def _decode_tables(bench: dict, cfg, device) -> int:
     """Every method on every dataset, the tables written as they grow; 1 if a method failed."""
     methods, ctx = _load(bench, cfg, device)
-    runners = {m: Runner(m, ctx, REGISTRY[m]) for m in methods}
+    runners = _with_twins({m: Runner(m, ctx, REGISTRY[m]) for m in methods}, ctx)
     report = _new_report(bench, cfg, ctx, runners)
     context = getattr(ctx.target.model.config, "max_position_embeddings", None)
     for ds in bench["datasets"]:
@@ -119,6 +121,21 @@ def _decode_tables(bench: dict, cfg, device) -> int:
     if bench["results_dir"]:
         _write_results(report, md, bench)
     return _failed_methods(report)
+
+
+def _with_twins(runners: dict, ctx) -> dict:
+    """``runners`` with, after each of redraft's methods, its twin decoding with the ``--twin``
+    setting changed (prompt-major: the two decode each prompt one after the other)."""
+    twin = twin_config(ctx.bench, ctx.cfg)
+    if twin is None:
+        return runners
+    label, cfg = twin
+    out = {}
+    for name, r in runners.items():
+        out[name] = r
+        if r.decoder is not None:
+            out[f"{name} {label}"] = Runner(f"{name} {label}", ctx, REGISTRY[name], cfg=cfg)
+    return out
 
 
 def _new_report(bench: dict, cfg, ctx, runners: dict) -> dict:

@@ -96,6 +96,12 @@ class BenchSettings(ModelSettings):
         "Settings of redraft's proposer in the vllm-redraft method, a JSON object (the keys of "
         'REDRAFT_VLLM_CONFIG, docs/vllm.md), e.g. \'{"cost": "off"}\'.',
     )
+    twin: str | None = setting(
+        None,
+        "KEY=VALUE: every redraft method decodes each prompt a second time with this decoder "
+        "setting changed, right after the first (an A/B of one setting in one run, e.g. "
+        "lean_walk=false); the second rows are named 'method [KEY=VALUE]'.",
+    )
     vllm_engines: str = setting(
         "one",
         "one: each vllm-* method decodes a dataset in a pass of its own after redraft's "
@@ -215,6 +221,23 @@ def resolve_config(args) -> tuple[dict, DecoderConfig]:
     dec.update({k: DecoderConfig.coerce(k, v) for k, v in DecoderConfig.given(args).items()})
     cfg = DecoderConfig.from_dict(dec, where=args.recipe or "the command line")
     return BenchSettings.from_dict(bench, where=args.recipe or "the command line").to_dict(), cfg
+
+
+def twin_config(bench: dict, cfg: DecoderConfig) -> tuple[str, DecoderConfig] | None:
+    """``--twin KEY=VALUE`` read and checked against the decoder settings: the twin rows' label
+    (``[KEY=VALUE]``) and their decoder config; ``None`` without ``--twin``."""
+    spec = bench.get("twin")
+    if not spec:
+        return None
+    key, sep, value = (x.strip() for x in spec.partition("="))
+    key = key.replace("-", "_")
+    if not sep or not key:
+        raise ConfigError(
+            f"--twin {spec!r} is not KEY=VALUE; give a decoder setting and its value, e.g. "
+            f"--twin lean_walk=false.",
+            param="twin",
+        )
+    return f"[{key}={value}]", cfg.replace(**{key: DecoderConfig.coerce(key, value, "--twin")})
 
 
 def check_outputs(bench: dict) -> None:

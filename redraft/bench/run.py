@@ -34,7 +34,7 @@ class Context:
 class Runner:
     """One method, ready to decode: ``run(ids) -> (new token ids, RequestStats or None)``."""
 
-    def __init__(self, name: str, ctx: Context, method: Method):
+    def __init__(self, name: str, ctx: Context, method: Method, cfg: DecoderConfig | None = None):
         from redraft.infer.decoder import SpeculativeDecoder
 
         self.name, self.ctx = name, ctx
@@ -50,7 +50,8 @@ class Runner:
         elif built == "hf":
             self.hf_kwargs = method.hf_kwargs(ctx) if method.hf_kwargs else {}
         else:
-            cfg = ctx.cfg if built else ctx.cfg.replace(budget=0)
+            cfg = cfg or ctx.cfg
+            cfg = cfg if built else cfg.replace(budget=0)
             self.decoder = SpeculativeDecoder(ctx.target, built, cfg)
 
     def run(self, ids: list[int]):

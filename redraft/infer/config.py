@@ -91,6 +91,12 @@ class DecoderConfig(Settings):
         "On CPU, faster weight layouts for multi-token verify forwards (oneDNN-packed float32 "
         "linears, contiguous LM head); the model itself is not modified.",
     )
+    lean_walk: bool = _f(
+        True,
+        "On CPU in float32, run Llama-family targets' forwards as a walk over their layers "
+        "without transformers' module calls: the same kernels and numbers, less Python per "
+        "step (redraft/models/lean.py); false: transformers' forward.",
+    )
     static_verify: Literal["auto"] | bool = _f(
         "auto",
         "Pad verify trees to a few fixed sizes and capture the forward in a CUDA graph: "

@@ -79,6 +79,7 @@ class SpeculativeDecoder:
             target,
             fp32_logits=cfg.fp32_logits,
             cpu_pack=cfg.cpu_pack,
+            lean_walk=cfg.lean_walk,
             static=static,
             span_buckets=static if cfg.span_buckets == "auto" else cfg.span_buckets,
         )

@@ -50,6 +50,9 @@ def test_list_methods_names_every_method_and_its_needs(capsys):
         (["--acceptance", "maybe"], "acceptance"),
         (["--datasets", ","], "--datasets is empty"),
         (["--cost-curve", "1:2,x"], "cost curve"),
+        (["--twin", "lean_walk"], "--twin 'lean_walk' is not KEY=VALUE"),
+        (["--twin", "bogus=1"], "bogus"),
+        (["--twin", "budget=lots"], "budget"),
     ],
 )
 def test_requests_that_cannot_run_fail_before_any_work(capsys, tmp_path, argv, words):
@@ -157,6 +160,41 @@ def test_a_run_writes_json_markdown_and_a_report(capsys, tiny_target_dir, tmp_pa
     code, _, err = run(capsys, "--from-json", out, "--report", rep2)
     assert code == 0, err
     assert (rep2 / "speedup.png").is_file()
+
+
+def test_a_twin_decodes_every_prompt_again_with_one_setting_changed(
+    capsys, tiny_target_dir, tmp_path
+):
+    out, prompts = tmp_path / "r.json", tmp_path / "p.jsonl"
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    prompts.write_text("\n".join(json.dumps({"prompt": text + t}) for t in ("The", "The quick")))
+    code, stdout, err = run(
+        capsys,
+        "--target",
+        tiny_target_dir,
+        "--datasets",
+        prompts,
+        "--prompts",
+        2,
+        "--max-new-tokens",
+        12,
+        "--methods",
+        "greedy,context",
+        "--no-warmup",
+        "--cost-curve",
+        "1:1,8:1.2,64:2",
+        "--twin",
+        "budget=0",
+        "--out",
+        out,
+    )
+    assert code == 0, err
+    r = json.loads(out.read_text())["results"]["p"]
+    assert list(r) == ["greedy", "greedy [budget=0]", "context", "context [budget=0]"]
+    assert all(x["identical_to_ar"] and x["prompts"] == 2 for x in r.values())
+    assert r["context"]["tokens_per_call"] > 1.0  # the prompt repeats: context drafts hit
+    assert r["context [budget=0]"]["tokens_per_call"] == 1.0  # the twin's setting: no drafts
+    assert "| context [budget=0] |" in stdout
 
 
 def test_overhead_benchmark_reports_every_method_and_batch(capsys, tmp_path):

@@ -49,6 +49,7 @@ from redraft.infer.runner.grouped_attention import (
 from redraft.infer.runner.kv import SlotKVCache
 from redraft.infer.runner.opcount import not_counted
 from redraft.infer.runner.ragged import prefill_ragged
+from redraft.infer.runner.sdpa import sdpa_backends  # noqa: F401 (imported from here too)
 from redraft.infer.runner.step_input import StepInput, chain_step
 from redraft.models import cpu, lean, siblings
 from redraft.utils import cache_kwargs
@@ -464,33 +465,6 @@ class Verifier:
             lambda _: self.logits(self.prefill([[0]], cache, starts=[context])), [1], sync=self.sync
         )
         return float(one.raw[0])
-
-
-def sdpa_backends(device, flash: bool = False):
-    """The attention kernels the forwards may use: on CUDA the memory-efficient kernel (it takes
-    an explicit mask) and the math fallback, never cuDNN's plan-per-shape path (module doc);
-    ``flash`` adds FlashAttention (for callers without a tree mask: ``redraft-bench``'s
-    Hugging Face baselines). Reusable across ``with`` blocks."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    kinds = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return _Reusable(lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION] * flash + kinds))
-
-
-class _Reusable:
-    """A context manager made fresh on every ``with`` (``sdpa_kernel`` is single-use)."""
-
-    def __init__(self, make):
-        self.make, self.cm = make, None
-
-    def __enter__(self):
-        self.cm = self.make()
-        return self.cm.__enter__()
-
-    def __exit__(self, *exc):
-        return self.cm.__exit__(*exc)
 
 
 class _Timer:
