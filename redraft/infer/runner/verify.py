@@ -171,6 +171,8 @@ class Verifier:
             parts.append(f"float32 linears packed from {n} token{'s' if n > 1 else ''}")
         if self._head_packed is not None:
             parts.append(f"LM head from {self.head_packed_rows[0]}")
+        if self._lean is not None:
+            parts.append("lean walk")
         return ", ".join(parts)
 
     # ------------------------------------------------------------------ shapes
