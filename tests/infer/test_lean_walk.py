@@ -68,6 +68,23 @@ def test_the_walk_gives_transformers_forward_bit_for_bit(wide_target):
             assert got[1].shape[-1] == 3 * wide_target.hidden_size
 
 
+@torch.inference_mode()
+def test_a_prefill_piece_in_the_verify_forward_is_walked_bit_for_bit(wide_target):
+    """Chunked prefill's piece rides in the verify forward (one flattened row, the cache and the
+    attention take the parts apart): the walk gives what transformers' forward gives."""
+    long = [(3 * j + 4) % 300 for j in range(15)]
+    outs = []
+    for v in (Verifier(wide_target), Verifier(wide_target, lean_walk=False)):
+        cache = v.new_cache(4, 64)
+        v.prefill([long[:7], long[2:11]], cache)
+        cache.batch, cache.host_lengths = 2, [7, 9]
+        v.prefill([long[:6]], cache, first_slot=3)  # a row being prefilled, 6 tokens in
+        hidden, last = v.verify_with_piece(_tree_step([7, 9]), cache, [long[6:15]], 3, [6])
+        outs.append((hidden, last, cache.kv.clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_the_walk_really_runs(wide_target, monkeypatch):
     """The verifier's forwards go through the walk, not transformers' forward (which the walk
     is compared with above): a broken walk must change the output."""
