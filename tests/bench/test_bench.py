@@ -14,6 +14,27 @@ def run(capsys, *argv):
     return code, out, err
 
 
+def tiny_run(capsys, target_dir, prompts, methods, *argv):
+    """Two prompts of ``prompts`` x 12 tokens on a tiny target, a given cost curve, no warm-up."""
+    return run(
+        capsys,
+        "--target",
+        target_dir,
+        "--datasets",
+        prompts,
+        "--prompts",
+        2,
+        "--max-new-tokens",
+        12,
+        "--methods",
+        methods,
+        "--no-warmup",
+        "--cost-curve",
+        "1:1,8:1.2,64:2",
+        *argv,
+    )
+
+
 def test_list_methods_names_every_method_and_its_needs(capsys):
     code, out, _ = run(capsys, "--list-methods")
     assert code == 0
@@ -102,21 +123,11 @@ def test_a_run_writes_json_markdown_and_a_report(capsys, tiny_target_dir, tmp_pa
         )
     )
     out, md, rep = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "report"
-    code, stdout, err = run(
+    code, stdout, err = tiny_run(
         capsys,
-        "--target",
         tiny_target_dir,
-        "--datasets",
         prompts,
-        "--prompts",
-        2,
-        "--max-new-tokens",
-        12,
-        "--methods",
         "greedy,context,mix",
-        "--no-warmup",
-        "--cost-curve",
-        "1:1,8:1.2,64:2",
         "--out",
         out,
         "--markdown",
@@ -168,21 +179,11 @@ def test_a_twin_decodes_every_prompt_again_with_one_setting_changed(
     out, prompts = tmp_path / "r.json", tmp_path / "p.jsonl"
     text = "The quick brown fox jumps over the lazy dog. " * 3
     prompts.write_text("\n".join(json.dumps({"prompt": text + t}) for t in ("The", "The quick")))
-    code, stdout, err = run(
+    code, stdout, err = tiny_run(
         capsys,
-        "--target",
         tiny_target_dir,
-        "--datasets",
         prompts,
-        "--prompts",
-        2,
-        "--max-new-tokens",
-        12,
-        "--methods",
         "greedy,context",
-        "--no-warmup",
-        "--cost-curve",
-        "1:1,8:1.2,64:2",
         "--twin",
         "budget=0",
         "--out",
