@@ -63,7 +63,7 @@ class Runner:
             return g.tokens, g.stats
         import torch
 
-        from redraft.infer.runner.verify import sdpa_backends
+        from redraft.infer.runner.sdpa import sdpa_backends
 
         target = self.ctx.target
         x = torch.tensor([ids], device=target.device)

@@ -18,11 +18,7 @@ its CPU graphs and a C++ toolchain, and speculative trees change size every step
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-log = logging.getLogger(__name__)
 
 # the module classes whose forwards this walk replays (transformers' Llama code)
 _CLASSES = {
@@ -53,8 +49,10 @@ class LeanForward:
     layers; build with :meth:`build` (``None`` where the walk does not apply)."""
 
     def __init__(self, base, layers: list[tuple]):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.llama import modeling_llama
 
+        self.attention_functions = ALL_ATTENTION_FUNCTIONS
         self.base = base
         self.layers = layers  # per decoder layer: (layer, qkv group, o group, gate/up, down)
         self.eager = modeling_llama.eager_attention_forward
@@ -110,10 +108,8 @@ class LeanForward:
         ``hidden_layers`` the states ``transformers`` returns as ``hidden_states[i]`` for each
         (``0`` the embeddings, ``i`` the output of layer ``i - 1``) side by side, then the final
         ones: ``[B, n, (len + 1) H]``."""
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         base = self.base
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+        attention = self.attention_functions.get_interface(
             base.config._attn_implementation, self.eager
         )
         lo, hi = rows

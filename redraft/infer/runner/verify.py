@@ -49,7 +49,7 @@ from redraft.infer.runner.grouped_attention import (
 from redraft.infer.runner.kv import SlotKVCache
 from redraft.infer.runner.opcount import not_counted
 from redraft.infer.runner.ragged import prefill_ragged
-from redraft.infer.runner.sdpa import sdpa_backends  # noqa: F401 (imported from here too)
+from redraft.infer.runner.sdpa import sdpa_backends
 from redraft.infer.runner.step_input import StepInput, chain_step
 from redraft.models import cpu, lean, siblings
 from redraft.utils import cache_kwargs
