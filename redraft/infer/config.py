@@ -174,9 +174,10 @@ class DecoderConfig(Settings):
         "was already written).",
     )
     suffix_w: int = _f(
-        24,
+        32,
         "Suffix drafter: tokens per draft path at most (a long match earns a long draft, "
-        "suffix_factor tokens per matched token).",
+        "suffix_factor tokens per matched token; the trees are twice as deep, so a match this "
+        "long can draft this many).",
         range=Range(1, 1024),
     )
     suffix_factor: float = _f(

@@ -52,6 +52,20 @@ def test_a_request_drafts_from_its_own_prompt():
     assert d.global_requests == 1  # the request's output goes to the global tree as it grows
 
 
+def test_a_long_match_drafts_a_whole_path_past_half_the_tree_depth():
+    # a repeated answer: after 20 matched tokens the next 20 are drafted, not 24 - 20 = 4 (the
+    # trees are twice as deep as a path; at vLLM's depth of 24 a draft stops at 12 tokens)
+    answer = list(range(100, 160))
+    d = SuffixDrafter(max_paths=2, max_tokens_per_path=20, min_token_prob=0.0)
+    d.add_rows_host(_host([[5, 6] + answer + [7] + answer[:20]], [2]), 0)
+    dr = d.propose_host(_host([[5, 6] + answer + [7] + answer[:20]], [2]))
+    assert _paths(dr)[0] == answer[20:40]
+    shallow = SuffixDrafter(max_paths=2, max_tokens_per_path=20, min_token_prob=0.0, max_depth=24)
+    shallow.add_rows_host(_host([[5, 6] + answer + [7] + answer[:20]], [2]), 0)
+    got = _paths(shallow.propose_host(_host([[5, 6] + answer + [7] + answer[:20]], [2])))[0]
+    assert got == answer[20 : 20 + len(got)] and len(got) <= 12
+
+
 def test_suffix_factor_earns_more_tokens_per_matched_token():
     from redraft.infer import DecoderConfig
     from redraft.infer.loader import suffix_drafter

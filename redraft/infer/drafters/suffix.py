@@ -181,7 +181,10 @@ class SuffixDrafter(HostDrafter):
         max_spec_factor: speculate at most this many tokens per matched token (SuffixDecoding's
             adaptive length: a long match earns a long draft).
         min_token_prob: drop continuations estimated less likely than this.
-        max_depth: the suffix trees' depth (the longest match, in tokens).
+        max_depth: the suffix trees' depth, a match and its draft together (default twice
+            ``max_tokens_per_path``: a match as long as a path drafts a whole path; at 24, the
+            depth vLLM's ``suffix`` method uses, drafts stop at 12 tokens, and a repeated
+            answer that could be verified 32 tokens a step takes 12).
         max_tokens: output tokens the global tree holds; the oldest requests' outputs leave
             first. 0: no global tree (each request drafts from itself only).
     """
@@ -189,16 +192,16 @@ class SuffixDrafter(HostDrafter):
     def __init__(
         self,
         max_paths: int = 8,
-        max_tokens_per_path: int = 16,
+        max_tokens_per_path: int = 32,
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
-        max_depth: int = 24,
+        max_depth: int | None = None,
         max_tokens: int = 1_000_000,
         name: str = "suffix",
     ):
         self.max_paths, self.max_len = max_paths, max_tokens_per_path
         self.max_spec_factor, self.min_token_prob, self.name = max_spec_factor, min_token_prob, name
-        self.trees = SuffixTrees(max_depth, max_tokens)
+        self.trees = SuffixTrees(max_depth or 2 * max_tokens_per_path, max_tokens)
         self.rows: list[int] = []  # the trees' request id of every batch row
         self.added: list[int] = []  # tokens of each row the trees hold (prompt + output)
 
