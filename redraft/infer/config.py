@@ -135,6 +135,15 @@ class DecoderConfig(Settings):
         "wherever verifies are eager, e.g. on a CPU, where a forward's fixed cost is reading "
         "every weight; off where they replay CUDA graphs), true (wherever it can run) or false.",
     )
+    prefix_cache: int = _f(
+        8192,
+        "Prompt tokens whose KV entries finished requests leave for later requests that start "
+        "with the same tokens (a system prompt, a document, an earlier turn, a repeated "
+        "question): their prefill is a copy. Blocks of 16 tokens, least recently used first "
+        "out; each token takes layers x 2 x kv_heads x head_dim x dtype bytes (the default "
+        "target in float32: 46 KB). 0: off.",
+        range=Range(0, 10**9),
+    )
     # ---- drafters (load_decoder / make_drafters)
     redrafter_width: Literal["auto"] | int = _f(
         "auto",

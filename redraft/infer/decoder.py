@@ -28,6 +28,7 @@ import torch
 from redraft.errors import ConfigError
 from redraft.infer.config import DecoderConfig, SamplingParams
 from redraft.infer.engine.engine import Engine
+from redraft.infer.engine.prefix import PrefixCache
 from redraft.infer.runner.cost import BatchCost, CostCurve
 from redraft.infer.runner.verify import Verifier
 from redraft.infer.spec import hostjit
@@ -91,6 +92,8 @@ class SpeculativeDecoder:
             warm_host_kernels()  # compiled now, not inside a timed or served step
         self.generator: torch.Generator | None = None  # the shared sampling generator (torch's)
         self._engine: Engine | None = None  # the engine generate() reuses while idle
+        # earlier requests' KV entries by their tokens, shared by every engine of this decoder
+        self.prefix_cache = PrefixCache(cfg.prefix_cache) if cfg.prefix_cache else None
 
     # ------------------------------------------------------------------ the speculator's parts
 
@@ -221,6 +224,7 @@ class SpeculativeDecoder:
             eos=self.eos,
             generator=self.generator,
             text=text,
+            prefix=self.prefix_cache,
         )
 
     def _check_thread(self) -> None:

@@ -27,6 +27,7 @@ class RequestStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     prefill_time: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV entries came from the prefix cache
     total_time: float = 0.0
     drafter_accepted: Counter = field(
         default_factory=Counter
@@ -86,6 +87,7 @@ class RequestStats:
             "draft_time_s": round(self.draft_time, 4),
             "verify_time_s": round(self.verify_time, 4),
             "prefill_time_s": round(self.prefill_time, 4),
+            "cached_tokens": self.cached_tokens,
             "total_time_s": round(self.total_time, 4),
             "drafter_accepted": dict(self.drafter_accepted),
             "drafter_share": {k: round(v, 4) for k, v in self.drafter_share().items()},

@@ -43,6 +43,8 @@ def redraft_stats(generation) -> dict:
         out["tree_nodes_per_step"] = round(s.tree_nodes / max(s.verify_steps, 1), 2)
     if getattr(s, "prefill_time", None) is not None:  # of the time to first token: prefill forwards
         out["prefill_time_s"] = round(s.prefill_time, 4)
+    if getattr(s, "cached_tokens", None) is not None:  # prompt tokens the prefix cache gave
+        out["cached_tokens"] = s.cached_tokens
     return out
 
 

@@ -175,6 +175,19 @@ def test_response_carries_decoding_stats(tiny_server, tiny_target):
     assert set(ext["drafter_share"]) <= {"redrafter", "context"}
 
 
+def test_a_repeated_prompt_reuses_the_prefix_cache_and_decodes_the_same(tiny_server, tiny_target):
+    url, _ = tiny_server
+    prompt = " ".join(f"w{i} x" for i in range(30))
+    body = {"prompt": prompt, "max_tokens": 12}
+    first = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    again = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    ref = reference(tiny_target, prompt, 12)
+    assert first["choices"][0]["text"] == again["choices"][0]["text"] == ref.text
+    n = again["usage"]["prompt_tokens"]
+    assert 16 <= again["redraft"]["cached_tokens"] <= n - 1
+    assert again["redraft"]["cached_tokens"] > first["redraft"]["cached_tokens"]
+
+
 CONTEXT = 1024  # redraft.testing's tiny model
 
 

@@ -42,6 +42,11 @@ class BatchRows:
         if self.speculator.host_drafters:
             gone = [i for i, r in enumerate(self.rows) if r.done]
             self.speculator.retire_rows(self._host_state(), gone)
+        if self.prefix is not None:  # what they held, for requests that start the same way
+            for i, r in enumerate(self.rows):
+                if r.done:
+                    n = min(int(self.cache.host_lengths[i]), r.length)
+                    self.prefix.store(r.seq[:n], self.cache.kv[:, :, i, :, :n])
         keep = _fill_holes(keep, 0)
         lengths = self.cache.host_lengths
         moved = [lengths[i] for t, i in enumerate(keep) if i != t]

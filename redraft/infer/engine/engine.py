@@ -61,6 +61,7 @@ from redraft.infer.stats import Generation, StreamEvent
 
 if TYPE_CHECKING:
     from redraft.infer.config import DecoderConfig
+    from redraft.infer.engine.prefix import PrefixCache
     from redraft.infer.runner.verify import Verifier
     from redraft.infer.spec.speculator import Speculator
 
@@ -80,6 +81,8 @@ class Engine(PrefillScheduler, BatchRows):
         generator: where rows without a seed or a generator of their own sample from (None:
             torch's default generator).
         text: False: events carry token ids only (no detokenisation, no stop strings).
+        prefix: a :class:`~redraft.infer.engine.prefix.PrefixCache` finished rows leave their
+            KV entries in and new rows reuse them from (None: every prompt prefilled whole).
 
     ``SpeculativeDecoder.engine()`` makes one over the decoder's parts. Not thread-safe: one
     thread owns an engine (the server runs it in its decode thread and passes ``add``/``cancel``
@@ -99,6 +102,7 @@ class Engine(PrefillScheduler, BatchRows):
         eos: set[int] | None = None,
         generator: torch.Generator | None = None,
         text: bool = True,
+        prefix: PrefixCache | None = None,
     ):
         self.target = target
         self.speculator = speculator
@@ -107,6 +111,7 @@ class Engine(PrefillScheduler, BatchRows):
         self.eos = set(target.eos_token_ids) if eos is None else eos
         self.generator = generator  # rows without their own: the shared sampling generator
         self.text = text  # False: events carry token ids only (no detokenisation, no stop strings)
+        self.prefix = prefix  # finished rows' KV by their tokens (DecoderConfig.prefix_cache)
         self.device = target.device
         self.rows: list[Row] = []  # aligned with the cache's active slots
         self.state: DecodeState | None = None  # only when a drafter drafts on the device

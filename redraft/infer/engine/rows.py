@@ -41,6 +41,7 @@ class Row:
     length: int = 0  # valid entries of seq (prompt + output so far)
     filled: int = 0  # prompt tokens in the cache while the row is being prefilled (chunked prefill)
     slot: int | None = None  # its cache slot while its prompt is prefilled in several pieces
+    reused: list | None = None  # prefix cache blocks of its first `filled` tokens, to copy in
     logprobs: list = field(default_factory=list)  # TokenLogprob per kept token, when asked for
     done: bool = False
     t_start: float = 0.0

@@ -94,6 +94,18 @@ class PrefillScheduler:
             r.t_start = t0
         self.prefilling += new
         self._repark()
+        if self.prefix is not None:
+            for r in new:
+                self._reuse_prefix(r)
+
+    def _reuse_prefix(self, row: Row) -> None:
+        """The longest stored prefix of ``row``'s prompt (all but its last token at most) counts
+        as prefilled: its entries are copied into the row's slot with its first piece
+        (:meth:`_plan_piece`; straight into the batch's slots when that piece finishes it)."""
+        m, blocks = self.prefix.match(row.prompt, len(row.prompt) - 1)
+        if m:
+            row.filled = row.stats.cached_tokens = m
+            row.reused = blocks
 
     def _park(self, row: Row) -> int:
         """A slot for ``row``, whose prompt is prefilled in several pieces: the highest free one,
@@ -224,10 +236,18 @@ class PrefillScheduler:
                 if r.slot is not None:
                     cache.move_row(r.slot, first + i, r.filled)
                     r.slot = None
+                self._copy_reused(r, first + i)
         else:  # one row, a piece of its prompt
             first = rows[0].slot if rows[0].slot is not None else self._park(rows[0])
+            self._copy_reused(rows[0], first)
         self.totals["prefills"] += 1
         return rows, T, first, starts
+
+    def _copy_reused(self, row: Row, slot: int) -> None:
+        """Write the cached prefix's entries of ``row`` (:meth:`_reuse_prefix`) into ``slot``."""
+        if row.reused is not None:
+            self.prefix.copy(row.reused, row.filled, self.cache.kv[:, :, slot, :, : row.filled])
+            row.reused = None
 
     def _piece_done(self, rows: list[Row], T: int, h_last: torch.Tensor, t0: float) -> list:
         """After a piece's forward (begun at ``t0``): the rows' progress; those whose whole
@@ -270,11 +290,12 @@ class PrefillScheduler:
             return 1, max(lo, 1)
         n, real = 1, T
         # a flattened prefill forward (Verifier.ragged_prefill) pads nothing: its rows cost
-        # their own tokens, whatever their lengths
+        # their own tokens, whatever their lengths and their starts (rows whose prefix was
+        # cached, a long prompt's last piece)
         ragged = self.verifier.ragged_prefill and not (self.fuse and self.rows)
-        # only fresh prompts share a forward: a prompt's last piece attends over its earlier
-        # ones, and every row of a padded forward attends over its longest span
-        while n < len(rem) and start[0] == start[n] == 0:
+        # a padded forward: only prompts that start at the same column (fresh, or after the same
+        # cached system prompt) share it, as every row attends over its longest span
+        while n < len(rem) and (ragged or start[0] == start[n]):
             T2, real2 = max(T, rem[n]), real + rem[n]
             tokens = real2 if ragged else (n + 1) * T2
             if tokens > (1 + MAX_PADDING) * real2 or not fits(tokens, max(start[: n + 1]) + T2):
