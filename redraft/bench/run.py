@@ -5,6 +5,7 @@ the aggregates handed back after every prompt so a run stopped early keeps them.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import traceback
@@ -38,7 +39,9 @@ class Runner:
         from redraft.infer.decoder import SpeculativeDecoder
 
         self.name, self.ctx = name, ctx
-        built = method.build(ctx)
+        # a twin's drafters are built with its setting too (ngram_w, suffix_w, ...), not only
+        # its decoder
+        built = method.build(ctx if cfg is None else dataclasses.replace(ctx, cfg=cfg))
         self.decoder = self.peer = None
         if built == "vllm":
             from redraft.vllm.peer import VLLMRunner, model_dir_for

@@ -198,6 +198,20 @@ def test_a_twin_decodes_every_prompt_again_with_one_setting_changed(
     assert "| context [budget=0] |" in stdout
 
 
+def test_a_twin_builds_its_drafters_with_its_setting(tiny_target):
+    from redraft.bench.methods import REGISTRY
+    from redraft.bench.run import Context, Runner
+    from redraft.infer import DecoderConfig
+
+    cfg = DecoderConfig(budget=6)
+    ctx = Context(tiny_target, [], [], cfg, {"max_new_tokens": 4})
+    main = Runner("context", ctx, REGISTRY["context"])
+    twin = Runner("context [ngram_w=3]", ctx, REGISTRY["context"], cfg=cfg.replace(ngram_w=3))
+    assert [d.w for d in main.decoder.drafters] == [12]
+    assert [d.w for d in twin.decoder.drafters] == [3]
+    assert ctx.cfg.ngram_w == 12 and twin.decoder.config.ngram_w == 3
+
+
 def test_overhead_benchmark_reports_every_method_and_batch(capsys, tmp_path):
     out = tmp_path / "o.json"
     code, stdout, err = run(
