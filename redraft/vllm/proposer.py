@@ -115,7 +115,7 @@ class Proposer:
         self.host_tables = HostTables(tables) if "ngrammys" in self.drafters else None
         self.trigram = tables.trigram if "trigram" in self.drafters else None
         self.stats = HostStats(len(self.drafters), max_depth=max(self.k, 1))
-        self.suffix = SuffixRows(s.suffix_tokens) if "suffix" in self.drafters else None
+        self.suffix = SuffixRows(s.suffix_tokens, self.k) if "suffix" in self.drafters else None
         self._last = None  # what the last step proposed, to be scored by this one
         self.clock = time.perf_counter
         self.cost = StepCost() if s.cost == "measured" else None
@@ -237,19 +237,20 @@ class Proposer:
         self._last = None
         self.steps = self.proposed_tokens = 0
         if self.suffix is not None:  # the warm-up's requests are not the server's
-            self.suffix = SuffixRows(self.settings.suffix_tokens)
+            self.suffix = SuffixRows(self.settings.suffix_tokens, self.k)
 
 
 class SuffixRows:
     """The suffix drafter's trees (:class:`redraft.infer.drafters.suffix.SuffixTrees`) over
     vLLM's rows: a row whose tokens continue what it held at the last step (its token count did
     not shrink and the token it ended with is still there) is the same request, anything else a
-    new one."""
+    new one. The trees are at least twice as deep as a chain (``k``): a match and its draft
+    share the depth, and a chain of ``k`` needs a match of ``k``."""
 
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, k: int = 12):
         from redraft.infer.drafters.suffix import SuffixTrees
 
-        self.trees = SuffixTrees(max_tokens=max_tokens)
+        self.trees = SuffixTrees(max(24, 2 * k), max_tokens=max_tokens)
         self.held: dict[int, tuple[int, int, int]] = {}  # row -> (request, tokens held, last)
 
     def _sync(self, rows, n, tok) -> None:

@@ -217,6 +217,19 @@ def test_a_later_request_gets_an_earlier_ones_output_from_the_suffix_trees(
     assert chains["context"] == []  # the request's own tokens hold no match
 
 
+def test_a_long_repeated_answer_fills_a_long_chain_from_the_suffix_trees(
+    tiny_target_dir, config_env
+):
+    # k = 20: the trees are 40 deep, so a 20-token match drafts 20 (at vLLM's 24, 12 at most)
+    answer = list(range(100, 150))
+    p = Proposer(fake_vllm_config(tiny_target_dir, k=20), FULL.replace(drafters=["suffix"]))
+    first = [1, 2] + answer
+    for n in range(3, len(first) + 1):
+        p.propose(*_batch([first[:n]]))
+    second = [9, 9] + answer[:20]
+    assert p.propose(*_batch([second]))[0] == answer[20:40]
+
+
 def test_the_suffix_drafter_without_arctic_inference_fails_at_start(
     tiny_target_dir, config_env, monkeypatch
 ):
