@@ -121,6 +121,6 @@ def test_the_engine_keeps_the_bound_and_off_means_every_prompt_prefilled(tiny_ta
     assert dec.prefix_cache.tokens == 4 * BLOCK  # six requests of 46 tokens held: full
     off = _dec(tiny_target, tiny_tables, prefix_cache=0)
     assert off.prefix_cache is None
-    g = off.generate([prompts[0], prompts[0]], max_new_tokens=4)
+    off.generate([prompts[0], prompts[0]], max_new_tokens=4)  # would fill a cache
     g = off.generate([prompts[0]], max_new_tokens=4)
     assert g[0].stats.cached_tokens == 0

@@ -47,8 +47,7 @@ class PrefixCache:
         self.max_tokens = int(max_tokens)
         self.blocks: OrderedDict[tuple, tuple[int, torch.Tensor]] = OrderedDict()
         self._ids = itertools.count(1)  # 0: the root every first block hangs from
-        self.queried = 0  # prompt tokens looked up
-        self.reused = 0  # of them found
+        self.reused = 0  # prompt tokens found, over every match
 
     @property
     def tokens(self) -> int:
@@ -73,7 +72,6 @@ class PrefixCache:
     def match(self, tokens, limit: int) -> tuple[int, list[torch.Tensor]]:
         """``(m, blocks)``: the stored prefix of ``tokens`` of ``m <= limit`` tokens (whole
         blocks, the last one possibly cut by ``limit``) and its blocks."""
-        self.queried += len(tokens)
         if limit <= 0 or not self.blocks:
             return 0, []
         found = self._keys(tokens, -(-min(limit, len(tokens)) // BLOCK))
@@ -110,6 +108,3 @@ class PrefixCache:
         self._touch(keys)
         while self.tokens > self.max_tokens:
             self.blocks.popitem(last=False)
-
-    def clear(self) -> None:
-        self.blocks.clear()
