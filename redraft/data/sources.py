@@ -120,6 +120,15 @@ class SourceSpec:
         return self.kind in ("sharegpt", "ultrachat", "default-chat")
 
 
+def _existing_path(text: str) -> bool:
+    """Whether ``text`` names an existing file or folder (``~`` expanded); a name no path can
+    have (a null byte: ``expanduser`` raises on ``~\\x00``) is not one."""
+    try:
+        return os.path.exists(os.path.expanduser(text))
+    except ValueError:
+        return False
+
+
 def _parse_component(text: str) -> SourceSpec:
     raw = text.strip()
     if not raw:
@@ -142,7 +151,7 @@ def _parse_component(text: str) -> SourceSpec:
     if kind in ("default-chat", "default-code") and colon and _is_number(arg):
         weight, weighted, arg = float(arg), True, ""  # default-chat:0.7 is a weight, not a path
     if kind not in KINDS:
-        if os.path.exists(os.path.expanduser(body)):
+        if _existing_path(body):
             kind, arg = "auto", body
         else:
             raise DataError(

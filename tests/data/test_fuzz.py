@@ -90,6 +90,11 @@ def _check_spec(result):
         assert math.isfinite(c.weight) and c.weight > 0
 
 
+def test_a_spec_no_path_can_have_is_a_clear_error():
+    for text in ("~\x00", "~a\x00b", "x\x00"):  # expanduser raised ValueError on the first two
+        _check_spec(_outcome(lambda: parse_spec(text)))
+
+
 @FUZZ
 @given(st.text(max_size=80))
 def test_spec_parser_on_random_text(text):
