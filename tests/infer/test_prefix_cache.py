@@ -124,3 +124,29 @@ def test_the_engine_keeps_the_bound_and_off_means_every_prompt_prefilled(tiny_ta
     off.generate([prompts[0], prompts[0]], max_new_tokens=4)  # would fill a cache
     g = off.generate([prompts[0]], max_new_tokens=4)
     assert g[0].stats.cached_tokens == 0
+
+
+def test_an_idle_burst_sharing_a_cached_prefix_is_prefilled_before_it_decodes(tiny_target):
+    """A prefix from the cache is not a piece cut off a long prompt: a burst of prompts behind
+    a cached system prompt is prefilled whole in the idle step (forward after forward), as
+    without the cache, not one forward's rows first with the others riding piece by piece."""
+    V = tiny_target.vocab_size
+    system = [(5 * j + 3) % V for j in range(40)]
+    dec = SpeculativeDecoder(tiny_target, [], budget=0, cost_curve=CURVE)
+    eng = dec.engine()
+    eng.add(system, SamplingParams.checked(max_new_tokens=2))  # leaving, it stores 32 tokens
+    while eng.has_work:
+        eng.step()
+    eng._pacer.ref = 100.0  # the idle allowance never runs out here
+    eng._pacer.fits = lambda steps=1.0, fused=False, capped=True: lambda N, S: N <= 20
+    fed = []
+    prefill = eng.verifier.prefill
+    eng.verifier.prefill = lambda p, *a, **k: fed.append(len(p)) or prefill(p, *a, **k)
+    burst = [system[:32] + [(7 * i + 3 * j + 1) % V for j in range(10)] for i in range(4)]
+    rids = [eng.add(p, SamplingParams.checked(max_new_tokens=6)) for p in burst]
+    eng.step()
+    assert not eng.prefilling and sorted(r.rid for r in eng.rows) == sorted(rids)
+    assert fed == [2, 2]  # 20 tokens a forward: two rows' last 10 each
+    assert all(r.stats.cached_tokens == 32 for r in eng.rows)
+    while eng.has_work:
+        eng.step()

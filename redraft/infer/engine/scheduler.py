@@ -152,8 +152,12 @@ class PrefillScheduler:
         t0, ref = time.perf_counter(), self._pacer.ref
         events = self._prefill_piece(fits)
         while self.prefilling and (off or idle):
-            # (shortest first: once a piece is cut, only long prompts are left)
-            cut = self.prefilling[0].filled > 0
+            # (shortest first: once a piece is cut, only long prompts are left; a prefix from
+            # the prefix cache is not a cut piece: a burst of chats sharing a system prompt
+            # otherwise stopped after its first forward, the rest riding with the few that
+            # joined, 110 forwards for 16 chats of 64 tokens where 64 do)
+            head = self.prefilling[0]
+            cut = head.filled > head.stats.cached_tokens
             if idle and cut and self.rows:
                 # only long prompts are left and prompts joined: they decode now, the long
                 # ones' pieces riding with them (one round of 4 streams through HTTP: a server
