@@ -14,6 +14,16 @@ def split_peers(runners: dict, bench: dict) -> tuple[dict, dict]:
     return own, {k: r for k, r in runners.items() if r.peer is not None}
 
 
+def forget(runners: dict) -> None:
+    """redraft's decoders forget earlier requests (their prefix caches, the suffix drafter's
+    global tree: :meth:`~redraft.infer.decoder.SpeculativeDecoder.forget`) before a pass over
+    the prompts, as each vLLM method's engine starts its pass empty (:func:`peer_passes`):
+    otherwise a pass at a concurrency found every prompt of the pass before in the cache."""
+    for r in runners.values():
+        if r.decoder is not None:
+            r.decoder.forget()
+
+
 def peer_passes(later: dict, agg: dict | None = None):
     """Yield ``(name, {name: runner})`` for each vLLM method in turn, its engine started before
     and shut down after its pass: only one engine is alive at a time (an idle engine's
@@ -53,6 +63,7 @@ def run_concurrent(runners: dict, prompts: list[list[int]], bench: dict, c: int)
                 took[name] += time.perf_counter() - t0
 
     own, later = split_peers(live, bench)
+    forget(own)
     decode(own)
     for _, group in peer_passes(later):
         if bench["warmup"]:

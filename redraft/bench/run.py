@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from redraft.bench.concurrent import concurrency_table, peer_passes, split_peers
+from redraft.bench.concurrent import concurrency_table, forget, peer_passes, split_peers
 from redraft.bench.methods import Method
 from redraft.infer.config import DecoderConfig
 
@@ -175,6 +175,7 @@ def run_dataset(
             on_prompt(summarise(agg))
 
     def warm(group: dict) -> None:
+        forget(group)  # each pass starts empty, as vLLM's engine does
         if bench["warmup"]:
             for name, r in group.items():
                 _guarded(name, agg[name], "in its warm-up", lambda r=r: r.run(prompts[0][:32]))

@@ -132,6 +132,19 @@ class SpeculativeDecoder:
     def batch_cost(self, cost: BatchCost | None) -> None:
         self.speculator.batch_cost = cost
 
+    def forget(self) -> None:
+        """Forget the requests decoded so far: the prefix cache's entries and what the drafters
+        keep of earlier outputs (:meth:`Drafter.forget`), so the next requests run as on a
+        freshly loaded decoder (learned acceptance rates and measured costs stay).
+        ``redraft-bench`` calls it before every pass at a concurrency, as vLLM's engine starts
+        each pass empty: the prompts of the pass before would otherwise come from the cache."""
+        if self._engine is not None and self._engine.has_work:
+            raise RuntimeError("forget() while requests are decoding: call it between them.")
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        for d in self.drafters:
+            d.forget()
+
     def measure_cost(self, context: int = 256, sizes=None) -> CostCurve:
         """Measure the verify-cost curve on this device (one row, a ``context``-token cache)."""
         return self.speculator.measure_cost(context, sizes)

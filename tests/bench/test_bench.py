@@ -650,6 +650,7 @@ class _Engines:
 
     def __init__(self):
         self.alive, self.log = set(), []
+        self.forgot = []  # (redraft method, decodes it had logged before) at each forget()
 
     def runner(self, name: str, peer: bool):
         from types import SimpleNamespace
@@ -682,7 +683,11 @@ class _Engines:
         if peer:
             r.decoder, r.run = None, r.peer.run
         else:
-            r.decoder = SimpleNamespace(generate=generate, verifier=SimpleNamespace(graph_stats={}))
+            r.decoder = SimpleNamespace(
+                generate=generate,
+                verifier=SimpleNamespace(graph_stats={}),
+                forget=lambda: eng.forgot.append((name, len(eng.log))),
+            )
             r.run = lambda ids: (
                 generate([ids], 0)[0].tokens,
                 RequestStats(new_tokens=2, target_calls=2),
@@ -721,8 +726,12 @@ def test_vllm_engines_one_keeps_a_single_engine_alive_and_none_while_redraft_dec
     else:
         assert order == ["greedy", "vllm", "context", "vllm-ngram"] * 3
         assert e.log[-1][1] == {"vllm", "vllm-ngram"}
+    # redraft's decoders start the pass empty, as vLLM's engines do: before their first prompt
+    assert e.forgot == [("greedy", 0), ("context", 0)]
     e.log.clear()
+    e.forgot.clear()
     conc = run_concurrent(runners, prompts, bench, 2)
+    assert e.forgot == [("greedy", 0), ("context", 0)]  # and every pass at a concurrency
     assert conc["vllm-ngram"]["identical_to_plain"] == "3/3"
     if engines == "one":
         assert [n for n, _ in e.log] == ["greedy", "context"] * 2 + ["vllm"] * 2 + [

@@ -169,3 +169,35 @@ def test_greedy_equals_plain_greedy_alone_and_in_a_mix_and_a_repeat_accepts_more
     assert second.stats.target_calls < first.stats.target_calls
     assert second.stats.tokens_per_call > 3
     assert suffix.global_requests == 2
+
+
+def test_a_decoder_that_forgets_drafts_and_prefills_a_repeated_prompt_afresh(
+    tiny_target, tiny_prompts
+):
+    """``SpeculativeDecoder.forget``: the prefix cache and the global tree are emptied, so a
+    repeated prompt is prefilled whole and drafted as the first time (what redraft-bench gives
+    every pass, as vLLM's fresh engines get); the output is the same."""
+    from redraft.infer import SamplingParams
+    from redraft.infer.decoder import SpeculativeDecoder
+    from redraft.infer.runner.cost import CostCurve
+
+    suffix = SuffixDrafter()
+    curve = CostCurve([1, 8, 64], [1.0, 1.2, 2.0])
+    dec = SpeculativeDecoder(tiny_target, [suffix], cost_curve=curve)
+    prompt = list(tiny_prompts[0]) * 3  # a whole block or more to cache
+    first = dec.generate([prompt], max_new_tokens=48)[0]
+    again = dec.generate([prompt], max_new_tokens=48)[0]
+    assert again.stats.cached_tokens > 0 and again.stats.target_calls < first.stats.target_calls
+    dec.generate([prompt], max_new_tokens=1)  # retires the last row (its output held)
+    assert dec.prefix_cache.tokens > 0 and suffix.global_requests == 3
+    dec.forget()
+    assert dec.prefix_cache.tokens == 0 and suffix.global_requests == 0
+    fresh = dec.generate([prompt], max_new_tokens=48)[0]
+    assert fresh.tokens == first.tokens
+    assert fresh.stats.cached_tokens == 0
+    assert fresh.stats.target_calls > again.stats.target_calls  # no answer to draft from
+    eng = dec.engine()
+    dec._engine = eng
+    eng.add(dec.encode([prompt])[0], SamplingParams.checked(max_new_tokens=4))
+    with pytest.raises(RuntimeError, match="between them"):
+        dec.forget()

@@ -145,6 +145,13 @@ class SuffixTrees:
         if rid in self.cache.active_requests:
             self.cache.stop_request(rid)
 
+    def forget(self) -> None:
+        """Drop every finished request's output from the global tree (an active request's
+        stays: its local tree drafts from it)."""
+        for rid in [r for r in self.held if r not in self.cache.active_requests]:
+            self.cache.evict_cached_response(rid)
+            self.held_tokens -= self.held.pop(rid)
+
     @property
     def active(self) -> int:
         return len(self.cache.active_requests)
@@ -225,6 +232,9 @@ class SuffixDrafter(HostDrafter):
         for b in rows:
             self._append(int(b), host.seqs[b])
             self.trees.stop(self.rows[b])
+
+    def forget(self) -> None:
+        self.trees.forget()
 
     def select_rows(self, keep) -> None:
         keep = np.asarray(keep.cpu() if hasattr(keep, "cpu") else keep, np.int64)

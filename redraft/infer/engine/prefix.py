@@ -53,6 +53,9 @@ class PrefixCache:
     def tokens(self) -> int:
         return len(self.blocks) * BLOCK
 
+    def clear(self) -> None:
+        self.blocks.clear()
+
     def _keys(self, tokens, n_blocks: int):
         """The keys of ``tokens``' first blocks while they are stored: ``[(key, entry)]``."""
         found, parent = [], 0

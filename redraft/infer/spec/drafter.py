@@ -196,6 +196,12 @@ class Drafter:
         """Rows ``keep`` ([B'] long indices into the current batch) stay; drop the others'
         per-request state. Called when requests finish."""
 
+    def forget(self) -> None:
+        """Forget what earlier requests' tokens taught beyond acceptance statistics (the suffix
+        drafter's global tree of their outputs): afterwards it drafts as a fresh drafter would
+        for a new request. Called by :meth:`redraft.infer.decoder.SpeculativeDecoder.forget`
+        between requests. Default: nothing."""
+
     # ---- the device side
 
     def add_rows(self, state: DecodeState, start: int) -> None:
