@@ -412,13 +412,21 @@ def device_name(device) -> str:
 
 
 def cost_curve(runners: dict, bench: dict) -> dict:
-    """One verify-cost curve for every method of the run (measured once, or given)."""
+    """One verify-cost curve for every method of the run (measured once, or given); with
+    ``--concurrency`` above 1, also their batched verify costs up to the largest, measured once
+    as redraft-serve measures them at warm-up (the budget costs a batch's tree from them and the
+    speculation guard starts each batch size from their verdict; without them the first passes
+    explored speculation blind, trees of 30 nodes a row at 16 rows, a second a step)."""
     from redraft.infer.runner.cost import CostCurve
 
     curve = CostCurve.from_ms(bench["cost_curve_ms"]) if bench["cost_curve_ms"] else None
+    top, batched = max(bench.get("concurrency") or [1]), None
     for r in runners.values():
         dec = r.decoder
         if dec is not None and dec.drafters and dec.config.budget == "auto":
             curve = curve or dec.measure_cost()
             dec.cost_curve = curve
+            if top > 1 and dec.guard.enabled:
+                batched = batched or dec.measure_batch_cost(top)
+                dec.batch_cost = batched
     return {} if curve is None else {**curve.to_dict(), "given": bool(bench["cost_curve_ms"])}

@@ -212,6 +212,26 @@ def test_a_twin_builds_its_drafters_with_its_setting(tiny_target):
     assert ctx.cfg.ngram_w == 12 and twin.decoder.config.ngram_w == 3
 
 
+@pytest.mark.parametrize("concurrency", [[1], [1, 4]])
+def test_concurrent_passes_get_the_batched_costs_a_server_measures(tiny_target, concurrency):
+    """With --concurrency above 1 every speculative decoder gets one measured batched cost (up
+    to the largest concurrency), as redraft-serve measures at warm-up; plain greedy none."""
+    from redraft.bench.methods import REGISTRY
+    from redraft.bench.run import Context, Runner, cost_curve
+    from redraft.infer import DecoderConfig
+
+    ctx = Context(tiny_target, [], [], DecoderConfig(), {"max_new_tokens": 4})
+    runners = {m: Runner(m, ctx, REGISTRY[m]) for m in ("greedy", "context", "suffix")}
+    bench = {"cost_curve_ms": None, "concurrency": concurrency}
+    assert cost_curve(runners, bench)["sizes"]
+    got = [runners[m].decoder.batch_cost for m in ("context", "suffix")]
+    assert runners["greedy"].decoder.batch_cost is None
+    if concurrency == [1]:
+        assert got == [None, None]
+    else:
+        assert got[0] is got[1] and got[0].batches == [1, 2, 4]
+
+
 def test_overhead_benchmark_reports_every_method_and_batch(capsys, tmp_path):
     out = tmp_path / "o.json"
     code, stdout, err = run(
