@@ -522,3 +522,35 @@ def test_the_decoder_measures_batched_costs_and_predicts_per_batch(tiny_target):
     assert dec.speculator._speculation_pays(4) is True
     dec.batch_cost = BatchCost({1: CostCurve([1, 2, 16], [1.0, 2.0, 16.0])})  # each token a step
     assert dec.speculator._speculation_pays(4) is False
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_without_batched_costs_a_batch_tree_stays_within_the_curves_sizes(
+    tiny_target, monkeypatch, measured
+):
+    """A flat one-row curve measured to 16 tokens: 4 rows get at most 16 // 4 - 1 = 3 nodes a
+    row (past 16 tokens the curve is a guess); with batched costs the budget alone decides."""
+    import redraft.infer.spec.speculator as spec_mod
+
+    V = tiny_target.vocab_size
+    flat = CostCurve([1, 16], [1.0, 1.001])
+    dec = SpeculativeDecoder(tiny_target, [ContextNGramDrafter(V)], cost_curve=flat, max_nodes=8)
+    if measured:
+        dec.batch_cost = BatchCost({1: flat, 4: flat})
+    calls, best = [], spec_mod.best_budget_np
+
+    def spy(values, cost, max_nodes, *a):
+        k = best(values, cost, max_nodes, *a)
+        calls.append((values.shape[0], max_nodes, k))
+        return k
+
+    monkeypatch.setattr(spec_mod, "best_budget_np", spy)
+    prompts = [[(i + j % 5) % V for j in range(40)] for i in range(4)]  # repeats: drafts
+    out = dec.generate(prompts, max_new_tokens=24)
+    assert [g.tokens for g in out] == [r.tokens for r in plain_greedy(tiny_target, prompts, 24)]
+    at4 = [(m, k) for b, m, k in calls if b == 4]
+    assert at4
+    if measured:
+        assert all(m == 8 for m, _ in at4) and max(k for _, k in at4) > 3
+    else:
+        assert all(m == 3 for m, _ in at4) and max(k for _, k in at4) == 3

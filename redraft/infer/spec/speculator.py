@@ -132,7 +132,7 @@ class Speculator:
         self._last_values: np.ndarray | None = None
         self._clock = Clock(verifier.target.device)
         self.draft_overhead = 0.0  # EMA of drafting seconds per step (part of the budget's cost)
-        self._costs = None  # (cost curve, its table c(0..n) as numpy)
+        self._costs = None  # (cost curve, its table c(0..n) as numpy, its largest size)
 
     @torch.no_grad()
     def measure_cost(self, context: int = 256, sizes=None) -> CostCurve:
@@ -270,15 +270,16 @@ class Speculator:
             if self.cost_curve is None:
                 self.measure_cost()
             values = np.where(prop.paths >= 0, prop.values, 0).reshape(B, -1)
+            top = self._node_limit(B)
             k = best_budget_np(
-                values, self._cost_table(), cfg.max_nodes, self.draft_overhead, self.batch_cost
+                values, self._cost_table(), top, self.draft_overhead, self.batch_cost
             )
             self._last_values = values  # kept, not sorted: the guard rarely reads it
             budget, size = k, None
             if k > 0:  # (a larger tree that measured cheaper is filled up to its size)
                 size = verifier.tree_size(
                     1 + min(k, P * L),
-                    limit=1 + cfg.max_nodes,
+                    limit=1 + top,
                     curve=self.cost_curve if B == 1 else None,
                 )
                 budget = size - 1
@@ -287,10 +288,24 @@ class Speculator:
                 size = verifier.tree_size(1)
         return build_tree_np(prop.paths, prop.values, budget, root=host.last, size=size)
 
+    def _node_limit(self, batch: int) -> int:
+        """The most nodes a row's tree may have at this batch size: ``max_nodes``, except that
+        without measured batched costs a batch's forward stays within the sizes the one-row
+        curve measured (at least one node a row). Past them the curve is extrapolated and the
+        node values overrate a batch's trees: where a batch's forward is not flat, trees of
+        tens of nodes a row cost many plain steps each, and the guard paid for every such run
+        before it turned speculation off (docs/design/0016)."""
+        top = self.config.max_nodes
+        if batch > 1 and self.batch_cost is None:
+            self._cost_table()  # (its largest measured size, read with the table)
+            top = min(top, max(1, self._costs[2] // batch - 1))
+        return top
+
     def _cost_table(self) -> np.ndarray:
         B_max = 256 * (self.config.max_nodes + 1)
         if self._costs is None or self._costs[0] is not self.cost_curve:
-            self._costs = (self.cost_curve, self.cost_curve.table(B_max, "cpu").numpy())
+            curve = self.cost_curve
+            self._costs = (curve, curve.table(B_max, "cpu").numpy(), int(curve.sizes[-1]))
         return self._costs[1]
 
     def choices(
