@@ -177,7 +177,6 @@ def test_a_decoder_that_forgets_drafts_and_prefills_a_repeated_prompt_afresh(
     """``SpeculativeDecoder.forget``: the prefix cache and the global tree are emptied, so a
     repeated prompt is prefilled whole and drafted as the first time (what redraft-bench gives
     every pass, as vLLM's fresh engines get); the output is the same."""
-    from redraft.infer import SamplingParams
     from redraft.infer.decoder import SpeculativeDecoder
     from redraft.infer.runner.cost import CostCurve
 
@@ -196,8 +195,7 @@ def test_a_decoder_that_forgets_drafts_and_prefills_a_repeated_prompt_afresh(
     assert fresh.tokens == first.tokens
     assert fresh.stats.cached_tokens == 0
     assert fresh.stats.target_calls > again.stats.target_calls  # no answer to draft from
-    eng = dec.engine()
-    dec._engine = eng
-    eng.add(dec.encode([prompt])[0], SamplingParams.checked(max_new_tokens=4))
+    running = dec.stream(prompt, max_new_tokens=4)
+    next(running)  # a request is decoding
     with pytest.raises(RuntimeError, match="between them"):
         dec.forget()

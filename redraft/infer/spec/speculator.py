@@ -270,10 +270,9 @@ class Speculator:
             if self.cost_curve is None:
                 self.measure_cost()
             values = np.where(prop.paths >= 0, prop.values, 0).reshape(B, -1)
+            table = self._cost_table()
             top = self._node_limit(B)
-            k = best_budget_np(
-                values, self._cost_table(), top, self.draft_overhead, self.batch_cost
-            )
+            k = best_budget_np(values, table, top, self.draft_overhead, self.batch_cost)
             self._last_values = values  # kept, not sorted: the guard rarely reads it
             budget, size = k, None
             if k > 0:  # (a larger tree that measured cheaper is filled up to its size)
@@ -294,10 +293,10 @@ class Speculator:
         curve measured (at least one node a row). Past them the curve is extrapolated and the
         node values overrate a batch's trees: where a batch's forward is not flat, trees of
         tens of nodes a row cost many plain steps each, and the guard paid for every such run
-        before it turned speculation off (docs/design/0016)."""
+        before it turned speculation off (docs/design/0016). Reads the curve's largest size
+        kept with its table (:meth:`_cost_table`, called first)."""
         top = self.config.max_nodes
         if batch > 1 and self.batch_cost is None:
-            self._cost_table()  # (its largest measured size, read with the table)
             top = min(top, max(1, self._costs[2] // batch - 1))
         return top
 
