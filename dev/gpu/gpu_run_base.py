@@ -128,9 +128,15 @@ class Profile:
     # small self-distilled set gained from up to ~12 epochs (docs/design/0006-demo-recipe.md).
     head_time_overrides: tuple = ("--epochs", "12", "--schedule-by-time")
     # stage e: plain default-chat records whose cached features the head learns by KD only
-    # (redraft-cache-features, then --kd-features; 0: train online on the distilled replies alone)
-    head_kd_records: int = 1000
-    head_overrides: tuple = ()  # stage e's training only (the dry run's tiny recipe: ce+kd)
+    # (redraft-cache-features, then --kd-features; 0: train online on the distilled replies
+    # alone). None: on the CPU such records added ~0.05 tau_est beside 100 distilled
+    # conversations and nothing beside ~840 or more (docs/design/0006-demo-recipe.md), and one
+    # stage e distills thousands.
+    head_kd_records: int = 0
+    # stage e's training only. Draft step i's loss weighted 0.6^i, as in the demo recipes: on the
+    # CPU +0.04 held-out tau_est over plain weights on the same 2,048 replies
+    # (docs/design/0006-demo-recipe.md)
+    head_overrides: tuple = ("--set", "step_decay=0.6")
     # stage e's self-distilled data, made as steps of their own (time-bounded) instead of inside
     # redraft-train (whose time budget counts training only): on a 135M target distilling is ~10x
     # slower per token than training, so the time goes to the replies

@@ -138,8 +138,12 @@ class SpeculativeDecoder:
         freshly loaded decoder (learned acceptance rates and measured costs stay).
         ``redraft-bench`` calls it before every pass at a concurrency, as vLLM's engine starts
         each pass empty: the prompts of the pass before would otherwise come from the cache."""
-        if self._engine is not None and self._engine.has_work:
-            raise RuntimeError("forget() while requests are decoding: call it between them.")
+        if self._engine is not None:
+            if self._engine.has_work:
+                raise RuntimeError("forget() while requests are decoding: call it between them.")
+            # finished rows leave the batch lazily, at the next step, and store their entries and
+            # outputs as they leave: drop them now, or they fill what is emptied below
+            self._engine._retire()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         for d in self.drafters:
