@@ -97,6 +97,13 @@ class DecoderConfig(Settings):
         "without transformers' module calls: the same kernels and numbers, less Python per "
         "step (redraft/models/lean.py); false: transformers' forward.",
     )
+    compiled_attention: bool = _f(
+        True,
+        "On CPU in float32, forwards of one token per row (plain decoding steps) attend with a "
+        "compiled loop over each row's own cached columns instead of SDPA over the batch's "
+        "longest row (redraft/infer/runner/tree_attention.py): float32 rounding apart, the same "
+        "attention; false: SDPA.",
+    )
     static_verify: Literal["auto"] | bool = _f(
         "auto",
         "Pad verify trees to a few fixed sizes and capture the forward in a CUDA graph: "

@@ -81,6 +81,7 @@ class SpeculativeDecoder:
             fp32_logits=cfg.fp32_logits,
             cpu_pack=cfg.cpu_pack,
             lean_walk=cfg.lean_walk,
+            compiled_attention=cfg.compiled_attention,
             static=static,
             span_buckets=static if cfg.span_buckets == "auto" else cfg.span_buckets,
         )

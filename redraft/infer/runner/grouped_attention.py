@@ -30,6 +30,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from redraft.infer.runner import tree_attention
+
 NAME = "redraft_grouped_sdpa"
 # one more attention call costs about as much as reading this many more key/value columns for
 # one query token (SDPA's fixed cost per call against its cost per column, float32 on a CPU)
@@ -180,6 +182,8 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     ragged = _RAGGED.get()
     if ragged is not None:
         return ragged_sdpa(module, query, ragged, **kwargs), None
+    if tree_attention.current() is not None and tree_attention.supports(module, query, key, kwargs):
+        return tree_attention.tree_attention(module, query, key, value, **kwargs), None
     piece = _PIECE.get()
     if piece is not None:
         _, H, _, d = query.shape

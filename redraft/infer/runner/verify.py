@@ -37,6 +37,7 @@ import time
 import numpy as np
 import torch
 
+from redraft.infer.runner import tree_attention
 from redraft.infer.runner.cost import SIZES, CostCurve, measure_cost_curve
 from redraft.infer.runner.graphs import GraphStore, after_failed_capture, cuda_capture, graph_stats
 from redraft.infer.runner.grouped_attention import NAME as ATTENTION
@@ -95,6 +96,8 @@ class Verifier:
         lean_walk: on CPU in float32, run Llama-family targets' forwards as a walk over their
             layers with the same kernels and numbers (``redraft.models.lean``); ``False``:
             transformers' forward.
+        compiled_attention: on CPU in float32, forwards of one token per row attend with
+            ``redraft.infer.runner.tree_attention`` (each row over its own cached columns).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class Verifier:
         capture=None,
         span_buckets: bool = False,
         lean_walk: bool = True,
+        compiled_attention: bool = True,
     ):
         self.target = target
         self.span_buckets = span_buckets
@@ -161,6 +165,12 @@ class Verifier:
         self._grouped = packed and not static and self.device.type == "cpu"
         # CPU: prefill forwards are one flattened row of the prompts' tokens, no padding
         self.ragged_prefill = self._grouped
+        self._compiled = (
+            compiled_attention
+            and self._grouped
+            and self.dtype == torch.float32
+            and tree_attention.available()
+        )
 
     @property
     def kernels(self) -> str:
@@ -285,7 +295,14 @@ class Verifier:
             cache.begin(lengths, N, span)
             bias = cache.attention_bias(step.anc.bool(), self.dtype)
             groups = row_groups(cache.host_lengths, N) if self._grouped else None
-            with grouped(groups):
+            # one token per row: each row attends over its own columns (tree_attention); trees
+            # stay with SDPA, which is faster for many query rows (tree_attention's doc)
+            rows = (
+                tree_attention.with_tree(lengths.numpy(), np.ones((len(lengths), 1, 1), bool))
+                if self._compiled and N == 1
+                else contextlib.nullcontext()
+            )
+            with grouped(groups), rows:
                 return self._model(
                     step.tokens.clamp_min(0), lengths[:, None] + step.depth, bias, cache
                 )
