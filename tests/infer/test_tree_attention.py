@@ -81,3 +81,33 @@ def test_plain_decoding_through_it_gives_sdpas_tokens(tiny_target, monkeypatch):
     assert not calls
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert [g.tokens for g in got] == [r.tokens for r in plain_greedy(tiny_target, prompts, 24)]
+
+
+def test_only_one_row_with_a_tree_stays_with_sdpa():
+    assert ta.pays(1, 1) and ta.pays(16, 1)
+    assert ta.pays(2, ta.MAX_BATCH_TOKENS) and not ta.pays(2, ta.MAX_BATCH_TOKENS + 1)
+    assert not ta.pays(1, 2)
+
+
+def test_a_batch_of_small_trees_decodes_as_plain_greedy_through_it(tiny_target, monkeypatch):
+    """Trees of the target's own continuation (a right path and a wrong sibling): accepted
+    in part, the output plain greedy's."""
+    from test_decoder import OracleDrafter
+
+    from redraft.infer.runner.cost import CostCurve
+
+    V = tiny_target.vocab_size
+    prompts = [[(5 * i + 3 * j) % V for j in range(30 + 7 * i)] for i in range(3)]
+    ref = plain_greedy(tiny_target, prompts, 32)
+    sizes = []
+    real = ta.tree_attention
+    monkeypatch.setattr(
+        ta, "tree_attention", lambda m, q, *a, **k: sizes.append(q.shape[2]) or real(m, q, *a, **k)
+    )
+    curve = CostCurve([1, 8, 64], [1.0, 1.05, 2.0])  # trees nearly free: they are drafted
+    oracle = OracleDrafter({i: r.tokens for i, r in enumerate(ref)}, L=2)
+    dec = SpeculativeDecoder(tiny_target, [oracle], cost_curve=curve, max_nodes=3)
+    got = dec.generate(prompts, max_new_tokens=32)
+    assert [g.tokens for g in got] == [r.tokens for r in ref]
+    assert max(sizes) > 1 and max(sizes) <= ta.MAX_BATCH_TOKENS  # trees went through it
+    assert sum(g.stats.target_calls for g in got) < sum(len(g.tokens) for g in got)

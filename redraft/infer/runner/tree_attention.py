@@ -2,17 +2,18 @@
 
 A verify forward attends row ``b``'s ``n`` new tokens over the row's ``lengths[b]`` cached
 columns (all of them) and the new tokens' own columns (each token its tree ancestors and itself).
-SDPA gets this as a dense additive mask over the batch's longest row: it reads every masked
-column of every shorter row, and one call per run of rows (:func:`~redraft.infer.runner.
-grouped_attention.row_groups`) pays a fixed cost per call that is large against a decode step's
-few hundred columns. :func:`tree_attention` reads each row's own columns only, once for the
-query heads that share a key/value head, and the tree part from the ancestor matrix instead of a
-mask; no mask is built. Same arithmetic (scaled dot products, softmax with its maximum taken
-out, weighted sum of values), summed in another order: float32 outputs within a few units of the
-last place of SDPA's.
+SDPA gets this as a dense additive mask over the longest row of each run of rows
+(:func:`~redraft.infer.runner.grouped_attention.row_groups`) and pays a fixed cost per call,
+large against a decoding step's few hundred columns. :func:`tree_attention` reads each row's own
+columns only, once for all the query heads that share a key/value head and all the row's tree
+tokens, and the tree part from the ancestor matrix; no mask is built. Same arithmetic (scaled
+dot products, a softmax with its maximum taken out, a weighted sum of values), summed in
+another order and with a polynomial exponential: float32 outputs within a few units of the last
+place of SDPA's.
 
-The verifier turns it on for CPU float32 forwards (:func:`with_tree`, ``cpu_tree_attention``);
-transformers' ``sdpa`` stays for everything else (other dtypes, devices, prefill forwards).
+The verifier turns it on for CPU float32 forwards of one token per row, and of a few tokens per
+row at two rows or more (:func:`pays`; ``compiled_attention``); SDPA stays for everything else
+(one row's trees, other dtypes and devices, prefill forwards).
 """
 
 from __future__ import annotations
@@ -46,6 +47,47 @@ def current():
     return _TREE.get()
 
 
+# Cephes' expf: exp(x) = 2^k exp(r), |r| <= ln 2 / 2, exp(r) by a degree-6 polynomial; within
+# about one unit of the last place of float32. A loop over it vectorises (no call per element),
+# where math.exp is one scalar call per element: the softmax of a tree's rows was most of the
+# loop's time with it.
+_LOG2E = np.float32(1.44269504)
+_LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)
+_P0, _P1, _P2 = (
+    np.float32(1.9875691500e-4),
+    np.float32(1.3981999507e-3),
+    np.float32(8.3334519073e-3),
+)
+_P3, _P4, _P5 = (
+    np.float32(4.1665795894e-2),
+    np.float32(1.6666665459e-1),
+    np.float32(5.0000001201e-1),
+)
+_LO, _HI = np.float32(-87.0), np.float32(88.0)  # exp(-87) ~ 1.6e-38: below it, 0
+_HALF, _ONE, _ZERO = np.float32(0.5), np.float32(1.0), np.float32(0.0)
+
+
+def _exp(x, bits):  # pragma: no cover - compiled
+    """``x = exp(x)`` in place, 0 at or below ``-87`` (``-inf``: a masked column); ``bits``: an
+    int32 scratch as long as ``x``."""
+    m = x.shape[0]
+    two_k = bits[:m].view(np.float32)
+    for i in range(m):
+        v = x[i]
+        c = min(max(v, _LO), _HI)
+        k = np.floor(c * _LOG2E + _HALF)
+        r = c - k * _LN2_HI - k * _LN2_LO
+        y = (((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * r * r + r + _ONE
+        bits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)  # 2^k's float32 bits
+        x[i] = y if v > _LO else _ZERO
+    for i in range(m):
+        x[i] = x[i] * two_k[i]
+
+
+if numba is not None:
+    _exp = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")(_exp)
+
+
 def _attend(q, k, v, lengths, anc, scale, out):  # pragma: no cover - compiled
     """``q [B, kv_heads, R, d]`` (``R = g n`` query rows of a key/value head, row ``j n + i``
     token ``i`` of query head ``j``), ``k``/``v [B, kv_heads, capacity, d]`` (the cache: row
@@ -57,6 +99,7 @@ def _attend(q, k, v, lengths, anc, scale, out):  # pragma: no cover - compiled
     mx = np.empty(R, np.float32)
     z = np.empty(R, np.float32)
     acc = np.empty((R, d), np.float32)
+    bits = np.empty(k.shape[2] * R, np.int32)
     for b in range(B):
         L = lengths[b]
         for h in range(KV):
@@ -80,12 +123,14 @@ def _attend(q, k, v, lengths, anc, scale, out):  # pragma: no cover - compiled
                         mx[r] = max(mx[r], x)
                     else:
                         s[t, r] = -np.inf
+            for t in range(L + n):
+                for r in range(R):
+                    s[t, r] -= mx[r]
+            _exp(s.reshape(-1)[: (L + n) * R], bits)
             z[:] = 0.0
             for t in range(L + n):
                 for r in range(R):
-                    e = np.float32(math.exp(s[t, r] - mx[r]))
-                    s[t, r] = e
-                    z[r] += e
+                    z[r] += s[t, r]
             acc[:] = 0.0
             for t in range(L + n):
                 for r in range(R):
@@ -104,6 +149,21 @@ _attend_jit = (
 
 def available() -> bool:
     return _attend_jit is not None
+
+
+# tokens per row up to which a batch of two rows or more attends through the loop. SDPA's
+# costs that the loop does not pay grow with the rows (a call per run of rows, the masked
+# columns of rows shorter than their run's longest); the loop's grow with the query rows (a
+# horizontal sum per query row and column): on one row SDPA is faster from a few tokens, and a
+# batch's tree is a few tokens a row (the budget's node limit). The loop was 1.4-2.4x SDPA at
+# 2-16 rows and 2-4 tokens, and 0.8-1.2x at 8 tokens (decision record 0017).
+MAX_BATCH_TOKENS = 4
+
+
+def pays(rows: int, n: int) -> bool:
+    """Whether a forward of ``rows`` rows and ``n`` tokens each attends through the loop: one
+    token per row, or a few at two rows or more (:data:`MAX_BATCH_TOKENS`)."""
+    return n == 1 or (rows >= 2 and n <= MAX_BATCH_TOKENS)
 
 
 def supports(module, query, key, kwargs) -> bool:

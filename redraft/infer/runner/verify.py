@@ -295,11 +295,9 @@ class Verifier:
             cache.begin(lengths, N, span)
             bias = cache.attention_bias(step.anc.bool(), self.dtype)
             groups = row_groups(cache.host_lengths, N) if self._grouped else None
-            # one token per row: each row attends over its own columns (tree_attention); trees
-            # stay with SDPA, which is faster for many query rows (tree_attention's doc)
             rows = (
-                tree_attention.with_tree(lengths.numpy(), np.ones((len(lengths), 1, 1), bool))
-                if self._compiled and N == 1
+                tree_attention.with_tree(lengths.numpy(), step.anc.bool().numpy())
+                if self._compiled and tree_attention.pays(len(lengths), N)
                 else contextlib.nullcontext()
             )
             with grouped(groups), rows:
