@@ -99,10 +99,11 @@ class DecoderConfig(Settings):
     )
     compiled_attention: bool = _f(
         True,
-        "On CPU in float32, forwards of one token per row (plain decoding steps) attend with a "
-        "compiled loop over each row's own cached columns instead of SDPA over the batch's "
-        "longest row (redraft/infer/runner/tree_attention.py): float32 rounding apart, the same "
-        "attention; false: SDPA.",
+        "On CPU in float32, forwards of one token per row (plain decoding steps), and of up to "
+        "4 tokens a row at 2 rows or more, attend with a compiled loop over each row's own "
+        "cached columns instead of SDPA over the longest row "
+        "(redraft/infer/runner/tree_attention.py): float32 rounding apart, the same attention; "
+        "false: SDPA.",
     )
     static_verify: Literal["auto"] | bool = _f(
         "auto",

@@ -150,3 +150,42 @@ def test_an_idle_burst_sharing_a_cached_prefix_is_prefilled_before_it_decodes(ti
     assert all(r.stats.cached_tokens == 32 for r in eng.rows)
     while eng.has_work:
         eng.step()
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_an_idle_burst_with_whole_prompts_prefills_the_long_ones_too(tiny_target, whole):
+    """Under "auto" a long prompt's pieces ride with the rows that joined (their first tokens
+    sooner); ``whole_prompts`` (``generate()``: the caller waits for the batch) prefills every
+    prompt in the idle step, forward after forward, and nothing rides."""
+    V = tiny_target.vocab_size
+    dec = SpeculativeDecoder(tiny_target, [], budget=0, cost_curve=CURVE)
+    eng = dec.engine()
+    eng.whole_prompts = whole
+    eng._pacer.ref = 100.0  # the idle allowance never runs out here
+    eng._pacer.fits = lambda steps=1.0, fused=False, capped=True: lambda N, S: N <= 20
+    short = [[(7 * i + 3 * j + 1) % V for j in range(10)] for i in range(2)]
+    long = [(5 * j + 3) % V for j in range(50)]
+    for p in [*short, long]:
+        eng.add(p, SamplingParams.checked(max_new_tokens=6))
+    eng.step()
+    assert len(eng.rows) == (3 if whole else 2)
+    assert not eng.prefilling if whole else eng.prefilling[0].filled == 20
+    while eng.has_work:
+        eng.step()
+    assert eng.totals["fused"] == (0 if whole else 2)  # the long prompt's later pieces
+
+
+def test_generate_prefills_every_prompt_before_it_decodes(tiny_target, monkeypatch):
+    V = tiny_target.vocab_size
+    dec = SpeculativeDecoder(tiny_target, [], budget=0, cost_curve=CURVE)
+    prompts = [[(7 * i + 3 * j + 1) % V for j in range(10 + 60 * i)] for i in range(3)]
+    seen = []
+    step = type(dec.engine()).step
+    monkeypatch.setattr(
+        type(dec.engine()), "step", lambda self: seen.append(self.whole_prompts) or step(self)
+    )
+    out = dec.generate(prompts, max_new_tokens=4)
+    assert seen and all(seen)
+    assert [o.tokens for o in out] == [r.tokens for r in plain_greedy(tiny_target, prompts, 4)]
+    list(dec.generate(prompts, max_new_tokens=4, stream=True))
+    assert not seen[-1]

@@ -132,6 +132,9 @@ class Engine(PrefillScheduler, BatchRows):
         # prefill pieces ride in the running rows' verify forward (DecoderConfig.fuse_prefill)
         fuse = config.fuse_prefill
         self.fuse = self.verifier.can_fuse and fuse in ("auto", True)
+        # an idle burst prefills every waiting prompt, long ones too, before it decodes (set
+        # per call by SpeculativeDecoder.stream; generate() waits for the whole batch)
+        self.whole_prompts = False
         self._next_id = 0
         self._clock = Clock(self.device)
         self._context = getattr(target.model.config, "max_position_embeddings", None)

@@ -142,7 +142,8 @@ class PrefillScheduler:
         long prompts stop once prompts have joined (they decode, the long prompts' pieces
         riding with them) or after ``IDLE_STEPS`` reference steps (a batch of prompts joins
         together, but a request that arrives meanwhile is not held back long by a long prompt);
-        with chunking off, every waiting prompt."""
+        with chunking off, every waiting prompt. With :attr:`whole_prompts` (``generate()``:
+        the caller waits for the whole batch) an idle burst prefills every waiting prompt."""
         if self.waiting:
             new, self.waiting = self.waiting, []
             self._admit(new)
@@ -157,7 +158,7 @@ class PrefillScheduler:
             # otherwise stopped after its first forward, the rest riding with the few that
             # joined, 110 forwards for 16 chats of 64 tokens where 64 do)
             head = self.prefilling[0]
-            cut = head.filled > head.stats.cached_tokens
+            cut = head.filled > head.stats.cached_tokens and not self.whole_prompts
             if idle and cut and self.rows:
                 # only long prompts are left and prompts joined: they decode now, the long
                 # ones' pieces riding with them (one round of 4 streams through HTTP: a server

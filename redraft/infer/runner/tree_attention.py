@@ -156,7 +156,7 @@ def available() -> bool:
 # columns of rows shorter than their run's longest); the loop's grow with the query rows (a
 # horizontal sum per query row and column): on one row SDPA is faster from a few tokens, and a
 # batch's tree is a few tokens a row (the budget's node limit). The loop was 1.4-2.4x SDPA at
-# 2-16 rows and 2-4 tokens, and 0.8-1.2x at 8 tokens (decision record 0017).
+# 2-16 rows and 2-4 tokens, and 0.8-1.5x at 8 tokens (decision record 0017).
 MAX_BATCH_TOKENS = 4
 
 
