@@ -91,6 +91,21 @@ if numba is not None:
     _exp = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")(_exp)
 
 
+def _score(q, k, b, h, r, t, scale, s, mx):  # pragma: no cover - compiled
+    """``s[t, r]``: query row ``r``'s scaled dot product with key column ``t``; ``mx[r]`` its
+    running maximum."""
+    x = np.float32(0.0)
+    for c in range(q.shape[3]):
+        x += q[b, h, r, c] * k[b, h, t, c]
+    x *= scale
+    s[t, r] = x
+    mx[r] = max(mx[r], x)
+
+
+if numba is not None:
+    _score = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")(_score)
+
+
 def _attend(q, k, v, lengths, anc, scale, out):  # pragma: no cover - compiled
     """``q [B, kv_heads, R, d]`` (``R = g n`` query rows of a key/value head, row ``j n + i``
     token ``i`` of query head ``j``), ``k``/``v [B, kv_heads, capacity, d]`` (the cache: row
@@ -109,21 +124,11 @@ def _attend(q, k, v, lengths, anc, scale, out):  # pragma: no cover - compiled
             mx[:] = -np.inf
             for t in range(L):  # the row's cache: every query row sees it
                 for r in range(R):
-                    x = np.float32(0.0)
-                    for c in range(d):
-                        x += q[b, h, r, c] * k[b, h, t, c]
-                    x *= scale
-                    s[t, r] = x
-                    mx[r] = max(mx[r], x)
+                    _score(q, k, b, h, r, t, scale, s, mx)
             for t in range(L, L + n):  # the tree: ancestors and self
                 for r in range(R):
                     if anc[b, r % n, t - L]:
-                        x = np.float32(0.0)
-                        for c in range(d):
-                            x += q[b, h, r, c] * k[b, h, t, c]
-                        x *= scale
-                        s[t, r] = x
-                        mx[r] = max(mx[r], x)
+                        _score(q, k, b, h, r, t, scale, s, mx)
                     else:
                         s[t, r] = -np.inf
             for t in range(L + n):
