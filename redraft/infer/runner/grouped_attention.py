@@ -182,7 +182,7 @@ def grouped_sdpa(module, query, key, value, attention_mask, **kwargs):
     ragged = _RAGGED.get()
     if ragged is not None:
         return ragged_sdpa(module, query, ragged, **kwargs), None
-    if tree_attention.current() is not None and tree_attention.supports(module, query, key, kwargs):
+    if tree_attention.supports(module, query, key, kwargs):
         return tree_attention.tree_attention(module, query, key, value, **kwargs), None
     piece = _PIECE.get()
     if piece is not None:

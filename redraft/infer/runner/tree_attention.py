@@ -6,7 +6,7 @@ SDPA gets this as a dense additive mask over the longest row of each run of rows
 (:func:`~redraft.infer.runner.grouped_attention.row_groups`) and pays a fixed cost per call,
 large against a decoding step's few hundred columns. :func:`tree_attention` reads each row's own
 columns only, once for all the query heads that share a key/value head and all the row's tree
-tokens, and the tree part from the ancestor matrix; no mask is built. Same arithmetic (scaled
+tokens, and the tree part from the ancestor matrix; the mask is not read. Same arithmetic (scaled
 dot products, a softmax with its maximum taken out, a weighted sum of values), summed in
 another order and with a polynomial exponential: float32 outputs within a few units of the last
 place of SDPA's.
@@ -43,11 +43,6 @@ def with_tree(lengths: np.ndarray, anc: np.ndarray):
         yield
     finally:
         _TREE.reset(token)
-
-
-def current():
-    """The rows set by :func:`with_tree`, or None."""
-    return _TREE.get()
 
 
 # Cephes' expf: exp(x) = 2^k exp(r), |r| <= ln 2 / 2, exp(r) by a degree-6 polynomial; within

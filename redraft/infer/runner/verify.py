@@ -96,8 +96,9 @@ class Verifier:
         lean_walk: on CPU in float32, run Llama-family targets' forwards as a walk over their
             layers with the same kernels and numbers (``redraft.models.lean``); ``False``:
             transformers' forward.
-        compiled_attention: on CPU in float32, forwards of one token per row attend with
-            ``redraft.infer.runner.tree_attention`` (each row over its own cached columns).
+        compiled_attention: on CPU in float32, forwards of one token per row, or a few at two
+            rows or more, attend with ``redraft.infer.runner.tree_attention`` (each row over
+            its own cached columns).
     """
 
     def __init__(
@@ -293,13 +294,14 @@ class Verifier:
             else:
                 span = min(cache.capacity, cache.physical + N)
             cache.begin(lengths, N, span)
-            bias = cache.attention_bias(step.anc.bool(), self.dtype)
-            groups = row_groups(cache.host_lengths, N) if self._grouped else None
-            rows = (
-                tree_attention.with_tree(lengths.numpy(), step.anc.bool().numpy())
-                if self._compiled and tree_attention.pays(len(lengths), N)
-                else contextlib.nullcontext()
-            )
+            anc = step.anc.bool()
+            bias = cache.attention_bias(anc, self.dtype)
+            if self._compiled and tree_attention.pays(len(lengths), N):
+                # each row over its own columns: no runs of rows to plan
+                groups, rows = None, tree_attention.with_tree(lengths.numpy(), anc.numpy())
+            else:
+                groups = row_groups(cache.host_lengths, N) if self._grouped else None
+                rows = contextlib.nullcontext()
             with grouped(groups), rows:
                 return self._model(
                     step.tokens.clamp_min(0), lengths[:, None] + step.depth, bias, cache
