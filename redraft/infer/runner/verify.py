@@ -96,9 +96,8 @@ class Verifier:
         lean_walk: on CPU in float32, run Llama-family targets' forwards as a walk over their
             layers with the same kernels and numbers (``redraft.models.lean``); ``False``:
             transformers' forward.
-        compiled_attention: on CPU in float32, forwards of one token per row, or a few at two
-            rows or more, attend with ``redraft.infer.runner.tree_attention`` (each row over
-            its own cached columns).
+        compiled_attention: on CPU in float32, forwards of a few tokens per row attend with
+            ``redraft.infer.runner.tree_attention`` where it pays (its ``pays``).
     """
 
     def __init__(
@@ -296,8 +295,7 @@ class Verifier:
             cache.begin(lengths, N, span)
             anc = step.anc.bool()
             bias = cache.attention_bias(anc, self.dtype)
-            if self._compiled and tree_attention.pays(len(lengths), N):
-                # each row over its own columns: no runs of rows to plan
+            if self._compiled and tree_attention.pays(len(lengths), N):  # no runs to plan
                 groups, rows = None, tree_attention.with_tree(lengths.numpy(), anc.numpy())
             else:
                 groups = row_groups(cache.host_lengths, N) if self._grouped else None
