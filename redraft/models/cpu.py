@@ -65,12 +65,87 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 8) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + b`` with a weight from :func:`pack_weight` (any leading shape of ``x``)."""
+    """``x @ W.T + b`` with a weight from :func:`pack_weight` (any leading shape of ``x``); a
+    product of a few rows runs padded with zero rows where :func:`plan_row_padding` measured
+    more rows faster on this CPU (each real row's output is its own dot products either way)."""
     lead = x.shape[:-1]
-    out = torch.ops.mkldnn._linear_pointwise(
-        x.reshape(-1, x.shape[-1]).contiguous(), packed, bias, "none", [], ""
-    )
+    flat = x.reshape(-1, x.shape[-1])
+    m = flat.shape[0]
+    to = _ROW_PAD.get(torch.get_num_threads(), {}).get(m) if m < _PAD_TOP else None
+    if to:
+        flat = torch.cat([flat, flat.new_zeros(to - m, flat.shape[1])])
+    out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
+    if to:
+        out = out[:m]
     return out.reshape(*lead, out.shape[-1])
+
+
+# Row padding of packed products, measured per thread count: {threads: {rows: padded rows}}.
+# oneDNN's packed kernel does not cost more with every row: on an AVX-512 CPU without AMX the
+# default target's linears took 1.3x as long at 2 rows as at 4 (a verify forward of 2 tokens
+# cost more than one of 4), so a product of ``rows`` runs as one of the cheapest measured row
+# count at or above it, the extra rows zeros.
+_ROW_PAD: dict[int, dict[int, int]] = {}
+PAD_ROWS = range(2, 9)  # row counts measured (and padded to); 1 row keeps its measured kernel
+_PAD_TOP = PAD_ROWS.stop
+PAD_MARGIN = 0.9  # pad only where the padded product measured at least 10% faster
+
+
+def plan_row_padding(model: torch.nn.Module, max_bytes: int = 96 << 20, repeats: int = 3) -> dict:
+    """Measure oneDNN's packed products at :data:`PAD_ROWS` rows over ``model``'s float32
+    linears (temporary packed copies of its first layers, up to ``max_bytes``: a forward reads
+    its weights from memory) and set the padding :func:`packed_linear` uses at this thread count:
+    ``rows -> the cheapest row count at or above it`` where that is :data:`PAD_MARGIN` faster.
+    Once per process and thread count (~0.3 s for the default target); returns the table."""
+    threads = torch.get_num_threads()
+    if threads in _ROW_PAD or not packing_available():
+        return _ROW_PAD.get(threads, {})
+    packs, total = [], 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(m, torch.nn.Linear) or w.device.type != "cpu" or total >= max_bytes:
+            continue
+        if w.dtype == torch.float32 and w.numel() >= MIN_PACKED_WEIGHT:
+            packs.append((w.shape[1], pack_weight(w), m.bias))
+            total += w.numel() * 4
+    if not packs:
+        return {}
+    table = _ROW_PAD[threads] = padding_table(_fastest_rows(packs, repeats))
+    logger.info("CPU kernels: packed products padded %s", table or "nowhere")
+    return table
+
+
+def padding_table(seconds: dict) -> dict:
+    """``{rows: seconds}`` of packed products -> ``{rows: padded rows}``: each row count runs as
+    the cheapest at or above it, where that is :data:`PAD_MARGIN` faster than itself."""
+    table = {}
+    for m in sorted(seconds):
+        to = min((n for n in sorted(seconds) if n >= m), key=lambda n: seconds[n])
+        if to != m and seconds[to] < PAD_MARGIN * seconds[m]:
+            table[m] = to
+    return table
+
+
+def row_padding() -> dict:
+    """The row padding :func:`packed_linear` uses at this thread count (``{}``: none)."""
+    return dict(_ROW_PAD.get(torch.get_num_threads(), {}))
+
+
+def _fastest_rows(packs: list, repeats: int, clock=time.perf_counter) -> dict:
+    """``{rows: seconds}``: the packed products ``packs`` run in order at each of
+    :data:`PAD_ROWS` rows, the least of ``repeats`` timings after one warm-up round."""
+    best: dict = {}
+    with torch.no_grad():
+        for rep in range(repeats + 1):
+            for m in PAD_ROWS:
+                xs = {k: torch.randn(m, k) for k, _, _ in packs}
+                t0 = clock()
+                for k, packed, bias in packs:
+                    torch.ops.mkldnn._linear_pointwise(xs[k], packed, bias, "none", [], "")
+                dt = clock() - t0
+                if rep:
+                    best[m] = min(best.get(m, dt), dt)
+    return best
 
 
 # derived weights per layer, made once and shared by every decoder over the same model; an

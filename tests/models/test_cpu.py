@@ -117,3 +117,45 @@ def test_the_packing_threshold_is_measured_once_per_layer_set(monkeypatch):
     with torch.no_grad():
         m[0].weight.mul_(1.0)  # an in-place update: the answer is measured again
     assert cpu.packed_from(packs) == 2 and len(timed) == 2
+
+
+def test_padding_table_pads_to_the_cheapest_row_count_at_or_above_and_only_past_the_margin():
+    secs = {2: 10.0, 3: 9.5, 4: 6.0, 5: 6.5, 6: 7.0, 7: 9.0, 8: 8.5}
+    # 2 and 3 run as 4; 5 and 6 have nothing cheaper above; 7 -> 8 saves only 5.6%
+    assert cpu.padding_table(secs) == {2: 4, 3: 4}
+    assert cpu.padding_table({**secs, 8: 5.0}) == {m: 8 for m in range(2, 8)}
+    assert cpu.padding_table({2: 1.0, 3: 2.0, 4: 3.0}) == {}  # rising: never padded
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("lead", [(2,), (1, 2), (2, 1), (3,)])
+def test_padded_packed_products_give_each_rows_own_output(monkeypatch, lead):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    packed = cpu.pack_weight(layer.weight)
+    x = torch.randn(*lead, 64)
+    monkeypatch.setitem(cpu._ROW_PAD, torch.get_num_threads(), {2: 5, 3: 8})
+    assert cpu.row_padding() == {2: 5, 3: 8}
+    out = cpu.packed_linear(x, packed, layer.bias)
+    assert out.shape == (*lead, 48)
+    torch.testing.assert_close(out, layer(x), atol=1e-5, rtol=1e-5)
+    # each row as it would be alone (the zero rows change nothing)
+    for i, row in enumerate(x.reshape(-1, 64)):
+        alone = cpu.packed_linear(row[None], packed, layer.bias)[0]
+        torch.testing.assert_close(out.reshape(-1, 48)[i], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_row_padding_measures_once_per_thread_count(monkeypatch):
+    monkeypatch.setattr(cpu, "_ROW_PAD", {})
+    calls = []
+
+    def fake(packs, repeats):
+        calls.append(len(packs))
+        return {2: 10.0, 3: 6.0, 4: 7.0, 5: 8.0, 6: 9.0, 7: 9.5, 8: 9.9}
+
+    monkeypatch.setattr(cpu, "_fastest_rows", fake)
+    m = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Linear(256, 16))
+    assert cpu.plan_row_padding(m) == {2: 3}
+    assert calls == [1]  # the small layer stays out (below MIN_PACKED_WEIGHT)
+    assert cpu.plan_row_padding(m) == {2: 3} and calls == [1]  # measured once
+    assert cpu.plan_row_padding(torch.nn.Linear(4, 4)) == {2: 3}  # per thread count, not model

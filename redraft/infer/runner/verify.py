@@ -14,18 +14,15 @@ the whole verify, mask included, is one graph launch, and the step outside it is
 ops (``redraft.infer.runner.opcount`` counts them).
 
 Graphs (:class:`GraphSet`) belong to the cache they were captured over (its buffer address is in
-them): one set per :class:`~redraft.infer.runner.kv.SlotKVCache`, with its own memory pool, captured
-once per shape and reused across requests, dropped together (graphs and pool) when the buffer
-grows. A shape is captured the second step in a row it is used or its third use in all
-(:class:`~redraft.infer.runner.graphs.GraphStore`; a server's batch changes often, a speculating
-engine's tree size alternates); the eager forward runs until then. **A capture that fails never
-changes or stops decoding**: it is logged once, that shape stays eager, and the step runs the
-eager forward (a CPU test injects a failing capture).
+them): one set per :class:`~redraft.infer.runner.kv.SlotKVCache`, with its own memory pool,
+captured once per shape, dropped together when the buffer grows; a shape is captured the second
+step in a row it is used or at its third use (``GraphStore``: a server's batch changes often, a
+speculating engine's tree size alternates). **A capture that fails never changes or stops
+decoding**: logged once, that shape stays eager (a CPU test injects a failing capture).
 
-Attention backend: the mask is an explicit tree mask, so FlashAttention cannot run it; on CUDA
-the forwards run under ``sdpa_kernel([EFFICIENT_ATTENTION, MATH])``. PyTorch's cuDNN SDPA backend
-(which it may otherwise pick) builds a new execution plan for every new masked shape, ~30 ms of
-CPU per call on a GPU (docs/infer.md, "Attention backend").
+Attention backend: an explicit tree mask (no FlashAttention); on CUDA the forwards run under
+``sdpa_kernel([EFFICIENT_ATTENTION, MATH])``, not cuDNN's SDPA, which builds a new plan for every
+masked shape (~30 ms of CPU per call; docs/infer.md, "Attention backend").
 """
 
 from __future__ import annotations
@@ -131,6 +128,7 @@ class Verifier:
         if cpu_pack and head.weight.device.type == "cpu":
             self._head_wt, self._head_packed = cpu.head_weights(head, head_dtype)  # [H, V]
             if target.dtype == torch.float32:
+                cpu.plan_row_padding(self.base)  # first: the kernel plans below time with it
                 self._groups = siblings.traced_groups(self.base)
                 grouped = {layer for g in self._groups for layer in g.layers}
                 self._packs = cpu.pack_linears(self.base, exclude=grouped)
@@ -181,6 +179,8 @@ class Verifier:
             parts.append(f"float32 linears packed from {n} token{'s' if n > 1 else ''}")
         if self._head_packed is not None:
             parts.append(f"LM head from {self.head_packed_rows[0]}")
+        if (pad := cpu.row_padding()) and (self._packs or self._groups or self._head_packed):
+            parts.append("packed " + " ".join(f"{m}->{n}" for m, n in pad.items()) + " rows")
         if self._lean is not None:
             parts.append("lean walk")
         return ", ".join(parts)
