@@ -554,3 +554,38 @@ def test_without_batched_costs_a_batch_tree_stays_within_the_curves_sizes(
         assert all(m == 8 for m, _ in at4) and max(k for _, k in at4) > 3
     else:
         assert all(m == 3 for m, _ in at4) and max(k for _, k in at4) == 3
+
+
+def test_one_slow_drafting_step_does_not_stay_in_the_budgets_price(tiny_target, tiny_prompts):
+    """The first speculative step may compile the host kernels (seconds): the budget adds the
+    median of the recent drafting times to a step's cost, so it is gone after a few steps."""
+    import time as _time
+
+    V = tiny_target.vocab_size
+
+    class SlowOnce(ContextNGramDrafter):
+        calls = 0
+
+        def propose_host(self, host):
+            SlowOnce.calls += 1
+            if SlowOnce.calls == 1:
+                _time.sleep(0.5)
+            return super().propose_host(host)
+
+    dec = SpeculativeDecoder(tiny_target, [SlowOnce(V)], cost_curve=CostCurve.flat())
+    spec = dec.speculator
+    seen = []
+    orig = spec.after_step
+
+    def after(*a):
+        out = orig(*a)
+        seen.append(spec.draft_overhead)
+        return out
+
+    spec.after_step = after
+    out = dec.generate(tiny_prompts[:1], max_new_tokens=12)
+    assert [g.tokens for g in out] == [
+        r.tokens for r in plain_greedy(tiny_target, tiny_prompts[:1], 12)
+    ]
+    assert seen[0] >= 0.5  # the slow step alone
+    assert len(seen) >= 4 and max(seen[2:]) < 0.05  # two fast steps outvote it

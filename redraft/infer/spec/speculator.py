@@ -21,6 +21,7 @@ With no drafters every step is a plain one (the tree is the root alone).
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,6 +78,9 @@ class Proposal:
     marks: list
 
 
+DRAFT_TIMES = 9  # speculative steps whose median drafting time the budget adds to a step
+
+
 class Speculator:
     """Propose, tree, accept and feedback for a list of drafters (see the module doc).
 
@@ -131,8 +135,19 @@ class Speculator:
         self.batch_cost: BatchCost | None = None
         self._last_values: np.ndarray | None = None
         self._clock = Clock(verifier.target.device)
-        self.draft_overhead = 0.0  # EMA of drafting seconds per step (part of the budget's cost)
+        # drafting seconds of the recent speculative steps; their median is part of the budget's
+        # cost. A median, not a mean: a first step that compiles the host kernels or catches up
+        # on a long prompt takes seconds, and a mean kept it in every tree's price for dozens of
+        # steps (at 16 rows, where speculative steps are rare, for the whole run: trees of ten
+        # tokens a row, each several plain steps long)
+        self._draft_times: deque[float] = deque(maxlen=DRAFT_TIMES)
         self._costs = None  # (cost curve, its table c(0..n) as numpy, its largest size)
+
+    @property
+    def draft_overhead(self) -> float:
+        """Drafting seconds per speculative step: the median of the last :data:`DRAFT_TIMES`."""
+        t = sorted(self._draft_times)
+        return t[len(t) // 2] if t else 0.0
 
     @torch.no_grad()
     def measure_cost(self, context: int = 256, sizes=None) -> CostCurve:
@@ -380,7 +395,7 @@ class Speculator:
         more drafters were called (the requests' stats count them), else ``None``."""
         n_acc = acc.num_accepted
         if prop.marks:  # drafters ran (not a plain step)
-            self.draft_overhead = 0.8 * self.draft_overhead + 0.2 * secs[0]
+            self._draft_times.append(secs[0])
         for i, m0, m1 in prop.marks:
             self.gate.record_time(i, self._clock.seconds(m0, m1))
         called = [i for i, _, _ in prop.marks]
