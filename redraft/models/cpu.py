@@ -82,9 +82,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 # Row padding of packed products, measured per thread count: {threads: {rows: padded rows}}.
 # oneDNN's packed kernel does not cost more with every row: on an AVX-512 CPU without AMX the
-# default target's linears took 1.3x as long at 2 rows as at 4 (a verify forward of 2 tokens
-# cost more than one of 4), so a product of ``rows`` runs as one of the cheapest measured row
-# count at or above it, the extra rows zeros.
+# default target's linears took longer at 2 rows than at 4 (a verify forward of 2 tokens cost
+# more than one of 4: docs/infer.md), so a product of ``rows`` runs as one of the cheapest
+# measured row count at or above it, the extra rows zeros.
 _ROW_PAD: dict[int, dict[int, int]] = {}
 PAD_ROWS = range(2, 9)  # row counts measured (and padded to); 1 row keeps its measured kernel
 _PAD_TOP = PAD_ROWS.stop
@@ -96,7 +96,7 @@ def plan_row_padding(model: torch.nn.Module, max_bytes: int = 96 << 20, repeats:
     linears (temporary packed copies of its first layers, up to ``max_bytes``: a forward reads
     its weights from memory) and set the padding :func:`packed_linear` uses at this thread count:
     ``rows -> the cheapest row count at or above it`` where that is :data:`PAD_MARGIN` faster.
-    Once per process and thread count (~0.3 s for the default target); returns the table."""
+    Once per process and thread count; returns the table."""
     threads = torch.get_num_threads()
     if threads in _ROW_PAD or not packing_available():
         return _ROW_PAD.get(threads, {})
