@@ -179,7 +179,7 @@ class Verifier:
             parts.append(f"float32 linears packed from {n} token{'s' if n > 1 else ''}")
         if self._head_packed is not None:
             parts.append(f"LM head from {self.head_packed_rows[0]}")
-        if (pad := cpu.row_padding()) and (self._packs or self._groups or self._head_packed):
+        if parts and (pad := cpu.row_padding()):  # (parts: something runs packed)
             parts.append("packed " + " ".join(f"{m}->{n}" for m, n in pad.items()) + " rows")
         if self._lean is not None:
             parts.append("lean walk")
